@@ -1,0 +1,27 @@
+# Two entry points, both doing all set-up on a fresh machine:
+#   make demo   -- the end-to-end demo on embedded defaults (no cloud account, no GPU)
+#   make test   -- the whole test suite
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh $(PY) $(VENV)
+	touch $@
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/ckpt_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
