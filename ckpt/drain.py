@@ -1,0 +1,112 @@
+"""The background path between tiers: a priority queue of drain jobs served by one
+thread, urgent jobs first, with errors kept for the next ``save()``/``wait()``.
+
+The drain knows nothing of tiers: the manager hands it a callable per job. What it
+owns is ordering, completion tracking (``SaveHandle``) and error surfacing, so that a
+failure in the background never kills training silently.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .errors import BackgroundError
+
+log = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """What ``save()`` returns: the step, and when it became durable in each tier."""
+
+    def __init__(self, step: int, tiers: Iterable[str]) -> None:
+        self.step = step
+        self.started = time.monotonic()
+        self.blocking_s = 0.0
+        self.durable_s: dict[str, float] = {}  # tier -> seconds from save() to durable there
+        self._pending = {t: threading.Event() for t in tiers}
+        self.error: BaseException | None = None
+
+    def mark(self, tier: str) -> None:
+        self.durable_s[tier] = time.monotonic() - self.started
+        self._pending[tier].set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        for ev in self._pending.values():
+            ev.set()
+
+    @property
+    def done(self) -> bool:
+        return all(ev.is_set() for ev in self._pending.values())
+
+    def wait(self, tier: str | None = None, timeout: float | None = None) -> "SaveHandle":
+        """Block until durable in ``tier`` (default: every tier); raise if the drain failed."""
+        events = [self._pending[tier]] if tier else list(self._pending.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ev in events:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not ev.wait(left):
+                raise TimeoutError(f"step {self.step} not durable in {tier or 'every tier'} after {timeout} s")
+        if self.error is not None:
+            raise BackgroundError(f"step {self.step}: {self.error}") from self.error
+        return self
+
+
+@dataclass(order=True)
+class _Job:
+    priority: int
+    seq: int
+    run: Callable[[], None] = field(compare=False)
+    handle: SaveHandle = field(compare=False)
+    on_exit: Callable[[], None] = field(compare=False)
+
+
+class Drainer:
+    def __init__(self, name: str = "ckpt-drain") -> None:
+        self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, run: Callable[[], None], handle: SaveHandle, *, urgent: bool = False,
+               on_exit: Callable[[], None] = lambda: None) -> None:
+        """Queue ``run``; ``on_exit`` runs after it whatever happens (releases the slot)."""
+        self._queue.put(_Job(0 if urgent else 1, next(self._seq), run, handle, on_exit))
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job.handle is None:  # close() sentinel, queued behind all real work
+                return
+            try:
+                job.run()
+            except BaseException as e:  # kept for the next save()/wait()
+                log.error("background save of step %d failed: %s", job.handle.step, e)
+                job.handle.fail(e)
+                with self._lock:
+                    self._errors.append(e)
+            finally:
+                job.on_exit()
+                self._queue.task_done()
+
+    def raise_error(self) -> None:
+        """Raise (once) the first background failure since the last call."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise BackgroundError(f"a background checkpoint write failed: {errors[0]}{extra}") from errors[0]
+
+    def join(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(_Job(2, next(self._seq), None, None, None))  # type: ignore[arg-type]
+        self._thread.join()

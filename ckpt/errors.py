@@ -1,0 +1,27 @@
+"""Exceptions raised by the checkpoint engine.
+
+Callers catch ``CheckpointError``; the subclasses say what went wrong precisely
+enough for an operator to act (which step, which file).
+"""
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class: anything the checkpoint engine refuses or fails to do."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest is malformed, hostile or of an unknown format version."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint's bytes do not match its manifest (flipped, truncated, missing)."""
+
+    def __init__(self, step: int, file: str, reason: str, tier: str = "") -> None:
+        self.step, self.file, self.reason, self.tier = step, file, reason, tier
+        where = f" in tier {tier}" if tier else ""
+        super().__init__(f"step {step}{where}: {file}: {reason}")
+
+
+class BackgroundError(CheckpointError):
+    """A background drain (disk, object store) failed; raised at the next save()/wait()."""

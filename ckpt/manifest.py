@@ -1,0 +1,267 @@
+"""The versioned manifest: what a checkpoint holds and how to check it.
+
+Two levels, so that ranks write independently and one party commits:
+
+* ``ShardManifest`` (``rank-NNNNN.json``): one rank's tensors (dtype, shape,
+  offset and size in the rank's data file, CRC32C per chunk) and the JSON tree of
+  plain values that refers to them.
+* ``Manifest`` (``manifest.json``): the commit. Step, generation, world size and,
+  per shard, the shard manifest's name and CRC. Written last: a checkpoint without
+  it does not exist.
+
+Manifests are untrusted input: every name, dtype, offset and size is checked before
+any byte is read, and an unknown major format version is refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .checksum import ALGORITHM, crc32c_of
+from .errors import ManifestError
+
+FORMAT_NAME = "ckpt-guard"
+FORMAT_VERSION = "1.0"
+MANIFEST_FILE = "manifest.json"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+_MAX_MANIFEST_BYTES = 256 << 20
+
+# Only these dtypes are ever materialised; a manifest naming anything else is refused.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if hasattr(torch, name)
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def shard_data_file(rank: int) -> str:
+    return f"rank-{rank:05d}.bin"
+
+
+def shard_manifest_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def check_name(name: Any) -> str:
+    """A file name from a manifest: one plain path component, nothing else."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+        raise ManifestError(f"refusing file name {name!r} from manifest (must be a plain file name)")
+    return name
+
+
+def _check_version(doc: dict) -> None:
+    version = doc.get("format_version")
+    if not isinstance(version, str) or not re.match(r"^\d+\.\d+$", version):
+        raise ManifestError(f"manifest has no valid format_version (got {version!r})")
+    if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+        raise ManifestError(
+            f"manifest format {version} is not readable by this ckpt-guard "
+            f"(reads {FORMAT_VERSION.split('.')[0]}.x); upgrade ckpt-guard"
+        )
+
+
+def _int(doc: dict, key: str, lo: int = 0) -> int:
+    value = doc.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ManifestError(f"manifest field {key!r} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def dumps(doc: dict) -> bytes:
+    """Canonical JSON (sorted keys) so CRCs of re-serialised manifests are stable."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def loads(data: bytes, what: str) -> dict:
+    if len(data) > _MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{what} is {len(data)} bytes; refusing to parse more than {_MAX_MANIFEST_BYTES}")
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{what} is not a JSON object")
+    return doc
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in a shard's data file."""
+
+    id: int
+    path: str  # where it sat in the state tree, for humans and `ckpt ls`
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    checksums: tuple[int, ...] | None = None  # CRC32C per chunk; None until computed
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def with_checksums(self, checksums: list[int]) -> "TensorEntry":
+        return TensorEntry(self.id, self.path, self.dtype, self.shape, self.offset, self.nbytes, tuple(checksums))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d["checksums"] = list(self.checksums) if self.checksums is not None else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, data_bytes: int, chunk_bytes: int) -> "TensorEntry":
+        if not isinstance(d, dict):
+            raise ManifestError("tensor entry is not an object")
+        dtype = d.get("dtype")
+        if dtype not in DTYPES:
+            raise ManifestError(f"tensor {d.get('path')!r}: unknown dtype {dtype!r}")
+        shape = d.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise ManifestError(f"tensor {d.get('path')!r}: bad shape {shape!r}")
+        offset, nbytes = _int(d, "offset"), _int(d, "nbytes")
+        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        if nbytes != math.prod(shape) * itemsize:
+            raise ManifestError(f"tensor {d.get('path')!r}: {nbytes} bytes does not match shape {shape} of {dtype}")
+        if offset + nbytes > data_bytes:
+            raise ManifestError(f"tensor {d.get('path')!r}: bytes {offset}..{offset + nbytes} lie past the data's end ({data_bytes})")
+        sums = d.get("checksums")
+        if sums is not None:
+            want = max(1, math.ceil(nbytes / chunk_bytes))
+            if not isinstance(sums, list) or len(sums) != want or not all(isinstance(c, int) for c in sums):
+                raise ManifestError(f"tensor {d.get('path')!r}: expected {want} chunk checksums")
+            sums = tuple(sums)
+        path = d.get("path")
+        if not isinstance(path, str):
+            raise ManifestError("tensor entry has no path")
+        return cls(_int(d, "id"), path, dtype, tuple(shape), offset, nbytes, sums)
+
+
+@dataclass
+class ShardManifest:
+    """One rank's part of a checkpoint: its tensors and its plain-value tree."""
+
+    rank: int
+    step: int
+    generation: int
+    data_bytes: int
+    tensors: list[TensorEntry]
+    tree: Any
+    chunk_bytes: int
+    checksum: str = ALGORITHM
+    format_version: str = FORMAT_VERSION
+
+    @property
+    def data_file(self) -> str:
+        return shard_data_file(self.rank)
+
+    @property
+    def has_checksums(self) -> bool:
+        return all(t.checksums is not None for t in self.tensors)
+
+    def to_bytes(self) -> bytes:
+        return dumps({
+            "format_version": self.format_version, "rank": self.rank, "step": self.step,
+            "generation": self.generation, "data_file": self.data_file, "data_bytes": self.data_bytes,
+            "chunk_bytes": self.chunk_bytes, "checksum": self.checksum,
+            "tensors": [t.to_json() for t in self.tensors], "tree": self.tree,
+        })
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "shard manifest") -> "ShardManifest":
+        doc = loads(data, what)
+        _check_version(doc)
+        if doc.get("checksum") != ALGORITHM:
+            raise ManifestError(f"{what}: unsupported checksum {doc.get('checksum')!r}")
+        rank, data_bytes, chunk = _int(doc, "rank"), _int(doc, "data_bytes"), _int(doc, "chunk_bytes", 1)
+        if doc.get("data_file") != shard_data_file(rank):
+            raise ManifestError(f"{what}: data file {doc.get('data_file')!r} does not belong to rank {rank}")
+        raw = doc.get("tensors")
+        if not isinstance(raw, list):
+            raise ManifestError(f"{what}: 'tensors' is not a list")
+        tensors = [TensorEntry.from_json(t, data_bytes, chunk) for t in raw]
+        if sorted(t.id for t in tensors) != list(range(len(tensors))):
+            raise ManifestError(f"{what}: tensor ids are not 0..{len(tensors) - 1}")
+        return cls(rank, _int(doc, "step"), _int(doc, "generation"), data_bytes,
+                   sorted(tensors, key=lambda t: t.id), doc.get("tree"), chunk, format_version=doc["format_version"])
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    rank: int
+    manifest_crc32c: int
+    data_bytes: int
+
+    @property
+    def manifest_file(self) -> str:
+        return shard_manifest_file(self.rank)
+
+    @property
+    def data_file(self) -> str:
+        return shard_data_file(self.rank)
+
+
+@dataclass
+class Manifest:
+    """The commit record of one checkpoint in one tier."""
+
+    step: int
+    generation: int
+    world_size: int
+    shards: list[ShardRef]
+    created: float = field(default_factory=time.time)
+    format_version: str = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.data_bytes for s in self.shards)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME, "format_version": self.format_version, "step": self.step,
+            "generation": self.generation, "world_size": self.world_size, "created": self.created,
+            "shards": [{"rank": s.rank, "manifest": s.manifest_file, "manifest_crc32c": s.manifest_crc32c,
+                        "data": s.data_file, "data_bytes": s.data_bytes} for s in self.shards],
+        }
+        body["self_crc32c"] = crc32c_of(dumps(body))
+        return dumps(body)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = MANIFEST_FILE) -> "Manifest":
+        doc = loads(data, what)
+        if doc.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{what} is not a {FORMAT_NAME} manifest")
+        _check_version(doc)
+        claimed = doc.pop("self_crc32c", None)
+        if claimed != crc32c_of(dumps(doc)):
+            raise ManifestError(f"{what}: checksum mismatch (the manifest itself is damaged)")
+        world = _int(doc, "world_size", 1)
+        raw = doc.get("shards")
+        if not isinstance(raw, list) or len(raw) != world:
+            raise ManifestError(f"{what}: expected {world} shards")
+        shards = []
+        for s in raw:
+            if not isinstance(s, dict):
+                raise ManifestError(f"{what}: shard entry is not an object")
+            ref = ShardRef(_int(s, "rank"), _int(s, "manifest_crc32c"), _int(s, "data_bytes"))
+            if check_name(s.get("manifest")) != ref.manifest_file or check_name(s.get("data")) != ref.data_file:
+                raise ManifestError(f"{what}: shard file names do not match rank {ref.rank}")
+            shards.append(ref)
+        if sorted(s.rank for s in shards) != list(range(world)):
+            raise ManifestError(f"{what}: shard ranks are not 0..{world - 1}")
+        created = doc.get("created")
+        if not isinstance(created, (int, float)):
+            raise ManifestError(f"{what}: bad 'created'")
+        return cls(_int(doc, "step"), _int(doc, "generation"), world,
+                   sorted(shards, key=lambda s: s.rank), float(created), doc["format_version"])

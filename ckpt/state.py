@@ -1,0 +1,202 @@
+"""Flattening a training state into tensors + a JSON tree, and loading it back in place.
+
+``flatten`` walks the user's state (modules, optimizers, anything with
+``state_dict()``, tensors, numpy arrays, plain values) and returns the tensors in
+order plus a JSON-able tree that refers to them by index. Plain values keep their
+types (tuples, big ints, bytes, numpy scalars, torch dtypes) through tagged JSON
+objects, so no pickle is ever needed: decoding only builds the types listed here.
+"""
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError
+from .manifest import DTYPE_NAMES, DTYPES, ManifestError
+
+_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__",
+         "__device__", "__size__", "__npscalar__")
+_NP_KINDS = set("biufc")
+
+
+@dataclass
+class FlatState:
+    tensors: list[tuple[str, torch.Tensor]]  # (path in the tree, tensor); index == id
+    tree: Any
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def flatten(state: Mapping[str, Any]) -> FlatState:
+    """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def enc(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
+                raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
+            if obj.dtype not in DTYPE_NAMES:
+                raise CheckpointError(f"{path}: unsupported dtype {obj.dtype}")
+            tensors.append((path, obj.detach().resolve_conj().resolve_neg()))
+            return {"__tensor__": len(tensors) - 1}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in _NP_KINDS:
+                raise CheckpointError(f"{path}: numpy arrays of dtype {obj.dtype} are not supported")
+            tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj))))
+            return {"__ndarray__": len(tensors) - 1}
+        if is_stateful(obj):
+            return enc(obj.state_dict(), path)
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, np.generic):
+            if obj.dtype.kind not in _NP_KINDS:
+                raise CheckpointError(f"{path}: numpy scalar of dtype {obj.dtype} is not supported")
+            return {"__npscalar__": [obj.dtype.str, obj.item() if obj.dtype.kind != "c" else [obj.real.item(), obj.imag.item()]]}
+        if isinstance(obj, (int, float)):
+            return obj
+        if isinstance(obj, bytes):
+            return {"__bytes__": base64.b64encode(obj).decode()}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": DTYPE_NAMES[obj]}
+        if isinstance(obj, torch.device):
+            return {"__device__": str(obj)}
+        if isinstance(obj, torch.Size):
+            return {"__size__": list(obj)}
+        if isinstance(obj, tuple):
+            return {"__tuple__": [enc(v, f"{path}.{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [enc(v, f"{path}.{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in obj):
+                return {k: enc(v, f"{path}.{k}" if path else k) for k, v in obj.items()}
+            return {"__dict__": [[enc(k, f"{path}.<key>"), enc(v, f"{path}.{k}")] for k, v in obj.items()]}
+        raise CheckpointError(f"{path or '<root>'}: cannot checkpoint a value of type {type(obj).__name__}")
+
+    tree = enc(dict(state), "")
+    return FlatState(tensors, tree)
+
+
+def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
+    """Rebuild plain values from a (possibly hostile) tree; ``tensor(i)`` supplies tensor i."""
+
+    def dec(node: Any) -> Any:
+        if isinstance(node, list):
+            return [dec(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if len(node) == 1:
+            (tag, val), = node.items()
+            if tag in _TAGS:
+                return _decode_tag(tag, val, dec, tensor)
+        return {k: dec(v) for k, v in node.items()}
+
+    return dec(tree)
+
+
+def _decode_tag(tag: str, val: Any, dec: Callable[[Any], Any], tensor: Callable[[int], torch.Tensor]) -> Any:
+    try:
+        if tag == "__tensor__":
+            return tensor(int(val))
+        if tag == "__ndarray__":
+            return tensor(int(val)).numpy()
+        if tag == "__tuple__":
+            return tuple(dec(v) for v in val)
+        if tag == "__bytes__":
+            return base64.b64decode(val, validate=True)
+        if tag == "__dict__":
+            return {_hashable(dec(k)): dec(v) for k, v in val}
+        if tag == "__dtype__":
+            return DTYPES[val]
+        if tag == "__device__":
+            return torch.device(val)
+        if tag == "__size__":
+            return torch.Size(int(v) for v in val)
+        if tag == "__npscalar__":
+            dtype = np.dtype(val[0])
+            if dtype.kind not in _NP_KINDS:
+                raise ValueError(f"numpy dtype {dtype}")
+            value = complex(*val[1]) if dtype.kind == "c" else val[1]
+            return np.array(value, dtype=dtype)[()]
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise ManifestError(f"bad {tag} value in checkpoint tree: {e}") from None
+    raise AssertionError(tag)
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        raise ValueError("dict key decodes to a list")
+    return key
+
+
+def tensor_targets(state: Mapping[str, Any], tree: Any) -> dict[int, torch.Tensor]:
+    """Existing CPU tensors in ``state`` that tensor ids of ``tree`` can be read into directly.
+
+    Reading straight into a module's parameters or an optimizer's moments avoids a
+    second copy and the page faults of fresh memory; load_state_dict then sees the
+    same storage and its copy is a no-op.
+    """
+    targets: dict[int, torch.Tensor] = {}
+
+    def walk(target: Any, node: Any) -> None:
+        if is_stateful(target):
+            walk(target.state_dict(), node)
+        elif isinstance(target, torch.Tensor) and isinstance(node, dict) and set(node) == {"__tensor__"}:
+            if target.device.type == "cpu" and target.is_contiguous() and isinstance(node["__tensor__"], int):
+                targets[node["__tensor__"]] = target.detach()
+        elif isinstance(target, Mapping) and isinstance(node, dict):
+            if set(node) == {"__dict__"} and isinstance(node["__dict__"], list):
+                pairs = {}
+                for kv in node["__dict__"]:
+                    try:
+                        pairs[_hashable(unflatten(kv[0], _no_tensor))] = kv[1]
+                    except (ManifestError, ValueError, TypeError, IndexError):
+                        continue
+                node = pairs
+            for k, sub in node.items():
+                if k in target:
+                    walk(target[k], sub)
+        elif isinstance(target, (list, tuple)):
+            items = node.get("__tuple__") if isinstance(node, dict) else node
+            if isinstance(items, list):
+                for t, n in zip(target, items):
+                    walk(t, n)
+
+    walk(state, tree)
+    return targets
+
+
+def _no_tensor(i: int) -> torch.Tensor:
+    raise ValueError("tensor used as a dict key")
+
+
+def load_into(state: dict, saved: Mapping[str, Any]) -> None:
+    """Load ``saved`` into ``state`` in place: stateful objects via load_state_dict,
+    tensors and arrays by copy, everything else by assignment into the dict."""
+    for key, value in saved.items():
+        state[key] = _apply(state.get(key), value, key)
+
+
+def _apply(target: Any, value: Any, path: str) -> Any:
+    if is_stateful(target) and isinstance(value, Mapping):
+        target.load_state_dict(value)
+        return target
+    if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+        if target.shape != value.shape:
+            raise CheckpointError(f"{path}: checkpoint has shape {tuple(value.shape)}, target {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+        return target
+    if isinstance(target, np.ndarray) and isinstance(value, np.ndarray) and target.shape == value.shape:
+        target[...] = value
+        return target
+    if isinstance(target, dict) and isinstance(value, Mapping):
+        for k, v in value.items():
+            target[k] = _apply(target.get(k), v, f"{path}.{k}")
+        return target
+    return value

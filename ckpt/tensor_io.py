@@ -1,0 +1,128 @@
+"""Moving tensor bytes between a shard reader and memory, in checksum-sized pieces.
+
+Pieces are the manifest's checksum chunks, so every read is verified exactly where
+it lands, and a few threads keep the device busy (file reads, CRC32C and torch
+copies all release the GIL).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
+
+import torch
+
+from .checksum import chunk_checksums, crc32c_of
+from .errors import DamagedCheckpoint
+from .manifest import ShardManifest, TensorEntry
+from .tiers.base import ShardReader
+
+Progress = Callable[[int], None]
+DEFAULT_THREADS = 4
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, writable, without a copy."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _pieces(entries: Iterable[TensorEntry], chunk: int) -> list[tuple[TensorEntry, int]]:
+    return [(e, k) for e in entries for k in range(max(1, -(-e.nbytes // chunk)))]
+
+
+def read_tensors(
+    reader: ShardReader,
+    targets: dict[int, torch.Tensor] | None = None,
+    *,
+    verify: bool = True,
+    step: int = -1,
+    tier: str = "",
+    threads: int = DEFAULT_THREADS,
+    progress: Progress | None = None,
+) -> list[torch.Tensor]:
+    """Read every tensor of the shard, into ``targets[id]`` where it fits, else into new
+    tensors; verify each piece's CRC when the manifest has them."""
+    man = reader.manifest
+    targets = targets or {}
+    out: list[torch.Tensor] = []
+    for e in man.tensors:
+        t = targets.get(e.id)
+        if t is None or t.dtype != e.torch_dtype or tuple(t.shape) != e.shape or not t.is_contiguous():
+            t = torch.empty(e.shape, dtype=e.torch_dtype)
+        out.append(t)
+    views = [byte_view(t) for t in out]
+    chunk = man.chunk_bytes
+
+    def one(piece: tuple[TensorEntry, int]) -> None:
+        e, k = piece
+        lo, hi = k * chunk, min(e.nbytes, (k + 1) * chunk)
+        buf = views[e.id][lo:hi]
+        src = reader.view(e.offset + lo, hi - lo)
+        check = verify and e.checksums is not None
+        if src is not None:  # in memory already: verify before copying, so a bad slot clobbers nothing
+            if check and crc32c_of(src) != e.checksums[k]:
+                raise DamagedCheckpoint(step, reader.location, f"checksum mismatch in tensor {e.path!r} bytes {lo}..{hi}", tier)
+            if hi > lo:
+                reader.read_into(e.offset + lo, buf)
+        else:
+            if hi > lo:
+                reader.read_into(e.offset + lo, buf)
+            if check and crc32c_of(buf) != e.checksums[k]:
+                raise DamagedCheckpoint(step, reader.location, f"checksum mismatch in tensor {e.path!r} bytes {lo}..{hi}", tier)
+        if progress:
+            progress(hi - lo)
+
+    _run(one, _pieces(man.tensors, chunk), threads)
+    return out
+
+
+def verify_shard(reader: ShardReader, *, step: int = -1, tier: str = "", threads: int = DEFAULT_THREADS,
+                 progress: Progress | None = None) -> None:
+    """Read every byte the manifest describes and check its CRC; no tensors are kept."""
+    man = reader.manifest
+    if not man.has_checksums:
+        raise DamagedCheckpoint(step, reader.location, "no checksums recorded", tier)
+    chunk = man.chunk_bytes
+
+    def one(piece: tuple[TensorEntry, int]) -> None:
+        e, k = piece
+        lo, hi = k * chunk, min(e.nbytes, (k + 1) * chunk)
+        buf = reader.view(e.offset + lo, hi - lo)
+        if buf is None:
+            buf = memoryview(bytearray(hi - lo))
+            reader.read_into(e.offset + lo, buf)
+        if crc32c_of(buf) != e.checksums[k]:
+            raise DamagedCheckpoint(step, reader.location, f"checksum mismatch in tensor {e.path!r} bytes {lo}..{hi}", tier)
+        if progress:
+            progress(hi - lo)
+
+    _run(one, _pieces(man.tensors, chunk), threads)
+
+
+def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> ShardManifest:
+    """The reader's manifest with CRCs computed from its bytes (memory slots are sealed without)."""
+    man = reader.manifest
+
+    def one(e: TensorEntry) -> TensorEntry:
+        buf = reader.view(e.offset, e.nbytes)
+        if buf is None:
+            buf = memoryview(bytearray(e.nbytes))
+            reader.read_into(e.offset, buf)
+        return e.with_checksums(chunk_checksums(buf, man.chunk_bytes))
+
+    with ThreadPoolExecutor(threads) as pool:
+        tensors = list(pool.map(one, sorted(man.tensors, key=lambda e: -e.nbytes)))
+    return ShardManifest(man.rank, man.step, man.generation, man.data_bytes,
+                         sorted(tensors, key=lambda e: e.id), man.tree, man.chunk_bytes)
+
+
+def _run(fn: Callable, items: list, threads: int) -> None:
+    if threads <= 1 or len(items) <= 1:
+        for it in items:
+            fn(it)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(fn, it) for it in items]:
+            f.result()

@@ -1,0 +1,134 @@
+"""Memory tier, read side: the sealed shared-memory slots of one rank.
+
+Writing happens through ``memory.SlotPool.snapshot`` (the trainer's copy), so this
+tier is never a drain target. A reader in another process (``ckpt`` after a crash)
+maps the slot read-only and re-checks the seal when done, so a slot being
+overwritten meanwhile is reported, never returned torn.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checksum import crc32c_of
+from ..errors import DamagedCheckpoint, ManifestError
+from ..manifest import Manifest, ShardManifest, ShardRef
+from ..memory import SlotPool, rank_dir
+from .base import CheckpointId, CheckpointInfo, ShardReader, Tier
+
+
+class SlotReader(ShardReader):
+    def __init__(self, meta_path: Path, data_path: Path, manifest: ShardManifest, buffer: torch.Tensor | None,
+                 *, check_seal: bool = True) -> None:
+        self.manifest, self.location = manifest, str(data_path)
+        self._meta_path = meta_path
+        self._seal = meta_path.stat().st_ino if check_seal else None
+        self._mmap = None
+        if buffer is None:
+            fd = os.open(data_path, os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_size < manifest.data_bytes:
+                    raise DamagedCheckpoint(manifest.step, str(data_path), "shorter than its seal says", "memory")
+                self._mmap = mmap.mmap(fd, manifest.data_bytes, mmap.MAP_SHARED, mmap.PROT_READ) if manifest.data_bytes else None
+            finally:
+                os.close(fd)
+            with warnings.catch_warnings():  # read-only on purpose: nothing writes through it
+                warnings.simplefilter("ignore", UserWarning)
+                buffer = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8)) if self._mmap else torch.empty(0, dtype=torch.uint8)
+        self._buf = buffer
+        self._view = memoryview(buffer.numpy()) if buffer.numel() else memoryview(b"")
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return self._view[offset : offset + nbytes]
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        n = len(out)
+        dst = torch.frombuffer(out, dtype=torch.uint8) if n else None
+        if dst is not None:
+            dst.copy_(self._buf[offset : offset + n])  # releases the GIL, unlike a memoryview copy
+
+    def close(self) -> None:
+        try:
+            still = self._seal is None or self._meta_path.stat().st_ino == self._seal
+        except FileNotFoundError:
+            still = False
+        self._view.release()
+        self._buf = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a caller still holds a view; the GC unmaps it later
+                pass
+            self._mmap = None
+        if not still:
+            raise DamagedCheckpoint(self.manifest.step, str(self._meta_path), "slot was overwritten while being read", "memory")
+
+
+class MemoryTier(Tier):
+    name = "memory"
+
+    def __init__(self, ns: Path, rank: int = 0, pool: SlotPool | None = None) -> None:
+        self.dir = rank_dir(ns, rank)
+        self.rank = rank
+        self.pool = pool
+
+    @property
+    def location(self) -> str:
+        return str(self.dir)
+
+    def _sealed(self) -> list[tuple[Path, ShardManifest | None, str | None]]:
+        out = []
+        for meta in sorted(self.dir.glob("slot-*.json")) if self.dir.is_dir() else []:
+            try:
+                out.append((meta, ShardManifest.from_bytes(meta.read_bytes(), str(meta)), None))
+            except FileNotFoundError:
+                continue
+            except ManifestError as e:
+                out.append((meta, None, str(e)))
+        return out
+
+    def list(self) -> list[CheckpointInfo]:
+        infos = []
+        for meta, man, err in self._sealed():
+            if man is None:
+                continue  # an unreadable seal is an invalid slot, not a checkpoint
+            infos.append(CheckpointInfo(CheckpointId(man.generation, man.step), self.name, meta.stat().st_mtime,
+                                        man.data_bytes, 1, checksummed=man.has_checksums))
+        return sorted(infos, key=lambda i: i.id)
+
+    def _find(self, ckpt_id: CheckpointId) -> tuple[Path, ShardManifest]:
+        for meta, man, _ in self._sealed():
+            if man is not None and (man.generation, man.step) == (ckpt_id.generation, ckpt_id.step):
+                return meta, man
+        raise FileNotFoundError(f"step {ckpt_id} is not in memory ({self.dir})")
+
+    def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
+        meta, man = self._find(ckpt_id)
+        return Manifest(man.step, man.generation, 1, [ShardRef(man.rank, crc32c_of(meta.read_bytes()), man.data_bytes)],
+                        created=meta.stat().st_mtime)
+
+    def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
+        meta, man = self._find(ckpt_id)
+        data = meta.with_suffix(".bin")
+        live = None
+        if self.pool is not None:
+            live = next((s.buffer for s in self.pool.slots if s.meta_path == meta and s.buffer is not None), None)
+        return SlotReader(meta, data, man, live)
+
+    def write_shard(self, ckpt_id: CheckpointId, source: ShardReader) -> ShardRef:
+        raise NotImplementedError("the memory tier is written by snapshots (SlotPool.snapshot), not copied into")
+
+    def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
+        raise NotImplementedError("a memory slot is committed by its seal")
+
+    def delete(self, ckpt_id: CheckpointId) -> None:
+        meta, _ = self._find(ckpt_id)
+        meta.unlink(missing_ok=True)
+
+    def cleanup(self, min_age_s: float = 0.0) -> list[str]:
+        return []
