@@ -31,7 +31,7 @@ import torch
 
 from .errors import CheckpointError
 from .fsutil import atomic_write
-from .manifest import DTYPE_NAMES, ShardManifest, TensorEntry
+from .manifest import DTYPE_NAMES, ManifestError, ShardManifest, TensorEntry
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int]], *, force: b
                     try:
                         m = ShardManifest.from_bytes(meta.read_bytes())
                         sealed.add((m.generation, m.step))
-                    except (OSError, ValueError):
+                    except (OSError, ManifestError):
                         continue
                 if force or sealed <= durable:
                     shutil.rmtree(rdir, ignore_errors=True)
@@ -126,6 +126,8 @@ class ShmSlot:
         self._mmap: mmap.mmap | None = None
         self.idle = threading.Event()  # set when no drain is reading this slot
         self.idle.set()
+        sealed = self.sealed() if self.meta_path.exists() else None
+        self.holds: tuple[int, int] | None = (sealed.generation, sealed.step) if sealed else None  # (gen, step)
 
     def ensure(self, nbytes: int) -> None:
         """Allocate (or grow to) ``nbytes``, map and pre-fault; keeps existing contents."""
@@ -160,14 +162,16 @@ class ShmSlot:
     def sealed(self) -> ShardManifest | None:
         try:
             return ShardManifest.from_bytes(self.meta_path.read_bytes(), str(self.meta_path))
-        except FileNotFoundError:
+        except (FileNotFoundError, ManifestError):
             return None
 
     def unseal(self) -> None:
+        self.holds = None
         self.meta_path.unlink(missing_ok=True)
 
     def seal(self, manifest: ShardManifest) -> None:
         atomic_write(self.meta_path, manifest.to_bytes(), durable=False, mode=0o600)
+        self.holds = (manifest.generation, manifest.step)
 
     def release(self) -> None:
         self.buffer = None
@@ -230,14 +234,10 @@ class SlotPool:
             err, self._prepare_error = self._prepare_error, None
             raise err
 
-    def newest(self) -> tuple[ShmSlot, ShardManifest] | None:
-        sealed = [(s, m) for s in self.slots if (m := s.sealed()) is not None]
-        return max(sealed, key=lambda sm: (sm[1].generation, sm[1].step), default=None)
-
     def target(self) -> ShmSlot:
         """The slot the next snapshot goes to: never the one holding the newest sealed state."""
-        newest = self.newest()
-        candidates = [s for s in self.slots if newest is None or s is not newest[0]]
+        newest = max((s for s in self.slots if s.holds), key=lambda s: s.holds, default=None)
+        candidates = [s for s in self.slots if s is not newest]
         idle = [s for s in candidates if s.idle.is_set()]
         return (idle or candidates)[0]
 

@@ -42,7 +42,10 @@ def read_checkpoint(tier: Tier, ckpt_id: CheckpointId, *, rank: int = 0, world_s
     if world_size is not None and manifest.world_size != world_size:
         raise CheckpointError(f"step {ckpt_id.step} was saved by {manifest.world_size} ranks; this job has "
                               f"{world_size}. Resume with the same world size (resharding is not supported)")
-    reader = tier.open_shard(ckpt_id, manifest.shards[rank])
+    ref = next((s for s in manifest.shards if s.rank == rank), None)
+    if ref is None:
+        raise FileNotFoundError(f"step {ckpt_id.step}: rank {rank}'s shard is not in {tier.location}")
+    reader = tier.open_shard(ckpt_id, ref)
     try:
         targets = tensor_targets(state, reader.manifest.tree) if state is not None else {}
         tensors = read_tensors(reader, targets, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
@@ -63,7 +66,7 @@ def restore_newest(tiers: Sequence[Tier], *, step: int | None = None, rank: int 
         try:
             return cand, read_checkpoint(cand.tier, cand.info.id, rank=rank, world_size=world_size, state=state,
                                          threads=threads, progress=progress)
-        except (DamagedCheckpoint, ManifestError, OSError, EOFError) as e:
+        except (DamagedCheckpoint, ManifestError, OSError, EOFError) as e:  # OSError covers a missing shard
             log.warning("skipping step %d in tier %s (%s): %s", cand.info.id.step, cand.tier.name,
                         cand.tier.location, e)
             failures.append(f"{cand.tier.name}: {e}")

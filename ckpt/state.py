@@ -36,6 +36,7 @@ def is_stateful(obj: Any) -> bool:
 def flatten(state: Mapping[str, Any]) -> FlatState:
     """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely."""
     tensors: list[tuple[str, torch.Tensor]] = []
+    seen: dict[tuple, int] = {}  # tied weights (same memory, same view) are stored once
 
     def enc(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -43,7 +44,11 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
                 raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
             if obj.dtype not in DTYPE_NAMES:
                 raise CheckpointError(f"{path}: unsupported dtype {obj.dtype}")
+            key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride())
+            if obj.numel() and key in seen:
+                return {"__tensor__": seen[key]}
             tensors.append((path, obj.detach().resolve_conj().resolve_neg()))
+            seen[key] = len(tensors) - 1
             return {"__tensor__": len(tensors) - 1}
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in _NP_KINDS:

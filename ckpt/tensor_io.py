@@ -6,6 +6,7 @@ copies all release the GIL).
 """
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -114,8 +115,7 @@ def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> Shard
 
     with ThreadPoolExecutor(threads) as pool:
         tensors = list(pool.map(one, sorted(man.tensors, key=lambda e: -e.nbytes)))
-    return ShardManifest(man.rank, man.step, man.generation, man.data_bytes,
-                         sorted(tensors, key=lambda e: e.id), man.tree, man.chunk_bytes)
+    return dataclasses.replace(man, tensors=sorted(tensors, key=lambda e: e.id))
 
 
 def _run(fn: Callable, items: list, threads: int) -> None:
