@@ -120,9 +120,10 @@ def disk_steps(root: Path) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def leftovers(root: Path) -> list[str]:
-    """What an interrupted save leaves: step directories without a commit, temp files."""
-    out = []
+def leftovers(root: Path, memory_dir: str | None = None) -> list[str]:
+    """What an interrupted save leaves: step directories without a commit, temp files
+    (on disk, and in the shared-memory slots under ``memory_dir``)."""
+    out = [str(p) for p in Path(memory_dir).rglob("*.tmp*")] if memory_dir else []
     for d in Path(root).iterdir():
         if d.name.startswith("step-") and d.is_dir():
             if not (d / "manifest.json").exists():

@@ -44,7 +44,7 @@ def check_recovery(root: Path, shm: str, report: dict, newest_before: int | None
     called = steps_logged(report["events"], "saving")
     returned = steps_logged(report["events"], "saved")
     with CheckpointManager(root, memory_dir=shm) as mgr:
-        assert leftovers(root) == [], "start-up must remove what the killed save left"
+        assert leftovers(root, shm) == [], "start-up must remove what the killed save left"
         # Every copy in every tier is complete and holds exactly what was saved for its step.
         for tier in mgr.tiers:
             for info in tier.list():
@@ -70,7 +70,6 @@ def test_sigkill_at_each_point_of_a_save_leaves_the_newest_saved_step_restorable
         for name, fault in FAULT_POINTS.items():
             report = crash_server.run(root=str(root), shm=shm_dir, keep_last=2, seed=rng.random(), pause=0.005,
                                       fault={**fault, "nth": nth}, kill_after=10)
-            print(name, nth, report["seconds"], len(report["events"]))
             assert report["killed_by"] == "self" and report["signal"] == 9, (name, report)
             assert any(e.startswith("fault ") for e in report["events"]), (name, report)
             newest = check_recovery(root, shm_dir, report, newest)
