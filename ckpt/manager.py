@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .drain import Drainer, SaveHandle
-from .errors import CheckpointError
+from .errors import BackgroundError, CheckpointError
 from .manifest import Manifest, ShardManifest
 from .memory import DEFAULT_SHM_DIR, SlotPool, TensorCopier, namespace_dir, plan_layout
 from .checksum import DEFAULT_CHUNK_BYTES
@@ -129,10 +129,14 @@ class CheckpointManager:
         return self._generation
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> None:
-        """Block until every pending save (or ``step``) is durable in every tier."""
+        """Block until every pending save (or ``step``) is durable in every tier; raise
+        BackgroundError, once per failure, if a background write failed."""
         for h in list(self._handles):
             if step is None or h.step == step:
-                h.wait(timeout=timeout)
+                try:
+                    h.wait(timeout=timeout)
+                except BackgroundError:
+                    pass  # the drainer holds the same failure: raised once, below, not again at the next save()
         self._drainer.raise_error()
 
     # -- restoring ----------------------------------------------------------------
