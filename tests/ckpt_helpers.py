@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -106,6 +108,9 @@ def restored(mgr, step: int | None = None) -> tuple[int | None, dict]:
 # -- disk layout and damage --------------------------------------------------------------
 
 
+CKPT_DIR = re.compile(r"^step-\d{12}\.g\d+$")
+
+
 def ckpt_dir(root: Path, step: int, generation: int = 0) -> Path:
     return Path(root) / f"step-{step:012d}.g{generation}"
 
@@ -114,7 +119,7 @@ def disk_steps(root: Path) -> list[tuple[int, int]]:
     """(generation, step) of every committed directory on disk, oldest first."""
     out = []
     for d in Path(root).iterdir():
-        if d.name.startswith("step-") and (d / "manifest.json").exists():
+        if CKPT_DIR.match(d.name) and (d / "manifest.json").exists():
             step, gen = d.name[5:].split(".g")
             out.append((int(gen), int(step)))
     return sorted(out)
@@ -125,11 +130,20 @@ def leftovers(root: Path, memory_dir: str | None = None) -> list[str]:
     (on disk, and in the shared-memory slots under ``memory_dir``)."""
     out = [str(p) for p in Path(memory_dir).rglob("*.tmp*")] if memory_dir else []
     for d in Path(root).iterdir():
-        if d.name.startswith("step-") and d.is_dir():
+        if CKPT_DIR.match(d.name) and d.is_dir():
             if not (d / "manifest.json").exists():
                 out.append(d.name)
             out += [f"{d.name}/{f.name}" for f in d.iterdir() if ".tmp" in f.name]
     return sorted(out)
+
+
+def eventually(check: Callable[[], Any], timeout: float = 10.0) -> None:
+    """Poll ``check`` until true: retention runs in the background after wait() returns
+    (wait() means durable, not pruned)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"still not true after {timeout} s: {check.__doc__ or check}"
+        time.sleep(0.01)
 
 
 def flip_byte(path: Path, offset: int = 0) -> None:
