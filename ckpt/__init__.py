@@ -7,5 +7,6 @@
 """
 from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, ManifestError
 from .manager import CheckpointManager
+from .restore import load
 
-__all__ = ["CheckpointManager", "CheckpointError", "DamagedCheckpoint", "ManifestError", "BackgroundError"]
+__all__ = ["CheckpointManager", "load", "CheckpointError", "DamagedCheckpoint", "ManifestError", "BackgroundError"]

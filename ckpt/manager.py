@@ -12,7 +12,8 @@ from typing import Any, Mapping
 from .drain import Drainer, SaveHandle
 from .errors import BackgroundError, CheckpointError
 from .manifest import Manifest, ShardManifest
-from .memory import DEFAULT_SHM_DIR, SlotPool, TensorCopier, namespace_dir, plan_layout
+from .locations import memory_namespace
+from .memory import DEFAULT_SHM_DIR, SlotPool, TensorCopier, namespaces_of_root, plan_layout, sweep_orphans
 from .checksum import DEFAULT_CHUNK_BYTES
 from .restore import restore_newest
 from .state import flatten, load_into
@@ -22,11 +23,6 @@ from .tiers.local import LocalDiskTier
 from .tiers.memory import MemoryTier, SlotReader
 
 log = logging.getLogger(__name__)
-
-
-def memory_namespace(root: str | os.PathLike | None, run: str | None, memory_dir: str = DEFAULT_SHM_DIR) -> Path:
-    """The shared-memory directory a manager with this root and run uses (the CLI finds it too)."""
-    return namespace_dir(os.path.realpath(root) if root is not None else "", run or "default", memory_dir)
 
 
 class CheckpointManager:
@@ -51,7 +47,9 @@ class CheckpointManager:
         self.memory = MemoryTier(ns, self.rank, self.pool)
         self.tiers: list[Tier] = [self.memory, self.disk]
         self.durable: list[Tier] = [self.disk]
-        for leftover in self.disk.cleanup():
+        on_disk = {(i.id.generation, i.id.step) for i in self.disk.list() if i.complete}
+        others = [n for n in namespaces_of_root(str(self.disk.root.resolve()), memory_dir) if n != ns]
+        for leftover in self.disk.cleanup() + sweep_orphans(others, on_disk):
             log.info("removed leftover of an interrupted save: %s", leftover)
         self._copier = TensorCopier()
         self._drainer = Drainer()

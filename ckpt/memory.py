@@ -19,6 +19,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import socket
 import stat
 import threading
@@ -52,6 +53,18 @@ def rank_dir(ns: Path, rank: int) -> Path:
     return ns / f"rank-{rank:05d}"
 
 
+def namespaces_of_root(root_real: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[Path]:
+    """Every namespace of this user whose owner recorded ``root_real`` (any run id)."""
+    found = []
+    for owner in sorted(Path(shm_dir).glob(f"ckpt-guard-{os.getuid()}-*/rank-*/owner.json")):
+        try:
+            if json.loads(owner.read_text()).get("root") == root_real and owner.parent.parent not in found:
+                found.append(owner.parent.parent)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return found
+
+
 def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry], int]:
     """Offsets for each tensor in the shard's data file, aligned for any dtype view."""
     entries, offset = [], 0
@@ -67,6 +80,39 @@ def _private_dir(path: Path) -> None:
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise CheckpointError(f"{path} is not a private directory of this user; refusing to use it")
+
+
+def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int]], *, force: bool = False) -> list[str]:
+    """Remove rank directories whose owner is gone (their lock is free), when every
+    sealed (generation, step) in them is also in ``durable``, or with ``force``."""
+    removed = []
+    for ns in spaces:
+        for rdir in sorted(ns.glob("rank-*")):
+            try:
+                fd = os.open(rdir / "lock", os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a live owner
+            try:
+                sealed = set()
+                for meta in rdir.glob("slot-*.json"):
+                    try:
+                        m = ShardManifest.from_bytes(meta.read_bytes())
+                        sealed.add((m.generation, m.step))
+                    except (OSError, ValueError):
+                        continue
+                if force or sealed <= durable:
+                    shutil.rmtree(rdir, ignore_errors=True)
+                    removed.append(str(rdir))
+            finally:
+                os.close(fd)
+        if ns.is_dir() and not any(ns.iterdir()):
+            ns.rmdir()
+    return removed
 
 
 class ShmSlot:

@@ -8,8 +8,9 @@ from typing import Any, Mapping, Sequence
 
 
 from .errors import CheckpointError, DamagedCheckpoint, ManifestError
+from .locations import tiers_for
 from .state import tensor_targets, unflatten
-from .tensor_io import Progress, read_tensors
+from .tensor_io import Progress, read_tensors, verify_shard
 from .tiers.base import CheckpointId, CheckpointInfo, Tier
 
 log = logging.getLogger(__name__)
@@ -71,3 +72,28 @@ def restore_newest(tiers: Sequence[Tier], *, step: int | None = None, rank: int 
                               + "; every candidate is damaged:\n  " + "\n  ".join(failures)
                               + ("\nthe objects in state may be partly overwritten" if state else ""))
     return None
+
+
+def verify_checkpoint(tier: Tier, ckpt_id: CheckpointId, *, threads: int = 4,
+                      progress: Progress | None = None) -> bool:
+    """Check every byte of every shard against the manifest. Returns False when the copy
+    is sealed but has no checksums yet (a memory slot still draining); raises if damaged."""
+    manifest = tier.read_manifest(ckpt_id)
+    for ref in manifest.shards:
+        reader = tier.open_shard(ckpt_id, ref)
+        try:
+            if not reader.manifest.has_checksums:
+                return False
+            verify_shard(reader, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
+        finally:
+            reader.close()
+    return True
+
+
+def load(location: str, step: int | None = None, *, run: str | None = None) -> dict:
+    """Read a checkpoint into plain tensors and values, without any training objects
+    (inspection, export, inference). Newest valid one unless ``step`` is given."""
+    found = restore_newest(tiers_for(location, run=run), step=step)
+    if found is None:
+        raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
+    return found[1]
