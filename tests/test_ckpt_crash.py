@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from ckpt import CheckpointManager
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, DamagedCheckpoint
+from ckpt.locations import memory_namespace
 from ckpt.restore import read_checkpoint
+from ckpt.tiers.memory import MemoryTier
 from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
     CrashServer, assert_same, crash_server, disk_steps, leftovers, restored, root, shm_dir, step_state, steps_logged,
 )
@@ -140,3 +142,34 @@ def test_second_manager_on_the_same_root_and_run_is_refused_while_the_first_live
     # After the SIGKILL the kernel dropped the lock: a restarted trainer gets in.
     with CheckpointManager(root, memory_dir=shm_dir) as mgr:
         assert restored(mgr)[0] == 1
+
+
+def test_reading_the_slots_of_a_live_trainer_never_returns_a_torn_checkpoint(
+        crash_server: CrashServer, root: Path, shm_dir: str) -> None:
+    # What `ckpt verify`/`ckpt restore` do while a job runs: read its shared-memory slots
+    # while it overwrites them. Each read is the exact state of its step, or refused.
+    tier = MemoryTier(memory_namespace(root, None, shm_dir))
+    events = root.parent / "live.log"
+    good = refused = 0
+    with ThreadPoolExecutor(1) as pool:
+        trainer = pool.submit(crash_server.run, root=str(root), shm=shm_dir, events=str(events),
+                              kill_on_event="reader done")
+        try:
+            while "saved 3" not in (events.read_text() if events.exists() else ""):
+                assert not trainer.done(), trainer.result()
+                time.sleep(0.01)
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                for info in tier.list()[::-1]:
+                    try:
+                        values = read_checkpoint(tier, info.id)
+                    except (DamagedCheckpoint, OSError):
+                        refused += 1
+                        continue
+                    assert_same(values, step_state(info.id.step), f"step {info.id.step} read from a live slot")
+                    good += 1
+        finally:
+            with open(events, "a") as f:
+                f.write("reader done\n")
+        assert trainer.result()["killed_by"] == "parent"
+    assert good > 10, (good, refused)
