@@ -186,3 +186,39 @@ def test_unsupported_values_are_refused_at_save_naming_where(root: Path, shm_dir
         with pytest.raises(CheckpointError, match=r"extra\.bad"):
             mgr.save(1, {"extra": {"bad": value}, "ok": torch.ones(2)})
         assert mgr.list() == []
+
+
+def test_changes_after_save_returns_do_not_leak_into_the_checkpoint(root: Path, shm_dir: str) -> None:
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "n": np.ones(5), "meta": {"lr": 0.1}}
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        mgr.save(1, state)
+        state["w"].add_(1)  # the training loop goes on while the drain runs
+        state["n"][:] = 7
+        state["meta"]["lr"] = 0.2
+        mgr.wait()
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        step, back = restored(mgr)
+    assert step == 1
+    assert_same(back, {"w": torch.arange(1 << 16, dtype=torch.float32), "n": np.ones(5), "meta": {"lr": 0.1}})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_round_trips_through_pinned_shared_memory(root: Path, shm_dir: str) -> None:
+    model, opt, _ = trained(0)
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 8, device="cuda")).sum().backward()
+    opt.step()
+    state = {"model": model, "optim": opt, "x": torch.randn(1000, device="cuda", dtype=torch.bfloat16)}
+    expected = as_saved(state)
+    model2 = make_model(1).cuda()
+    target = {"model": model2, "optim": torch.optim.AdamW(model2.parameters()), "x": torch.zeros(1000, device="cuda",
+                                                                                                dtype=torch.bfloat16)}
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        assert mgr.restore(target) == 1
+    assert target["model"] is model2 and next(model2.parameters()).is_cuda and target["x"].is_cuda
+    assert_same(as_saved(target), expected)
