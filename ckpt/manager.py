@@ -15,6 +15,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+<<<<<<< HEAD
+=======
+from .drain import Drainer, SaveHandle
+from .errors import BackgroundError, CheckpointError
+from .manifest import Manifest, ShardManifest
+from .locations import memory_namespace
+from .memory import DEFAULT_SHM_DIR, SlotPool, TensorCopier, namespaces_of_root, plan_layout, sweep_orphans
+>>>>>>> ckpttests
 from .checksum import DEFAULT_CHUNK_BYTES
 from .distributed import Coordinator, wait_until
 from .drain import Drainer, SaveHandle
@@ -176,10 +184,14 @@ class CheckpointManager:
         return self._generation
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> None:
-        """Block until every pending save (or ``step``) is durable in every tier."""
+        """Block until every pending save (or ``step``) is durable in every tier; raise
+        BackgroundError, once per failure, if a background write failed."""
         for h in list(self._handles):
             if step is None or h.step == step:
-                h.wait(timeout=timeout)
+                try:
+                    h.wait(timeout=timeout)
+                except BackgroundError:
+                    pass  # the drainer holds the same failure: raised once, below, not again at the next save()
         self._drainer.raise_error()
 
     def agree(self, *flags: bool) -> list[bool]:

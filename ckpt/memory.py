@@ -207,6 +207,8 @@ class SlotPool:
             os.close(self._lock_fd)
             raise CheckpointError(f"{self.dir} is in use by another live process (same root, run and rank); "
                                   "give each job its own run= id") from None
+        for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
+            tmp.unlink(missing_ok=True)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})}
         atomic_write(self.dir / "owner.json", json.dumps(info).encode(), durable=False, mode=0o600)
         self.slots = [ShmSlot(self.dir / f"slot-{k}.bin") for k in range(slots)]

@@ -53,7 +53,8 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in _NP_KINDS:
                 raise CheckpointError(f"{path}: numpy arrays of dtype {obj.dtype} are not supported")
-            tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj))))
+            # ascontiguousarray turns a 0-d array into shape (1,); keep the shape
+            tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))))
             return {"__ndarray__": len(tensors) - 1}
         if is_stateful(obj):
             return enc(obj.state_dict(), path)

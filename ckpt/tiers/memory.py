@@ -97,7 +97,11 @@ class MemoryTier(Tier):
         for meta, man, err in self._sealed():
             if man is None:
                 continue  # an unreadable seal is an invalid slot, not a checkpoint
-            infos.append(CheckpointInfo(CheckpointId(man.generation, man.step), self.name, meta.stat().st_mtime,
+            try:
+                sealed_at = meta.stat().st_mtime
+            except FileNotFoundError:
+                continue  # unsealed since it was read: a live job is overwriting the slot
+            infos.append(CheckpointInfo(CheckpointId(man.generation, man.step), self.name, sealed_at,
                                         man.data_bytes, man.world_size, checksummed=man.has_checksums))
         return sorted(infos, key=lambda i: i.id)
 
