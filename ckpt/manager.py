@@ -15,18 +15,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-<<<<<<< HEAD
-=======
-from .drain import Drainer, SaveHandle
-from .errors import BackgroundError, CheckpointError
-from .manifest import Manifest, ShardManifest
-from .locations import memory_namespace
-from .memory import DEFAULT_SHM_DIR, SlotPool, TensorCopier, namespaces_of_root, plan_layout, sweep_orphans
->>>>>>> ckpttests
 from .checksum import DEFAULT_CHUNK_BYTES
 from .distributed import Coordinator, wait_until
 from .drain import Drainer, SaveHandle
-from .errors import CheckpointError, DamagedCheckpoint, ManifestError
+from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, ManifestError
 from .locations import memory_namespace
 from .manifest import Manifest, ShardManifest
 from .memory import ALIGN, DEFAULT_SHM_DIR, ShmSlot, SlotPool, TensorCopier, namespaces_of_root, plan_layout, sweep_orphans

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
+from ckpt.distributed import init_process_group  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -65,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group()  # restart-safe under torchrun
     rank, incarnation = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(args.seed)
