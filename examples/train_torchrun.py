@@ -4,10 +4,10 @@
 
 Kill any worker at any moment: torchrun restarts the group, every rank restores the
 newest step all ranks hold (from shared memory when it survived), and training goes
-on exactly where it was. ``--faults 13,27:save`` makes rank 1 SIGKILL itself the
-first time it completes step 13, and right after save() of step 27 returns, while
-that checkpoint drains (the fault injector the tests use; each fault fires once,
-remembered by a marker file in the root).
+on exactly where it was. ``--faults 13,25:save`` makes rank 1 SIGKILL itself the
+first time it completes step 13, and the moment its snapshot of step 25 is sealed in
+memory, while that checkpoint drains to disk (the fault injector the tests use; each
+fault fires once, remembered by a marker file in the root).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,8 +48,18 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def parse_faults(spec: str) -> dict[int, bool]:
-    """'13,27:save' -> {13: False, 27: True}: step -> kill during a save."""
+    """'13,25:save' -> {13: False, 25: True}: step -> kill during that step's save."""
     return {int(f.split(":")[0]): f.endswith(":save") for f in spec.split(",") if f}
+
+
+def kill_when_sealed(mgr: ckpt.CheckpointManager, step: int) -> None:
+    """SIGKILL this process as soon as its memory snapshot of ``step`` is sealed."""
+    def watch() -> None:
+        while not any(s.holds and s.holds[1] == step for s in mgr.pool.slots):
+            time.sleep(0.0005)
+        logging.info("fault injector: SIGKILL rank %d at step %d during save (%.3f)", dist.get_rank(), step, time.time())
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def main() -> None:
@@ -105,11 +116,11 @@ def main() -> None:
         marker = Path(args.root) / f"fault-{step + 1}.fired"
         if step + 1 in faults and not marker.exists():
             marker.touch()
-            if faults[step + 1]:  # kill while the checkpoint of this step drains
-                mgr.save(step + 1, state)
-            logging.info("fault injector: SIGKILL rank %d at step %d%s (%.3f)", rank, step + 1,
-                         " during save" if faults[step + 1] else "", time.time())
-            os.kill(os.getpid(), signal.SIGKILL)
+            if faults[step + 1]:
+                kill_when_sealed(mgr, step + 1)  # the loop's save at this boundary triggers it
+            else:
+                logging.info("fault injector: SIGKILL rank %d at step %d (%.3f)", rank, step + 1, time.time())
+                os.kill(os.getpid(), signal.SIGKILL)
     mgr.close()
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps({"digest": weights_digest(model.module), "first_step": first,
