@@ -205,8 +205,8 @@ class SlotPool:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise CheckpointError(f"{self.dir} is in use by another live process (same root, run and rank); "
-                                  "give each job its own run= id") from None
+            raise CheckpointError(f"{self.dir} is in use by another live process (same root, run and rank): "
+                                  "is the job already running? Each job needs its own checkpoint root") from None
         for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
             tmp.unlink(missing_ok=True)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})}

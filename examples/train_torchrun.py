@@ -125,6 +125,7 @@ def main() -> None:
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps({"digest": weights_digest(model.module), "first_step": first,
                                               "incarnation": incarnation, "seconds": time.time() - t_start}))
+    dist.barrier()  # no rank tears gloo down while its peer is still in a collective
     dist.destroy_process_group()
 
 

@@ -117,7 +117,7 @@ def test_saving_without_restoring_starts_a_new_lineage(root: Path, shm_dir: str)
 def test_two_managers_on_the_same_root_and_run_are_refused(root: Path, shm_dir: str) -> None:
     first = CheckpointManager(root, memory_dir=shm_dir)
     try:
-        with pytest.raises(CheckpointError, match="in use by another live process.*own run= id"):
+        with pytest.raises(CheckpointError, match="in use by another live process.*own checkpoint root"):
             CheckpointManager(root, memory_dir=shm_dir)
         CheckpointManager(root, memory_dir=shm_dir, run="second-job").close()
     finally:
