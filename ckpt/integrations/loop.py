@@ -12,51 +12,40 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 import threading
 from typing import Iterator
 
 from ..manager import CheckpointManager
+from .risk import RiskListener, read_token
+from .urgency import SaveRequests
 
 log = logging.getLogger(__name__)
 
 
-class SaveRequests:
-    """Urgent-save requests from other threads or signal handlers, read at step boundaries."""
-
-    def __init__(self) -> None:
-        self._urgent = threading.Event()
-        self.preempted = False
-
-    def request(self) -> None:
-        self._urgent.set()
-
-    def take(self) -> bool:
-        wanted = self._urgent.is_set()
-        self._urgent.clear()
-        return wanted
-
-    def on_sigterm(self, signum: int, frame: object) -> None:
-        self.preempted = True
-        self._urgent.set()
-
-
 def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | None = None,
-              requests: SaveRequests | None = None, preemption: bool = True,
-              save_at_end: bool = True) -> Iterator[int]:
+              requests: SaveRequests | None = None, preemption: bool = True, save_at_end: bool = True,
+              predictor: str | None = None, predictor_token: str | None = None,
+              elevated_every: int | None = None) -> Iterator[int]:
     """Yield step indices from the restored position to ``total``; save every ``every``
-    completed steps, at urgent requests, on SIGTERM (then exit 143), and at the end."""
+    completed steps (``elevated_every`` while the predictor reports a node of the job at
+    risk), at urgent requests ("checkpoint now" from ``predictor``, ``requests.request()``),
+    on SIGTERM (then exit 143), and at the end."""
     requests = requests or SaveRequests()
     if preemption and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, requests.on_sigterm)
+    listener = _listen(mgr, predictor, predictor_token, requests) if predictor else None
     restored = mgr.restore(state)
     start = restored or 0
     log.info("training from step %d%s", start, " (restored)" if restored is not None else "")
     for step in range(start, total):
         yield step
         done = step + 1
-        periodic = every is not None and done % every == 0
-        urgent, preempted = mgr.agree(requests.take(), requests.preempted)
+        urgent, preempted, elevated = mgr.agree(requests.take(), requests.preempted,
+                                                listener is not None and listener.elevated)
+        interval = elevated_every if elevated and elevated_every else every
+        periodic = interval is not None and done % interval == 0
         if periodic or urgent:
             handle = mgr.save(done, state, urgent=urgent)
             if urgent:
@@ -69,3 +58,13 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | N
     if save_at_end and total > start and (every is None or total % every != 0):
         mgr.save(total, state)
     mgr.wait()
+    if listener is not None:
+        listener.close()
+
+
+def _listen(mgr: CheckpointManager, url: str, token: str | None, requests: SaveRequests) -> RiskListener | None:
+    """Rank 0 registers every rank's host with the predictor and listens for the job."""
+    hosts = mgr.coord.gather(socket.gethostname())
+    if mgr.rank != 0:
+        return None
+    return RiskListener(url, hosts, requests, token=token or read_token(), name=mgr.run).start()
