@@ -21,6 +21,7 @@ from .drain import Drainer, SaveHandle
 from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, ManifestError
 from .locations import memory_namespace
 from .manifest import Manifest, ShardManifest
+from .metrics import CheckpointMetrics
 from .memory import ALIGN, DEFAULT_SHM_DIR, ShmSlot, SlotPool, TensorCopier, namespaces_of_root, plan_layout, sweep_orphans
 from .restore import read_checkpoint, restore_newest
 from .state import flatten, load_into
@@ -39,12 +40,13 @@ class CheckpointManager:
     ``keep_last`` is how many complete checkpoints each durable tier keeps; the newest
     is never deleted. ``replicated`` names state keys that are identical on every rank
     (a DDP model and its optimizer): only rank 0 stores them, every rank restores them.
+    ``metrics_port`` serves Prometheus metrics on 127.0.0.1 (port + rank).
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, run: str | None = None,
                  memory_dir: str = DEFAULT_SHM_DIR, state: Mapping[str, Any] | None = None,
                  replicated: Iterable[str] = (), threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 commit_timeout_s: float = 600.0) -> None:
+                 commit_timeout_s: float = 600.0, metrics_port: int | None = None) -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1: the newest complete checkpoint is never deleted")
         self.keep_last, self.threads, self.chunk_bytes = keep_last, threads, chunk_bytes
@@ -69,6 +71,9 @@ class CheckpointManager:
         self._generation: int | None = None
         self._prepared = False
         self.stall_s = 0.0  # total time save() waited for a slot still draining
+        self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
+        if self.metrics is not None:
+            self.metrics.serve(metrics_port + self.rank)
         if state is not None:
             self.prepare(state)
 
@@ -113,6 +118,8 @@ class CheckpointManager:
             w0 = time.monotonic()
             slot.idle.wait()
             self.stall_s += time.monotonic() - w0
+            if self.metrics is not None:
+                self.metrics.stall.inc(time.monotonic() - w0)
         slot.idle.clear()
         try:
             self.pool.snapshot(slot, [t for _, t in flat.tensors], manifest, self._copier)
@@ -121,6 +128,8 @@ class CheckpointManager:
             raise
         handle = SaveHandle(ckpt_id.step, [t.name for t in self.durable])
         handle.blocking_s = time.monotonic() - t0
+        if self.metrics is not None:
+            self.metrics.saved(handle.blocking_s, urgent)
         self._handles = [h for h in self._handles if not h.done] + [handle]
         self._drainer.submit(lambda: self._drain(slot, manifest, ckpt_id, handle), handle, urgent=urgent,
                              on_exit=slot.idle.set)
@@ -132,22 +141,32 @@ class CheckpointManager:
             reader.manifest = with_checksums(reader, self.threads)
             slot.seal(reader.manifest)  # memory restores can now verify too
             for tier in self.durable:
-                ref = tier.write_shard(ckpt_id, reader)
-                if self.world_size == 1:
-                    tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref]))
-                elif self.coord.is_coordinator:
-                    refs = wait_until(lambda: (r := tier.written_shards(ckpt_id)) and len(r) == self.world_size and r,
-                                      self.commit_timeout_s, f"every rank's shard of step {ckpt_id.step} in {tier.name}")
-                    tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size,
-                                                  [refs[r] for r in sorted(refs)]))
-                else:
-                    wait_until(lambda: self._committed(tier, ckpt_id), self.commit_timeout_s,
-                               f"rank 0 to commit step {ckpt_id.step} in {tier.name}")
-                if self.coord.is_coordinator:
-                    self._apply_retention(tier)
+                self._drain_to(tier, reader, ckpt_id)
                 handle.mark(tier.name)
+                if self.metrics is not None:
+                    self.metrics.durable(tier.name, ckpt_id.step, handle.durable_s[tier.name], manifest.data_bytes)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.failures.inc()
+            raise
         finally:
             reader.close()
+
+    def _drain_to(self, tier: Tier, reader: SlotReader, ckpt_id: CheckpointId) -> None:
+        """Write this rank's shard; the coordinator commits once every rank's is there."""
+        ref = tier.write_shard(ckpt_id, reader)
+        if self.world_size == 1:
+            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref]))
+        elif self.coord.is_coordinator:
+            refs = wait_until(lambda: (r := tier.written_shards(ckpt_id)) and len(r) == self.world_size and r,
+                              self.commit_timeout_s, f"every rank's shard of step {ckpt_id.step} in {tier.name}")
+            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size,
+                                          [refs[r] for r in sorted(refs)]))
+        else:
+            wait_until(lambda: self._committed(tier, ckpt_id), self.commit_timeout_s,
+                       f"rank 0 to commit step {ckpt_id.step} in {tier.name}")
+        if self.coord.is_coordinator:
+            self._apply_retention(tier)
 
     @staticmethod
     def _committed(tier: Tier, ckpt_id: CheckpointId) -> bool:
