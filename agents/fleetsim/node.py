@@ -71,7 +71,7 @@ class NodeSim:
         self.eff = rng.normal(1, 0.04, g)
         noisy = lambda lo, hi: np.where(rng.random(g) < cfg.noisy_gpu_share, np.exp(rng.uniform(np.log(lo), np.log(hi), g)), 0.0)
         self.base_rate = {  # events per model second
-            S.SBE: noisy(0.5 / 3600, 30 / 3600) + rng.exponential(0.02 / 3600, g),
+            S.SBE: noisy(0.5 / 3600, 30 / 3600) + rng.exponential(0.004 / 3600, g),
             S.PCIE_REPLAY: noisy(1 / 3600, 60 / 3600),
             S.NVLINK_CRC: noisy(5 / 3600, 200 / 3600) + rng.exponential(0.3 / 3600, g),
         }
