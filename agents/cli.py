@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from datetime import datetime, timezone
@@ -111,6 +112,105 @@ def simulate(nodes, days, interval, out_dir, as_json, **kw) -> None:
 
 def default_node_name() -> str:
     return socket.gethostname().split(".")[0]
+
+
+TOKEN_ENV = "CKPT_GUARD_AGENT_TOKEN"
+
+
+def _read_token(token_file: str | None) -> str:
+    """The agent token, from a file or the environment (never argv: other users can read it there)."""
+    if token_file:
+        with open(token_file) as fh:
+            token = fh.read().strip()
+        if not token:
+            raise click.UsageError(f"token file {token_file} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise click.UsageError(f"--predictor needs a token: --token-file PATH or ${TOKEN_ENV}")
+    return token
+
+
+def _default_spool_dir(node: str) -> str:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "ckpt-guard", f"agent-spool-{node}")
+
+
+def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet):
+    if source == "nvml":
+        from agents.sources.nvml import NvmlSource, NvmlUnavailable
+
+        try:
+            src = NvmlSource(node_name)
+        except NvmlUnavailable as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        return src, src.node
+    if source == "sim":
+        from agents.sources.sim import SimSource
+
+        name = node_name or default_node_name()
+        return SimSource(fleet_config(nodes=1, days=None, interval=interval, node_names=(name,), **fleet)), name
+    if not trace:
+        raise click.UsageError("--source replay needs --trace DIR")
+    from agents.sources.replay import ReplaySource
+
+    try:
+        src = ReplaySource(trace, speed=speed, nodes=list(replay_nodes) or None, retime=retime)
+    except (OSError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    return src, node_name or (replay_nodes[0] if len(replay_nodes) == 1 else "replay")
+
+
+@main.command()
+@click.option("--source", type=click.Choice(["nvml", "sim", "replay"]), default="nvml", show_default=True)
+@click.option("--predictor", default=None, metavar="URL", help="Predictor base URL; without it only /metrics is served.")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help=f"File holding the agent token (or set ${TOKEN_ENV}).")
+@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds between samples.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9400, show_default=True, help="Port of /metrics; 0 turns it off.")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address /metrics binds (0.0.0.0 for a remote Prometheus).")
+@click.option("--node-name", default=None, help="Node name to report (default: this host's short name).")
+@click.option("--spool-dir", type=click.Path(file_okay=False), default=None, help="Spool directory (default under $XDG_STATE_HOME).")
+@click.option("--spool-max-mb", type=click.FloatRange(min=0, min_open=True), default=256.0, show_default=True)
+@click.option("--batch-seconds", type=click.FloatRange(min=0), default=10.0, show_default=True, help="Samples per batch, in seconds.")
+@click.option("--trace", type=click.Path(exists=True, file_okay=False), default=None, help="Replay: the trace directory.")
+@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, help="Replay: N x recorded pace.")
+@click.option("--replay-node", "replay_nodes", multiple=True, help="Replay: only this node (repeatable).")
+@click.option("--retime", is_flag=True, help="Replay: stamp samples with the wall clock instead of the recorded time.")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None, help="Stop after this many seconds.")
+@click.option("--drain-seconds", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="At exit, how long to keep sending the spool.")
+@click.option("--json", "as_json", is_flag=True, help="Print the agent's counters as JSON at exit.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@fleet_options
+def run(source, predictor, token_file, interval, metrics_port, metrics_addr, node_name, spool_dir, spool_max_mb,
+        batch_seconds, trace, speed, replay_nodes, retime, duration, drain_seconds, as_json, log_level, **fleet) -> None:
+    """Run the node agent: sample GPUs, stream to the predictor, serve /metrics."""
+    import logging
+    import signal
+
+    from agents.agent import Agent
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level != "debug":
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)  # one line per tick otherwise
+    token = _read_token(token_file) if predictor else None
+    src, node = _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet)
+    try:
+        agent = Agent(src, interval, predictor=predictor, token=token, spool_dir=spool_dir or _default_spool_dir(node),
+                      spool_max_bytes=int(spool_max_mb * (1 << 20)), batch_s=batch_seconds,
+                      metrics_port=metrics_port or None, metrics_addr=metrics_addr)
+    except (OSError, ValueError) as e:
+        src.close()
+        raise click.UsageError(str(e)) from None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop())
+    if agent.metrics_port:
+        logging.getLogger("agents").info("serving /metrics on http://%s:%d/metrics", metrics_addr, agent.metrics_port)
+    counters = agent.run(duration, drain_seconds)
+    if as_json:
+        click.echo(json.dumps(counters, indent=1))
 
 
 if __name__ == "__main__":
