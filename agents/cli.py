@@ -206,8 +206,10 @@ def run(source, predictor, token_file, interval, metrics_port, metrics_addr, nod
         raise click.UsageError(str(e)) from None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())
+    log = logging.getLogger("agents")
+    log.info("agent for node %s: %s source every %gs%s", node, source, interval, f" to {predictor}" if predictor else "")
     if agent.metrics_port:
-        logging.getLogger("agents").info("serving /metrics on http://%s:%d/metrics", metrics_addr, agent.metrics_port)
+        log.info("serving /metrics on http://%s:%d/metrics", metrics_addr, agent.metrics_port)
     counters = agent.run(duration, drain_seconds)
     if as_json:
         click.echo(json.dumps(counters, indent=1))
