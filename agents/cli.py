@@ -39,7 +39,7 @@ def _parse_start(text: str | None) -> datetime | None:
 
 
 def fleet_options(f):
-    """Options shared by `simulate` and `run --source sim`: one model, one set of knobs."""
+    """Options shared by `simulate` and `run --source sim` (ignored by other sources): one model, one set of knobs."""
     opts = [
         click.option("--seed", type=int, default=0, show_default=True, help="Random seed: same seed, same fleet."),
         click.option("--gpus-per-node", type=click.IntRange(1, 64), default=8, show_default=True),
@@ -48,14 +48,14 @@ def fleet_options(f):
                      help="Fleet-wide inlet temperature offset in °C (4 = a fleet running 4 °C warmer)."),
         click.option("--failure-rate", type=click.FloatRange(min=0), default=0.05, show_default=True,
                      help="GPU failures per GPU-day (enriched; a real fleet is ~100x lower)."),
-        click.option("--sudden-share", type=click.FloatRange(0, 1), default=1 / 3, show_default=True,
+        click.option("--sudden-share", type=click.FloatRange(0, 1), default=1 / 3, show_default="1/3",
                      help="Share of failures with no precursor."),
         click.option("--mode-weights", default=None, help="Mix of precursor modes, e.g. hbm=0.45,nvlink=0.2,pcie=0.2,thermal=0.15."),
         click.option("--fail", "fail", multiple=True, metavar="NODE/gpuN/MODE@+OFFSET",
                      help="Schedule a failure, e.g. node0003/gpu2/hbm@+10m (repeatable)."),
         click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
                      help="Run the fleet's processes this many times faster than the clock."),
-        click.option("--start", default=None, help="Start time (ISO 8601, UTC if no zone)."),
+        click.option("--start", default=None, help="Trace start time, ISO 8601, UTC if no zone (a live run starts now)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
