@@ -105,15 +105,20 @@ class Sender:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                if self._stop:
-                    return
-                self._spool_buffered(force=False)
-                head = self.spool.head() if time.monotonic() >= self._retry_at else None
-                if head is None:
-                    self._cond.wait(timeout=self._next_wake())
-                    continue
-            self._send(head)
+            try:
+                with self._cond:
+                    if self._stop:
+                        return
+                    self._spool_buffered(force=False)
+                    head = self.spool.head() if time.monotonic() >= self._retry_at else None
+                    if head is None:
+                        self._cond.wait(timeout=self._next_wake())
+                        continue
+                self._send(head)
+            except Exception:  # a bug or a broken disk must not silently end shipping
+                log.exception("sender loop failed; retrying in %.0fs", self.backoff_s[1])
+                with self._cond:
+                    self._cond.wait(timeout=self.backoff_s[1])
 
     def _next_wake(self) -> float:
         now, waits = time.monotonic(), [1.0]
@@ -134,7 +139,11 @@ class Sender:
             rows, self._rows[kind] = self._rows[kind], []
             for i in range(0, len(rows), self.max_batch_rows):
                 part = rows[i:i + self.max_batch_rows]
-                self._count_dropped(self.spool.push(kind, wire.encode(wire.to_table(kind, part)), len(part)))
+                try:
+                    self._count_dropped(self.spool.push(kind, wire.encode(wire.to_table(kind, part)), len(part)))
+                except OSError as e:  # disk full, spool removed: these rows cannot be kept
+                    log.error("cannot spool a %s batch of %d rows (%s): dropped", kind, len(part), e)
+                    self.stats.add(**{_counter(kind, "dropped"): len(part)})
 
     def _count_dropped(self, dropped: list[Entry]) -> None:
         for e in dropped:
@@ -164,7 +173,13 @@ class Sender:
             self.spool.set_aside(entry)
             self.stats.add(**{_counter(entry.kind, "rejected"): entry.rows})
         elif status == 413 and entry.rows > 1:
-            table = wire.decode(entry.read())
+            try:
+                table = wire.decode(entry.read())
+            except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
+                log.error("spooled batch %s is unreadable (%s): set aside", entry.path, e)
+                self.spool.set_aside(entry)
+                self.stats.add(**{_counter(entry.kind, "rejected"): entry.rows})
+                return
             mid = table.num_rows // 2
             self.spool.split(entry, [(wire.encode(table.slice(0, mid)), mid),
                                      (wire.encode(table.slice(mid)), table.num_rows - mid)])

@@ -133,9 +133,14 @@ class NvmlSource(Source):
                         self._stop.wait(1.0)
                     continue
                 if data.eventType & nv.nvmlEventTypeXidCriticalError:
-                    gpu = index.get(self._get(nv.nvmlDeviceGetUUID, data.device), -1)
+                    gpu = index.get(self._get(nv.nvmlDeviceGetUUID, data.device))
+                    if gpu is None:
+                        gpu = self._get(nv.nvmlDeviceGetIndex, data.device)
+                    if gpu is None:  # the wire format needs a GPU index; say so rather than send -1
+                        log.error("XID %d from a GPU NVML cannot identify: not reported", data.eventData)
+                        continue
                     self._xids.append({"timestamp": int(time.time() * 1000), "node": self.node,
-                                       "gpu": gpu, "xid": int(data.eventData)})
+                                       "gpu": int(gpu), "xid": int(data.eventData)})
         finally:
             nv.nvmlEventSetFree(events)
 
