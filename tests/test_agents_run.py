@@ -121,3 +121,23 @@ def test_nvml_reads_every_field_on_a_real_gpu():
 def test_usage_errors_exit_2(args, env, message):
     res = agents("run", "--metrics-port", "0", "--duration", "1", *args, env=env)
     assert res.returncode == 2 and message in res.stderr
+
+
+def test_replay_reads_traces_without_uuid_and_with_extra_columns(tmp_path):
+    """Recorded traces vary: dictionary-encoded nodes, no uuid column, columns we do not know."""
+    import pyarrow as pa
+
+    n = 6
+    table = pa.table({
+        "timestamp": pa.array([1_700_000_000_000 + 60_000 * (i // 2) for i in range(n)], pa.int64()).cast(pa.timestamp("ms", tz="UTC")),
+        "node": pa.array(["a", "b"] * 3).dictionary_encode(),
+        "gpu": pa.array([0] * n, pa.int16()),
+        "DCGM_FI_DEV_GPU_TEMP": pa.array([50.0] * n, pa.float32()),
+        "SOMETHING_ELSE": pa.array(range(n)),
+    })
+    pq.write_table(table, tmp_path / "telemetry.parquet")
+    src = ReplaySource(str(tmp_path), speed=1e9, nodes=["b"])
+    rows = src.read()
+    assert [r["node"] for r in rows] == ["b"] * 3 and all(r["uuid"] is None for r in rows)
+    assert "SOMETHING_ELSE" not in rows[0] and rows[0]["DCGM_FI_DEV_SM_CLOCK"] is None
+    assert src.finished and src.xids() == []
