@@ -167,6 +167,7 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
 @click.option("--predictor", default=None, metavar="URL", help="Predictor base URL; without it only /metrics is served.")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help=f"File holding the agent token (or set ${TOKEN_ENV}).")
+@click.option("--token", "token_argv", hidden=True, help="Refused: a token on the command line is visible to every user.")
 @click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds between samples.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=9400, show_default=True, help="Port of /metrics; 0 turns it off.")
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address /metrics binds (0.0.0.0 for a remote Prometheus).")
@@ -184,7 +185,7 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
 @click.option("--json", "as_json", is_flag=True, help="Print the agent's counters as JSON at exit.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @fleet_options
-def run(source, predictor, token_file, interval, metrics_port, metrics_addr, node_name, spool_dir, spool_max_mb,
+def run(source, predictor, token_file, token_argv, interval, metrics_port, metrics_addr, node_name, spool_dir, spool_max_mb,
         batch_seconds, trace, speed, replay_nodes, retime, duration, drain_seconds, as_json, log_level, **fleet) -> None:
     """Run the node agent: sample GPUs, stream to the predictor, serve /metrics."""
     import logging
@@ -195,6 +196,9 @@ def run(source, predictor, token_file, interval, metrics_port, metrics_addr, nod
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_level != "debug":
         logging.getLogger("apscheduler").setLevel(logging.WARNING)  # one line per tick otherwise
+    if token_argv is not None:
+        raise click.UsageError(f"--token is refused: a token in argv is visible to every user (ps); "
+                               f"use --token-file PATH or ${TOKEN_ENV}")
     token = _read_token(token_file) if predictor else None
     src, node = _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet)
     try:

@@ -116,7 +116,8 @@ def test_nvml_reads_every_field_on_a_real_gpu():
 @pytest.mark.parametrize("args, env, message", [
     (["--predictor", "http://127.0.0.1:9"], {"CKPT_GUARD_AGENT_TOKEN": ""}, "needs a token"),
     (["--source", "replay"], {}, "needs --trace"),
-    (["--source", "sim", "--node-name", "a", "--fail", "b/gpu0/hbm@+1m"], {}, "not in this fleet"),
+    (["--source", "sim", "--node-name", "a", "--fail", "b/gpu0/hbm@+1m"], {}, "set --node-name"),
+    (["--token", "s3cret"], {}, "--token-file"),
 ])
 def test_usage_errors_exit_2(args, env, message):
     res = agents("run", "--metrics-port", "0", "--duration", "1", *args, env=env)

@@ -107,7 +107,8 @@ class FleetConfig:
         names = self.names()
         for f in self.scheduled:
             if f.node not in names:
-                raise ValueError(f"scheduled failure on {f.node!r}, which is not in this fleet ({names[0]} ...)")
+                fleet = f"node {names[0]!r} (set --node-name)" if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+                raise ValueError(f"scheduled failure on {f.node!r}, which is not in this fleet: {fleet}")
             if not 0 <= f.gpu < self.gpus_per_node:
                 raise ValueError(f"scheduled failure on GPU {f.gpu}: this fleet has GPUs 0-{self.gpus_per_node - 1}")
 
