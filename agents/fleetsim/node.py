@@ -133,6 +133,42 @@ class NodeSim:
                     inc[S.DBE][f.gpu, j] += 1
                     self.pending_uncorr[f.gpu] += f.mode == "hbm"  # remapped at the next reset
 
+        metrics = self._gauges(t, util, demand, heat)
+        for m, r in rates.items():
+            inc[m] += rng.poisson(r * self.dt) * ~out
+        inc[S.PCIE_REPLAY] += rng.poisson(self.pcie_bursts_per_s * self.dt, (g, n)) * rng.integers(1, 50, (g, n)) * ~out
+        self._noisy_gpu_events(t, inc, xids)
+        uuid = np.broadcast_to(self.gpu_uuid[:, None], (g, n)).copy()
+        self._counters(t, inc, metrics, uuid)
+
+        present = ~out & ~_in_windows(t, self.plan.absent_windows)[None, :]
+        present &= rng.random((1, n)) >= cfg.sample_drop_p  # whole-node sample lost
+        present &= rng.random((g, n)) >= cfg.sample_drop_p / 10
+        for m, v in metrics.items():
+            v = v.astype(float)
+            v[rng.random((g, n)) < cfg.blank_field_p] = np.nan
+            if m in self.unsupported:
+                v[:] = np.nan
+            metrics[m] = v.T[present.T]  # rows time-major, GPU-minor
+        for ts, gpu, code in self.plan.storms:
+            if t_open < ts <= t[-1]:
+                xids.append((ts, gpu, code))
+        xids = [x for x in xids if not self._gpu_out(x[1], x[0])]
+
+        stamp = self.wall_ms(t)[:, None] + rng.normal(0, 25, (n, 1)).astype(np.int64) + np.zeros((1, g), np.int64)
+        gpu_idx = np.broadcast_to(np.arange(g, dtype=np.int16)[None, :], (n, g))
+        xt = np.array([x[0] for x in xids], float)
+        return Chunk(
+            stamp[present.T], gpu_idx[present.T], uuid.T[present.T].astype(np.int32), metrics,
+            self.wall_ms(xt) if len(xids) else np.zeros(0, np.int64),
+            np.array([x[1] for x in xids], np.int16), np.array([x[2] for x in xids], np.int32), failures,
+        )
+
+    # -- pieces of a step --------------------------------------------------------
+
+    def _gauges(self, t: np.ndarray, util: np.ndarray, demand: np.ndarray, heat: np.ndarray) -> dict[str, np.ndarray]:
+        """Temperatures, power, SM clock and clocks-event reasons from load and extra heat."""
+        prof, rng, (g, n) = self.prof, self.rng, util.shape
         inlet = self.inlet + self.diurnal[0] * np.sin(2 * np.pi * t / 86400 + self.diurnal[1])
         target = inlet[None, :] + self.r_th[:, None] * demand + self.temp_offset[:, None] + heat
         temp = self._lag(target) + rng.normal(0, 0.35, (g, n))
@@ -155,42 +191,8 @@ class NodeSim:
         power = np.minimum(demand, prof.tdp_w * rng.uniform(0.97, 1.0, (g, n))) * (clock / prof.max_sm_mhz) ** np.where(idle, 0, 1.3)
         power = np.maximum(power, prof.idle_w * 0.8)
         mem_temp = temp + self.mem_offset[:, None] + 5 * util + rng.normal(0, 0.4, (g, n))
-
-        metrics = {
-            S.GPU_TEMP: np.round(temp, 1), S.MEMORY_TEMP: np.round(mem_temp, 1), S.POWER: np.round(power, 1),
-            S.SM_CLOCK: clock, S.THROTTLE: throttle,
-        }
-        for m, r in rates.items():
-            inc[m] += rng.poisson(r * self.dt) * ~out
-        inc[S.PCIE_REPLAY] += rng.poisson(self.pcie_bursts_per_s * self.dt, (g, n)) * rng.integers(1, 50, (g, n)) * ~out
-        self._noisy_gpu_events(t, inc, xids)
-        uuid = np.broadcast_to(self.gpu_uuid[:, None], (g, n)).copy()
-        self._counters(t, inc, metrics, uuid)
-
-        present = ~out & ~_in_windows(t, self.plan.absent_windows)[None, :]
-        present &= rng.random((1, n)) >= cfg.sample_drop_p  # whole-node sample lost
-        present &= rng.random((g, n)) >= cfg.sample_drop_p / 10
-        for m, v in metrics.items():
-            v = v.astype(float)
-            v[rng.random((g, n)) < cfg.blank_field_p] = np.nan
-            if m in self.unsupported:
-                v[:] = np.nan
-            metrics[m] = v.T[present.T]
-        for ts, gpu, code, _ in self.plan.storms:
-            if t_open < ts <= t[-1]:
-                xids.append((ts, gpu, code))
-        xids = [x for x in xids if not self._gpu_out(x[1], x[0])]
-
-        stamp = self.wall_ms(t)[:, None] + rng.normal(0, 25, (n, 1)).astype(np.int64) + np.zeros((1, g), np.int64)
-        gpu_idx = np.broadcast_to(np.arange(g, dtype=np.int16)[None, :], (n, g))
-        xt = np.array([x[0] for x in xids], float)
-        return Chunk(
-            stamp[present.T], gpu_idx[present.T], uuid.T[present.T].astype(np.int32), metrics,
-            self.wall_ms(xt) if len(xids) else np.zeros(0, np.int64),
-            np.array([x[1] for x in xids], np.int16), np.array([x[2] for x in xids], np.int32), failures,
-        )
-
-    # -- pieces of a step --------------------------------------------------------
+        return {S.GPU_TEMP: np.round(temp, 1), S.MEMORY_TEMP: np.round(mem_temp, 1), S.POWER: np.round(power, 1),
+                S.SM_CLOCK: clock, S.THROTTLE: throttle}
 
     def _node_util(self, t: np.ndarray) -> np.ndarray:
         util = np.zeros(t.shape)

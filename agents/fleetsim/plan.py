@@ -79,7 +79,7 @@ class NodePlan:
     absent_windows: list[tuple[float, float]] = field(default_factory=list)  # whole node silent
     reboots: list[float] = field(default_factory=list)  # volatile counters restart here
     brakes: list[tuple[float, float]] = field(default_factory=list)  # HW power brake
-    storms: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, gpu, xid, 0)
+    storms: list[tuple[float, int, int]] = field(default_factory=list)  # application XIDs: (t, gpu, xid)
     failures: list[Failure] = field(default_factory=list)
     outages: list[Outage] = field(default_factory=list)
 
@@ -122,8 +122,8 @@ class NodePlan:
         code = int(rng.choice(APP_STORM_XIDS[0], p=APP_STORM_XIDS[1]))
         for gpu in gpus:
             for _ in range(rng.integers(1, 3)):
-                self.storms.append((t + rng.uniform(0, 20), int(gpu), code, 0))
-            self.storms.append((t + rng.uniform(20, 60), int(gpu), 45, 0))
+                self.storms.append((t + rng.uniform(0, 20), int(gpu), code))
+            self.storms.append((t + rng.uniform(20, 60), int(gpu), 45))
 
     def _plan_node_events(self, t0: float, t1: float) -> None:
         rng, span = self.rng, t1 - t0
