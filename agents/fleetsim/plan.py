@@ -96,10 +96,12 @@ class NodePlan:
             self._plan_failures(t0, self.until)
 
     def add_scheduled(self, gpu: int, mode: str, t: float) -> None:
-        """A demo failure: its precursor is never faint and starts after the start."""
+        """A demo failure: its precursor is never faint or short, and starts after the start."""
         self._add_failure(gpu, mode, t, max_duration=0.9 * t)
         f = self.failures[-1]
         f.strength = max(f.strength, 1.0)
+        if mode in PRECURSOR_DURATION:
+            f.duration = min(max(f.duration, PRECURSOR_DURATION[mode][0]), 0.9 * t)
         if f.mode in PEAK_RATE:
             f.peak = max(f.peak, float(np.sqrt(np.prod(PEAK_RATE[f.mode]))))
 
