@@ -20,7 +20,7 @@ def make_rows(n, t0=1_700_000_000_000, node="n0"):
              S.SBE: float(i), S.NVLINK_CRC: None} for i in range(n)]
 
 
-def wait_for(cond, timeout=10.0):
+def wait_for(cond, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out"
