@@ -44,7 +44,7 @@ class Agent:
         deadline = None if duration_s is None else time.monotonic() + duration_s
         self.sampler.start()
         try:
-            while not self._stop.wait(0.2):
+            while not self._stop.wait(1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))):
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 if self.source.finished:  # the tick that emptied it has delivered its rows
