@@ -143,7 +143,7 @@ class Exporter:
 
         self._server = ThreadingHTTPServer((addr, port), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="agents-metrics", daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 1.0}, name="agents-metrics", daemon=True).start()
         return self._server.server_address[1]
 
     def close(self) -> None:

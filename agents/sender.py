@@ -121,7 +121,7 @@ class Sender:
                     self._cond.wait(timeout=self.backoff_s[1])
 
     def _next_wake(self) -> float:
-        now, waits = time.monotonic(), [1.0]
+        now, waits = time.monotonic(), [30.0]  # put() and close() notify: idle means asleep
         if self._rows["telemetry"]:
             waits.append(self._oldest + self.batch_s - now)
         if len(self.spool):
