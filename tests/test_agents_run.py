@@ -125,12 +125,12 @@ def test_usage_errors_exit_2(args, env, message):
 
 
 def test_replay_reads_traces_without_uuid_and_with_extra_columns(tmp_path):
-    """Recorded traces vary: dictionary-encoded nodes, no uuid column, columns we do not know."""
+    """Recorded traces vary: microsecond times, dictionary-encoded nodes, no uuid, columns we do not know."""
     import pyarrow as pa
 
     n = 6
     table = pa.table({
-        "timestamp": pa.array([1_700_000_000_000 + 60_000 * (i // 2) for i in range(n)], pa.int64()).cast(pa.timestamp("ms", tz="UTC")),
+        "timestamp": pa.array([1_700_000_000_000_123 + 60_000_000 * (i // 2) for i in range(n)], pa.int64()).cast(pa.timestamp("us")),
         "node": pa.array(["a", "b"] * 3).dictionary_encode(),
         "gpu": pa.array([0] * n, pa.int16()),
         "DCGM_FI_DEV_GPU_TEMP": pa.array([50.0] * n, pa.float32()),
@@ -140,5 +140,6 @@ def test_replay_reads_traces_without_uuid_and_with_extra_columns(tmp_path):
     src = ReplaySource(str(tmp_path), speed=1e9, nodes=["b"])
     rows = src.read()
     assert [r["node"] for r in rows] == ["b"] * 3 and all(r["uuid"] is None for r in rows)
+    assert rows[0]["timestamp"] == 1_700_000_000_000  # microseconds, no zone: read as UTC, truncated to ms
     assert "SOMETHING_ELSE" not in rows[0] and rows[0]["DCGM_FI_DEV_SM_CLOCK"] is None
     assert src.finished and src.xids() == []

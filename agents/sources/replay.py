@@ -27,7 +27,7 @@ def _load(path: str, schema: pa.Schema, nodes: list[str] | None) -> pa.Table:
                 raise ValueError(f"{path}: missing column {f.name!r}")
             cols[f.name] = pa.nulls(t.num_rows, f.type)
         elif f.name == "timestamp":
-            cols[f.name] = pc.cast(t.column(f.name), S.TIMESTAMP).cast(pa.int64())
+            cols[f.name] = pc.cast(t.column(f.name), S.TIMESTAMP, safe=False).cast(pa.int64())  # us/ns truncate to ms
         else:
             cols[f.name] = t.column(f.name).cast(f.type)  # dictionary-encoded names become strings
     t = pa.table(cols)
