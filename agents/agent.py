@@ -6,7 +6,7 @@ import threading
 import time
 
 from agents.exporter import Exporter
-from agents.sampler import Sampler
+from agents.sampler import Sampler, Sink
 from agents.sender import Sender
 from agents.sources.base import Source
 from agents.spool import Spool
@@ -20,7 +20,7 @@ class Agent:
 
     def __init__(self, source: Source, interval_s: float, *, predictor: str | None = None, token: str | None = None,
                  spool_dir: str | None = None, spool_max_bytes: int = 256 << 20, batch_s: float = 10.0,
-                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1"):
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", sinks: tuple[Sink, ...] = ()):
         self.source, self.stats = source, AgentStats()
         self.sender = None
         spool = None
@@ -31,8 +31,8 @@ class Agent:
             self.sender = Sender(predictor, token, spool, self.stats, batch_s=batch_s)
         self.exporter = Exporter(self.stats, spool, source.model_name, stale_s=max(60.0, 3 * interval_s))
         self.metrics_port = self.exporter.serve(metrics_port, metrics_addr) if metrics_port is not None else None
-        sinks = [self.exporter.observe] + ([self.sender.put] if self.sender else [])
-        self.sampler = Sampler(source, sinks, interval_s, self.stats)
+        all_sinks = [self.exporter.observe] + ([self.sender.put] if self.sender else []) + list(sinks)
+        self.sampler = Sampler(source, all_sinks, interval_s, self.stats)
         self._stop = threading.Event()
 
     def stop(self) -> None:

@@ -201,10 +201,16 @@ def run(source, predictor, token_file, token_argv, interval, metrics_port, metri
                                f"use --token-file PATH or ${TOKEN_ENV}")
     token = _read_token(token_file) if predictor else None
     src, node = _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet)
+    from tqdm import tqdm
+
+    # a replay has an end: show how far it got, on a terminal only
+    bar = tqdm(total=getattr(src, "total_samples", None), unit="sample", desc="replay", file=sys.stderr,
+               disable=True if source != "replay" else None)
     try:
         agent = Agent(src, interval, predictor=predictor, token=token, spool_dir=spool_dir or _default_spool_dir(node),
                       spool_max_bytes=int(spool_max_mb * (1 << 20)), batch_s=batch_seconds,
-                      metrics_port=metrics_port or None, metrics_addr=metrics_addr)
+                      metrics_port=metrics_port or None, metrics_addr=metrics_addr,
+                      sinks=(lambda samples, xids: bar.update(len(samples)),))
     except (OSError, ValueError) as e:
         src.close()
         raise click.UsageError(str(e)) from None
@@ -215,6 +221,7 @@ def run(source, predictor, token_file, token_argv, interval, metrics_port, metri
     if agent.metrics_port:
         log.info("serving /metrics on http://%s:%d/metrics", metrics_addr, agent.metrics_port)
     counters = agent.run(duration, drain_seconds)
+    bar.close()
     if as_json:
         click.echo(json.dumps(counters, indent=1))
 

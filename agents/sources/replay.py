@@ -82,5 +82,9 @@ class ReplaySource(Source):
         return self._model
 
     @property
+    def total_samples(self) -> int:
+        return self._tel.num_rows
+
+    @property
     def finished(self) -> bool:
         return self._pos["telemetry"] >= self._tel.num_rows and self._pos["xid"] >= self._xid.num_rows
