@@ -17,6 +17,7 @@ import sys
 import threading
 from typing import Iterator
 
+from ..drain import SaveHandle
 from ..manager import CheckpointManager
 from .risk import RiskListener, read_token
 from .urgency import SaveRequests
@@ -50,6 +51,7 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | N
             handle = mgr.save(done, state, urgent=urgent)
             if urgent:
                 log.warning("urgent checkpoint at step %d", done)
+                threading.Thread(target=_report_durable, args=(handle,), daemon=True).start()
             if preempted:
                 handle.wait()
                 log.warning("preempted: step %d is durable; exiting", done)
@@ -60,6 +62,16 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | N
     mgr.wait()
     if listener is not None:
         listener.close()
+
+
+def _report_durable(handle: SaveHandle) -> None:
+    try:
+        handle.wait()
+        log.warning("urgent checkpoint of step %d durable in every tier %.2f s after save() (%s)", handle.step,
+                    max(handle.durable_s.values(), default=0.0),
+                    ", ".join(f"{t} {s:.2f} s" for t, s in handle.durable_s.items()))
+    except Exception as e:  # the next save()/wait() raises it too
+        log.error("urgent checkpoint of step %d failed: %s", handle.step, e)
 
 
 def _listen(mgr: CheckpointManager, url: str, token: str | None, requests: SaveRequests) -> RiskListener | None:
