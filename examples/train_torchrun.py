@@ -71,7 +71,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '13,27:save'")
-    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--fault-rank", type=int, default=1, help="the rank that faults or asks for --urgent-at")
+    ap.add_argument("--urgent-at", type=int, default=None,
+                    help="that rank alone requests an urgent checkpoint after this step (all ranks must take it)")
     ap.add_argument("--memory-dir", default="/dev/shm")
     ap.add_argument("--out", default=None, help="rank 0 writes the final weights digest and timings here (JSON)")
     args = ap.parse_args()
@@ -99,7 +101,8 @@ def main() -> None:
     t_start = time.time()
     batches = iter(loader)
     first = None
-    for step in ckpt.resumable(mgr, state, total=args.steps, every=args.every):
+    requests = ckpt.SaveRequests()
+    for step in ckpt.resumable(mgr, state, total=args.steps, every=args.every, requests=requests):
         if first is None:
             first = step
             logging.info("incarnation %d: first step %d at %.3f", incarnation, step, time.time())
@@ -113,6 +116,8 @@ def main() -> None:
         loss.backward()
         optim.step()
         sched.step()
+        if rank == args.fault_rank and step + 1 == args.urgent_at:
+            requests.request()
         marker = Path(args.root) / f"fault-{step + 1}.fired"
         if step + 1 in faults and not marker.exists():
             marker.touch()
