@@ -76,6 +76,11 @@ def main() -> None:
                     help="that rank alone requests an urgent checkpoint after this step (all ranks must take it)")
     ap.add_argument("--memory-dir", default="/dev/shm")
     ap.add_argument("--out", default=None, help="rank 0 writes the final weights digest and timings here (JSON)")
+    ap.add_argument("--predictor", default=None,
+                    help="predictor URL: take urgent checkpoints on its alarms (job token in $CKPT_PREDICTOR_TOKEN)")
+    ap.add_argument("--elevated-every", type=int, default=None, help="checkpoint interval while a node is at risk")
+    ap.add_argument("--step-time", type=float, default=0.0, help="pad each step to this many seconds (demos)")
+    ap.add_argument("--timeline", default=None, help="rank 0 appends one JSON line per completed step here")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s")
@@ -102,7 +107,10 @@ def main() -> None:
     batches = iter(loader)
     first = None
     requests = ckpt.SaveRequests()
-    for step in ckpt.resumable(mgr, state, total=args.steps, every=args.every, requests=requests):
+    timeline = open(args.timeline, "a", buffering=1) if args.timeline and rank == 0 else None
+    for step in ckpt.resumable(mgr, state, total=args.steps, every=args.every, requests=requests,
+                               predictor=args.predictor, elevated_every=args.elevated_every):
+        t_step = time.monotonic()
         if first is None:
             first = step
             logging.info("incarnation %d: first step %d at %.3f", incarnation, step, time.time())
@@ -116,6 +124,9 @@ def main() -> None:
         loss.backward()
         optim.step()
         sched.step()
+        time.sleep(max(0.0, args.step_time - (time.monotonic() - t_step)))
+        if timeline:
+            timeline.write(json.dumps({"step": step + 1, "t": time.time(), "incarnation": incarnation}) + "\n")
         if rank == args.fault_rank and step + 1 == args.urgent_at:
             requests.request()
         marker = Path(args.root) / f"fault-{step + 1}.fired"
