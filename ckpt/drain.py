@@ -57,6 +57,25 @@ class SaveHandle:
         return self
 
 
+class Lease:
+    """Calls ``release`` once every holder has let go: a memory slot that two drains
+    (disk, and an urgent upload) read at the same time is reused only after both."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._holders, self._release, self._lock = 1, release, threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self._release()
+
+
 @dataclass(order=True)
 class _Job:
     priority: int

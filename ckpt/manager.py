@@ -9,17 +9,19 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from .drain import Drainer, SaveHandle
+from .drain import Drainer, Lease, SaveHandle
 from .errors import CheckpointError
 from .manifest import Manifest, ShardManifest
 from .memory import DEFAULT_SHM_DIR, SlotPool, TensorCopier, namespace_dir, plan_layout
 from .checksum import DEFAULT_CHUNK_BYTES
+from .offload import Offloader
 from .restore import restore_newest
 from .state import flatten, load_into
 from .tensor_io import with_checksums
 from .tiers.base import CheckpointId, CheckpointInfo, Tier
 from .tiers.local import LocalDiskTier
 from .tiers.memory import MemoryTier, SlotReader
+from .tiers.object_store import ObjectStoreTier
 
 log = logging.getLogger(__name__)
 
@@ -30,29 +32,51 @@ def memory_namespace(root: str | os.PathLike | None, run: str | None, memory_dir
 
 
 class CheckpointManager:
-    """Tiered asynchronous checkpoints: memory (shared, survives the trainer) → local disk.
+    """Tiered asynchronous checkpoints: memory (shared, survives the trainer) → local disk
+    → object store (survives the node).
 
-    ``root`` is the local-disk tier's directory. ``keep_last`` is how many complete
-    checkpoints each durable tier keeps; the newest is never deleted.
+    ``root`` is the local-disk tier's directory (None: no disk tier). ``keep_last`` is how
+    many complete checkpoints each durable tier keeps, one number for all or per tier
+    (``{"disk": 3, "object": 10}``); the newest is never deleted.
+
+    ``object_store`` (an fsspec URL such as ``s3://bucket/prefix/run-42`` or ``file:///…``,
+    or a ready ``Tier``) adds the off-node tier, filled in the background from the disk
+    tier (from memory without one), at most once per ``object_interval_s``;
+    ``storage_options`` go to fsspec (s3fs: endpoint_url, key, secret, …; by default the
+    AWS environment and config are used).
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, run: str | None = None,
-                 memory_dir: str = DEFAULT_SHM_DIR, state: Mapping[str, Any] | None = None,
-                 threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        if keep_last < 1:
+    def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
+                 run: str | None = None, memory_dir: str = DEFAULT_SHM_DIR, state: Mapping[str, Any] | None = None,
+                 threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES, object_store: str | Tier | None = None,
+                 storage_options: dict | None = None, object_interval_s: float = 0.0) -> None:
+        if root is None and object_store is None:
+            raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
+        self.keep_last_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
+        self.keep_last = keep_last if isinstance(keep_last, int) else 3  # for tiers not named
+        if min([self.keep_last, *self.keep_last_by_tier.values()]) < 1:
             raise ValueError("keep_last must be >= 1: the newest complete checkpoint is never deleted")
-        self.keep_last, self.threads, self.chunk_bytes = keep_last, threads, chunk_bytes
+        self.threads, self.chunk_bytes = threads, chunk_bytes
         self.rank, self.world_size = 0, 1
         self.run = run or "default"
-        self.disk = LocalDiskTier(root, threads=threads)
-        self.disk.root.mkdir(parents=True, exist_ok=True)
+        self.disk = LocalDiskTier(root, threads=threads) if root is not None else None
+        if self.disk is not None:
+            self.disk.root.mkdir(parents=True, exist_ok=True)
+        self.object: Tier | None = None
+        if object_store is not None:
+            self.object = (object_store if isinstance(object_store, Tier)
+                           else ObjectStoreTier(object_store, storage_options))
         ns = memory_namespace(root, self.run, memory_dir)
-        self.pool = SlotPool(ns, self.rank, owner={"root": str(self.disk.root.resolve()), "run": self.run})
+        owner_root = str(self.disk.root.resolve()) if self.disk is not None else self.object.location
+        self.pool = SlotPool(ns, self.rank, owner={"root": owner_root, "run": self.run})
         self.memory = MemoryTier(ns, self.rank, self.pool)
-        self.tiers: list[Tier] = [self.memory, self.disk]
-        self.durable: list[Tier] = [self.disk]
-        for leftover in self.disk.cleanup():
-            log.info("removed leftover of an interrupted save: %s", leftover)
+        self.tiers: list[Tier] = [t for t in (self.memory, self.disk, self.object) if t is not None]
+        self.durable: list[Tier] = [self.disk] if self.disk is not None else []
+        for tier in self.tiers[1:]:
+            for leftover in tier.cleanup():
+                log.info("removed leftover of an interrupted save: %s", leftover)
+        self._offload = None if self.object is None else Offloader(
+            self.object, interval_s=object_interval_s, world_size=self.world_size, retention=self._apply_retention)
         self._copier = TensorCopier()
         self._drainer = Drainer()
         self._handles: list[SaveHandle] = []
@@ -72,9 +96,14 @@ class CheckpointManager:
         self._prepared = True
 
     def save(self, step: int, state: Mapping[str, Any], *, urgent: bool = False) -> SaveHandle:
-        """Copy ``state`` into shared memory and return; durability follows in the background."""
+        """Copy ``state`` into shared memory and return; durability follows in the background.
+
+        ``urgent`` (a failure is predicted) puts this checkpoint ahead of anything queued
+        and sends it straight from memory to the object store; ``handle.wait("object")``
+        returns once it is durable off-node, and ``handle.durable_s`` says how long that took.
+        """
         t0 = time.monotonic()
-        self._drainer.raise_error()
+        self._raise_background_errors()
         if self._prepared:
             self.pool.wait_prepared()
         flat = flatten(state)
@@ -94,29 +123,45 @@ class CheckpointManager:
         except BaseException:
             slot.idle.set()
             raise
-        handle = SaveHandle(ckpt_id.step, [t.name for t in self.durable])
+        upload = self._offload is not None and self._offload.wants(urgent)
+        handle = SaveHandle(ckpt_id.step, [t.name for t in self.durable] + ([self.object.name] if upload else []))
         handle.blocking_s = time.monotonic() - t0
+        if upload:
+            self._offload.claim(handle, urgent)
         self._handles = [h for h in self._handles if not h.done] + [handle]
-        self._drainer.submit(lambda: self._drain(slot, manifest, ckpt_id, handle), handle, urgent=urgent,
-                             on_exit=slot.idle.set)
+        lease = Lease(slot.idle.set)
+        self._drainer.submit(lambda: self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease), handle,
+                             urgent=urgent, on_exit=lease.release)
         return handle
 
-    def _drain(self, slot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle) -> None:
+    def _drain(self, slot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle,
+               upload: bool = False, urgent: bool = False, lease: Lease | None = None) -> None:
         reader = SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, check_seal=False)
         try:
             reader.manifest = with_checksums(reader, self.threads)
             slot.seal(reader.manifest)  # memory restores can now verify too
+            if upload and (urgent or self.disk is None):  # straight from memory; the slot waits for both
+                lease.hold()
+                sealed = reader.manifest
+                self._offload.submit(ckpt_id, lambda: SlotReader(slot.meta_path, slot.data_path, sealed, slot.buffer,
+                                                                 check_seal=False),
+                                     handle, urgent=urgent, pin=False, on_exit=lease.release)
             for tier in self.durable:
                 ref = tier.write_shard(ckpt_id, reader)
                 tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, [ref]))
                 handle.mark(tier.name)
+                if upload and tier is self.disk and not urgent:
+                    self._offload.submit(ckpt_id, lambda ref=ref: self.disk.open_shard(ckpt_id, ref), handle,
+                                         urgent=False, pin=True)
                 self._apply_retention(tier)
         finally:
             reader.close()
 
     def _apply_retention(self, tier: Tier) -> None:
         infos = tier.list()
-        keep = {i.id for i in [i for i in infos if i.complete][-self.keep_last:]}
+        keep_last = self.keep_last_by_tier.get(tier.name, self.keep_last)
+        keep = {i.id for i in [i for i in infos if i.complete][-keep_last:]}
+        keep |= self._offload.pinned if self._offload is not None and tier is self.disk else set()
         oldest_kept = min(keep, default=None)
         for info in infos:
             if info.id not in keep and (oldest_kept is None or info.id < oldest_kept):
@@ -133,7 +178,12 @@ class CheckpointManager:
         for h in list(self._handles):
             if step is None or h.step == step:
                 h.wait(timeout=timeout)
+        self._raise_background_errors()
+
+    def _raise_background_errors(self) -> None:
         self._drainer.raise_error()
+        if self._offload is not None:
+            self._offload.raise_error()
 
     # -- restoring ----------------------------------------------------------------
 
@@ -164,7 +214,11 @@ class CheckpointManager:
             self._drainer.join()
         finally:
             self._drainer.close()
-            self.pool.close()
+            try:
+                if self._offload is not None:
+                    self._offload.close()
+            finally:
+                self.pool.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -1,0 +1,201 @@
+"""Object-store tier: the copy that survives losing the node (S3 via s3fs, or any fsspec URL).
+
+Same layout as the disk tier, under a URL prefix: ``<prefix>/<step-….gN>/rank-NNNNN.bin``,
+``rank-NNNNN.json`` and ``manifest.json``, the commit, written last. Until that
+object exists the checkpoint is invisible; once it exists nothing under the
+checkpoint's prefix is ever written again. Downloads are parallel ranged reads,
+each verified against the manifest's chunk CRCs by ``tensor_io``.
+"""
+from __future__ import annotations
+
+import logging
+import posixpath
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ..checksum import crc32c_of
+from ..errors import CheckpointError, DamagedCheckpoint, ManifestError
+from ..manifest import MANIFEST_FILE, Manifest, ShardRef, shard_manifest_file
+from ..retry import RetryPolicy
+from .base import CheckpointId, CheckpointInfo, ShardReader, Tier, check_shard, parse_commit
+from .uploads import open_store, uploader_for
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PART_BYTES = 64 << 20
+DEFAULT_CONCURRENCY = 8
+
+
+class ObjectShardReader(ShardReader):
+    """Ranged GETs; ``io_depth`` tells ``tensor_io`` how many to keep in flight."""
+
+    def __init__(self, tier: "ObjectStoreTier", path: str, manifest, step: int) -> None:
+        self.manifest, self.location = manifest, tier.url_of(path)
+        self.io_depth = tier.concurrency
+        self._tier, self._path, self._step = tier, path, step
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        n = len(out)
+        if not n:
+            return
+        fs = self._tier.fs
+        try:
+            data = self._tier.retry.call(lambda: fs.cat_file(self._path, start=offset, end=offset + n),
+                                         f"read {self.location} bytes {offset}..{offset + n}")
+        except FileNotFoundError:
+            raise DamagedCheckpoint(self._step, self.location, "disappeared while being read", self._tier.name) from None
+        if len(data) != n:
+            raise EOFError(f"{self.location}: object ends at {offset + len(data)}, needed {offset + n}")
+        out[:] = data
+
+
+class ObjectStoreTier(Tier):
+    """Checkpoints under an fsspec URL. ``part_size`` and ``concurrency`` shape transfers
+    (parts of one multipart upload, and ranged reads, in flight); ``retry`` bounds how long
+    an outage is ridden out before the write fails and its upload is aborted."""
+
+    name = "object"
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, part_size: int = DEFAULT_PART_BYTES,
+                 concurrency: int = DEFAULT_CONCURRENCY, retry: RetryPolicy | None = None) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        self.url, self.part_size, self.concurrency = url, part_size, concurrency
+        self.retry = retry or RetryPolicy()
+        self.fs, root = open_store(url, storage_options, concurrency)
+        self.root = root.rstrip("/")
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ckpt-upload")
+        self._uploader = uploader_for(self.fs, self._pool, part_size, self.retry)
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def url_of(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def _key(self, ckpt_id: CheckpointId, file: str = "") -> str:
+        return posixpath.join(self.root, ckpt_id.name, file) if file else posixpath.join(self.root, ckpt_id.name)
+
+    # -- reading ------------------------------------------------------------------
+
+    def list(self) -> list[CheckpointInfo]:
+        self.fs.invalidate_cache(self.root)
+        paths = self.retry.call(lambda: self.fs.glob(posixpath.join(self.root, "step-*", MANIFEST_FILE)),
+                           f"list {self.url}")
+        ids = {p: CheckpointId.parse(posixpath.basename(posixpath.dirname(p))) for p in paths}
+        ids = {p: i for p, i in ids.items() if i is not None}
+        if not ids:
+            return []
+        raws = self.retry.call(lambda: self.fs.cat(sorted(ids), on_error="return"), f"read manifests under {self.url}")
+        out = []
+        for path, cid in ids.items():
+            raw = raws.get(path)
+            try:
+                if not isinstance(raw, bytes):
+                    raise ManifestError(f"{self.url_of(path)}: unreadable ({raw!r})")
+                m = parse_commit(raw, cid, self.url_of(path))
+                out.append(CheckpointInfo(cid, self.name, m.created, m.total_bytes, m.world_size))
+            except ManifestError as e:
+                out.append(CheckpointInfo(cid, self.name, 0.0, 0, 0, error=str(e)))
+        return sorted(out, key=lambda i: i.id)
+
+    def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
+        path = self._key(ckpt_id, MANIFEST_FILE)
+        raw = self.retry.call(lambda: self.fs.cat_file(path), f"read {self.url_of(path)}")
+        return parse_commit(raw, ckpt_id, self.url_of(path))
+
+    def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
+        man_path, data_path = self._key(ckpt_id, ref.manifest_file), self._key(ckpt_id, ref.data_file)
+        self.fs.invalidate_cache(self._key(ckpt_id))
+        raw = self._missing_as_none(lambda: self.fs.cat_file(man_path), man_path)
+        info = self._missing_as_none(lambda: self.fs.info(data_path), data_path)
+        man = check_shard(ckpt_id, ref, raw, None if info is None else int(info["size"]),
+                          self.url_of(man_path), self.url_of(data_path), self.name)
+        return ObjectShardReader(self, data_path, man, ckpt_id.step)
+
+    def _missing_as_none(self, fn, path: str):
+        try:
+            return self.retry.call(fn, f"read {self.url_of(path)}")
+        except FileNotFoundError:
+            return None
+
+    def _committed(self, ckpt_id: CheckpointId) -> bool:
+        path = self._key(ckpt_id, MANIFEST_FILE)
+        self.fs.invalidate_cache(self._key(ckpt_id))
+        return self.retry.call(lambda: self.fs.exists(path), f"check {self.url_of(path)}")
+
+    # -- writing ------------------------------------------------------------------
+
+    def write_shard(self, ckpt_id: CheckpointId, source: ShardReader) -> ShardRef:
+        man = source.manifest
+        if not man.has_checksums:
+            raise ValueError("the object-store tier only accepts shards with checksums")
+        if self._committed(ckpt_id):
+            raise CheckpointError(f"step {ckpt_id} is already committed in {self.url}; refusing to overwrite it")
+
+        def read(offset: int, nbytes: int) -> bytes:
+            view = source.view(offset, nbytes)
+            if view is not None:
+                return bytes(view)
+            buf = bytearray(nbytes)
+            source.read_into(offset, memoryview(buf))
+            return bytes(buf)
+
+        self._uploader.put_large(self._key(ckpt_id, man.data_file), man.data_bytes, read)
+        raw = man.to_bytes()
+        self._uploader.put(self._key(ckpt_id, shard_manifest_file(man.rank)), raw)
+        return ShardRef(man.rank, crc32c_of(raw), man.data_bytes)
+
+    def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
+        if self._committed(ckpt_id):
+            raise CheckpointError(f"step {ckpt_id} is already committed in {self.url}; refusing to overwrite it")
+        self._uploader.put(self._key(ckpt_id, MANIFEST_FILE), manifest.to_bytes())
+
+    def delete(self, ckpt_id: CheckpointId) -> None:
+        man = self._key(ckpt_id, MANIFEST_FILE)
+        self.retry.call(lambda: self._rm(man), f"delete {self.url_of(man)}")
+        self.retry.call(lambda: self._rm(self._key(ckpt_id), recursive=True), f"delete {self.url_of(self._key(ckpt_id))}")
+
+    def _rm(self, path: str, recursive: bool = False) -> None:
+        try:
+            self.fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
+
+    def cleanup(self, min_age_s: float = 0.0) -> list[str]:
+        """Abort unfinished multipart uploads, then remove checkpoints without a commit and
+        stray temporary objects, all idle for ``min_age_s`` (0 at start-up, when nothing of
+        ours can be in flight)."""
+        removed = self._uploader.sweep(self.root, min_age_s)
+        self.fs.invalidate_cache(self.root)
+        files = self.retry.call(lambda: self.fs.find(self.root, detail=True), f"list {self.url}")
+        by_ckpt: dict[str, list[str]] = {}
+        for path in files:
+            rel = posixpath.relpath(path, self.root).split("/")
+            if len(rel) == 2 and CheckpointId.parse(rel[0]) is not None:
+                by_ckpt.setdefault(rel[0], []).append(path)
+        for name, paths in by_ckpt.items():
+            committed = any(posixpath.basename(p) == MANIFEST_FILE for p in paths)
+            doomed = [p for p in paths if not committed or ".tmp-" in posixpath.basename(p)]
+            if not doomed or (min_age_s and min(self._age_s(files[p]) for p in doomed) < min_age_s):
+                continue
+            if committed:
+                for p in doomed:
+                    self.retry.call(lambda p=p: self._rm(p), f"delete {self.url_of(p)}")
+            else:
+                self.retry.call(lambda n=name: self._rm(posixpath.join(self.root, n), recursive=True), f"delete {name}")
+            removed.extend(self.url_of(p) for p in doomed)
+        return removed
+
+    @staticmethod
+    def _age_s(info: dict) -> float:
+        mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
+        if mtime is None:
+            return float("inf")
+        ts = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
+        return time.time() - ts
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
