@@ -83,6 +83,8 @@ class CheckpointManager:
         self._generation: int | None = None
         self._prepared = False
         self.stall_s = 0.0  # total time save() waited for a slot still draining
+        if self._offload is not None:
+            self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:
             self.prepare(state)
 

@@ -39,14 +39,21 @@ class S3Server:
                 "client_kwargs": {"region_name": "us-east-1"},
                 "config_kwargs": {"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}, **config}}
 
+    def freeze(self) -> None:
+        """SIGSTOP the server: connections are accepted by the kernel and then hang, as in a partition."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     @contextmanager
     def frozen(self):
-        """SIGSTOP the server (connections hang, as in a network partition); SIGCONT on exit."""
-        self.proc.send_signal(signal.SIGSTOP)
+        """Frozen for the block (thawed on exit, also when the block thawed it already)."""
+        self.freeze()
         try:
             yield
         finally:
-            self.proc.send_signal(signal.SIGCONT)
+            self.thaw()
 
 
 def _wait_up(endpoint: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:

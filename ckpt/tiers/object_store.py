@@ -51,13 +51,15 @@ class ObjectShardReader(ShardReader):
 
 class ObjectStoreTier(Tier):
     """Checkpoints under an fsspec URL. ``part_size`` and ``concurrency`` shape transfers
-    (parts of one multipart upload, and ranged reads, in flight); ``retry`` bounds how long
-    an outage is ridden out before the write fails and its upload is aborted."""
+    (parts of one multipart upload, and ranged reads, in flight); one upload request that
+    has not finished after ``request_timeout_s`` is abandoned and retried; ``retry`` bounds
+    how long an outage is ridden out before the write fails and its upload is aborted."""
 
     name = "object"
 
     def __init__(self, url: str, storage_options: dict | None = None, *, part_size: int = DEFAULT_PART_BYTES,
-                 concurrency: int = DEFAULT_CONCURRENCY, retry: RetryPolicy | None = None) -> None:
+                 concurrency: int = DEFAULT_CONCURRENCY, request_timeout_s: float = 300.0,
+                 retry: RetryPolicy | None = None) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.url, self.part_size, self.concurrency = url, part_size, concurrency
@@ -65,7 +67,7 @@ class ObjectStoreTier(Tier):
         self.fs, root = open_store(url, storage_options, concurrency)
         self.root = root.rstrip("/")
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ckpt-upload")
-        self._uploader = uploader_for(self.fs, self._pool, part_size, self.retry)
+        self._uploader = uploader_for(self.fs, part_size, self.retry, self._pool, request_timeout_s)
 
     @property
     def location(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import posixpath
 import uuid
 from abc import ABC, abstractmethod
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
+from fsspec.exceptions import FSTimeoutError
 from fsspec.core import split_protocol, url_to_fs
 
 from ..retry import RetryPolicy
@@ -32,14 +34,15 @@ S3_MIN_PART = 5 << 20  # S3 refuses smaller parts (except the last)
 
 def open_store(url: str, storage_options: dict | None, concurrency: int) -> tuple[AbstractFileSystem, str]:
     """The filesystem and root path behind ``url``. On S3, the tier gets its own client with
-    a connection pool as large as the transfers in flight (botocore's default is 10) and
-    without s3fs's inner retry loop, so ``RetryPolicy`` is the one place retries happen."""
+    a connection pool as large as the transfers in flight (botocore's default is 10), no
+    listing cache, and no s3fs inner retry loop, so ``RetryPolicy`` is the one place
+    retries happen."""
     opts = dict(storage_options or {})
     s3 = split_protocol(url)[0] in S3_PROTOCOLS
     if s3:
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("max_pool_connections", max(10, 2 * concurrency))
-        opts.update(config_kwargs=config, skip_instance_cache=True)
+        opts.update(config_kwargs=config, skip_instance_cache=True, use_listings_cache=False)  # other nodes write too
     fs, root = url_to_fs(url, **opts)
     if s3:
         fs.retries = 1
@@ -57,8 +60,8 @@ def _fsync(f: Any) -> None:
 
 
 class Uploader(ABC):
-    def __init__(self, fs: AbstractFileSystem, pool: ThreadPoolExecutor, part_size: int, retry: RetryPolicy) -> None:
-        self.fs, self.pool, self.part_size, self.retry = fs, pool, part_size, retry
+    def __init__(self, fs: AbstractFileSystem, part_size: int, retry: RetryPolicy) -> None:
+        self.fs, self.part_size, self.retry = fs, part_size, retry
 
     @abstractmethod
     def put(self, path: str, data: bytes) -> None:
@@ -76,11 +79,15 @@ class Uploader(ABC):
 class StreamUploader(Uploader):
     """Any fsspec filesystem: one sequential stream per object, retried whole."""
 
+    def _open(self, path: str, **kwargs: Any) -> Any:
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)  # real directories where there are any
+        return self.fs.open(path, "wb", **kwargs)
+
     def put(self, path: str, data: bytes) -> None:
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
 
         def attempt() -> None:
-            with self.fs.open(tmp, "wb") as f:
+            with self._open(tmp) as f:
                 f.write(data)
                 _fsync(f)
             self.fs.mv(tmp, path)  # a rename where the store has one
@@ -93,7 +100,7 @@ class StreamUploader(Uploader):
 
     def put_large(self, path: str, size: int, read: Read) -> None:
         def attempt() -> None:
-            with self.fs.open(path, "wb", block_size=self.part_size) as f:
+            with self._open(path, block_size=self.part_size) as f:
                 for off in range(0, size, self.part_size):
                     f.write(read(off, min(self.part_size, size - off)))
                 _fsync(f)
@@ -106,10 +113,22 @@ class StreamUploader(Uploader):
 
 
 class S3MultipartUploader(Uploader):
-    """s3fs: parallel multipart uploads through s3fs's own (async) client and credentials."""
+    """s3fs: parallel multipart uploads through s3fs's own (async) client and credentials.
+
+    Each request is bounded by ``request_timeout_s``: botocore's read timeout does not fire
+    while a body is still being sent, so a store that stops reading would hang a part forever.
+    """
+
+    def __init__(self, fs: AbstractFileSystem, part_size: int, retry: RetryPolicy, pool: ThreadPoolExecutor,
+                 request_timeout_s: float) -> None:
+        super().__init__(fs, part_size, retry)
+        self.pool, self.request_timeout_s = pool, request_timeout_s
 
     def _call(self, method: str, **kwargs: Any) -> dict:
-        return sync(self.fs.loop, self.fs._call_s3, method, **kwargs)
+        try:
+            return sync(self.fs.loop, self.fs._call_s3, method, timeout=self.request_timeout_s, **kwargs)
+        except FSTimeoutError:
+            raise TimeoutError(f"{method}: no answer within {self.request_timeout_s:g} s") from None
 
     def put(self, path: str, data: bytes) -> None:
         bucket, key, _ = self.fs.split_path(path)
@@ -204,11 +223,12 @@ def _remove_quietly(fs: AbstractFileSystem, path: str) -> None:
         pass
 
 
-def uploader_for(fs: AbstractFileSystem, pool: ThreadPoolExecutor, part_size: int, retry: RetryPolicy) -> Uploader:
-    """Multipart on S3; a plain stream everywhere else."""
+def uploader_for(fs: AbstractFileSystem, part_size: int, retry: RetryPolicy, pool: ThreadPoolExecutor,
+                 request_timeout_s: float) -> Uploader:
+    """Multipart on S3 (parts sent by ``pool``); a plain stream everywhere else."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
     if any(p in S3_PROTOCOLS for p in protocols):
         if part_size < S3_MIN_PART:
             raise ValueError(f"part_size {part_size} is below S3's minimum of {S3_MIN_PART} bytes (5 MiB)")
-        return S3MultipartUploader(fs, pool, part_size, retry)
-    return StreamUploader(fs, pool, part_size, retry)
+        return S3MultipartUploader(fs, part_size, retry, pool, request_timeout_s)
+    return StreamUploader(fs, part_size, retry)
