@@ -74,7 +74,7 @@ def read_tensors(
         if progress:
             progress(hi - lo)
 
-    _run(one, _pieces(man.tensors, chunk), max(threads, reader.io_depth))
+    _run(one, _pieces(man.tensors, chunk), threads)
     return out
 
 
@@ -98,7 +98,7 @@ def verify_shard(reader: ShardReader, *, step: int = -1, tier: str = "", threads
         if progress:
             progress(hi - lo)
 
-    _run(one, _pieces(man.tensors, chunk), max(threads, reader.io_depth))
+    _run(one, _pieces(man.tensors, chunk), threads)
 
 
 def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> ShardManifest:

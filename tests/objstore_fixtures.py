@@ -69,12 +69,12 @@ def _wait_up(endpoint: str, proc: subprocess.Popen, timeout: float = 30.0) -> No
     raise RuntimeError(f"moto_server did not answer on {endpoint}")
 
 
-@pytest.fixture(scope="session")
-def s3_server():
+@contextmanager
+def moto_server(env: dict | None = None):
+    """Start ``moto_server`` on a free loopback port; stop it (thawed first) on exit."""
     port = _free_port()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    proc = subprocess.Popen([str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],
+                            env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         endpoint = f"http://127.0.0.1:{port}"
         _wait_up(endpoint, proc)
@@ -89,9 +89,19 @@ def s3_server():
             proc.wait()
 
 
+def create_bucket(server: S3Server, name: str | None = None) -> str:
+    name = name or f"ckpt-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(skip_instance_cache=True, **server.options()).call_s3("create_bucket", Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    with moto_server() as server:
+        yield server
+
+
 @pytest.fixture
 def s3_bucket(s3_server):
     """A fresh, empty bucket; returns its name."""
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.options()).call_s3("create_bucket", Bucket=name)
-    return name
+    return create_bucket(s3_server)

@@ -70,7 +70,6 @@ class ShardReader(ABC):
 
     manifest: ShardManifest
     location: str  # for messages: the data file's path or URL
-    io_depth: int = 1  # reads worth keeping in flight; high-latency stores want many
 
     @abstractmethod
     def read_into(self, offset: int, out: memoryview) -> None:

@@ -3,8 +3,9 @@
 Same layout as the disk tier, under a URL prefix: ``<prefix>/<step-….gN>/rank-NNNNN.bin``,
 ``rank-NNNNN.json`` and ``manifest.json``, the commit, written last. Until that
 object exists the checkpoint is invisible; once it exists nothing under the
-checkpoint's prefix is ever written again. Downloads are parallel ranged reads,
-each verified against the manifest's chunk CRCs by ``tensor_io``.
+checkpoint's prefix is ever written again. Downloads are parallel ranged reads
+(``ranged.RangedReader``), each piece verified against the manifest's chunk CRCs
+by ``tensor_io``.
 """
 from __future__ import annotations
 
@@ -18,40 +19,18 @@ from ..errors import CheckpointError, DamagedCheckpoint, ManifestError
 from ..manifest import MANIFEST_FILE, Manifest, ShardRef, shard_manifest_file
 from ..retry import RetryPolicy
 from .base import CheckpointId, CheckpointInfo, ShardReader, Tier, check_shard, parse_commit
+from .ranged import RangedReader
 from .uploads import open_store, uploader_for
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PART_BYTES = 64 << 20
+DEFAULT_PART_BYTES = 32 << 20
 DEFAULT_CONCURRENCY = 8
 
 
-class ObjectShardReader(ShardReader):
-    """Ranged GETs; ``io_depth`` tells ``tensor_io`` how many to keep in flight."""
-
-    def __init__(self, tier: "ObjectStoreTier", path: str, manifest, step: int) -> None:
-        self.manifest, self.location = manifest, tier.url_of(path)
-        self.io_depth = tier.concurrency
-        self._tier, self._path, self._step = tier, path, step
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        n = len(out)
-        if not n:
-            return
-        fs = self._tier.fs
-        try:
-            data = self._tier.retry.call(lambda: fs.cat_file(self._path, start=offset, end=offset + n),
-                                         f"read {self.location} bytes {offset}..{offset + n}")
-        except FileNotFoundError:
-            raise DamagedCheckpoint(self._step, self.location, "disappeared while being read", self._tier.name) from None
-        if len(data) != n:
-            raise EOFError(f"{self.location}: object ends at {offset + len(data)}, needed {offset + n}")
-        out[:] = data
-
-
 class ObjectStoreTier(Tier):
-    """Checkpoints under an fsspec URL. ``part_size`` and ``concurrency`` shape transfers
-    (parts of one multipart upload, and ranged reads, in flight); one upload request that
+    """Checkpoints under an fsspec URL. ``part_size`` and ``concurrency`` shape transfers:
+    the size of upload parts and download ranges, and how many are in flight; one upload request that
     has not finished after ``request_timeout_s`` is abandoned and retried; ``retry`` bounds
     how long an outage is ridden out before the write fails and its upload is aborted."""
 
@@ -112,9 +91,18 @@ class ObjectStoreTier(Tier):
         self.fs.invalidate_cache(self._key(ckpt_id))
         raw = self._missing_as_none(lambda: self.fs.cat_file(man_path), man_path)
         info = self._missing_as_none(lambda: self.fs.info(data_path), data_path)
+        where = self.url_of(data_path)
         man = check_shard(ckpt_id, ref, raw, None if info is None else int(info["size"]),
-                          self.url_of(man_path), self.url_of(data_path), self.name)
-        return ObjectShardReader(self, data_path, man, ckpt_id.step)
+                          self.url_of(man_path), where, self.name)
+
+        def fetch(offset: int, nbytes: int) -> bytes:
+            try:
+                return self.retry.call(lambda: self.fs.cat_file(data_path, start=offset, end=offset + nbytes),
+                                       f"read {where} bytes {offset}..{offset + nbytes}")
+            except FileNotFoundError:
+                raise DamagedCheckpoint(ckpt_id.step, where, "disappeared while being read", self.name) from None
+
+        return RangedReader(fetch, man, where, block=self.part_size, depth=self.concurrency, pool=self._pool)
 
     def _missing_as_none(self, fn, path: str):
         try:

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 Read = Callable[[int, int], bytes]  # (offset, nbytes) -> those bytes of the source
 S3_PROTOCOLS = ("s3", "s3a")
 S3_MIN_PART = 5 << 20  # S3 refuses smaller parts (except the last)
+S3_MAX_PARTS = 10_000
 
 
 def open_store(url: str, storage_options: dict | None, concurrency: int) -> tuple[AbstractFileSystem, str]:
@@ -139,11 +140,12 @@ class S3MultipartUploader(Uploader):
             self.put(path, read(0, size))
             return
         bucket, key, _ = self.fs.split_path(path)
+        part_size = max(self.part_size, -(-size // S3_MAX_PARTS))  # very large shards need larger parts
         upload = self.retry.call(lambda: self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"],
                                  f"start upload of {path}")
         where = dict(Bucket=bucket, Key=key, UploadId=upload)
         try:
-            etags = self._send_parts(path, size, read, where)
+            etags = self._send_parts(path, size, part_size, read, where)
             parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
             whole = _multipart_etag(etags)
 
@@ -160,14 +162,14 @@ class S3MultipartUploader(Uploader):
             self._abort(path, where)
             raise
 
-    def _send_parts(self, path: str, size: int, read: Read, where: dict) -> list[str]:
+    def _send_parts(self, path: str, size: int, part_size: int, read: Read, where: dict) -> list[str]:
         """Each part is read when a worker takes it, so at most ``pool`` parts sit in memory."""
         def part(number: int, off: int) -> str:
-            body = read(off, min(self.part_size, size - off))
+            body = read(off, min(part_size, size - off))
             return self.retry.call(lambda: self._call("upload_part", PartNumber=number, Body=body, **where)["ETag"],
                                    f"upload part {number} of {path}")
 
-        futures = [self.pool.submit(part, i + 1, off) for i, off in enumerate(range(0, size, self.part_size))]
+        futures = [self.pool.submit(part, i + 1, off) for i, off in enumerate(range(0, size, part_size))]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f for f in done if f.exception() is not None), None)
         if failed is not None:
