@@ -68,7 +68,9 @@ class CheckpointManager:
                            else ObjectStoreTier(object_store, storage_options))
         ns = memory_namespace(root, self.run, memory_dir)
         owner_root = str(self.disk.root.resolve()) if self.disk is not None else self.object.location
-        self.pool = SlotPool(ns, self.rank, owner={"root": owner_root, "run": self.run})
+        # Without a disk tier a slot stays busy while it uploads: a third keeps save() from waiting on it.
+        self.pool = SlotPool(ns, self.rank, slots=2 if self.disk is not None else 3,
+                             owner={"root": owner_root, "run": self.run})
         self.memory = MemoryTier(ns, self.rank, self.pool)
         self.tiers: list[Tier] = [t for t in (self.memory, self.disk, self.object) if t is not None]
         self.durable: list[Tier] = [self.disk] if self.disk is not None else []

@@ -72,6 +72,10 @@ class ObjectStoreTier(Tier):
         out = []
         for path, cid in ids.items():
             raw = raws.get(path)
+            if isinstance(raw, FileNotFoundError):
+                continue  # deleted since the listing: retention at work
+            if isinstance(raw, Exception):  # a hiccup is not damage
+                raw = self.retry.call(lambda p=path: self.fs.cat_file(p), f"read {self.url_of(path)}")
             try:
                 if not isinstance(raw, bytes):
                     raise ManifestError(f"{self.url_of(path)}: unreadable ({raw!r})")

@@ -8,6 +8,7 @@ orphaned upload (which S3 bills for) is left behind.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
@@ -37,12 +38,21 @@ def open_store(url: str, storage_options: dict | None, concurrency: int) -> tupl
     """The filesystem and root path behind ``url``. On S3, the tier gets its own client with
     a connection pool as large as the transfers in flight (botocore's default is 10), no
     listing cache, and no s3fs inner retry loop, so ``RetryPolicy`` is the one place
-    retries happen."""
+    retries happen.
+
+    botocore hashes every request body (SHA-256 for the signature over plain HTTP, and a
+    CRC32) on s3fs's single event-loop thread, which then caps the upload rate. Here each
+    body carries a Content-MD5 that the worker sending it computes, in parallel, and S3
+    rejects a part whose bytes do not match it; botocore's own hashing is turned off
+    unless ``storage_options`` set it.
+    """
     opts = dict(storage_options or {})
     s3 = split_protocol(url)[0] in S3_PROTOCOLS
     if s3:
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("max_pool_connections", max(10, 2 * concurrency))
+        config.setdefault("request_checksum_calculation", "when_required")
+        config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
         opts.update(config_kwargs=config, skip_instance_cache=True, use_listings_cache=False)  # other nodes write too
     fs, root = url_to_fs(url, **opts)
     if s3:
@@ -133,7 +143,9 @@ class S3MultipartUploader(Uploader):
 
     def put(self, path: str, data: bytes) -> None:
         bucket, key, _ = self.fs.split_path(path)
-        self.retry.call(lambda: self._call("put_object", Bucket=bucket, Key=key, Body=data), f"write {path}")
+        md5 = _content_md5(data)
+        self.retry.call(lambda: self._call("put_object", Bucket=bucket, Key=key, Body=data, ContentMD5=md5),
+                        f"write {path}")
 
     def put_large(self, path: str, size: int, read: Read) -> None:
         if size <= self.part_size:
@@ -166,8 +178,9 @@ class S3MultipartUploader(Uploader):
         """Each part is read when a worker takes it, so at most ``pool`` parts sit in memory."""
         def part(number: int, off: int) -> str:
             body = read(off, min(part_size, size - off))
-            return self.retry.call(lambda: self._call("upload_part", PartNumber=number, Body=body, **where)["ETag"],
-                                   f"upload part {number} of {path}")
+            md5 = _content_md5(body)
+            return self.retry.call(lambda: self._call("upload_part", PartNumber=number, Body=body, ContentMD5=md5,
+                                                      **where)["ETag"], f"upload part {number} of {path}")
 
         futures = [self.pool.submit(part, i + 1, off) for i, off in enumerate(range(0, size, part_size))]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -210,6 +223,10 @@ class S3MultipartUploader(Uploader):
             if not page.get("IsTruncated"):
                 return swept
             marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+
+def _content_md5(body: bytes) -> str:
+    return base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
 
 
 def _multipart_etag(etags: list[str]) -> str:
