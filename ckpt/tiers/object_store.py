@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -128,13 +129,18 @@ class ObjectStoreTier(Tier):
         if self._committed(ckpt_id):
             raise CheckpointError(f"step {ckpt_id} is already committed in {self.url}; refusing to overwrite it")
 
-        def read(offset: int, nbytes: int) -> bytes:
+        buffers = threading.local()  # one per sending thread for this upload: fresh memory faults on every touch
+
+        def read(offset: int, nbytes: int) -> bytearray:
+            buf = getattr(buffers, "buf", None)
+            if buf is None or len(buf) != nbytes:
+                buf = buffers.buf = bytearray(nbytes)
             view = source.view(offset, nbytes)
             if view is not None:
-                return bytes(view)
-            buf = bytearray(nbytes)
-            source.read_into(offset, memoryview(buf))
-            return bytes(buf)
+                memoryview(buf)[:] = view
+            else:
+                source.read_into(offset, memoryview(buf))
+            return buf
 
         self._uploader.put_large(self._key(ckpt_id, man.data_file), man.data_bytes, read)
         raw = man.to_bytes()

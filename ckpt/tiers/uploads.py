@@ -28,7 +28,8 @@ from ..retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
-Read = Callable[[int, int], bytes]  # (offset, nbytes) -> those bytes of the source
+# (offset, nbytes) -> those bytes of the source, in a buffer the calling thread may reuse at its next call
+Read = Callable[[int, int], "bytes | bytearray"]
 S3_PROTOCOLS = ("s3", "s3a")
 S3_MIN_PART = 5 << 20  # S3 refuses smaller parts (except the last)
 S3_MAX_PARTS = 10_000
@@ -80,7 +81,8 @@ class Uploader(ABC):
 
     @abstractmethod
     def put_large(self, path: str, size: int, read: Read) -> None:
-        """Write ``size`` bytes obtained piecewise from ``read``; leave nothing behind on failure."""
+        """Write ``size`` bytes obtained piecewise from ``read`` (each piece consumed before the
+        same thread reads the next); leave nothing behind on failure."""
 
     def sweep(self, prefix: str, min_age_s: float = 0.0) -> list[str]:
         """Abort unfinished uploads under ``prefix`` older than ``min_age_s``; return what went."""
