@@ -89,7 +89,7 @@ class Drainer:
     def __init__(self, name: str = "ckpt-drain") -> None:
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._seq = itertools.count()
-        self._errors: list[BaseException] = []
+        self._errors: list[tuple[int, BaseException]] = []  # (step, error), not yet raised
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -110,7 +110,7 @@ class Drainer:
                 log.error("background save of step %d failed: %s", job.handle.step, e)
                 job.handle.fail(e)
                 with self._lock:
-                    self._errors.append(e)
+                    self._errors.append((job.handle.step, e))
             finally:
                 job.on_exit()
                 self._queue.task_done()
@@ -121,7 +121,8 @@ class Drainer:
             errors, self._errors = self._errors, []
         if errors:
             extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise BackgroundError(f"a background checkpoint write failed: {errors[0]}{extra}") from errors[0]
+            step, error = errors[0]
+            raise BackgroundError(f"background write of step {step} failed: {error}{extra}") from error
 
     def join(self) -> None:
         self._queue.join()

@@ -159,6 +159,7 @@ class ShardManifest:
     tensors: list[TensorEntry]
     tree: Any
     chunk_bytes: int
+    world_size: int = 1
     checksum: str = ALGORITHM
     format_version: str = FORMAT_VERSION
 
@@ -173,7 +174,8 @@ class ShardManifest:
     def to_bytes(self) -> bytes:
         return dumps({
             "format_version": self.format_version, "rank": self.rank, "step": self.step,
-            "generation": self.generation, "data_file": self.data_file, "data_bytes": self.data_bytes,
+            "generation": self.generation, "world_size": self.world_size, "data_file": self.data_file,
+            "data_bytes": self.data_bytes,
             "chunk_bytes": self.chunk_bytes, "checksum": self.checksum,
             "tensors": [t.to_json() for t in self.tensors], "tree": self.tree,
         })
@@ -185,6 +187,9 @@ class ShardManifest:
         if doc.get("checksum") != ALGORITHM:
             raise ManifestError(f"{what}: unsupported checksum {doc.get('checksum')!r}")
         rank, data_bytes, chunk = _int(doc, "rank"), _int(doc, "data_bytes"), _int(doc, "chunk_bytes", 1)
+        world = _int(doc, "world_size", 1)
+        if rank >= world:
+            raise ManifestError(f"{what}: rank {rank} outside world size {world}")
         if doc.get("data_file") != shard_data_file(rank):
             raise ManifestError(f"{what}: data file {doc.get('data_file')!r} does not belong to rank {rank}")
         raw = doc.get("tensors")
@@ -194,7 +199,7 @@ class ShardManifest:
         if sorted(t.id for t in tensors) != list(range(len(tensors))):
             raise ManifestError(f"{what}: tensor ids are not 0..{len(tensors) - 1}")
         return cls(rank, _int(doc, "step"), _int(doc, "generation"), data_bytes,
-                   sorted(tensors, key=lambda t: t.id), doc.get("tree"), chunk, format_version=doc["format_version"])
+                   sorted(tensors, key=lambda t: t.id), doc.get("tree"), chunk, world, format_version=doc["format_version"])
 
 
 @dataclass(frozen=True)

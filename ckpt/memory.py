@@ -19,6 +19,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import socket
 import stat
 import threading
@@ -30,7 +31,7 @@ import torch
 
 from .errors import CheckpointError
 from .fsutil import atomic_write
-from .manifest import DTYPE_NAMES, ShardManifest, TensorEntry
+from .manifest import DTYPE_NAMES, ManifestError, ShardManifest, TensorEntry
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,18 @@ def rank_dir(ns: Path, rank: int) -> Path:
     return ns / f"rank-{rank:05d}"
 
 
+def namespaces_of_root(root_real: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[Path]:
+    """Every namespace of this user whose owner recorded ``root_real`` (any run id)."""
+    found = []
+    for owner in sorted(Path(shm_dir).glob(f"ckpt-guard-{os.getuid()}-*/rank-*/owner.json")):
+        try:
+            if json.loads(owner.read_text()).get("root") == root_real and owner.parent.parent not in found:
+                found.append(owner.parent.parent)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return found
+
+
 def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry], int]:
     """Offsets for each tensor in the shard's data file, aligned for any dtype view."""
     entries, offset = [], 0
@@ -69,6 +82,39 @@ def _private_dir(path: Path) -> None:
         raise CheckpointError(f"{path} is not a private directory of this user; refusing to use it")
 
 
+def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int]], *, force: bool = False) -> list[str]:
+    """Remove rank directories whose owner is gone (their lock is free), when every
+    sealed (generation, step) in them is also in ``durable``, or with ``force``."""
+    removed = []
+    for ns in spaces:
+        for rdir in sorted(ns.glob("rank-*")):
+            try:
+                fd = os.open(rdir / "lock", os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a live owner
+            try:
+                sealed = set()
+                for meta in rdir.glob("slot-*.json"):
+                    try:
+                        m = ShardManifest.from_bytes(meta.read_bytes())
+                        sealed.add((m.generation, m.step))
+                    except (OSError, ManifestError):
+                        continue
+                if force or sealed <= durable:
+                    shutil.rmtree(rdir, ignore_errors=True)
+                    removed.append(str(rdir))
+            finally:
+                os.close(fd)
+        if ns.is_dir() and not any(ns.iterdir()):
+            ns.rmdir()
+    return removed
+
+
 class ShmSlot:
     """One shared-memory file, mapped once and pre-faulted, reused save after save."""
 
@@ -80,6 +126,8 @@ class ShmSlot:
         self._mmap: mmap.mmap | None = None
         self.idle = threading.Event()  # set when no drain is reading this slot
         self.idle.set()
+        sealed = self.sealed() if self.meta_path.exists() else None
+        self.holds: tuple[int, int] | None = (sealed.generation, sealed.step) if sealed else None  # (gen, step)
 
     def ensure(self, nbytes: int) -> None:
         """Allocate (or grow to) ``nbytes``, map and pre-fault; keeps existing contents."""
@@ -114,14 +162,16 @@ class ShmSlot:
     def sealed(self) -> ShardManifest | None:
         try:
             return ShardManifest.from_bytes(self.meta_path.read_bytes(), str(self.meta_path))
-        except FileNotFoundError:
+        except (FileNotFoundError, ManifestError):
             return None
 
     def unseal(self) -> None:
+        self.holds = None
         self.meta_path.unlink(missing_ok=True)
 
     def seal(self, manifest: ShardManifest) -> None:
         atomic_write(self.meta_path, manifest.to_bytes(), durable=False, mode=0o600)
+        self.holds = (manifest.generation, manifest.step)
 
     def release(self) -> None:
         self.buffer = None
@@ -155,8 +205,10 @@ class SlotPool:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise CheckpointError(f"{self.dir} is in use by another live process (same root, run and rank); "
-                                  "give each job its own run= id") from None
+            raise CheckpointError(f"{self.dir} is in use by another live process (same root, run and rank): "
+                                  "is the job already running? Each job needs its own checkpoint root") from None
+        for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
+            tmp.unlink(missing_ok=True)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})}
         atomic_write(self.dir / "owner.json", json.dumps(info).encode(), durable=False, mode=0o600)
         self.slots = [ShmSlot(self.dir / f"slot-{k}.bin") for k in range(slots)]
@@ -184,14 +236,10 @@ class SlotPool:
             err, self._prepare_error = self._prepare_error, None
             raise err
 
-    def newest(self) -> tuple[ShmSlot, ShardManifest] | None:
-        sealed = [(s, m) for s in self.slots if (m := s.sealed()) is not None]
-        return max(sealed, key=lambda sm: (sm[1].generation, sm[1].step), default=None)
-
     def target(self) -> ShmSlot:
         """The slot the next snapshot goes to: never the one holding the newest sealed state."""
-        newest = self.newest()
-        candidates = [s for s in self.slots if newest is None or s is not newest[0]]
+        newest = max((s for s in self.slots if s.holds), key=lambda s: s.holds, default=None)
+        candidates = [s for s in self.slots if s is not newest]
         idle = [s for s in candidates if s.idle.is_set()]
         return (idle or candidates)[0]
 

@@ -15,17 +15,20 @@ import time
 from typing import Callable
 
 from .drain import Drainer, SaveHandle
-from .manifest import Manifest
+from .manifest import ShardRef
 from .tiers.base import CheckpointId, ShardReader, Tier
 
 log = logging.getLogger(__name__)
 
 
 class Offloader:
-    def __init__(self, tier: Tier, *, interval_s: float, world_size: int,
-                 retention: Callable[[Tier], None]) -> None:
-        self.tier, self.interval_s, self.world_size = tier, interval_s, world_size
-        self._retention = retention
+    """``commit`` makes an uploaded shard visible (rank 0 waits for every rank's);
+    ``retention`` (None on ranks that do not own retention) trims the tier after."""
+
+    def __init__(self, tier: Tier, *, commit: Callable[[Tier, CheckpointId, ShardRef], None],
+                 retention: Callable[[Tier], None] | None, interval_s: float) -> None:
+        self.tier, self.interval_s = tier, interval_s
+        self._commit, self._retention = commit, retention
         self._drainer = Drainer("ckpt-offload")
         self._lock = threading.Lock()
         self._pinned: set[CheckpointId] = set()
@@ -73,11 +76,12 @@ class Offloader:
             ref = self.tier.write_shard(ckpt_id, reader)
         finally:
             reader.close()
-        self.tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, [ref]))
+        self._commit(self.tier, ckpt_id, ref)
+        if self._retention is not None:
+            self._retention(self.tier)
         handle.mark(self.tier.name)
         log.info("step %d is durable off-node in %s, %.1f s after save()", ckpt_id.step, self.tier.location,
                  handle.durable_s[self.tier.name])
-        self._retention(self.tier)
 
     def raise_error(self) -> None:
         self._drainer.raise_error()

@@ -8,8 +8,9 @@ from typing import Any, Mapping, Sequence
 
 
 from .errors import CheckpointError, DamagedCheckpoint, ManifestError
+from .locations import tiers_for
 from .state import tensor_targets, unflatten
-from .tensor_io import Progress, read_tensors
+from .tensor_io import Progress, read_tensors, verify_shard
 from .tiers.base import CheckpointId, CheckpointInfo, Tier
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,10 @@ def read_checkpoint(tier: Tier, ckpt_id: CheckpointId, *, rank: int = 0, world_s
     if world_size is not None and manifest.world_size != world_size:
         raise CheckpointError(f"step {ckpt_id.step} was saved by {manifest.world_size} ranks; this job has "
                               f"{world_size}. Resume with the same world size (resharding is not supported)")
-    reader = tier.open_shard(ckpt_id, manifest.shards[rank])
+    ref = next((s for s in manifest.shards if s.rank == rank), None)
+    if ref is None:
+        raise FileNotFoundError(f"step {ckpt_id.step}: rank {rank}'s shard is not in {tier.location}")
+    reader = tier.open_shard(ckpt_id, ref)
     try:
         targets = tensor_targets(state, reader.manifest.tree) if state is not None else {}
         tensors = read_tensors(reader, targets, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
@@ -62,7 +66,7 @@ def restore_newest(tiers: Sequence[Tier], *, step: int | None = None, rank: int 
         try:
             return cand, read_checkpoint(cand.tier, cand.info.id, rank=rank, world_size=world_size, state=state,
                                          threads=threads, progress=progress)
-        except (DamagedCheckpoint, ManifestError, OSError, EOFError) as e:
+        except (DamagedCheckpoint, ManifestError, OSError, EOFError) as e:  # OSError covers a missing shard
             log.warning("skipping step %d in tier %s (%s): %s", cand.info.id.step, cand.tier.name,
                         cand.tier.location, e)
             failures.append(f"{cand.tier.name}: {e}")
@@ -71,3 +75,28 @@ def restore_newest(tiers: Sequence[Tier], *, step: int | None = None, rank: int 
                               + "; every candidate is damaged:\n  " + "\n  ".join(failures)
                               + ("\nthe objects in state may be partly overwritten" if state else ""))
     return None
+
+
+def verify_checkpoint(tier: Tier, ckpt_id: CheckpointId, *, threads: int = 4,
+                      progress: Progress | None = None) -> bool:
+    """Check every byte of every shard against the manifest. Returns False when the copy
+    is sealed but has no checksums yet (a memory slot still draining); raises if damaged."""
+    manifest = tier.read_manifest(ckpt_id)
+    for ref in manifest.shards:
+        reader = tier.open_shard(ckpt_id, ref)
+        try:
+            if not reader.manifest.has_checksums:
+                return False
+            verify_shard(reader, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
+        finally:
+            reader.close()
+    return True
+
+
+def load(location: str, step: int | None = None, *, run: str | None = None) -> dict:
+    """Read a checkpoint into plain tensors and values, without any training objects
+    (inspection, export, inference). Newest valid one unless ``step`` is given."""
+    found = restore_newest(tiers_for(location, run=run), step=step)
+    if found is None:
+        raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
+    return found[1]

@@ -18,7 +18,12 @@ import torch
 from .errors import CheckpointError
 from .manifest import DTYPE_NAMES, DTYPES, ManifestError
 
-_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__",
+try:  # DTensor (FSDP2, tensor parallel): each rank keeps its local shard
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = ()  # type: ignore[assignment,misc]
+
+_TAGS = ("__tensor__", "__dtensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__",
          "__device__", "__size__", "__npscalar__")
 _NP_KINDS = set("biufc")
 
@@ -29,6 +34,11 @@ class FlatState:
     tree: Any
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The bytes this rank holds: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -36,19 +46,27 @@ def is_stateful(obj: Any) -> bool:
 def flatten(state: Mapping[str, Any]) -> FlatState:
     """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely."""
     tensors: list[tuple[str, torch.Tensor]] = []
+    seen: dict[tuple, int] = {}  # tied weights (same memory, same view) are stored once
 
     def enc(obj: Any, path: str) -> Any:
+        if isinstance(obj, DTensor):
+            return {"__dtensor__": enc(obj.to_local(), path)["__tensor__"]}
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
                 raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
             if obj.dtype not in DTYPE_NAMES:
                 raise CheckpointError(f"{path}: unsupported dtype {obj.dtype}")
+            key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride())
+            if obj.numel() and key in seen:
+                return {"__tensor__": seen[key]}
             tensors.append((path, obj.detach().resolve_conj().resolve_neg()))
+            seen[key] = len(tensors) - 1
             return {"__tensor__": len(tensors) - 1}
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in _NP_KINDS:
                 raise CheckpointError(f"{path}: numpy arrays of dtype {obj.dtype} are not supported")
-            tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj))))
+            # ascontiguousarray turns a 0-d array into shape (1,); keep the shape
+            tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))))
             return {"__ndarray__": len(tensors) - 1}
         if is_stateful(obj):
             return enc(obj.state_dict(), path)
@@ -101,7 +119,7 @@ def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
 
 def _decode_tag(tag: str, val: Any, dec: Callable[[Any], Any], tensor: Callable[[int], torch.Tensor]) -> Any:
     try:
-        if tag == "__tensor__":
+        if tag in ("__tensor__", "__dtensor__"):
             return tensor(int(val))
         if tag == "__ndarray__":
             return tensor(int(val)).numpy()
@@ -135,20 +153,21 @@ def _hashable(key: Any) -> Any:
 
 
 def tensor_targets(state: Mapping[str, Any], tree: Any) -> dict[int, torch.Tensor]:
-    """Existing CPU tensors in ``state`` that tensor ids of ``tree`` can be read into directly.
+    """Existing tensors in ``state`` (module parameters, optimizer moments, DTensor
+    shards) that the tensor ids of ``tree`` correspond to.
 
-    Reading straight into a module's parameters or an optimizer's moments avoids a
-    second copy and the page faults of fresh memory; load_state_dict then sees the
-    same storage and its copy is a no-op.
+    Reading straight into them avoids a second copy and the page faults of fresh
+    memory; load_state_dict then sees the same storage and its copy is a no-op.
     """
     targets: dict[int, torch.Tensor] = {}
 
     def walk(target: Any, node: Any) -> None:
         if is_stateful(target):
             walk(target.state_dict(), node)
-        elif isinstance(target, torch.Tensor) and isinstance(node, dict) and set(node) == {"__tensor__"}:
-            if target.device.type == "cpu" and target.is_contiguous() and isinstance(node["__tensor__"], int):
-                targets[node["__tensor__"]] = target.detach()
+        elif isinstance(target, torch.Tensor) and isinstance(node, dict) and len(node) == 1:
+            (tag, ref), = node.items()
+            if tag == ("__dtensor__" if isinstance(target, DTensor) else "__tensor__") and isinstance(ref, int):
+                targets[ref] = target.detach()
         elif isinstance(target, Mapping) and isinstance(node, dict):
             if set(node) == {"__dict__"} and isinstance(node["__dict__"], list):
                 pairs = {}

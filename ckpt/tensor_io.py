@@ -6,6 +6,7 @@ copies all release the GIL).
 """
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -14,6 +15,7 @@ import torch
 from .checksum import chunk_checksums, crc32c_of
 from .errors import DamagedCheckpoint
 from .manifest import ShardManifest, TensorEntry
+from .state import local_tensor
 from .tiers.base import ShardReader
 
 Progress = Callable[[int], None]
@@ -42,17 +44,21 @@ def read_tensors(
     threads: int = DEFAULT_THREADS,
     progress: Progress | None = None,
 ) -> list[torch.Tensor]:
-    """Read every tensor of the shard, into ``targets[id]`` where it fits, else into new
-    tensors; verify each piece's CRC when the manifest has them."""
+    """Read every tensor of the shard into ``targets[id]`` (its local shard, for a
+    DTensor) where it fits, else into a new tensor; verify each piece's CRC when the
+    manifest has them. Returns the targets used and the new tensors, by id."""
     man = reader.manifest
     targets = targets or {}
     out: list[torch.Tensor] = []
+    views: list[memoryview] = []
     for e in man.tensors:
         t = targets.get(e.id)
-        if t is None or t.dtype != e.torch_dtype or tuple(t.shape) != e.shape or not t.is_contiguous():
-            t = torch.empty(e.shape, dtype=e.torch_dtype)
+        local = local_tensor(t) if t is not None else None
+        if (local is None or local.device.type != "cpu" or local.dtype != e.torch_dtype
+                or tuple(local.shape) != e.shape or not local.is_contiguous()):
+            t = local = torch.empty(e.shape, dtype=e.torch_dtype)
         out.append(t)
-    views = [byte_view(t) for t in out]
+        views.append(byte_view(local))
     chunk = man.chunk_bytes
 
     def one(piece: tuple[TensorEntry, int]) -> None:
@@ -114,8 +120,7 @@ def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> Shard
 
     with ThreadPoolExecutor(threads) as pool:
         tensors = list(pool.map(one, sorted(man.tensors, key=lambda e: -e.nbytes)))
-    return ShardManifest(man.rank, man.step, man.generation, man.data_bytes,
-                         sorted(tensors, key=lambda e: e.id), man.tree, man.chunk_bytes)
+    return dataclasses.replace(man, tensors=sorted(tensors, key=lambda e: e.id))
 
 
 def _run(fn: Callable, items: list, threads: int) -> None:

@@ -9,6 +9,7 @@ holding, per rank, ``rank-NNNNN.bin`` (all tensor bytes) and ``rank-NNNNN.json``
 Call order for writing one checkpoint::
 
     ref = tier.write_shard(ckpt_id, source)   # each rank; invisible until commit
+    tier.written_shards(ckpt_id)              # coordinator: which ranks are durable
     tier.commit(ckpt_id, manifest)            # coordinator, after every shard is durable
 
 Call order for reading::
@@ -106,6 +107,10 @@ class Tier(ABC):
     @abstractmethod
     def write_shard(self, ckpt_id: CheckpointId, source: ShardReader) -> ShardRef:
         """Copy a shard (data, then its manifest) from ``source``; durable but not yet visible."""
+
+    @abstractmethod
+    def written_shards(self, ckpt_id: CheckpointId) -> dict[int, ShardRef]:
+        """Shards whose data and shard manifest are durable (the coordinator's view before committing)."""
 
     @abstractmethod
     def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:

@@ -125,6 +125,17 @@ class LocalDiskTier(Tier):
             for f in [pool.submit(region, bounds[i], bounds[i + 1]) for i in range(n)]:
                 f.result()
 
+    def written_shards(self, ckpt_id: CheckpointId) -> dict[int, ShardRef]:
+        out = {}
+        for path in self._dir(ckpt_id).glob("rank-*.json"):
+            try:
+                raw = path.read_bytes()
+                man = ShardManifest.from_bytes(raw, str(path))
+            except (OSError, ManifestError):
+                continue  # not there yet, or being replaced
+            out[man.rank] = ShardRef(man.rank, crc32c_of(raw), man.data_bytes)
+        return out
+
     def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
         atomic_write(self._dir(ckpt_id) / MANIFEST_FILE, manifest.to_bytes())
 

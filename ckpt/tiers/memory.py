@@ -97,8 +97,12 @@ class MemoryTier(Tier):
         for meta, man, err in self._sealed():
             if man is None:
                 continue  # an unreadable seal is an invalid slot, not a checkpoint
-            infos.append(CheckpointInfo(CheckpointId(man.generation, man.step), self.name, meta.stat().st_mtime,
-                                        man.data_bytes, 1, checksummed=man.has_checksums))
+            try:
+                sealed_at = meta.stat().st_mtime
+            except FileNotFoundError:
+                continue  # unsealed since it was read: a live job is overwriting the slot
+            infos.append(CheckpointInfo(CheckpointId(man.generation, man.step), self.name, sealed_at,
+                                        man.data_bytes, man.world_size, checksummed=man.has_checksums))
         return sorted(infos, key=lambda i: i.id)
 
     def _find(self, ckpt_id: CheckpointId) -> tuple[Path, ShardManifest]:
@@ -109,8 +113,9 @@ class MemoryTier(Tier):
 
     def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
         meta, man = self._find(ckpt_id)
-        return Manifest(man.step, man.generation, 1, [ShardRef(man.rank, crc32c_of(meta.read_bytes()), man.data_bytes)],
-                        created=meta.stat().st_mtime)
+        # A slot holds one rank's shard: the manifest lists just that one.
+        return Manifest(man.step, man.generation, man.world_size,
+                        [ShardRef(man.rank, crc32c_of(meta.read_bytes()), man.data_bytes)], created=meta.stat().st_mtime)
 
     def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
         meta, man = self._find(ckpt_id)
@@ -122,6 +127,9 @@ class MemoryTier(Tier):
 
     def write_shard(self, ckpt_id: CheckpointId, source: ShardReader) -> ShardRef:
         raise NotImplementedError("the memory tier is written by snapshots (SlotPool.snapshot), not copied into")
+
+    def written_shards(self, ckpt_id: CheckpointId) -> dict[int, ShardRef]:
+        raise NotImplementedError("memory slots are per rank; nothing is committed across ranks here")
 
     def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
         raise NotImplementedError("a memory slot is committed by its seal")

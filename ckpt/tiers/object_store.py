@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..checksum import crc32c_of
 from ..errors import CheckpointError, DamagedCheckpoint, ManifestError
-from ..manifest import MANIFEST_FILE, Manifest, ShardRef, shard_manifest_file
+from ..manifest import MANIFEST_FILE, Manifest, ShardManifest, ShardRef, shard_manifest_file
 from ..retry import RetryPolicy
 from .base import CheckpointId, CheckpointInfo, ShardReader, Tier, check_shard, parse_commit
 from .ranged import RangedReader
@@ -146,6 +146,21 @@ class ObjectStoreTier(Tier):
         raw = man.to_bytes()
         self._uploader.put(self._key(ckpt_id, shard_manifest_file(man.rank)), raw)
         return ShardRef(man.rank, crc32c_of(raw), man.data_bytes)
+
+    def written_shards(self, ckpt_id: CheckpointId) -> dict[int, ShardRef]:
+        """Shard manifests are uploaded after their data object completes, so one listed here is durable."""
+        paths = self.retry.call(lambda: self.fs.glob(self._key(ckpt_id, "rank-*.json")), f"list {self._key(ckpt_id)}")
+        raws = self.retry.call(lambda: self.fs.cat(paths, on_error="return"), f"read shard manifests of {ckpt_id}") \
+            if paths else {}
+        out = {}
+        for path, raw in raws.items():
+            try:
+                if isinstance(raw, bytes):
+                    man = ShardManifest.from_bytes(raw, self.url_of(path))
+                    out[man.rank] = ShardRef(man.rank, crc32c_of(raw), man.data_bytes)
+            except ManifestError:
+                continue  # not ours to judge here: open_shard reports damage
+        return out
 
     def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
         if self._committed(ckpt_id):

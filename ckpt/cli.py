@@ -1,0 +1,193 @@
+"""``ckpt``: list, verify, restore and clean checkpoints after a fault.
+
+Exit codes: 0 ok, 1 failure (damaged, nothing to restore), 2 usage. Every command
+takes ``--json`` for scripts; progress bars appear only on a terminal.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import click
+from tqdm import tqdm
+
+from .errors import CheckpointError, DamagedCheckpoint, ManifestError
+from .locations import tiers_for
+from .manager import merge_listing
+from .manifest import Manifest
+from .memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
+from .restore import candidates, verify_checkpoint
+from .tiers.base import CheckpointId, Tier
+from .tiers.local import LocalDiskTier
+
+_root = click.argument("root")
+_run = click.option("--run", default=None, help="Run id the job used (selects its shared-memory slots).")
+_memdir = click.option("--memory-dir", default=DEFAULT_SHM_DIR, show_default=True, help="Shared-memory directory.")
+_json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Inspect and recover ckpt-guard checkpoints."""
+
+
+def _emit(as_json: bool, payload: object, text: str) -> None:
+    click.echo(json.dumps(payload, indent=2) if as_json else text)
+
+
+@contextmanager
+def _progress(total: int, desc: str, quiet: bool) -> Iterator[tqdm]:
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+              disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
+        yield bar
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@cli.command("ls")
+@_root
+@_run
+@_memdir
+@_json
+def ls_cmd(root: str, run: str | None, memory_dir: str, as_json: bool) -> None:
+    """List checkpoints: step, time, size, tiers holding them, status."""
+    rows = merge_listing(tiers_for(root, run=run, memory_dir=memory_dir))
+    lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  STATUS"]
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
+        status = r["status"] + "".join(f"; {t}: {e}" for t, e in r["damaged"].items())
+        lines.append(f"{r['step']:>10}  {r['generation']:>3}  {when}  {_size(r['bytes']):>10}  "
+                     f"{','.join(r['tiers']) or '-':16}  {status}")
+    _emit(as_json, rows, "\n".join(lines) if rows else f"no checkpoints in {root}")
+
+
+@cli.command("verify")
+@_root
+@click.option("--step", type=int, default=None, help="Only this step.")
+@_run
+@_memdir
+@_json
+def verify_cmd(root: str, step: int | None, run: str | None, memory_dir: str, as_json: bool) -> None:
+    """Check every checksum of every copy; exit 1 naming the damaged files."""
+    tiers = tiers_for(root, run=run, memory_dir=memory_dir)
+    results = []
+    for tier in tiers:
+        for info in tier.list():
+            if step is not None and info.id.step != step:
+                continue
+            row = {"step": info.id.step, "generation": info.id.generation, "tier": tier.name}
+            if not info.complete:
+                row.update(status="damaged", file=tier.location, reason=info.error)
+            else:
+                try:
+                    with _progress(info.bytes, f"verify {info.id.step} ({tier.name})", as_json) as bar:
+                        ok = verify_checkpoint(tier, info.id, progress=bar.update)
+                    row["status"] = "ok" if ok else "unverified (sealed; checksums still being computed)"
+                except DamagedCheckpoint as e:
+                    row.update(status="damaged", file=e.file, reason=e.reason)
+                except (ManifestError, OSError, EOFError) as e:
+                    row.update(status="damaged", file=tier.location, reason=str(e))
+            results.append(row)
+    damaged = [r for r in results if r["status"] == "damaged"]
+    lines = [f"step {r['step']} ({r['tier']}): {r['status']}" + (f": {r['file']}: {r['reason']}" if r["status"] == "damaged" else "")
+             for r in sorted(results, key=lambda r: (r["generation"], r["step"]))]
+    if not results:
+        lines = [f"no checkpoints{'' if step is None else f' for step {step}'} in {root}"]
+    _emit(as_json, {"checkpoints": results, "damaged": len(damaged)}, "\n".join(lines))
+    if damaged or (not results and step is not None):
+        sys.exit(1)
+
+
+@cli.command("restore")
+@_root
+@click.option("--step", type=int, default=None, help="Restore this step (default: newest valid).")
+@click.option("--to", "dest", required=True, type=click.Path(file_okay=False), help="Directory to materialise into.")
+@_run
+@_memdir
+@_json
+def restore_cmd(root: str, step: int | None, dest: str, run: str | None, memory_dir: str, as_json: bool) -> None:
+    """Copy the newest verified checkpoint (or --step) into DEST, loadable by CheckpointManager(DEST)."""
+    target = LocalDiskTier(dest)
+    target.root.mkdir(parents=True, exist_ok=True)
+    skipped = []
+    for cand in candidates(tiers_for(root, run=run, memory_dir=memory_dir), step):
+        try:
+            with _progress(cand.info.bytes * 2, f"restore step {cand.info.id.step} from {cand.tier.name}", as_json) as bar:
+                if not verify_checkpoint(cand.tier, cand.info.id, progress=bar.update):
+                    raise DamagedCheckpoint(cand.info.id.step, cand.tier.location, "checksums not computed yet", cand.tier.name)
+                _copy(cand.tier, target, cand.info.id, bar.update)
+        except (DamagedCheckpoint, ManifestError, OSError, EOFError) as e:
+            skipped.append({"step": cand.info.id.step, "tier": cand.tier.name, "reason": str(e)})
+            click.echo(f"skipping: {e}", err=True)
+            continue
+        out = {"step": cand.info.id.step, "generation": cand.info.id.generation, "from": cand.tier.name,
+               "source": cand.tier.location, "to": str(target.root), "bytes": cand.info.bytes, "skipped": skipped}
+        _emit(as_json, out, f"restored step {out['step']} from {out['from']} ({out['source']}) into {out['to']}")
+        return
+    _emit(as_json, {"error": "no valid checkpoint", "skipped": skipped},
+          f"no valid checkpoint{'' if step is None else f' for step {step}'} in {root}")
+    sys.exit(1)
+
+
+def _copy(source: Tier, target: Tier, ckpt_id: CheckpointId, progress) -> None:
+    manifest = source.read_manifest(ckpt_id)
+    refs = []
+    for ref in manifest.shards:
+        reader = source.open_shard(ckpt_id, ref)
+        try:
+            refs.append(target.write_shard(ckpt_id, reader))
+            progress(ref.data_bytes)
+        finally:
+            reader.close()
+    target.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, manifest.world_size, refs, manifest.created))
+
+
+@cli.command("gc")
+@_root
+@click.option("--keep", type=click.IntRange(min=1), default=None, help="Keep only the N newest complete checkpoints.")
+@click.option("--grace", type=float, default=600.0, show_default=True,
+              help="Leave unfinished writes younger than this many seconds (a live job may own them).")
+@click.option("--force", is_flag=True, help="Also drop orphaned memory slots holding steps not on disk.")
+@_memdir
+@_json
+def gc_cmd(root: str, keep: int | None, grace: float, force: bool, memory_dir: str, as_json: bool) -> None:
+    """Remove leftovers of interrupted saves, memory slots whose job is gone (once their
+    steps are on disk), and, with --keep, old checkpoints."""
+    disk = LocalDiskTier(root)
+    removed = disk.cleanup(min_age_s=grace)
+    on_disk = {(i.id.generation, i.id.step) for i in disk.list() if i.complete}
+    removed += sweep_orphans(namespaces_of_root(os.path.realpath(root), memory_dir), on_disk, force=force)
+    deleted = []
+    if keep is not None:
+        complete = [i for i in disk.list() if i.complete]
+        if complete:
+            oldest_kept = complete[-keep:][0].id
+            for info in disk.list():
+                if info.id < oldest_kept:
+                    disk.delete(info.id)
+                    deleted.append(info.id.step)
+    out = {"leftovers_removed": removed, "checkpoints_deleted": deleted}
+    _emit(as_json, out, f"removed {len(removed)} leftover(s); deleted {len(deleted)} old checkpoint(s)"
+          + (f": steps {', '.join(map(str, deleted))}" if deleted else ""))
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=True)
+    except CheckpointError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Ranks under torch.distributed: who commits, and agreeing on one decision.
+
+Control traffic runs on a dedicated gloo group, so it works beside NCCL and never
+queues behind the training's own collectives. Everything here is called from the
+training thread, at the same point on every rank; the background drain never
+communicates: the coordinator learns that the other ranks' shards are durable by
+seeing their shard manifests in the tier.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointError
+
+
+class Coordinator:
+    """Rank, world size and the few collectives checkpointing needs; trivial when alone."""
+
+    def __init__(self) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.active else 0
+        self.world_size = dist.get_world_size() if self.active else 1
+        # Its own gloo group with a bounded timeout: a dead peer fails a step-boundary
+        # agreement in seconds instead of hanging the survivors until the default 30 min.
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120)) if self.active else None
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def _reduce(self, values: list[int], op: "dist.ReduceOp") -> list[int]:
+        if not self.active:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=op, group=self._group)
+        return t.tolist()
+
+    def any(self, *flags: bool) -> list[bool]:
+        """Each flag, true on every rank if it is true on any (one all-reduce for all)."""
+        return [bool(v) for v in self._reduce([int(f) for f in flags], dist.ReduceOp.MAX)]
+
+    def all(self, flag: bool) -> bool:
+        return bool(self._reduce([int(flag)], dist.ReduceOp.MIN)[0])
+
+    def max(self, value: int) -> int:
+        return self._reduce([value], dist.ReduceOp.MAX)[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small, trusted: our own ranks, never checkpoint bytes)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(group=self._group)
+
+
+def init_process_group(backend: str | None = None, timeout: timedelta = timedelta(minutes=10)) -> None:
+    """``dist.init_process_group`` for torchrun workers that survives restarts.
+
+    torchrun keeps one store across restart attempts; gloo then finds the previous
+    attempt's (dead) peer addresses in it and the first restart fails to connect.
+    Keying the group by the attempt number gives every attempt a clean namespace.
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ckpt-guard/attempt-{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy; raise after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)

@@ -1,0 +1,133 @@
+"""Train a small GPT-style model with DDP under torchrun, checkpointed by ckpt-guard.
+
+    torchrun --nproc-per-node=2 --max-restarts=3 examples/train_torchrun.py --root /tmp/ckpt-demo
+
+Kill any worker at any moment: torchrun restarts the group, every rank restores the
+newest step all ranks hold (from shared memory when it survived), and training goes
+on exactly where it was. ``--faults 13,25:save`` makes rank 1 SIGKILL itself the
+first time it completes step 13, and the moment its snapshot of step 25 is sealed in
+memory, while that checkpoint drains to disk (the fault injector the tests use; each
+fault fires once, remembered by a marker file in the root).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ckpt  # noqa: E402
+from ckpt.distributed import init_process_group  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def synthetic_corpus(n: int, cfg: GPTConfig, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab, (n, cfg.context + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def parse_faults(spec: str) -> dict[int, bool]:
+    """'13,25:save' -> {13: False, 25: True}: step -> kill during that step's save."""
+    return {int(f.split(":")[0]): f.endswith(":save") for f in spec.split(",") if f}
+
+
+def kill_when_sealed(mgr: ckpt.CheckpointManager, step: int) -> None:
+    """SIGKILL this process as soon as its memory snapshot of ``step`` is sealed."""
+    def watch() -> None:
+        while not any(s.holds and s.holds[1] == step for s in mgr.pool.slots):
+            time.sleep(0.0005)
+        logging.info("fault injector: SIGKILL rank %d at step %d during save (%.3f)", dist.get_rank(), step, time.time())
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", required=True, help="checkpoint directory (local-disk tier)")
+    ap.add_argument("--run", default=None, help="run id (default: TORCHELASTIC_RUN_ID or 'default')")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--every", type=int, default=5, help="periodic checkpoint interval, steps")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '13,27:save'")
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--memory-dir", default="/dev/shm")
+    ap.add_argument("--out", default=None, help="rank 0 writes the final weights digest and timings here (JSON)")
+    args = ap.parse_args()
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s")
+    init_process_group()  # restart-safe under torchrun
+    rank, incarnation = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+
+    cfg = GPTConfig.tiny()
+    model = DDP(GPT(cfg).to(device))
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
+    data = synthetic_corpus(args.batch * args.steps, cfg)
+    sampler = ckpt.ResumableSampler(data, seed=args.seed)
+    loader = DataLoader(data, batch_size=args.batch // dist.get_world_size(), sampler=sampler, drop_last=True)
+    state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler, "rng": ckpt.RNGState()}
+
+    faults = parse_faults(args.faults) if rank == args.fault_rank else {}
+    mgr = ckpt.CheckpointManager(args.root, run=args.run or os.environ.get("TORCHELASTIC_RUN_ID"),
+                                 memory_dir=args.memory_dir, keep_last=2, replicated=("model", "optim", "sched"),
+                                 state=state)
+    t_start = time.time()
+    batches = iter(loader)
+    first = None
+    for step in ckpt.resumable(mgr, state, total=args.steps, every=args.every):
+        if first is None:
+            first = step
+            logging.info("incarnation %d: first step %d at %.3f", incarnation, step, time.time())
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, y = next(batches)
+        loss = model.module.loss(x.to(device), y.to(device))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        sched.step()
+        marker = Path(args.root) / f"fault-{step + 1}.fired"
+        if step + 1 in faults and not marker.exists():
+            marker.touch()
+            if faults[step + 1]:
+                kill_when_sealed(mgr, step + 1)  # the loop's save at this boundary triggers it
+            else:
+                logging.info("fault injector: SIGKILL rank %d at step %d (%.3f)", rank, step + 1, time.time())
+                os.kill(os.getpid(), signal.SIGKILL)
+    mgr.close()
+    if rank == 0 and args.out:
+        Path(args.out).write_text(json.dumps({"digest": weights_digest(model.module), "first_step": first,
+                                              "incarnation": incarnation, "seconds": time.time() - t_start}))
+    dist.barrier()  # no rank tears gloo down while its peer is still in a collective
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The ``ckpt`` command line, run as a real subprocess (``python -m ckpt.cli``).
+
+Exit codes: 0 ok, 1 failure (damage found, nothing to restore), 2 usage.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt import CheckpointManager
+from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
+    PYTHON, REPO, assert_same, ckpt_dir, disk_steps, flip_byte, restored, root, shm_dir, step_state, truncate,
+)
+
+
+def ckpt(*args: str | Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([PYTHON, "-m", "ckpt.cli", *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture
+def saved(root: Path, shm_dir: str) -> Path:
+    """Steps 1..3 on disk; 2 and 3 also in the memory slots."""
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, step_state(step))
+        mgr.wait()
+    return root
+
+
+@pytest.fixture
+def no_slots(tmp_path: Path) -> Path:
+    """A --memory-dir without slots: the CLI sees the disk tier only."""
+    path = tmp_path / "no-slots"
+    path.mkdir()
+    return path
+
+
+def test_ls_json_lists_steps_tiers_and_status(saved: Path, shm_dir: str) -> None:
+    r = ckpt("ls", saved, "--memory-dir", shm_dir, "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(row["step"], sorted(row["tiers"]), row["status"]) for row in rows] == [
+        (1, ["disk"], "complete"), (2, ["disk", "memory"], "complete"), (3, ["disk", "memory"], "complete")]
+    assert all(row["bytes"] > 2 << 20 and row["created"] > 0 for row in rows)
+
+
+def test_verify_of_intact_checkpoints_exits_0(saved: Path, shm_dir: str) -> None:
+    r = ckpt("verify", saved, "--memory-dir", shm_dir, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["damaged"] == 0 and len(out["checkpoints"]) == 5  # 3 on disk + 2 in memory
+
+
+def test_verify_names_each_damaged_file_and_exits_1(root: Path, shm_dir: str, no_slots: Path) -> None:
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, step_state(step))
+        mgr.wait()
+    damage = {1: ("flipped byte", "rank-00000.bin", lambda d: flip_byte(d / "rank-00000.bin", 12345)),
+              2: ("truncated file", "rank-00000.bin", lambda d: truncate(d / "rank-00000.bin", 100)),
+              3: ("missing shard manifest", "rank-00000.json", lambda d: (d / "rank-00000.json").unlink()),
+              4: ("flipped commit", "manifest.json", lambda d: flip_byte(d / "manifest.json", 25))}
+    for step, (_, _, do) in damage.items():
+        do(ckpt_dir(root, step))
+    r = ckpt("verify", root, "--memory-dir", shm_dir)
+    assert r.returncode == 1, r.stdout + r.stderr
+    damaged = {int(line.split()[1]): line for line in r.stdout.splitlines() if "damaged" in line}
+    assert sorted(damaged) == [1, 2, 3, 4], r.stdout  # step 5, and the memory copies of 4 and 5, are fine
+    for step, (what, name, _) in damage.items():
+        assert str(ckpt_dir(root, step) / name) in damaged[step] or (what == "flipped commit" and name in damaged[step]), \
+            f"{what}: {damaged[step]}"
+    # --step looks at that step only: the intact newest one passes.
+    r = ckpt("verify", root, "--step", "5", "--memory-dir", no_slots, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [(c["step"], c["status"]) for c in json.loads(r.stdout)["checkpoints"]] == [(5, "ok")]
+
+
+def test_verify_of_a_step_without_commit_exits_1(saved: Path, no_slots: Path) -> None:
+    (ckpt_dir(saved, 3) / "manifest.json").unlink()
+    r = ckpt("verify", saved, "--step", "3", "--memory-dir", no_slots)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "step 3" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["verify", "ROOT", "--step", "three"]], ids=["no-command", "bad-step"])
+def test_usage_errors_exit_2(args: list[str], saved: Path) -> None:
+    r = ckpt(*[saved if a == "ROOT" else a for a in args])
+    assert r.returncode == 2, r.stdout + r.stderr
+
+
+def test_restore_materialises_a_checkpoint_a_manager_can_load(saved: Path, shm_dir: str, tmp_path: Path,
+                                                               no_slots: Path) -> None:
+    dest = tmp_path / "restored"
+    r = ckpt("restore", saved, "--to", dest, "--memory-dir", shm_dir, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["step"] == 3
+    with CheckpointManager(dest, memory_dir=str(no_slots)) as mgr:
+        step, state = restored(mgr)
+    assert step == 3
+    assert_same(state, step_state(3))
+
+
+def test_restore_skips_a_damaged_newest_checkpoint(saved: Path, tmp_path: Path, no_slots: Path) -> None:
+    flip_byte(ckpt_dir(saved, 3) / "rank-00000.bin", 999)
+    dest = tmp_path / "restored"
+    r = ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["step"] == 2 and "rank-00000.bin" in r.stderr
+    with CheckpointManager(dest, memory_dir=str(no_slots)) as mgr:
+        step, state = restored(mgr)
+    assert step == 2
+    assert_same(state, step_state(2))
+
+
+def test_restore_with_nothing_valid_exits_1(tmp_path: Path, no_slots: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    r = ckpt("restore", tmp_path / "empty", "--to", tmp_path / "out", "--memory-dir", no_slots)
+    assert r.returncode == 1, r.stdout + r.stderr
+
+
+def test_gc_keeps_the_newest_and_removes_stale_leftovers(saved: Path, shm_dir: str) -> None:
+    stale = ckpt_dir(saved, 4)  # an interrupted save from an hour ago
+    stale.mkdir()
+    (stale / "rank-00000.bin.tmp77").write_bytes(b"\0" * 64)
+    hour_ago = time.time() - 3600
+    for p in (stale / "rank-00000.bin.tmp77", stale):
+        os.utime(p, (hour_ago, hour_ago))
+    r = ckpt("gc", saved, "--keep", "1", "--memory-dir", shm_dir, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert disk_steps(saved) == [(0, 3)] and not stale.exists()
+    with CheckpointManager(saved, memory_dir=shm_dir) as mgr:
+        step, state = restored(mgr)
+    assert step == 3
+    assert_same(state, step_state(3))
