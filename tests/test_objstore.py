@@ -1,7 +1,11 @@
 """The object-store tier against a real S3 server (moto, on loopback) and file:// URLs."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -275,3 +279,26 @@ def test_outage_mid_upload_training_goes_on_and_the_upload_is_retried(tmp_path, 
         got = blank_like(states[1])
         assert mgr.restore(got, step=1) == 1
         assert_same(got, states[1])
+
+
+def test_cli_reads_s3_urls_with_endpoint_and_credentials_from_the_aws_environment(tmp_path, s3_server, s3_bucket):
+    url = f"s3://{s3_bucket}/run-42"
+    st = make_state(7)
+    with manager(tmp_path, s3_tier(s3_server, s3_bucket)) as mgr:
+        mgr.save(7, st).wait()
+    env = {**os.environ, "AWS_ENDPOINT_URL_S3": s3_server.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "PYTHONPATH": os.getcwd()}
+
+    def ckpt(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ckpt.cli", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    ls = ckpt("ls", url, "--json")
+    assert ls.returncode == 0, ls.stderr
+    assert [(r["step"], r["tiers"]) for r in json.loads(ls.stdout)] == [(7, ["object"])]
+    out = ckpt("restore", url, "--to", str(tmp_path / "restored"), "--json")
+    assert out.returncode == 0, out.stderr
+    with CheckpointManager(tmp_path / "restored", memory_dir=str(tmp_path / "shm2")) as mgr:
+        got = blank_like(st)
+        assert mgr.restore(got) == 7
+        assert_same(got, st)
