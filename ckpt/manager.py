@@ -202,12 +202,13 @@ class CheckpointManager:
             tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref]))
         elif self.coord.is_coordinator:
             refs = wait_until(lambda: (r := tier.written_shards(ckpt_id)) and len(r) == self.world_size and r,
-                              self.commit_timeout_s, f"every rank's shard of step {ckpt_id.step} in {tier.name}")
+                              self.commit_timeout_s, f"every rank's shard of step {ckpt_id.step} in {tier.name}",
+                              tier.poll_s)
             tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size,
                                           [refs[r] for r in sorted(refs)]))
         else:
             wait_until(lambda: self._committed(tier, ckpt_id), self.commit_timeout_s,
-                       f"rank 0 to commit step {ckpt_id.step} in {tier.name}")
+                       f"rank 0 to commit step {ckpt_id.step} in {tier.name}", tier.poll_s)
 
     @staticmethod
     def _committed(tier: Tier, ckpt_id: CheckpointId) -> bool:

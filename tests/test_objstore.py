@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,3 +303,13 @@ def test_cli_reads_s3_urls_with_endpoint_and_credentials_from_the_aws_environmen
         got = blank_like(st)
         assert mgr.restore(got) == 7
         assert_same(got, st)
+
+
+def test_two_ranks_upload_their_shards_and_a_fresh_node_restores_from_the_store(tmp_path):
+    from tests.test_distributed_torchrun import torchrun
+
+    log = torchrun(Path(__file__).with_name("objstore_dist_child.py"), str(tmp_path), str(tmp_path / "shm"))
+    assert log.count("objstore dist ok") == 2, log[-3000:]
+    (tier,) = tiers_for(f"file://{tmp_path}/store")
+    assert [i.id.step for i in tier.list()] == [2, 3]
+    assert all(len(tier.read_manifest(i.id).shards) == 2 for i in tier.list())

@@ -86,6 +86,7 @@ class ShardReader(ABC):
 
 class Tier(ABC):
     name: str = "tier"  # "memory", "disk", "object"
+    poll_s: float = 0.05  # how often ranks look for each other's shards here (a remote look costs a request)
 
     @property
     @abstractmethod

@@ -30,12 +30,17 @@ DEFAULT_CONCURRENCY = 8
 
 
 class ObjectStoreTier(Tier):
-    """Checkpoints under an fsspec URL. ``part_size`` and ``concurrency`` shape transfers:
-    the size of upload parts and download ranges, and how many are in flight; one upload request that
-    has not finished after ``request_timeout_s`` is abandoned and retried; ``retry`` bounds
-    how long an outage is ridden out before the write fails and its upload is aborted."""
+    """Checkpoints under an fsspec URL.
+
+    ``part_size`` and ``concurrency``: the size of upload parts and download ranges, and
+    how many are in flight (memory: about ``part_size * concurrency`` per direction).
+    An upload request not finished after ``request_timeout_s`` is abandoned and retried;
+    ``retry`` bounds how long an outage is ridden out before the write fails and its
+    multipart upload is aborted.
+    """
 
     name = "object"
+    poll_s = 1.0
 
     def __init__(self, url: str, storage_options: dict | None = None, *, part_size: int = DEFAULT_PART_BYTES,
                  concurrency: int = DEFAULT_CONCURRENCY, request_timeout_s: float = 300.0,
@@ -46,8 +51,10 @@ class ObjectStoreTier(Tier):
         self.retry = retry or RetryPolicy()
         self.fs, root = open_store(url, storage_options, concurrency)
         self.root = root.rstrip("/")
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ckpt-upload")
-        self._uploader = uploader_for(self.fs, part_size, self.retry, self._pool, request_timeout_s)
+        # separate pools: a copy from one object store to another never waits on itself
+        self._up_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ckpt-upload")
+        self._down_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ckpt-download")
+        self._uploader = uploader_for(self.fs, part_size, self.retry, self._up_pool, request_timeout_s)
 
     @property
     def location(self) -> str:
@@ -64,7 +71,7 @@ class ObjectStoreTier(Tier):
     def list(self) -> list[CheckpointInfo]:
         self.fs.invalidate_cache(self.root)
         paths = self.retry.call(lambda: self.fs.glob(posixpath.join(self.root, "step-*", MANIFEST_FILE)),
-                           f"list {self.url}")
+                                f"list {self.url}")
         ids = {p: CheckpointId.parse(posixpath.basename(posixpath.dirname(p))) for p in paths}
         ids = {p: i for p, i in ids.items() if i is not None}
         if not ids:
@@ -107,7 +114,7 @@ class ObjectStoreTier(Tier):
             except FileNotFoundError:
                 raise DamagedCheckpoint(ckpt_id.step, where, "disappeared while being read", self.name) from None
 
-        return RangedReader(fetch, man, where, block=self.part_size, depth=self.concurrency, pool=self._pool)
+        return RangedReader(fetch, man, where, block=self.part_size, depth=self.concurrency, pool=self._down_pool)
 
     def _missing_as_none(self, fn, path: str):
         try:
@@ -213,4 +220,5 @@ class ObjectStoreTier(Tier):
         return time.time() - ts
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._up_pool.shutdown(wait=True)
+        self._down_pool.shutdown(wait=True)
