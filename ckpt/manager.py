@@ -17,54 +17,87 @@ import torch
 
 from .checksum import DEFAULT_CHUNK_BYTES
 from .distributed import Coordinator, wait_until
-from .drain import Drainer, SaveHandle
+from .drain import Drainer, Lease, SaveHandle
 from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, ManifestError
 from .locations import memory_namespace
-from .manifest import Manifest, ShardManifest
+from .manifest import Manifest, ShardManifest, ShardRef
 from .metrics import CheckpointMetrics
-from .memory import ALIGN, DEFAULT_SHM_DIR, ShmSlot, SlotPool, TensorCopier, namespaces_of_root, plan_layout, sweep_orphans
+from .memory import (ALIGN, DEFAULT_SHM_DIR, ShmSlot, SlotPool, TensorCopier, namespace_dir, namespaces_of_root,
+                     plan_layout, sweep_orphans)
+from .offload import Offloader
 from .restore import read_checkpoint, restore_newest
 from .state import flatten, load_into
 from .tensor_io import with_checksums
 from .tiers.base import CheckpointId, Tier
 from .tiers.local import LocalDiskTier
 from .tiers.memory import MemoryTier, SlotReader
+from .tiers.object_store import ObjectStoreTier
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
-    """Tiered asynchronous checkpoints: memory (shared, survives the trainer) → local disk.
+    """Tiered asynchronous checkpoints: memory (shared, survives the trainer) → local disk
+    → object store (survives the node).
 
-    ``root`` is the local-disk tier's directory (shared by the ranks of a node).
-    ``keep_last`` is how many complete checkpoints each durable tier keeps; the newest
-    is never deleted. ``replicated`` names state keys that are identical on every rank
-    (a DDP model and its optimizer): only rank 0 stores them, every rank restores them.
+    ``root`` is the local-disk tier's directory (shared by the ranks of a node; None: no
+    disk tier). ``keep_last`` is how many complete checkpoints each durable tier keeps,
+    one number for all or per tier (``{"disk": 3, "object": 10}``); the newest is never
+    deleted. ``replicated`` names state keys that are identical on every rank (a DDP
+    model and its optimizer): only rank 0 stores them, every rank restores them.
+
+    ``object_store`` (an fsspec URL such as ``s3://bucket/prefix/run-42`` or ``file:///…``,
+    or a ready ``Tier``) adds the off-node tier, filled in the background from the disk
+    tier (from memory without one), at most once per ``object_interval_s``;
+    ``storage_options`` go to fsspec (s3fs: endpoint_url, key, secret, …; by default the
+    AWS environment and config are used).
+
     ``metrics_port`` serves Prometheus metrics on 127.0.0.1 (port + rank).
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, run: str | None = None,
-                 memory_dir: str = DEFAULT_SHM_DIR, state: Mapping[str, Any] | None = None,
+    def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
+                 run: str | None = None, memory_dir: str = DEFAULT_SHM_DIR, state: Mapping[str, Any] | None = None,
                  replicated: Iterable[str] = (), threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 commit_timeout_s: float = 600.0, metrics_port: int | None = None) -> None:
-        if keep_last < 1:
+                 commit_timeout_s: float = 600.0, object_store: str | Tier | None = None,
+                 storage_options: dict | None = None, object_interval_s: float = 0.0,
+                 metrics_port: int | None = None) -> None:
+        if root is None and object_store is None:
+            raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
+        self.keep_last_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
+        self.keep_last = keep_last if isinstance(keep_last, int) else 3  # for tiers not named
+        if min([self.keep_last, *self.keep_last_by_tier.values()]) < 1:
             raise ValueError("keep_last must be >= 1: the newest complete checkpoint is never deleted")
-        self.keep_last, self.threads, self.chunk_bytes = keep_last, threads, chunk_bytes
+        self.threads, self.chunk_bytes = threads, chunk_bytes
         self.commit_timeout_s = commit_timeout_s
         self.replicated = frozenset(replicated)
         self.coord = Coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.run = run or "default"
-        self.disk = LocalDiskTier(root, threads=threads)
-        self.disk.root.mkdir(parents=True, exist_ok=True)
-        self._ns = memory_namespace(root, self.run, memory_dir)
-        self.pool = SlotPool(self._ns, self.rank, owner={"root": str(self.disk.root.resolve()), "run": self.run})
+        self.disk = LocalDiskTier(root, threads=threads) if root is not None else None
+        if self.disk is not None:
+            self.disk.root.mkdir(parents=True, exist_ok=True)
+        self.object: Tier | None = None
+        if object_store is not None:
+            self.object = (object_store if isinstance(object_store, Tier)
+                           else ObjectStoreTier(object_store, storage_options))
+        if self.disk is not None:
+            self._ns = memory_namespace(root, self.run, memory_dir)
+            owner_root = str(self.disk.root.resolve())
+        else:
+            owner_root = self.object.location
+            self._ns = namespace_dir(owner_root, self.run, memory_dir)
+        # Without a disk tier a slot stays busy while it uploads: a third keeps save() from waiting on it.
+        self.pool = SlotPool(self._ns, self.rank, slots=2 if self.disk is not None else 3,
+                             owner={"root": owner_root, "run": self.run})
         self.memory = MemoryTier(self._ns, self.rank, self.pool)
-        self.tiers: list[Tier] = [self.memory, self.disk]  # fastest first
-        self.durable: list[Tier] = [self.disk]  # drained in this order
+        self.tiers: list[Tier] = [t for t in (self.memory, self.disk, self.object) if t is not None]  # fastest first
+        self.durable: list[Tier] = [self.disk] if self.disk is not None else []  # drained in this order
         if self.coord.is_coordinator:
             self._remove_leftovers(memory_dir)
         self.coord.barrier()  # nobody writes before the leftovers are gone
+        self._offload = None if self.object is None else Offloader(
+            self.object, commit=self._commit, interval_s=object_interval_s,
+            retention=self._apply_retention if self.coord.is_coordinator else None)
         self._copier = TensorCopier()
         self._drainer = Drainer()
         self._handles: list[SaveHandle] = []
@@ -74,13 +107,18 @@ class CheckpointManager:
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
             self.metrics.serve(metrics_port + self.rank)
+        if self._offload is not None:
+            self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:
             self.prepare(state)
 
     def _remove_leftovers(self, memory_dir: str) -> None:
-        on_disk = {(i.id.generation, i.id.step) for i in self.disk.list() if i.complete}
-        others = [n for n in namespaces_of_root(str(self.disk.root.resolve()), memory_dir) if n != self._ns]
-        for leftover in self.disk.cleanup() + sweep_orphans(others, on_disk):
+        leftovers = self.object.cleanup() if self.object is not None else []
+        if self.disk is not None:
+            on_disk = {(i.id.generation, i.id.step) for i in self.disk.list() if i.complete}
+            others = [n for n in namespaces_of_root(str(self.disk.root.resolve()), memory_dir) if n != self._ns]
+            leftovers += self.disk.cleanup() + sweep_orphans(others, on_disk)
+        for leftover in leftovers:
             log.info("removed leftover of an interrupted save: %s", leftover)
 
     # -- saving -------------------------------------------------------------------
@@ -101,9 +139,14 @@ class CheckpointManager:
 
     def save(self, step: int, state: Mapping[str, Any], *, urgent: bool = False) -> SaveHandle:
         """Copy ``state`` into shared memory and return; durability follows in the background.
-        Under torch.distributed every rank calls it for the same step."""
+        Under torch.distributed every rank calls it for the same step.
+
+        ``urgent`` (a failure is predicted) puts this checkpoint ahead of anything queued
+        and sends it straight from memory to the object store; ``handle.wait("object")``
+        returns once it is durable off-node, and ``handle.durable_s`` says how long that took.
+        """
         t0 = time.monotonic()
-        self._drainer.raise_error()
+        self._raise_background_errors()
         if self._prepared:
             self.pool.wait_prepared()
         flat = flatten(self._own_part(state))
@@ -126,47 +169,58 @@ class CheckpointManager:
         except BaseException:
             slot.idle.set()
             raise
-        handle = SaveHandle(ckpt_id.step, [t.name for t in self.durable])
+        # every rank must agree: rank 0 commits only once all shards are up
+        upload = self._offload is not None and self.coord.all(self._offload.wants(urgent))
+        handle = SaveHandle(ckpt_id.step, [t.name for t in self.durable] + ([self.object.name] if upload else []),
+                            nbytes=nbytes, observer=self.metrics)
         handle.blocking_s = time.monotonic() - t0
         if self.metrics is not None:
             self.metrics.saved(handle.blocking_s, urgent)
+        if upload:
+            self._offload.claim(handle, urgent)
         self._handles = [h for h in self._handles if not h.done] + [handle]
-        self._drainer.submit(lambda: self._drain(slot, manifest, ckpt_id, handle), handle, urgent=urgent,
-                             on_exit=slot.idle.set)
+        lease = Lease(slot.idle.set)
+        self._drainer.submit(lambda: self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease), handle,
+                             urgent=urgent, on_exit=lease.release)
         return handle
 
-    def _drain(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle) -> None:
+    def _drain(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle,
+               upload: bool = False, urgent: bool = False, lease: Lease | None = None) -> None:
         reader = SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, check_seal=False)
         try:
             reader.manifest = with_checksums(reader, self.threads)
             slot.seal(reader.manifest)  # memory restores can now verify too
+            if upload and (urgent or self.disk is None):  # straight from memory; the slot waits for both
+                lease.hold()
+                sealed = reader.manifest
+                self._offload.submit(ckpt_id, lambda: SlotReader(slot.meta_path, slot.data_path, sealed, slot.buffer,
+                                                                 check_seal=False),
+                                     handle, urgent=urgent, pin=False, on_exit=lease.release)
             for tier in self.durable:
-                self._drain_to(tier, reader, ckpt_id)
+                ref = tier.write_shard(ckpt_id, reader)
+                self._commit(tier, ckpt_id, ref)
+                if upload and tier is self.disk and not urgent:
+                    self._offload.submit(ckpt_id, lambda ref=ref: self.disk.open_shard(ckpt_id, ref), handle,
+                                         urgent=False, pin=True)
+                if self.coord.is_coordinator:
+                    self._apply_retention(tier)
                 handle.mark(tier.name)
-                if self.metrics is not None:
-                    self.metrics.durable(tier.name, ckpt_id.step, handle.durable_s[tier.name], manifest.data_bytes)
-        except BaseException:
-            if self.metrics is not None:
-                self.metrics.failures.inc()
-            raise
         finally:
             reader.close()
 
-    def _drain_to(self, tier: Tier, reader: SlotReader, ckpt_id: CheckpointId) -> None:
-        """Write this rank's shard; the coordinator commits once every rank's is there."""
-        ref = tier.write_shard(ckpt_id, reader)
+    def _commit(self, tier: Tier, ckpt_id: CheckpointId, ref: ShardRef) -> None:
+        """This rank's shard is durable in ``tier``: rank 0 commits once every rank's is."""
         if self.world_size == 1:
             tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref]))
         elif self.coord.is_coordinator:
             refs = wait_until(lambda: (r := tier.written_shards(ckpt_id)) and len(r) == self.world_size and r,
-                              self.commit_timeout_s, f"every rank's shard of step {ckpt_id.step} in {tier.name}")
+                              self.commit_timeout_s, f"every rank's shard of step {ckpt_id.step} in {tier.name}",
+                              tier.poll_s)
             tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size,
                                           [refs[r] for r in sorted(refs)]))
         else:
             wait_until(lambda: self._committed(tier, ckpt_id), self.commit_timeout_s,
-                       f"rank 0 to commit step {ckpt_id.step} in {tier.name}")
-        if self.coord.is_coordinator:
-            self._apply_retention(tier)
+                       f"rank 0 to commit step {ckpt_id.step} in {tier.name}", tier.poll_s)
 
     @staticmethod
     def _committed(tier: Tier, ckpt_id: CheckpointId) -> bool:
@@ -178,7 +232,9 @@ class CheckpointManager:
 
     def _apply_retention(self, tier: Tier) -> None:
         infos = tier.list()
-        keep = {i.id for i in [i for i in infos if i.complete][-self.keep_last:]}
+        keep_last = self.keep_last_by_tier.get(tier.name, self.keep_last)
+        keep = {i.id for i in [i for i in infos if i.complete][-keep_last:]}
+        keep |= self._offload.pinned if self._offload is not None and tier is self.disk else set()
         oldest_kept = min(keep, default=None)
         for info in infos:
             if info.id not in keep and (oldest_kept is None or info.id < oldest_kept):
@@ -203,7 +259,12 @@ class CheckpointManager:
                     h.wait(timeout=timeout)
                 except BackgroundError:
                     pass  # the drainer holds the same failure: raised once, below, not again at the next save()
+        self._raise_background_errors()
+
+    def _raise_background_errors(self) -> None:
         self._drainer.raise_error()
+        if self._offload is not None:
+            self._offload.raise_error()
 
     def agree(self, *flags: bool) -> list[bool]:
         """At a step boundary: each flag is true on every rank if any rank raised it
@@ -241,7 +302,7 @@ class CheckpointManager:
 
     def _tiers_of_shard(self, rank: int) -> list[Tier]:
         memory = self.memory if rank == self.rank else MemoryTier(self._ns, rank)
-        return [memory, *self.durable]
+        return [memory, *self.durable, *([self.object] if self.object is not None else [])]
 
     def _readable(self, step: int | None) -> set[CheckpointId]:
         """Ids whose shards this rank needs are listed complete in some tier."""
@@ -294,7 +355,11 @@ class CheckpointManager:
             self._drainer.join()
         finally:
             self._drainer.close()
-            self.pool.close()
+            try:
+                if self._offload is not None:
+                    self._offload.close()
+            finally:
+                self.pool.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from .drain import SaveHandle
+
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -36,10 +38,13 @@ class CheckpointMetrics:
         self.blocking.observe(blocking_s)
         self.saves.labels(rank=self.rank, kind="urgent" if urgent else "periodic").inc()
 
-    def durable(self, tier: str, step: int, lag_s: float, nbytes: int) -> None:
-        self._lag.labels(rank=self.rank, tier=tier).observe(lag_s)
-        self._bytes.labels(rank=self.rank, tier=tier).inc(nbytes)
-        self._last.labels(rank=self.rank, tier=tier).set(step)
+    def durable(self, handle: SaveHandle, tier: str) -> None:
+        self._lag.labels(rank=self.rank, tier=tier).observe(handle.durable_s[tier])
+        self._bytes.labels(rank=self.rank, tier=tier).inc(handle.nbytes)
+        self._last.labels(rank=self.rank, tier=tier).set(handle.step)
+
+    def failed(self, handle: SaveHandle) -> None:
+        self.failures.inc()
 
     def restored(self, tier: str, seconds: float) -> None:
         self._restore.labels(rank=self.rank, tier=tier).observe(seconds)

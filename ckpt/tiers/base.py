@@ -24,6 +24,8 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from ..checksum import crc32c_of
+from ..errors import DamagedCheckpoint, ManifestError
 from ..manifest import Manifest, ShardManifest, ShardRef
 
 _DIR_RE = re.compile(r"^step-(\d{12})\.g(\d{1,9})$")
@@ -84,6 +86,7 @@ class ShardReader(ABC):
 
 class Tier(ABC):
     name: str = "tier"  # "memory", "disk", "object"
+    poll_s: float = 0.05  # how often ranks look for each other's shards here (a remote look costs a request)
 
     @property
     @abstractmethod
@@ -121,3 +124,31 @@ class Tier(ABC):
     @abstractmethod
     def cleanup(self) -> list[str]:
         """Remove leftovers of interrupted writes (anything without a manifest); return what went."""
+
+    def close(self) -> None:
+        """Release threads and connections the tier holds."""
+
+
+def parse_commit(raw: bytes, ckpt_id: CheckpointId, where: str) -> Manifest:
+    """A commit record, checked to belong to the checkpoint it was found under."""
+    m = Manifest.from_bytes(raw, where)
+    if (m.generation, m.step) != (ckpt_id.generation, ckpt_id.step):
+        raise ManifestError(f"{where}: manifest says step {m.step} generation {m.generation}")
+    return m
+
+
+def check_shard(ckpt_id: CheckpointId, ref: ShardRef, raw: bytes | None, data_size: int | None,
+                manifest_where: str, data_where: str, tier: str) -> ShardManifest:
+    """A shard manifest checked against the commit's CRC, and its data object's size against
+    the manifest; ``None`` stands for a missing file."""
+    if raw is None:
+        raise DamagedCheckpoint(ckpt_id.step, manifest_where, "missing", tier)
+    if crc32c_of(raw) != ref.manifest_crc32c:
+        raise DamagedCheckpoint(ckpt_id.step, manifest_where, "does not match the commit's checksum", tier)
+    man = ShardManifest.from_bytes(raw, manifest_where)
+    if data_size is None:
+        raise DamagedCheckpoint(ckpt_id.step, data_where, "missing", tier)
+    if data_size != man.data_bytes:
+        raise DamagedCheckpoint(ckpt_id.step, data_where,
+                                f"truncated or extended: {data_size} bytes, manifest says {man.data_bytes}", tier)
+    return man

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..checksum import crc32c_of
-from ..errors import DamagedCheckpoint, ManifestError
+from ..errors import ManifestError
 from ..fsutil import age_s, atomic_write, fsync_dir, pread_exact
 from ..manifest import MANIFEST_FILE, Manifest, ShardManifest, ShardRef
-from .base import CheckpointId, CheckpointInfo, ShardReader, Tier
+from .base import CheckpointId, CheckpointInfo, ShardReader, Tier, check_shard, parse_commit
 
 WRITE_PIECE = 16 << 20
 
@@ -61,10 +61,7 @@ class LocalDiskTier(Tier):
 
     def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
         path = self._dir(ckpt_id) / MANIFEST_FILE
-        m = Manifest.from_bytes(path.read_bytes(), str(path))
-        if (m.generation, m.step) != (ckpt_id.generation, ckpt_id.step):
-            raise ManifestError(f"{path}: manifest says step {m.step} generation {m.generation}")
-        return m
+        return parse_commit(path.read_bytes(), ckpt_id, str(path))
 
     def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
         d = self._dir(ckpt_id)
@@ -72,16 +69,12 @@ class LocalDiskTier(Tier):
         try:
             raw = man_path.read_bytes()
         except FileNotFoundError:
-            raise DamagedCheckpoint(ckpt_id.step, str(man_path), "missing", self.name) from None
-        if crc32c_of(raw) != ref.manifest_crc32c:
-            raise DamagedCheckpoint(ckpt_id.step, str(man_path), "does not match the commit's checksum", self.name)
-        man = ShardManifest.from_bytes(raw, str(man_path))
+            raw = None
         try:
             size = data_path.stat().st_size
         except FileNotFoundError:
-            raise DamagedCheckpoint(ckpt_id.step, str(data_path), "missing", self.name) from None
-        if size != man.data_bytes:
-            raise DamagedCheckpoint(ckpt_id.step, str(data_path), f"truncated or extended: {size} bytes, manifest says {man.data_bytes}", self.name)
+            size = None
+        man = check_shard(ckpt_id, ref, raw, size, str(man_path), str(data_path), self.name)
         return FileShardReader(data_path, man)
 
     def write_shard(self, ckpt_id: CheckpointId, source: ShardReader) -> ShardRef:

@@ -1,0 +1,252 @@
+"""Object-store throughput: our tier against plain fsspec copies and torch.distributed.checkpoint.
+
+One run, one S3 server (moto's server mode on loopback, started here), the same
+checkpoint bytes for every contender:
+
+* ours        ObjectStoreTier.write_shard+commit from the disk tier (parallel multipart),
+              and restore (parallel ranged GETs, every chunk CRC-checked) into the tensors;
+* fs.put/get  s3fs ``put_file``/``get_file`` of the same data file, single stream
+              (``max_concurrency=1``) and with s3fs's own concurrent parts (its default);
+* dcp         torch.distributed.checkpoint save/load through FsspecWriter/FsspecReader.
+
+Reports the median of ``--repeats`` runs per contender, ratios against the
+single-stream copy, and the CPU seconds per GB the server and this client spent:
+on a small machine the server's CPU, not the network, is what every contender
+waits for. Not a test: nothing here asserts a speed.
+
+    PYTHONPATH=. python benchmarks/objstore_bench.py --gb 1 --repeats 3 [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+import s3fs
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
+
+from ckpt import CheckpointManager  # noqa: E402
+from ckpt.manifest import Manifest  # noqa: E402
+from ckpt.restore import read_checkpoint  # noqa: E402
+from ckpt.tiers.base import CheckpointId  # noqa: E402
+from ckpt.tiers.object_store import ObjectStoreTier  # noqa: E402
+from tests.objstore_fixtures import create_bucket, moto_server  # noqa: E402
+
+TENSOR_BYTES = 128 << 20
+
+
+@dataclass
+class Sample:
+    wall_s: float
+    server_cpu_s: float
+    client_cpu_s: float
+
+
+def _cpu_of(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class Clock:
+    """Times phases of one run: wall clock, and CPU of the server process and of this one."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.pid, self.samples = server_pid, {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        s0, c0, t0 = _cpu_of(self.pid), _own_cpu(), time.perf_counter()
+        yield
+        self.samples[phase] = Sample(time.perf_counter() - t0, _cpu_of(self.pid) - s0, _own_cpu() - c0)
+
+
+def make_state(total: int) -> dict[str, torch.Tensor]:
+    n = max(1, total // TENSOR_BYTES)
+    return {f"layer{i}": torch.randn(TENSOR_BYTES // 4) for i in range(n)}
+
+
+class Bench:
+    def __init__(self, server, work: Path, state: dict, part_size: int, concurrency: int) -> None:
+        self.opts = server.options(read_timeout=600)  # moto needs long to assemble a GB-sized upload
+        self.bucket = create_bucket(server)
+        self.work, self.state = work, state
+        self.part_size, self.concurrency = part_size, concurrency
+        with CheckpointManager(work / "disk", memory_dir=str(work / "shm"), run="bench") as mgr:
+            mgr.save(1, state).wait()
+            self.disk = mgr.disk
+        self.ckpt_id = self.disk.list()[-1].id
+        self.data_file = self.disk.root / self.ckpt_id.name / "rank-00000.bin"
+        self.nbytes = self.data_file.stat().st_size
+        self.fs = s3fs.S3FileSystem(**self.opts)  # a plain client, as a user would make one
+
+    def _url(self, name: str) -> str:
+        return f"s3://{self.bucket}/{name}-{uuid.uuid4().hex[:8]}"
+
+    def _tier(self, url: str) -> ObjectStoreTier:
+        return ObjectStoreTier(url, self.opts, part_size=self.part_size, concurrency=self.concurrency)
+
+    def _blank(self) -> dict[str, torch.Tensor]:
+        return {k: torch.empty_like(v) for k, v in self.state.items()}
+
+    def _check(self, got: dict[str, torch.Tensor]) -> None:
+        assert all(torch.equal(got[k], v) for k, v in self.state.items()), "download differs from the source"
+
+    # each times an "up" and a "down" phase, and removes what it wrote
+
+    def ours(self, clock: Clock) -> None:
+        tier = self._tier(self._url("ours"))
+        man = self.disk.read_manifest(self.ckpt_id)
+        src = self.disk.open_shard(self.ckpt_id, man.shards[0])
+        try:
+            with clock("up"):
+                ref = tier.write_shard(self.ckpt_id, src)
+                tier.commit(self.ckpt_id, Manifest(self.ckpt_id.step, self.ckpt_id.generation, 1, [ref]))
+        finally:
+            src.close()
+        got = self._blank()
+        with clock("down"):
+            values = read_checkpoint(tier, self.ckpt_id, state=got)
+        self._check({k: values[k] for k in got})
+        tier.delete(self.ckpt_id)
+        tier.close()
+
+    def _plain(self, clock: Clock, concurrency: int) -> None:
+        key = self._url("plain")
+        with clock("up"):
+            self.fs.put_file(str(self.data_file), key, max_concurrency=concurrency)
+        out = self.work / "plain.bin"
+        with clock("down"):
+            self.fs.get_file(key, str(out))
+        assert out.stat().st_size == self.nbytes
+        out.unlink()
+        self.fs.rm(key)
+
+    def plain_single(self, clock: Clock) -> None:
+        self._plain(clock, 1)
+
+    def plain_s3fs_default(self, clock: Clock) -> None:
+        self._plain(clock, self.fs.max_concurrency)
+
+    def _dcp(self, clock: Clock, threads: int) -> None:
+        url = self._url("dcp")
+        with clock("up"):
+            dcp.save(self.state, storage_writer=FsspecWriter(url, thread_count=threads, **self.opts))
+        got = self._blank()
+        with clock("down"):
+            dcp.load(got, storage_reader=FsspecReader(url, **self.opts))
+        self._check(got)
+        self.fs.rm(url, recursive=True)
+
+    def dcp_1_thread(self, clock: Clock) -> None:
+        self._dcp(clock, 1)
+
+    def dcp_n_threads(self, clock: Clock) -> None:
+        self._dcp(clock, self.concurrency)
+
+
+CONTENDERS = {
+    "ours": ("ours (parallel multipart / ranged GETs, verified)", Bench.ours),
+    "put1": ("fs.put_file / fs.get_file, single stream", Bench.plain_single),
+    "put": ("fs.put_file (s3fs concurrent parts) / fs.get_file", Bench.plain_s3fs_default),
+    "dcp1": ("torch DCP FsspecWriter/Reader, 1 thread", Bench.dcp_1_thread),
+    "dcpN": ("torch DCP FsspecWriter/Reader, N threads", Bench.dcp_n_threads),
+}
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="objstore-bench-"))
+    chosen = args.only or list(CONTENDERS)
+    runs: dict[str, list[dict[str, Sample]]] = {c: [] for c in chosen}
+    try:
+        state = make_state(int(args.gb * (1 << 30)))
+        # moto spools every object over 5 MiB to a temporary file on this VM's disk; real
+        # S3 has no such cost on the client's path, so by default objects stay in its memory
+        env = None if args.moto_disk_spool else {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(64 << 30)}
+        with moto_server(env) as server:
+            bench = Bench(server, work, state, args.part_mib << 20, args.concurrency)
+            with tqdm(total=args.repeats * len(chosen), desc="transfers", unit="run", disable=args.json) as bar:
+                for _ in range(args.repeats):  # round-robin, so drift hits every contender alike
+                    for c in chosen:
+                        clock = Clock(server.proc.pid)
+                        CONTENDERS[c][1](bench, clock)
+                        runs[c].append(clock.samples)
+                        bar.update()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gb = bench.nbytes / 1e9
+    rows = {}
+    for c, samples in runs.items():
+        row: dict = {"what": CONTENDERS[c][0]}
+        for phase in ("up", "down"):
+            med = {k: statistics.median(getattr(s[phase], k) for s in samples) for k in ("wall_s", "server_cpu_s", "client_cpu_s")}
+            row[phase] = {"MBps": bench.nbytes / 1e6 / med["wall_s"], "median_s": med["wall_s"],
+                          "server_cpu_s_per_GB": med["server_cpu_s"] / gb, "client_cpu_s_per_GB": med["client_cpu_s"] / gb,
+                          "runs": [asdict(s[phase]) for s in samples]}
+        rows[c] = row
+    for row in rows.values():
+        for phase in ("up", "down"):
+            row[phase]["x_single"] = rows["put1"][phase]["median_s"] / row[phase]["median_s"] if "put1" in rows else None
+    server = "moto_server on loopback, " + ("objects spooled to disk" if args.moto_disk_spool else "objects in memory")
+    return {"bytes": bench.nbytes, "repeats": args.repeats, "part_size": args.part_mib << 20,
+            "concurrency": args.concurrency, "server": server, "cpus": os.cpu_count(),
+            "loadavg_after": os.getloadavg(), "results": rows}
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['bytes'] / 1e9:.2f} GB checkpoint, median of {report['repeats']}, part "
+          f"{report['part_size'] >> 20} MiB x {report['concurrency']} in flight, {report['server']}, "
+          f"{report['cpus']} CPUs, load average after {report['loadavg_after'][0]:.1f}\n")
+    head = "MB/s | x single | server CPU s/GB | client CPU s/GB"
+    print(f"| {'contender':<52} | upload {head} | download {head} |")
+    print(f"|{'-' * 54}|" + "---:|" * 8)
+    for r in report["results"].values():
+        cells = []
+        for phase in ("up", "down"):
+            p = r[phase]
+            x = f"{p['x_single']:.2f}" if p["x_single"] else "-"
+            cells += [f"{p['MBps']:.0f}", x, f"{p['server_cpu_s_per_GB']:.1f}", f"{p['client_cpu_s_per_GB']:.1f}"]
+        print(f"| {r['what']:<52} | " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default 1)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--part-mib", type=int, default=32, help="our part and range size in MiB")
+    p.add_argument("--concurrency", type=int, default=8, help="our parts/ranges in flight (and DCP's N threads)")
+    p.add_argument("--only", nargs="+", choices=list(CONTENDERS), help="run only these contenders")
+    p.add_argument("--moto-disk-spool", action="store_true",
+                   help="leave moto's default of spooling objects to temporary files (slower, noisier)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    report = run(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Carrying checkpoints off the node: the object-store drain.
+
+Uploads run on their own queue and thread, so a slow or unreachable store never
+holds up the disk drain or the memory slots. A checkpoint goes up from the disk
+tier once it is committed there (pinned against disk retention until uploaded), or
+straight from its memory slot when the save is urgent or there is no disk tier.
+At most one routine upload waits at a time: when the store is slower than the
+save interval, the newest checkpoint goes next and the ones in between stay local.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from .drain import Drainer, SaveHandle
+from .manifest import ShardRef
+from .tiers.base import CheckpointId, ShardReader, Tier
+
+log = logging.getLogger(__name__)
+
+
+class Offloader:
+    """``commit`` makes an uploaded shard visible (rank 0 waits for every rank's);
+    ``retention`` (None on ranks that do not own retention) trims the tier after."""
+
+    def __init__(self, tier: Tier, *, commit: Callable[[Tier, CheckpointId, ShardRef], None],
+                 retention: Callable[[Tier], None] | None, interval_s: float) -> None:
+        self.tier, self.interval_s = tier, interval_s
+        self._commit, self._retention = commit, retention
+        self._drainer = Drainer("ckpt-offload")
+        self._lock = threading.Lock()
+        self._pinned: set[CheckpointId] = set()
+        self._routine: SaveHandle | None = None  # the routine upload not yet finished, if any
+        self._last_start = float("-inf")
+
+    def wants(self, urgent: bool) -> bool:
+        """Whether the save being made now goes to the object store (decided at ``save()``,
+        so its handle knows what to wait for): urgent ones always; others once per
+        ``interval_s`` and only while no routine upload is still pending."""
+        if urgent:
+            return True
+        h, now = self._routine, time.monotonic()
+        busy = h is not None and h.error is None and self.tier.name not in h.durable_s
+        return not busy and now - self._last_start >= self.interval_s
+
+    def claim(self, handle: SaveHandle, urgent: bool) -> None:
+        """Record that ``handle``'s checkpoint will be uploaded."""
+        if not urgent:
+            self._routine, self._last_start = handle, time.monotonic()
+
+    @property
+    def pinned(self) -> set[CheckpointId]:
+        """Checkpoints the disk tier must keep until their upload is done."""
+        with self._lock:
+            return set(self._pinned)
+
+    def submit(self, ckpt_id: CheckpointId, open_source: Callable[[], ShardReader], handle: SaveHandle, *,
+               urgent: bool, pin: bool, on_exit: Callable[[], None] = lambda: None) -> None:
+        """Queue the upload; ``open_source`` opens the copy to read when the job starts."""
+        if pin:
+            with self._lock:
+                self._pinned.add(ckpt_id)
+
+        def done() -> None:
+            with self._lock:
+                self._pinned.discard(ckpt_id)
+            on_exit()
+
+        self._drainer.submit(lambda: self._upload(ckpt_id, open_source, handle), handle, urgent=urgent, on_exit=done)
+
+    def _upload(self, ckpt_id: CheckpointId, open_source: Callable[[], ShardReader], handle: SaveHandle) -> None:
+        reader = open_source()
+        try:
+            ref = self.tier.write_shard(ckpt_id, reader)
+        finally:
+            reader.close()
+        self._commit(self.tier, ckpt_id, ref)
+        if self._retention is not None:
+            self._retention(self.tier)
+        handle.mark(self.tier.name)
+        log.info("step %d is durable off-node in %s, %.1f s after save()", ckpt_id.step, self.tier.location,
+                 handle.durable_s[self.tier.name])
+
+    def raise_error(self) -> None:
+        self._drainer.raise_error()
+
+    def close(self) -> None:
+        """Finish queued uploads, then stop the thread and release the tier."""
+        try:
+            self._drainer.join()
+        finally:
+            self._drainer.close()
+            self.tier.close()
