@@ -65,6 +65,8 @@ def kill_when_sealed(mgr: ckpt.CheckpointManager, step: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="checkpoint directory (local-disk tier)")
+    ap.add_argument("--object-store", default=None,
+                    help="fsspec URL of the off-node tier (file:///..., s3://bucket/prefix; endpoint from AWS_ENDPOINT_URL)")
     ap.add_argument("--run", default=None, help="run id (default: TORCHELASTIC_RUN_ID or 'default')")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=5, help="periodic checkpoint interval, steps")
@@ -102,7 +104,7 @@ def main() -> None:
     faults = parse_faults(args.faults) if rank == args.fault_rank else {}
     mgr = ckpt.CheckpointManager(args.root, run=args.run or os.environ.get("TORCHELASTIC_RUN_ID"),
                                  memory_dir=args.memory_dir, keep_last=2, replicated=("model", "optim", "sched"),
-                                 state=state)
+                                 object_store=args.object_store, state=state)
     t_start = time.time()
     batches = iter(loader)
     first = None
