@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class IntervalPolicy:
     drain_s: float = 0.0
     predictor: Predictor | None = None
     formula: str = "daly"
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     last_save: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -148,7 +150,7 @@ class IntervalPolicy:
 
     def should_save(self, now: float | None = None, elevated: bool = False) -> bool:
         """True once the interval's compute time has passed since the last save returned."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         if self.last_save is None:
             self.last_save = now  # the clock starts with training, not at import
             self._log_why()
@@ -157,7 +159,7 @@ class IntervalPolicy:
 
     def saved(self, now: float | None = None, blocking_s: float | None = None) -> None:
         """Note a save that just returned; a measured blocking time updates the cost (EWMA)."""
-        self.last_save = time.monotonic() if now is None else now
+        self.last_save = self.clock() if now is None else now
         if blocking_s is not None:
             self.blocking_s = 0.7 * self.blocking_s + 0.3 * blocking_s
             self._log_why()

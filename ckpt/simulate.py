@@ -131,15 +131,15 @@ class Strategy:
             out.append((share, rec, caught * self.skill.lead.covered(rec.lag_s) if self.skill else 0.0))
         return out
 
-    def policy(self, run: Run) -> IntervalPolicy:
-        """This strategy's own optimum interval (Daly 2006), as the training loop would use it."""
+    def policy(self, run: Run, formula: str = "daly") -> IntervalPolicy:
+        """This strategy's own optimum interval, as the training loop would use it."""
         predictor = None
         if self.skill:
             recall = sum(share * q for share, _, q in self.classes(run))
             predictor = Predictor(recall, self.skill.false_alarms_per_1000_node_days * run.nodes / 1000.0,
                                   self.skill.lead.median_s)
         drain = max(self.gpu_only.lag_s, self.host_down.lag_s)
-        return IntervalPolicy(self.blocking_s, 1.0 / run.failure_rate, drain_s=drain, predictor=predictor)
+        return IntervalPolicy(self.blocking_s, 1.0 / run.failure_rate, drain, predictor, formula)
 
 
 @dataclass
@@ -165,10 +165,10 @@ class Outcome:
         return asdict(self) | {"waste": self.waste}
 
 
-def analytic(run: Run, s: Strategy) -> Outcome:
+def analytic(run: Run, s: Strategy, formula: str = "daly") -> Outcome:
     """The first-order expected waste of ``s`` over ``run`` (see the module docstring)."""
     lam, c = run.failure_rate, s.blocking_s
-    pol = s.policy(run)
+    pol = s.policy(run, formula)
     period, risk_period = pol.interval_s + c, pol.risk_interval_s + c
     classes = s.classes(run)
     restart = sum(lam * share * (run.restart_s + rec.restore_s) for share, rec, _ in classes)
@@ -185,7 +185,7 @@ def analytic(run: Run, s: Strategy) -> Outcome:
         risk_time += lam * share * q * lead_mean
     at_risk = 1.0 - math.exp(-running * risk_time)  # windows overlap: time covered by at least one
     mean_period = (1 - at_risk) * period + at_risk * risk_period
-    lost_per_failure += sum(share * (1 - q) * (mean_period / 2 + rec.lag_s - c) for share, rec, q in classes)
+    lost_per_failure += sum(share * (1 - q) * (mean_period / 2 + rec.lag_s - c) for share, rec, q in classes if q < 1)
     # an urgent save takes the place of a periodic one that was half a period away on average
     stall = running * ((1 - at_risk) * c / period + at_risk * c / risk_period + (true_rate + false_rate) * c / 2)
     lost = running * lam * lost_per_failure
@@ -239,7 +239,7 @@ def _events(run: Run, s: Strategy, rng: random.Random, false_rate: float) -> lis
 def _play(run: Run, s: Strategy, rng: random.Random) -> tuple[float, float, float, float]:
     """One run, event by event: (compute kept, stalls, lost, restarts) in seconds."""
     pol = s.policy(run)
-    tau, risk_tau, c = pol.interval_s, pol.risk_interval_s, s.blocking_s
+    tau, risk_tau, c = min(pol.interval_s, run.wall_s), pol.risk_interval_s, s.blocking_s  # inf: no periodic saves
     false_rate = pol.predictor.alarms_per_s(run.failure_rate)[1] if pol.predictor else 0.0
     sched, since, kept = _Schedule(0.0, tau, c, 0.0), 0.0, [(0.0, -math.inf)]
     stall = lost = restart = 0.0
