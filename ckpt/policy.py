@@ -11,9 +11,12 @@ optimum balances the two:
 - With a failure predictor: a predicted failure is covered by an urgent save at the
   alarm, so the periodic interval only has to cover the unpredicted rate
   ``(1 − recall)·λ``; every alarm, true or false, costs one urgent save.
-- Tightened under risk: while a node's risk is elevated the job's hazard is the
-  unpredicted rate plus ``precision / lead`` (the alarm's failure, if it comes, comes
-  about one lead time later), and the same formula gives a shorter interval.
+- Tightened under risk: every predicted failure strikes while an alarm is open, so
+  while the risk is elevated the job's hazard is the unpredicted rate plus the
+  predicted rate divided by the share of time some alarm is open (alarms open windows
+  of ``window_s``, cut short by the failure when there is one, and overlap as a Poisson
+  stream: open ``1 − exp(−(rλ·lead + false_rate·window))`` of the time); the same
+  formula then gives a shorter interval.
 
 Only the *blocking* cost C enters the formulas; the time to durability in each tier
 does not move the optimum (it adds a constant to the loss per failure) but bounds the
@@ -50,11 +53,13 @@ class Predictor:
     """What a failure predictor buys a job: ``recall`` is the share of the job's failures
     caught early enough to make an urgent save durable where the restart will read it;
     ``false_alarms_per_day`` counts alarm episodes on the job's nodes that no failure
-    follows; ``lead_s`` is the median time from alarm to failure."""
+    follows; ``lead_s`` is the median time from alarm to failure; an alarm keeps the risk
+    elevated for ``window_s`` (the scorer's horizon, shared/telemetry/EVAL.md)."""
 
     recall: float
     false_alarms_per_day: float
     lead_s: float
+    window_s: float = 3600.0
 
     def alarms_per_s(self, failure_rate: float) -> tuple[float, float]:
         """(true, false) alarm rates for a job failing at ``failure_rate`` per second."""
@@ -65,9 +70,16 @@ class Predictor:
         true, false = self.alarms_per_s(failure_rate)
         return true / (true + false) if true + false > 0 else 0.0
 
+    def elevated_share(self, failure_rate: float) -> float:
+        """Share of the time at least one alarm is open."""
+        true, false = self.alarms_per_s(failure_rate)
+        return 1.0 - math.exp(-(true * self.lead_s + false * self.window_s))
+
     def elevated_rate(self, failure_rate: float) -> float:
-        """The job's hazard while an alarm is open: unpredicted failures plus the alarm's own."""
-        return (1.0 - self.recall) * failure_rate + self.precision(failure_rate) / self.lead_s
+        """The job's hazard while an alarm is open: unpredicted failures, plus all the
+        predicted ones squeezed into the time alarms are open."""
+        share = self.elevated_share(failure_rate)
+        return (1.0 - self.recall) * failure_rate + (self.recall * failure_rate / share if share else 0.0)
 
 
 @dataclass
@@ -129,7 +141,8 @@ class IntervalPolicy:
             p = self.predictor
             out.update(recall=p.recall, false_alarms_per_day=p.false_alarms_per_day, lead_s=p.lead_s,
                        periodic_covers_mtbf_s=self.mtbf_s / max(1.0 - p.recall, 1e-12),
-                       precision=p.precision(rate), elevated_mtbf_s=1.0 / p.elevated_rate(rate),
+                       precision=p.precision(rate), elevated_share=p.elevated_share(rate),
+                       elevated_mtbf_s=1.0 / p.elevated_rate(rate),
                        risk_interval_s=self.risk_interval_s)
         return out
 

@@ -54,8 +54,13 @@ def test_tightened_under_risk() -> None:
     pol = IntervalPolicy(blocking_s=5.0, mtbf_s=6 * 3600.0, predictor=p)
     rate = 1 / pol.mtbf_s
     assert p.precision(rate) == pytest.approx(0.5 * rate / (0.5 * rate + 2 / 86400))
-    assert pol.risk_interval_s == pytest.approx(daly_interval(5.0, 1 / (0.5 * rate + p.precision(rate) / 900.0)))
+    open_share = 1 - math.exp(-(0.5 * rate * 900.0 + 2 / 86400 * 3600.0))
+    assert p.elevated_share(rate) == pytest.approx(open_share)
+    assert pol.risk_interval_s == pytest.approx(daly_interval(5.0, 1 / (0.5 * rate + 0.5 * rate / open_share)))
     assert pol.risk_interval_s < pol.interval_s / 2
+    # without false alarms, a predicted failure comes about one lead after its alarm
+    sharp = Predictor(recall=0.5, false_alarms_per_day=0.0, lead_s=900.0)
+    assert sharp.elevated_rate(1e-6) == pytest.approx(1 / 900.0, rel=0.01)
 
 
 def test_drain_time_is_a_floor() -> None:
