@@ -71,5 +71,6 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
              f"{state_gb_per_gpu:.3f} GB/GPU, restart {run.restart_s:g} s", "", table(outcomes)]
     if played:
         lines += ["", f"Monte Carlo, {plays} runs, seed {seed}:", "", table(played)]
-    lines += ["", f"(c) waste / (a) waste = {ratio:.2f} (target <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'})"]
+    verdict = "met" if ratio <= TARGET else "NOT met"
+    lines += ["", f"(c) waste / (a) waste = {ratio:.2f} (target <= {TARGET}: {verdict})"]
     click.echo("\n".join(lines))

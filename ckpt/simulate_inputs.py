@@ -78,8 +78,9 @@ def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb
     dcp = Recovery(dcp_save, dcp_load)
     block = bench["ours_block_s"] * scale
     memory = Recovery(block, bench["ours_restore_memory_s"] * scale)
-    off_node = Recovery(bench["ours_durable_disk_s"] * scale + node_bytes / rate(objstore["results"]["ours"]["up"]["MBps"]),
-                        node_bytes / rate(objstore["results"]["ours"]["down"]["MBps"]))
+    ours = objstore["results"]["ours"]
+    off_node = Recovery(bench["ours_durable_disk_s"] * scale + node_bytes / rate(ours["up"]["MBps"]),
+                        node_bytes / rate(ours["down"]["MBps"]))
     return [Strategy("a", "(a) DCP to object store, periodic", dcp_save, dcp, dcp),
             Strategy("b", "(b) ckpt tiers, periodic", block, memory, off_node),
             Strategy("c", "(c) ckpt tiers + predictor", block, memory, off_node, skill_of(evaluation))]

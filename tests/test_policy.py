@@ -108,6 +108,7 @@ def test_resumable_saves_on_the_policy(root: Path, shm_dir: str) -> None:
             state["w"] += 1
             now[0] += 3.0  # each step takes 3 s of the policy's clock
         steps = [row["step"] for row in mgr.list()]
-    # clock starts after step 1 (t=3); due at t=15 (step 5): τ=10; then τ≈8.4 → t=24 (step 8), then ≈7 → step 11; end: 12
+    # the clock starts after step 1 (t=3); due at t=15 (step 5, τ=10), then τ≈8.4: t=24 (step 8),
+    # then τ≈7: step 11; and the end: 12
     assert steps == [5, 8, 11, 12]
     assert pol.blocking_s < 1.0
