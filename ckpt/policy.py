@@ -41,7 +41,7 @@ def young_interval(cost_s: float, mtbf_s: float) -> float:
 
 
 def daly_interval(cost_s: float, mtbf_s: float) -> float:
-    """Daly (2006), eq. (37): the higher-order optimum; equals Young's to first order."""
+    """Daly (2006): the higher-order optimum; equals Young's to first order."""
     if cost_s >= 2.0 * mtbf_s:
         return mtbf_s
     x = cost_s / (2.0 * mtbf_s)

@@ -16,7 +16,7 @@ from tests.ckpt_helpers import root, shm_dir  # noqa: F401  (fixtures)
 
 
 def daly_exact_wall(tau: float, cost: float, mtbf: float, restart: float = 0.0) -> float:
-    """Daly (2006), eq. (13): expected wall time per second of work, exponential failures."""
+    """Daly (2006): expected wall time per second of work, exponential failures."""
     return mtbf * math.exp(restart / mtbf) * (math.exp((tau + cost) / mtbf) - 1.0) / tau
 
 
