@@ -125,11 +125,14 @@ class Strategy:
 
     def classes(self, run: Run) -> list[tuple[float, Recovery, float]]:
         """(share of failures, recovery, share of them predicted in time) per kind of failure."""
-        out = []
-        for share, rec in ((1.0 - run.host_down_share, self.gpu_only), (run.host_down_share, self.host_down)):
-            caught = run.precursor_share * self.skill.recall_of_predictable if self.skill else 0.0
-            out.append((share, rec, caught * self.skill.lead.covered(rec.lag_s) if self.skill else 0.0))
-        return out
+        kinds = ((1.0 - run.host_down_share, self.gpu_only), (run.host_down_share, self.host_down))
+        return [(share, rec, self._predicted(run, rec)) for share, rec in kinds]
+
+    def _predicted(self, run: Run, rec: Recovery) -> float:
+        """Caught, with lead enough to make the urgent save durable where the restart reads."""
+        if self.skill is None:
+            return 0.0
+        return run.precursor_share * self.skill.recall_of_predictable * self.skill.lead.covered(rec.lag_s)
 
     def policy(self, run: Run, formula: str = "daly") -> IntervalPolicy:
         """This strategy's own optimum interval, as the training loop would use it."""
@@ -181,11 +184,13 @@ def analytic(run: Run, s: Strategy, formula: str = "daly") -> Outcome:
         p_short, lead_short = s.skill.lead.mean_below(rec.lag_s, risk_period)
         _, lead_mean = s.skill.lead.mean_below(rec.lag_s, math.inf)
         # lead shorter than the risk period: only the urgent save, taken at the alarm, is there
-        lost_per_failure += share * q * (lead_short - p_short * c + (1 - p_short) * (risk_period / 2 + rec.lag_s - c))
+        late = (1 - p_short) * (risk_period / 2 + rec.lag_s - c)
+        lost_per_failure += share * q * (lead_short - p_short * c + late)
         risk_time += lam * share * q * lead_mean
     at_risk = 1.0 - math.exp(-running * risk_time)  # windows overlap: time covered by at least one
     mean_period = (1 - at_risk) * period + at_risk * risk_period
-    lost_per_failure += sum(share * (1 - q) * (mean_period / 2 + rec.lag_s - c) for share, rec, q in classes if q < 1)
+    lost_per_failure += sum(share * (1 - q) * (mean_period / 2 + rec.lag_s - c)
+                            for share, rec, q in classes if q < 1)
     # an urgent save takes the place of a periodic one that was half a period away on average
     stall = running * ((1 - at_risk) * c / period + at_risk * c / risk_period + (true_rate + false_rate) * c / 2)
     lost = running * lam * lost_per_failure
