@@ -40,7 +40,7 @@ PREDICTOR = {"node": {"recall_of_predictable": 0.8, "false_alarms_per_1000_node_
 
 # Llama 3 405B: 405e9 parameters x 14 bytes (bf16 weights, fp32 master copy, two fp32
 # Adam moments) over 16,384 GPUs.
-STATE_GB_PER_GPU = 405e9 * 14 / 16384 / 1e9
+STATE_GB_PER_GPU = round(405e9 * 14 / 16384 / 1e9, 3)
 
 
 def load_json(path: str | None, default: dict) -> dict:
