@@ -23,10 +23,10 @@ BENCH = {"state_bytes": 4258456720, "ours_block_s": 5.153, "ours_durable_disk_s"
 # benchmarks/objstore_bench.py --json (branch objstore) against moto's S3 server on
 # loopback, 2-core VM, 2026-11-22: MB/s up and down per contender. The server's CPU is
 # the bottleneck there, so these are far below a real store: see --objstore-gbps.
-OBJSTORE = {"results": {"ours": {"up": {"MBps": 34.0}, "down": {"MBps": 29.0}},
-                        "dcp1": {"up": {"MBps": 63.0}, "down": {"MBps": 35.0}},
-                        "dcpN": {"up": {"MBps": 36.0}, "down": {"MBps": 64.0}}},
-            "source": "objstore_bench.py --gb 0.5 --repeats 1, moto on loopback, 2-core VM, 2026-11-22"}
+OBJSTORE = {"results": {"ours": {"up": {"MBps": 52.3}, "down": {"MBps": 30.1}},
+                        "dcp1": {"up": {"MBps": 45.6}, "down": {"MBps": 17.5}},
+                        "dcpN": {"up": {"MBps": 52.5}, "down": {"MBps": 71.3}}},
+            "source": "objstore_bench.py --gb 1 --repeats 3, moto on loopback, 2-core VM, 2026-11-22"}
 
 # predictor eval --json (branch predictor), node level; keys as the reference scorer
 # (shared/telemetry/score_alarms.py) writes them. Recall and false alarms: what threshold
