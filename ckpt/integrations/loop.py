@@ -19,20 +19,22 @@ from typing import Iterator
 
 from ..drain import SaveHandle
 from ..manager import CheckpointManager
+from ..policy import IntervalPolicy
 from .risk import RiskListener, read_token
 from .urgency import SaveRequests
 
 log = logging.getLogger(__name__)
 
 
-def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | None = None,
+def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | IntervalPolicy | None = None,
               requests: SaveRequests | None = None, preemption: bool = True, save_at_end: bool = True,
               predictor: str | None = None, predictor_token: str | None = None,
               elevated_every: int | None = None) -> Iterator[int]:
     """Yield step indices from the restored position to ``total``; save every ``every``
     completed steps (``elevated_every`` while the predictor reports a node of the job at
-    risk), at urgent requests ("checkpoint now" from ``predictor``, ``requests.request()``),
-    on SIGTERM (then exit 143), and at the end."""
+    risk; or, with an ``IntervalPolicy``, when any rank's policy says so), at urgent
+    requests ("checkpoint now" from ``predictor``, ``requests.request()``), on SIGTERM
+    (then exit 143), and at the end."""
     requests = requests or SaveRequests()
     if preemption and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, requests.on_sigterm)
@@ -43,12 +45,15 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | N
     for step in range(start, total):
         yield step
         done = step + 1
-        urgent, preempted, elevated = mgr.agree(requests.take(), requests.preempted,
-                                                listener is not None and listener.elevated)
+        at_risk = listener is not None and listener.elevated
+        due = isinstance(every, IntervalPolicy) and every.should_save(elevated=at_risk)  # policy: clock-based
+        urgent, preempted, elevated, due = mgr.agree(requests.take(), requests.preempted, at_risk, due)
         interval = elevated_every if elevated and elevated_every else every
-        periodic = interval is not None and done % interval == 0
+        periodic = due or (isinstance(interval, int) and done % interval == 0)
         if periodic or urgent:
             handle = mgr.save(done, state, urgent=urgent)
+            if isinstance(every, IntervalPolicy):
+                every.saved(blocking_s=handle.blocking_s)
             if urgent:
                 log.warning("urgent checkpoint at step %d", done)
                 threading.Thread(target=_report_durable, args=(handle,), daemon=True).start()
@@ -57,7 +62,7 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | N
                 log.warning("preempted: step %d is durable; exiting", done)
                 mgr.close()
                 sys.exit(143)
-    if save_at_end and total > start and (every is None or total % every != 0):
+    if save_at_end and total > start and not (isinstance(every, int) and total % every == 0):
         mgr.save(total, state)
     mgr.wait()
     if listener is not None:
