@@ -10,9 +10,7 @@ built from a config (random weights, dropout on): nothing is downloaded.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
 from ckpt.integrations.huggingface import HFCheckpoint  # noqa: E402
-from examples.faults import Faults  # noqa: E402
+from examples.harness import Faults, parse_args  # noqa: E402
 from examples.gpt import GPTConfig  # noqa: E402
 from examples.train_torchrun import synthetic_corpus, weights_digest  # noqa: E402
 
@@ -49,19 +47,7 @@ class FaultCallback(TrainerCallback):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", required=True, help="checkpoint directory (local-disk tier)")
-    ap.add_argument("--steps", type=int, default=18)
-    ap.add_argument("--every", type=int, default=4, help="periodic checkpoint interval, optimizer steps")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--batches-per-epoch", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--memory-dir", default="/dev/shm")
-    ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '6:kill,10:term'")
-    ap.add_argument("--out", default=None, help="write the final weights digest here (JSON)")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(1)
+    args = parse_args(__doc__)
 
     targs = TrainingArguments(output_dir=str(Path(args.root) / "trainer"), max_steps=args.steps, seed=args.seed,
                               per_device_train_batch_size=args.batch, learning_rate=3e-3, lr_scheduler_type="cosine",

@@ -9,9 +9,7 @@ and exit 143. ``--faults 6:kill,10:term`` injects faults for the tests.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -22,17 +20,20 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
 from ckpt.integrations.lightning import LightningCheckpoint  # noqa: E402
-from examples.faults import Faults  # noqa: E402
+from examples.harness import Faults, parse_args  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.train_torchrun import synthetic_corpus, weights_digest  # noqa: E402
 
 
 class TinyLM(pl.LightningModule):
-    """The example GPT; dropout on the logits makes every step draw random numbers."""
+    """The example GPT; dropout on the logits makes every step draw random numbers. Its
+    hyper-parameters hold a dataclass, which the checkpoint leaves out (see
+    ckpt.integrations.lightning)."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, cfg: GPTConfig, steps: int) -> None:
         super().__init__()
-        self.gpt, self.drop, self.steps = GPT(GPTConfig.tiny()), nn.Dropout(0.1), steps
+        self.save_hyperparameters()
+        self.gpt, self.drop, self.steps = GPT(cfg), nn.Dropout(0.1), steps
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -54,19 +55,7 @@ class FaultCallback(pl.Callback):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", required=True, help="checkpoint directory (local-disk tier)")
-    ap.add_argument("--steps", type=int, default=18)
-    ap.add_argument("--every", type=int, default=4, help="periodic checkpoint interval, optimizer steps")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--batches-per-epoch", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--memory-dir", default="/dev/shm")
-    ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '6:kill,10:term'")
-    ap.add_argument("--out", default=None, help="write the final weights digest here (JSON)")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(1)
+    args = parse_args(__doc__)
     pl.seed_everything(args.seed, verbose=False)
 
     data = synthetic_corpus(args.batch * args.batches_per_epoch, GPTConfig.tiny())
@@ -77,7 +66,7 @@ def main() -> None:
                              plugins=[guard.io], enable_checkpointing=False, logger=False, accelerator="cpu",
                              devices=1, enable_progress_bar=False, enable_model_summary=False,
                              default_root_dir=args.root)
-        module = TinyLM(args.steps)
+        module = TinyLM(GPTConfig.tiny(), args.steps)
         trainer.fit(module, loader, ckpt_path=guard.resume_path())
     if args.out:
         Path(args.out).write_text(json.dumps({"digest": weights_digest(module), "steps": trainer.global_step}))

@@ -67,6 +67,17 @@ class Zygote:
         self.proc.wait(timeout=30)
 
 
+def assert_resumes_exactly(module: str, tmp_path: Path, memory_dir: str, restored: list[int]) -> None:
+    """The example ``module`` interrupted by FAULTS, restarted after each, resumes from
+    the ``restored`` steps (the second: the urgent save SIGTERM asked for) and ends
+    bitwise equal to an uninterrupted run with the same seed."""
+    runs, faulty, clean = faulty_and_clean(module, tmp_path, memory_dir)
+    assert [r.rc for r in runs] == [-signal.SIGKILL, 143, -signal.SIGKILL, 0]
+    assert [r.restored for r in runs] == [None, *restored]
+    assert f"urgent checkpoint at step {restored[1]}" in runs[1].log
+    assert faulty == clean, "the resumed run diverged from the uninterrupted one"
+
+
 def faulty_and_clean(module: str, tmp_path: Path, memory_dir: str) -> tuple[list[Run], str, str]:
     """An interrupted run, restarted after each fault until done, and an uninterrupted
     one with the same seed: the runs and both final weight digests."""
