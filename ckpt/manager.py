@@ -103,6 +103,7 @@ class CheckpointManager:
         self._handles: list[SaveHandle] = []
         self._generation: int | None = None
         self._prepared = False
+        self._closed = False
         self.stall_s = 0.0  # total time save() waited for a slot still draining
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
@@ -350,7 +351,11 @@ class CheckpointManager:
         return merge_listing(self.tiers)
 
     def close(self) -> None:
-        """Finish pending drains, then release shared memory mappings (the slots stay)."""
+        """Finish pending drains, then release shared memory mappings (the slots stay).
+        Idempotent: a preempted loop closes before exiting, inside ``with manager``."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._drainer.join()
         finally:

@@ -2,6 +2,7 @@
 training loop at step boundaries (where ranks agree on them)."""
 from __future__ import annotations
 
+import signal
 import threading
 
 
@@ -23,3 +24,8 @@ class SaveRequests:
     def on_sigterm(self, signum: int, frame: object) -> None:
         self.preempted = True
         self._urgent.set()
+
+    def catch_sigterm(self) -> None:
+        """Turn SIGTERM into an urgent save and an exit (signals reach the main thread only)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.on_sigterm)
