@@ -16,9 +16,9 @@ from .simulate import Lead, Recovery, Run, Skill, Strategy
 
 # benchmarks/ckpt_bench.py --config medium (GPT ~350M + AdamW, 4.26 GB), median of 3, on
 # the 2-core development VM, 2026-11-22. Keys as that script writes them with --json.
-BENCH = {"state_bytes": 4258456720, "ours_block_s": 5.153, "ours_durable_disk_s": 9.927,
-         "ours_restore_memory_s": 2.189, "dcp_save_s": 19.508,
-         "dcp_load_s": 21.892, "source": "ckpt_bench.py --config medium, 2-core VM, 2026-11-22"}
+BENCH = {"state_bytes": 4258456720, "ours_block_s": 2.143, "ours_durable_disk_s": 6.562,
+         "ours_restore_memory_s": 0.861, "dcp_save_s": 10.494,
+         "dcp_load_s": 10.026, "source": "ckpt_bench.py --config medium, 2-core VM (load ~2.5), 2026-11-22"}
 
 # benchmarks/objstore_bench.py --json (branch objstore) against moto's S3 server on
 # loopback, 2-core VM, 2026-11-22: MB/s up and down per contender. The server's CPU is
