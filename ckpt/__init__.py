@@ -7,7 +7,8 @@
 """
 from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, ManifestError
 from .manager import CheckpointManager
-from .integrations import RNGState, ResumableSampler, resumable
+from .integrations import RNGState, ResumableDataLoader, ResumableSampler, SaveRequests, resumable
 from .restore import load
 
-__all__ = ["CheckpointManager", "load", "resumable", "RNGState", "ResumableSampler", "CheckpointError", "DamagedCheckpoint", "ManifestError", "BackgroundError"]
+__all__ = ["CheckpointManager", "load", "resumable", "SaveRequests", "RNGState", "ResumableSampler",
+           "ResumableDataLoader", "CheckpointError", "DamagedCheckpoint", "ManifestError", "BackgroundError"]

@@ -1,4 +1,4 @@
-"""``ckpt``: list, verify, restore and clean checkpoints after a fault.
+"""``ckpt``: list, verify, restore and clean checkpoints after a fault; simulate goodput.
 
 Exit codes: 0 ok, 1 failure (damaged, nothing to restore), 2 usage. Every command
 takes ``--json`` for scripts; progress bars appear only on a terminal.
@@ -21,6 +21,7 @@ from .manager import merge_listing
 from .manifest import Manifest
 from .memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
 from .restore import candidates, verify_checkpoint
+from .simulate_cli import simulate_cmd
 from .tiers.base import CheckpointId, Tier
 from .tiers.local import LocalDiskTier
 
@@ -179,6 +180,9 @@ def gc_cmd(root: str, keep: int | None, grace: float, force: bool, memory_dir: s
     out = {"leftovers_removed": removed, "checkpoints_deleted": deleted}
     _emit(as_json, out, f"removed {len(removed)} leftover(s); deleted {len(deleted)} old checkpoint(s)"
           + (f": steps {', '.join(map(str, deleted))}" if deleted else ""))
+
+
+cli.add_command(simulate_cmd)
 
 
 def main() -> None:

@@ -13,32 +13,46 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from .errors import BackgroundError
 
 log = logging.getLogger(__name__)
 
 
+class SaveObserver(Protocol):
+    """Told about every save's progress (the metrics exporter is one)."""
+
+    def durable(self, handle: "SaveHandle", tier: str) -> None: ...
+
+    def failed(self, handle: "SaveHandle") -> None: ...
+
+
 class SaveHandle:
     """What ``save()`` returns: the step, and when it became durable in each tier."""
 
-    def __init__(self, step: int, tiers: Iterable[str]) -> None:
-        self.step = step
+    def __init__(self, step: int, tiers: Iterable[str], *, nbytes: int = 0,
+                 observer: SaveObserver | None = None) -> None:
+        self.step, self.nbytes = step, nbytes
         self.started = time.monotonic()
         self.blocking_s = 0.0
         self.durable_s: dict[str, float] = {}  # tier -> seconds from save() to durable there
         self._pending = {t: threading.Event() for t in tiers}
         self.error: BaseException | None = None
+        self._observer = observer
 
     def mark(self, tier: str) -> None:
         self.durable_s[tier] = time.monotonic() - self.started
         self._pending[tier].set()
+        if self._observer is not None:
+            self._observer.durable(self, tier)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
         for ev in self._pending.values():
             ev.set()
+        if self._observer is not None:
+            self._observer.failed(self)
 
     @property
     def done(self) -> bool:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -18,14 +20,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, *, durable: bool = True, mode: int = 0o644) -> None:
-    """Write ``data`` under a temporary name, fsync, and rename over ``path``."""
+@contextmanager
+def atomic_file(path: Path, *, durable: bool = True, mode: int = 0o644) -> Iterator[int]:
+    """A file descriptor to fill; on success it is fsynced and renamed over ``path``,
+    on failure the temporary file is removed and ``path`` is untouched."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        yield fd
         if durable:
             os.fsync(fd)
     except BaseException:
@@ -36,6 +38,14 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True, mode: int = 0
     os.rename(tmp, path)
     if durable:
         fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, data: bytes, *, durable: bool = True, mode: int = 0o644) -> None:
+    """Write ``data`` under a temporary name, fsync, and rename over ``path``."""
+    with atomic_file(path, durable=durable, mode=mode) as fd:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
 
 
 def pread_exact(fd: int, out: memoryview, offset: int, what: str) -> None:

@@ -21,6 +21,7 @@ from .drain import Drainer, Lease, SaveHandle
 from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, ManifestError
 from .locations import memory_namespace
 from .manifest import Manifest, ShardManifest, ShardRef
+from .metrics import CheckpointMetrics
 from .memory import (ALIGN, DEFAULT_SHM_DIR, ShmSlot, SlotPool, TensorCopier, namespace_dir, namespaces_of_root,
                      plan_layout, sweep_orphans)
 from .offload import Offloader
@@ -50,13 +51,16 @@ class CheckpointManager:
     tier (from memory without one), at most once per ``object_interval_s``;
     ``storage_options`` go to fsspec (s3fs: endpoint_url, key, secret, …; by default the
     AWS environment and config are used).
+
+    ``metrics_port`` serves Prometheus metrics on 127.0.0.1 (port + rank).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
                  run: str | None = None, memory_dir: str = DEFAULT_SHM_DIR, state: Mapping[str, Any] | None = None,
                  replicated: Iterable[str] = (), threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  commit_timeout_s: float = 600.0, object_store: str | Tier | None = None,
-                 storage_options: dict | None = None, object_interval_s: float = 0.0) -> None:
+                 storage_options: dict | None = None, object_interval_s: float = 0.0,
+                 metrics_port: int | None = None) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         self.keep_last_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
@@ -99,7 +103,11 @@ class CheckpointManager:
         self._handles: list[SaveHandle] = []
         self._generation: int | None = None
         self._prepared = False
+        self._closed = False
         self.stall_s = 0.0  # total time save() waited for a slot still draining
+        self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
+        if self.metrics is not None:
+            self.metrics.serve(metrics_port + self.rank)
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:
@@ -154,6 +162,8 @@ class CheckpointManager:
             w0 = time.monotonic()
             slot.idle.wait()
             self.stall_s += time.monotonic() - w0
+            if self.metrics is not None:
+                self.metrics.stall.inc(time.monotonic() - w0)
         slot.idle.clear()
         try:
             self.pool.snapshot(slot, [t for _, t in flat.tensors], manifest, self._copier)
@@ -162,8 +172,11 @@ class CheckpointManager:
             raise
         # every rank must agree: rank 0 commits only once all shards are up
         upload = self._offload is not None and self.coord.all(self._offload.wants(urgent))
-        handle = SaveHandle(ckpt_id.step, [t.name for t in self.durable] + ([self.object.name] if upload else []))
+        handle = SaveHandle(ckpt_id.step, [t.name for t in self.durable] + ([self.object.name] if upload else []),
+                            nbytes=nbytes, observer=self.metrics)
         handle.blocking_s = time.monotonic() - t0
+        if self.metrics is not None:
+            self.metrics.saved(handle.blocking_s, urgent)
         if upload:
             self._offload.claim(handle, urgent)
         self._handles = [h for h in self._handles if not h.done] + [handle]
@@ -338,7 +351,11 @@ class CheckpointManager:
         return merge_listing(self.tiers)
 
     def close(self) -> None:
-        """Finish pending drains, then release shared memory mappings (the slots stay)."""
+        """Finish pending drains, then release shared memory mappings (the slots stay).
+        Idempotent: a preempted loop closes before exiting, inside ``with manager``."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._drainer.join()
         finally:

@@ -65,15 +65,24 @@ def kill_when_sealed(mgr: ckpt.CheckpointManager, step: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="checkpoint directory (local-disk tier)")
+    ap.add_argument("--object-store", default=None,
+                    help="fsspec URL of the off-node tier (file:///..., s3://bucket/prefix; endpoint from AWS_ENDPOINT_URL)")
     ap.add_argument("--run", default=None, help="run id (default: TORCHELASTIC_RUN_ID or 'default')")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=5, help="periodic checkpoint interval, steps")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '13,27:save'")
-    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--fault-rank", type=int, default=1, help="the rank that faults or asks for --urgent-at")
+    ap.add_argument("--urgent-at", type=int, default=None,
+                    help="that rank alone requests an urgent checkpoint after this step (all ranks must take it)")
     ap.add_argument("--memory-dir", default="/dev/shm")
     ap.add_argument("--out", default=None, help="rank 0 writes the final weights digest and timings here (JSON)")
+    ap.add_argument("--predictor", default=None,
+                    help="predictor URL: take urgent checkpoints on its alarms (job token in $CKPT_PREDICTOR_TOKEN)")
+    ap.add_argument("--elevated-every", type=int, default=None, help="checkpoint interval while a node is at risk")
+    ap.add_argument("--step-time", type=float, default=0.0, help="pad each step to this many seconds (demos)")
+    ap.add_argument("--timeline", default=None, help="rank 0 appends one JSON line per completed step here")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s")
@@ -95,11 +104,15 @@ def main() -> None:
     faults = parse_faults(args.faults) if rank == args.fault_rank else {}
     mgr = ckpt.CheckpointManager(args.root, run=args.run or os.environ.get("TORCHELASTIC_RUN_ID"),
                                  memory_dir=args.memory_dir, keep_last=2, replicated=("model", "optim", "sched"),
-                                 state=state)
+                                 object_store=args.object_store, state=state)
     t_start = time.time()
     batches = iter(loader)
     first = None
-    for step in ckpt.resumable(mgr, state, total=args.steps, every=args.every):
+    requests = ckpt.SaveRequests()
+    timeline = open(args.timeline, "a", buffering=1) if args.timeline and rank == 0 else None
+    for step in ckpt.resumable(mgr, state, total=args.steps, every=args.every, requests=requests,
+                               predictor=args.predictor, elevated_every=args.elevated_every):
+        t_step = time.monotonic()
         if first is None:
             first = step
             logging.info("incarnation %d: first step %d at %.3f", incarnation, step, time.time())
@@ -113,6 +126,11 @@ def main() -> None:
         loss.backward()
         optim.step()
         sched.step()
+        time.sleep(max(0.0, args.step_time - (time.monotonic() - t_step)))
+        if timeline:
+            timeline.write(json.dumps({"step": step + 1, "t": time.time(), "incarnation": incarnation}) + "\n")
+        if rank == args.fault_rank and step + 1 == args.urgent_at:
+            requests.request()
         marker = Path(args.root) / f"fault-{step + 1}.fired"
         if step + 1 in faults and not marker.exists():
             marker.touch()

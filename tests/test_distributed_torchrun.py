@@ -48,7 +48,8 @@ def shm():
 def runs(tmp_path_factory: pytest.TempPathFactory, shm: str) -> tuple[Path, str]:
     """One uninterrupted and one fault-injected training run, shared by the tests below."""
     base = tmp_path_factory.mktemp("torchrun")
-    train(base / "clean", shm, base / "clean.json")
+    clean = train(base / "clean", shm, base / "clean.json", "--urgent-at", "17")
+    (base / "clean.log").write_text(clean)
     faulty = train(base / "faulty", shm, base / "faulty.json", "--faults", "13,25:save", restarts=3)
     return base, faulty
 
@@ -76,6 +77,14 @@ def test_replicated_state_is_stored_once(runs: tuple[Path, str]) -> None:
     shards = disk.read_manifest(newest.id).shards
     assert newest.id.step == STEPS and len(shards) == 2
     assert shards[1].data_bytes * 20 < shards[0].data_bytes
+
+
+def test_urgent_request_on_one_rank_is_saved_by_all(runs: tuple[Path, str]) -> None:
+    """Only rank 1 asked (--urgent-at 17); the all-reduce at the step boundary makes both save step 17."""
+    log = (runs[0] / "clean.log").read_text()
+    for rank in (0, 1):
+        assert re.search(rf"rank{rank} urgent checkpoint at step 17\b", log), log[-3000:]
+        assert re.search(rf"rank{rank} urgent checkpoint of step 17 durable in every tier", log), log[-3000:]
 
 
 def test_restore_with_another_world_size_says_why(runs: tuple[Path, str], shm: str) -> None:

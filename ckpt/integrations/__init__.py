@@ -1,6 +1,14 @@
-"""Plugging the checkpoint engine into the loops users already run."""
-from .data import ResumableSampler
-from .loop import resumable
-from .rng import RNGState
+"""Plugging the checkpoint engine into the loops users already run.
 
-__all__ = ["resumable", "RNGState", "ResumableSampler"]
+The Lightning and Hugging Face integrations live in ``ckpt.integrations.lightning``
+and ``ckpt.integrations.huggingface``; they are imported on demand, so ckpt itself
+needs neither package.
+"""
+from .data import ResumableDataLoader, ResumableSampler
+from .loop import resumable, save_at_boundary
+from .risk import RiskListener
+from .rng import RNGState
+from .urgency import SaveRequests
+
+__all__ = ["resumable", "save_at_boundary", "SaveRequests", "RNGState", "ResumableSampler", "ResumableDataLoader",
+           "RiskListener"]

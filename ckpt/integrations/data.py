@@ -1,12 +1,12 @@
-"""A sampler that remembers where it is, so a resumed run sees exactly the batches
-the interrupted one had not yet consumed."""
+"""A sampler and a data loader that remember where they are, so a resumed run sees
+exactly the batches the interrupted one had not yet consumed."""
 from __future__ import annotations
 
-from typing import Iterator, Sized
+from typing import Any, Iterator, Sized
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 class ResumableSampler(Sampler[int]):
@@ -33,14 +33,48 @@ class ResumableSampler(Sampler[int]):
         return order[self.rank : len(self) * self.world_size : self.world_size]
 
     def __iter__(self) -> Iterator[int]:
+        # The next epoch starts when a new pass begins, not when the last index is
+        # taken: loops that stop after len() batches (Lightning, HF) never ask again.
+        if self.consumed >= len(self):
+            self.epoch, self.consumed = self.epoch + 1, 0
         order = self._order()
         while self.consumed < len(order):
             self.consumed += 1
             yield order[self.consumed - 1]
-        self.epoch, self.consumed = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         self.epoch, self.consumed = int(sd["epoch"]), int(sd["consumed"])
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a ``ResumableSampler`` whose position is the batches it has
+    *delivered*: workers prefetching ahead do not move the resume point. Stateful, so
+    Lightning keeps it in its loop state and reloads it before iterating; a plain loop
+    puts it in the checkpointed state. Its own ``generator`` (seeded from the sampler)
+    keeps starting a pass from drawing on the global torch RNG, so a resumed run, which
+    starts one pass more, draws the same random numbers as an uninterrupted one."""
+
+    def __init__(self, dataset: Dataset, *, sampler: ResumableSampler, batch_size: int, **kwargs: Any) -> None:
+        kwargs.setdefault("generator", torch.Generator().manual_seed(sampler.seed))
+        super().__init__(dataset, sampler=sampler, batch_size=batch_size, **kwargs)
+        self._delivered: int | None = None  # batches handed out in the current pass
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self.sampler
+        self._delivered = 0 if s.consumed >= len(s) else s.consumed // self.batch_size
+        for batch in super().__iter__():
+            self._delivered += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        if self._delivered is None:  # no pass yet: wherever the sampler was put
+            return self.sampler.state_dict()
+        done = len(self.sampler) if self._delivered >= len(self) else self._delivered * self.batch_size
+        return {"epoch": self.sampler.epoch, "consumed": done}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.sampler.load_state_dict(sd)
+        self._delivered = None

@@ -5,67 +5,92 @@
 
 The checkpoint of step ``s`` holds the state after ``s`` completed steps, so a
 restored run continues at ``s``. Saves are agreed across ranks at step boundaries
-(one tiny all-reduce), so an urgent request on any rank (``request_save()``, SIGTERM)
-makes every rank save the same step.
+(one tiny all-reduce), so an urgent request on any rank (``requests.request()``, a
+predictor alarm, SIGTERM) makes every rank save the same step. ``save_at_boundary``
+is that decision, shared by every integration (plain loop, Lightning, Hugging Face).
 """
 from __future__ import annotations
 
 import logging
-import signal
+import socket
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Callable, Iterator, Mapping
 
+from ..drain import SaveHandle
 from ..manager import CheckpointManager
+from ..policy import IntervalPolicy
+from .risk import RiskListener, read_token
+from .urgency import SaveRequests
 
 log = logging.getLogger(__name__)
 
 
-class SaveRequests:
-    """Urgent-save requests from other threads or signal handlers, read at step boundaries."""
+def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
+                     state: Callable[[], Mapping[str, Any]], every: int | IntervalPolicy | None, *,
+                     listener: RiskListener | None = None, elevated_every: int | None = None) -> bool:
+    """Save ``step`` if the periodic policy says so (``elevated_every`` while the predictor
+    reports the job's nodes at risk; an ``IntervalPolicy`` decides by the clock) or any
+    rank asked for an urgent save; after a preemption, wait until durable and exit 143.
+    Every flag is agreed across ranks in one all-reduce. ``state`` is called only when saving."""
+    at_risk = listener is not None and listener.elevated
+    due = isinstance(every, IntervalPolicy) and every.should_save(elevated=at_risk)
+    urgent, preempted, elevated, due = mgr.agree(requests.take(), requests.preempted, at_risk, due)
+    interval = elevated_every if elevated and elevated_every else every
+    if not (urgent or due or (isinstance(interval, int) and step % interval == 0)):
+        return False
+    handle = mgr.save(step, state(), urgent=urgent)
+    if isinstance(every, IntervalPolicy):
+        every.saved(blocking_s=handle.blocking_s)
+    if urgent:
+        log.warning("urgent checkpoint at step %d", step)
+        threading.Thread(target=_report_durable, args=(handle,), daemon=True).start()
+    if preempted:
+        handle.wait()
+        log.warning("preempted: step %d is durable; exiting", step)
+        mgr.close()
+        sys.exit(143)
+    return True
 
-    def __init__(self) -> None:
-        self._urgent = threading.Event()
-        self.preempted = False
 
-    def request(self) -> None:
-        self._urgent.set()
-
-    def take(self) -> bool:
-        wanted = self._urgent.is_set()
-        self._urgent.clear()
-        return wanted
-
-    def on_sigterm(self, signum: int, frame: object) -> None:
-        self.preempted = True
-        self._urgent.set()
-
-
-def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | None = None,
-              requests: SaveRequests | None = None, preemption: bool = True,
-              save_at_end: bool = True) -> Iterator[int]:
-    """Yield step indices from the restored position to ``total``; save every ``every``
-    completed steps, at urgent requests, on SIGTERM (then exit 143), and at the end."""
+def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | IntervalPolicy | None = None,
+              requests: SaveRequests | None = None, preemption: bool = True, save_at_end: bool = True,
+              predictor: str | None = None, predictor_token: str | None = None,
+              elevated_every: int | None = None) -> Iterator[int]:
+    """Yield step indices from the restored position to ``total``; save on ``every`` (steps,
+    or an ``IntervalPolicy``), at urgent requests ("checkpoint now" from ``predictor``,
+    ``requests.request()``), on SIGTERM (then exit 143), and at the end."""
     requests = requests or SaveRequests()
-    if preemption and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, requests.on_sigterm)
+    if preemption:
+        requests.catch_sigterm()
+    listener = _listen(mgr, predictor, predictor_token, requests) if predictor else None
     restored = mgr.restore(state)
     start = restored or 0
     log.info("training from step %d%s", start, " (restored)" if restored is not None else "")
     for step in range(start, total):
         yield step
-        done = step + 1
-        periodic = every is not None and done % every == 0
-        urgent, preempted = mgr.agree(requests.take(), requests.preempted)
-        if periodic or urgent:
-            handle = mgr.save(done, state, urgent=urgent)
-            if urgent:
-                log.warning("urgent checkpoint at step %d", done)
-            if preempted:
-                handle.wait()
-                log.warning("preempted: step %d is durable; exiting", done)
-                mgr.close()
-                sys.exit(143)
-    if save_at_end and total > start and (every is None or total % every != 0):
+        save_at_boundary(mgr, requests, step + 1, lambda: state, every, listener=listener,
+                         elevated_every=elevated_every)
+    if save_at_end and total > start and not (isinstance(every, int) and total % every == 0):
         mgr.save(total, state)
     mgr.wait()
+    if listener is not None:
+        listener.close()
+
+
+def _report_durable(handle: SaveHandle) -> None:
+    try:
+        handle.wait()
+        log.warning("urgent checkpoint of step %d durable in every tier %.2f s after save() (%s)", handle.step,
+                    max(handle.durable_s.values(), default=0.0),
+                    ", ".join(f"{t} {s:.2f} s" for t, s in handle.durable_s.items()))
+    except Exception as e:  # the next save()/wait() raises it too
+        log.error("urgent checkpoint of step %d failed: %s", handle.step, e)
+
+
+def _listen(mgr: CheckpointManager, url: str, token: str | None, requests: SaveRequests) -> RiskListener | None:
+    """Rank 0 registers every rank's host with the predictor and listens for the job."""
+    hosts = mgr.coord.gather(socket.gethostname())
+    if mgr.rank != 0:
+        return None
+    return RiskListener(url, hosts, requests, token=token or read_token(), name=mgr.run).start()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..checksum import crc32c_of
 from ..errors import ManifestError
-from ..fsutil import age_s, atomic_write, fsync_dir, pread_exact
+from ..fsutil import age_s, atomic_file, atomic_write, fsync_dir, pread_exact
 from ..manifest import MANIFEST_FILE, Manifest, ShardManifest, ShardRef
 from .base import CheckpointId, CheckpointInfo, ShardReader, Tier, check_shard, parse_commit
 
@@ -87,19 +87,10 @@ class LocalDiskTier(Tier):
         if fresh:
             fsync_dir(self.root)
         data = d / man.data_file
-        tmp = data.with_name(f"{data.name}.tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
+        with atomic_file(data) as fd:
             if man.data_bytes:
                 os.posix_fallocate(fd, 0, man.data_bytes)  # ENOSPC now, not halfway
             self._copy(source, fd, man.data_bytes)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.rename(tmp, data)
         raw = man.to_bytes()
         atomic_write(d / ShardRef(man.rank, 0, 0).manifest_file, raw)
         return ShardRef(man.rank, crc32c_of(raw), man.data_bytes)

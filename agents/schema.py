@@ -1,0 +1,77 @@
+"""The trace and wire layout of ../shared/telemetry/SCHEMA.md, in one place.
+
+Sources, the simulator, the sender and the exporter all name columns through
+this module, so a field added to the contract is added once.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"
+MEMORY_TEMP = "DCGM_FI_DEV_MEMORY_TEMP"
+POWER = "DCGM_FI_DEV_POWER_USAGE"
+SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
+THROTTLE = "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"
+SBE = "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"
+DBE = "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"
+REMAP_CORR = "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"
+REMAP_UNCORR = "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"
+REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"
+PCIE_REPLAY = "DCGM_FI_DEV_PCIE_REPLAY_COUNTER"
+NVLINK_CRC = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"
+
+#: Gauges (float32 in traces, as in the shared sample).
+GAUGES = (GPU_TEMP, MEMORY_TEMP, POWER)
+#: Clock, bitmask and counters (float64: counters must stay exact past 2**24).
+COUNTERS = (SBE, DBE, REMAP_CORR, REMAP_UNCORR, REMAP_FAILURE, PCIE_REPLAY, NVLINK_CRC)
+METRICS = GAUGES + (SM_CLOCK, THROTTLE) + COUNTERS
+
+#: NVML clocks-event reason bits that SCHEMA.md names.
+THROTTLE_IDLE = 0x1
+THROTTLE_SW_POWER_CAP = 0x4
+THROTTLE_HW_SLOWDOWN = 0x8
+THROTTLE_SW_THERMAL = 0x20
+THROTTLE_HW_THERMAL = 0x40
+THROTTLE_HW_POWER_BRAKE = 0x80
+
+#: XIDs raised by applications; frequent and harmless to the hardware.
+APPLICATION_XIDS = frozenset({13, 31, 43, 45})
+#: XIDs after which the GPU must be reset or drained.
+CRITICAL_XIDS = frozenset({48, 62, 64, 74, 79, 94, 95, 119, 120})
+#: Warnings: a row remap was recorded (63), high single-bit ECC rate (92).
+WARNING_XIDS = frozenset({63, 92})
+
+TIMESTAMP = pa.timestamp("ms", tz="UTC")
+
+TELEMETRY_SCHEMA = pa.schema(
+    [
+        pa.field("timestamp", TIMESTAMP, nullable=False),
+        pa.field("node", pa.string(), nullable=False),
+        pa.field("gpu", pa.int16(), nullable=False),
+        pa.field("uuid", pa.string()),
+    ]
+    + [pa.field(m, pa.float32()) for m in GAUGES]
+    + [pa.field(m, pa.float64()) for m in (SM_CLOCK, THROTTLE) + COUNTERS]
+)
+
+XID_SCHEMA = pa.schema(
+    [
+        pa.field("timestamp", TIMESTAMP, nullable=False),
+        pa.field("node", pa.string(), nullable=False),
+        pa.field("gpu", pa.int16(), nullable=False),
+        pa.field("xid", pa.int32(), nullable=False),
+    ]
+)
+
+FAILURE_SCHEMA = pa.schema(
+    [
+        pa.field("timestamp", TIMESTAMP, nullable=False),
+        pa.field("node", pa.string(), nullable=False),
+        pa.field("gpu", pa.int16(), nullable=False),
+        pa.field("mode", pa.string(), nullable=False),
+        pa.field("xid", pa.int32(), nullable=False),
+        pa.field("precursor_s", pa.float64(), nullable=False),
+    ]
+)
+
+FAILURE_MODES = ("hbm", "thermal", "pcie", "nvlink", "sudden")

@@ -1,0 +1,122 @@
+"""PyTorch Lightning: checkpoints into a ``CheckpointManager``, exact resume from it.
+
+    guard = LightningCheckpoint(mgr, every=50)
+    trainer = L.Trainer(callbacks=[guard], plugins=[guard.io], enable_checkpointing=False)
+    trainer.fit(module, ResumableDataLoader(data, sampler=ResumableSampler(data), batch_size=8),
+                ckpt_path=guard.resume_path())
+
+Saving: every ``every`` optimizer steps, at urgent requests and on SIGTERM (agreed
+across ranks; after SIGTERM the save is waited for and the process exits 143; during
+training the callback owns the SIGTERM handler), the
+callback takes Lightning's own full checkpoint (``dump_checkpoint``: weights,
+optimizers, schedulers, loop progress, callback states, and the position of a
+stateful data loader such as ``ResumableDataLoader``) and hands it to the manager.
+Its own callback state adds the torch, CUDA, numpy and Python RNG states.
+
+Restoring goes through Lightning's own path: ``fit(ckpt_path=guard.resume_path())``
+asks the ``io`` plugin, which loads the newest valid checkpoint from the manager;
+Lightning then puts every piece back and continues mid-epoch. The RNG states are put
+back just before the first resumed batch, after Lightning's set-up, which may draw
+random numbers (building the module, the data loader) that an uninterrupted run drew
+long before.
+
+Lightning's copies of the hyper-parameters (``hparams_name``, ``hyper_parameters``,
+``hparams_type`` and the datamodule's) are left out: they may be any Python object,
+which the format stores only by pickling, which it never does; only
+``load_from_checkpoint`` reads them, and a resuming script builds its module itself.
+Anything else that cannot be stored safely raises CheckpointError naming it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from ..errors import CheckpointError
+from ..manager import CheckpointManager
+from .loop import save_at_boundary
+from .urgency import SaveRequests
+from .rng import RNGState
+
+RESUME = "ckpt-guard:newest"
+_HPARAM_KEYS = tuple(getattr(cls, attr) for cls in (pl.LightningModule, pl.LightningDataModule)
+                     for attr in ("CHECKPOINT_HYPER_PARAMS_NAME", "CHECKPOINT_HYPER_PARAMS_KEY",
+                                  "CHECKPOINT_HYPER_PARAMS_TYPE"))
+
+
+class ManagerCheckpointIO(TorchCheckpointIO):
+    """Loads ``ckpt_path=RESUME`` from the manager; any other path stays Lightning's
+    ordinary file IO (a ``ModelCheckpoint`` the user keeps writes its own files)."""
+
+    def __init__(self, mgr: CheckpointManager) -> None:
+        super().__init__()
+        self.mgr = mgr
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Callable] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if str(path) != RESUME:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint: dict[str, Any] = {}
+        if self.mgr.restore(checkpoint) is None:
+            raise CheckpointError(f"no checkpoint to resume from in {self.mgr.disk.root}")
+        return checkpoint
+
+
+class LightningCheckpoint(pl.Callback):
+    """Saves Lightning's full training state into ``mgr`` every ``every`` optimizer
+    steps and at the end of training; see the module docstring."""
+
+    def __init__(self, mgr: CheckpointManager, *, every: int | None = None, requests: SaveRequests | None = None,
+                 preemption: bool = True) -> None:
+        self.mgr, self.every, self.preemption = mgr, every, preemption
+        self.requests = requests or SaveRequests()
+        self.io = ManagerCheckpointIO(mgr)
+        self._rng_to_load: dict[str, Any] | None = None
+        self._boundary: int | None = None  # the last global step the save policy looked at
+        self._saved: int | None = None  # the last step saved or restored
+
+    def resume_path(self) -> str | None:
+        """``ckpt_path`` for ``fit``: RESUME when some rank holds a checkpoint, else None."""
+        held = any(row["status"] == "complete" for row in self.mgr.list())
+        return RESUME if self.mgr.agree(held)[0] else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": RNGState().state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._rng_to_load = state_dict["rng"]
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._boundary = self._saved = trainer.global_step  # the restored step is saved already
+        if self.preemption:
+            # Replaces Lightning's handler (it restores the previous one at teardown), which
+            # would stop training after the current batch without a checkpoint.
+            self.requests.catch_sigterm()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._rng_to_load is not None:
+            RNGState().load_state_dict(self._rng_to_load)
+            self._rng_to_load = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._boundary:
+            return  # accumulating gradients: no optimizer step since the last boundary
+        self._boundary = trainer.global_step
+        if save_at_boundary(self.mgr, self.requests, trainer.global_step, lambda: _resumable_state(trainer),
+                            self.every):
+            self._saved = trainer.global_step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step != self._saved:
+            self.mgr.save(trainer.global_step, _resumable_state(trainer))
+        self.mgr.wait()
+
+
+def _resumable_state(trainer: pl.Trainer) -> dict[str, Any]:
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    for key in _HPARAM_KEYS:
+        checkpoint.pop(key, None)
+    return checkpoint

@@ -1,0 +1,239 @@
+"""The end-to-end demo (``make demo``): a predicted GPU failure, an urgent checkpoint
+off-node, the node lost, and training resumed in seconds; next to the same job with
+periodic checkpoints only.
+
+Everything runs on this machine on embedded defaults: a predictor service, a node
+agent simulating this host's 8 GPUs (an HBM failure with precursors is scheduled on
+gpu2), a 2-rank torchrun (gloo, CPU) training job with the ckpt callback, and an
+object-store tier (a ``file://`` directory; ``--object-store s3://...`` with
+``AWS_ENDPOINT_URL`` for a real one). At the failure time the job is SIGKILLed and the
+host counts as lost: its shared memory and local disk are wiped. ``ckpt restore``
+fetches the newest checkpoint from the object store onto a "new node" and training
+resumes from it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    """One scenario's processes, files and timeline."""
+
+    name: str
+    dir: Path
+    events: dict[str, float] = field(default_factory=dict)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def start(self, what: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.dir / f"{what}.log", "ab")
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})},
+                             start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def log(self, what: str) -> str:
+        path = self.dir / f"{what}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def steps_done(timeline: Path) -> list[dict]:
+    if not timeline.exists():
+        return []
+    return [json.loads(line) for line in timeline.read_text().splitlines() if line.strip()]
+
+
+def torchrun(run: Run, args: argparse.Namespace, root: Path, memory_dir: Path, *extra: str, env=None,
+             tag: str = "train") -> subprocess.Popen:
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+           str(REPO / "examples" / "train_torchrun.py"), "--root", str(root), "--object-store", args.object_store_for(run),
+           "--memory-dir", str(memory_dir), "--steps", str(args.steps), "--every", str(args.every),
+           "--step-time", str(args.step_time), "--timeline", str(run.dir / "timeline.jsonl"), *extra]
+    return run.start(tag, cmd, {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
+    run = Run(name, Path(args.workdir) / name)
+    run.dir.mkdir(parents=True, exist_ok=True)
+    memory_dir = Path(tempfile.mkdtemp(prefix=f"ckpt-demo-{name}-", dir="/dev/shm"))
+    node = socket.gethostname()
+    t0 = time.time()
+    env = {}
+    try:
+        extra: list[str] = []
+        if with_predictor:
+            agent_tok, job_tok = secrets.token_hex(16), secrets.token_hex(16)
+            tokens = run.dir / "tokens"
+            tokens.write_text(f"agent {agent_tok}\njob {job_tok}\n")
+            tokens.chmod(0o600)
+            (run.dir / "agent.token").write_text(agent_tok)
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            run.start("predictor", [PY, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(tokens)],
+                      {"PYTHONPATH": str(REPO)})
+            say(f"{name}: predictor serving on {url}")
+            run.start("agent", [PY, "-m", "agents.cli", "run", "--source", "sim", "--predictor", url,
+                                "--token-file", str(run.dir / "agent.token"), "--node-name", node,
+                                "--interval", str(args.interval), "--time-scale", str(args.time_scale),
+                                "--fail", f"{node}/gpu2/hbm@+{args.fail_after}s", "--metrics-port", "0",
+                                "--spool-dir", str(run.dir / "spool")], {"PYTHONPATH": str(REPO)})
+            say(f"{name}: node agent simulating {node}'s 8 GPUs; an HBM failure of gpu2 is due in {args.fail_after:.0f} s "
+                f"(precursors {args.time_scale:g}x faster than real)")
+            extra = ["--predictor", url, "--elevated-every", str(max(1, args.every // 4))]
+            env = {"CKPT_PREDICTOR_TOKEN": job_tok}
+        run.events["start"] = t0
+        torchrun(run, args, run.dir / "node-a", memory_dir, *extra, env=env)
+        say(f"{name}: training started (2 ranks, a step every {args.step_time:g} s, periodic checkpoint every "
+            f"{args.every} steps, off-node tier {args.object_store_for(run)})")
+        t_fail = t0 + args.fail_after
+        last = -1
+        while time.time() < t_fail:
+            time.sleep(0.5)
+            done = steps_done(run.dir / "timeline.jsonl")
+            if done and done[-1]["step"] // 25 != last // 25:
+                last = done[-1]["step"]
+                say(f"{name}: step {last}")
+        # The GPU fails: the job dies with it, and this host (memory, local disk) is gone.
+        train = run.procs[-1]
+        os.killpg(train.pid, signal.SIGKILL)
+        train.wait()
+        run.events["failure"] = time.time()
+        done = steps_done(run.dir / "timeline.jsonl")
+        run.events["last_step"] = done[-1]["step"] if done else 0
+        shutil.rmtree(memory_dir, ignore_errors=True)
+        shutil.rmtree(run.dir / "node-a", ignore_errors=True)
+        say(f"{name}: GPU FAILURE at step {run.events['last_step']}: job killed, node lost (memory and disk wiped)")
+
+        # A new node: fetch the newest checkpoint from the object store, resume.
+        run.events["restart"] = time.time()
+        restored = subprocess.run([PY, "-m", "ckpt.cli", "restore", args.object_store_for(run), "--to",
+                                   str(run.dir / "node-b"), "--json"], capture_output=True, text=True, cwd=REPO,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+        if restored.returncode != 0:
+            raise SystemExit(f"ckpt restore failed: {restored.stderr[-2000:]}")
+        info = json.loads(restored.stdout)
+        run.events["restored_step"] = info["step"]
+        run.events["restore_done"] = time.time()
+        say(f"{name}: ckpt restore → step {info['step']} from the object store onto a new node "
+            f"({run.events['restore_done'] - run.events['restart']:.1f} s)")
+        n_before = len(steps_done(run.dir / "timeline.jsonl"))
+        resume = torchrun(run, args, run.dir / "node-b", memory_dir, "--steps", str(info["step"] + args.resume_steps),
+                          tag="resume")
+        while len(steps_done(run.dir / "timeline.jsonl")) == n_before and resume.poll() is None:
+            time.sleep(0.2)
+        after = steps_done(run.dir / "timeline.jsonl")[n_before:]
+        if not after:
+            raise SystemExit(f"resumed training did not run; see {run.dir / 'resume.log'}")
+        run.events["first_resumed_step"] = after[0]["t"]
+        say(f"{name}: training resumed at step {after[0]['step']} "
+            f"({after[0]['t'] - run.events['failure']:.1f} s after the failure)")
+        resume.wait()
+        collect_alarm(run)
+        return run
+    finally:
+        run.stop_all()
+        shutil.rmtree(memory_dir, ignore_errors=True)
+
+
+def collect_alarm(run: Run) -> None:
+    """Alarm and urgent-save times from the training log (the job's own record)."""
+    log = run.log("train")
+    stamp = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) rank0 "
+    if m := re.search(stamp + r"predictor: node (\S+) at risk", log):
+        run.events["alarm"] = _t(m.group(1))
+    if m := re.search(stamp + r"urgent checkpoint of step (\d+) durable in every tier ([\d.]+) s", log):
+        run.events["urgent_durable"] = _t(m.group(1))
+        run.events["urgent_step"] = int(m.group(2))
+
+
+def _t(stamp: str) -> float:
+    return time.mktime(time.strptime(stamp.split(",")[0], "%Y-%m-%d %H:%M:%S")) + int(stamp.split(",")[1]) / 1000
+
+
+def report(runs: list[Run], args: argparse.Namespace) -> dict:
+    out = {}
+    print()
+    for run in runs:
+        e = run.events
+        rel = lambda k: f"{e[k] - e['start']:7.1f} s" if k in e else "      —  "
+        lost = e["last_step"] - e["restored_step"]
+        print(f"== {run.name}")
+        print(f"  {rel('alarm')}  predictor alarm: GPU failure predicted on this node")
+        print(f"  {rel('urgent_durable')}  urgent checkpoint durable off-node"
+              + (f" (step {e['urgent_step']})" if "urgent_step" in e else ""))
+        print(f"  {rel('failure')}  GPU failure: job killed, node lost at step {e['last_step']}")
+        print(f"  {rel('restore_done')}  ckpt restore from the object store: step {e['restored_step']}")
+        print(f"  {rel('first_resumed_step')}  first resumed step")
+        print(f"  work lost: {lost} steps ({lost * args.step_time:.0f} s of training); "
+              f"failure to first resumed step: {e['first_resumed_step'] - e['failure']:.1f} s\n")
+        out[run.name] = {**e, "lost_steps": lost}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default=None, help="where logs and checkpoints go (default: a new temp dir)")
+    ap.add_argument("--object-store", default=None, help="fsspec URL prefix of the off-node tier (default: file://WORKDIR)")
+    ap.add_argument("--fail-after", type=float, default=150.0, help="wall seconds until the GPU fails")
+    ap.add_argument("--time-scale", type=float, default=30.0, help="how much faster the simulated precursors run")
+    ap.add_argument("--interval", type=float, default=2.0, help="agent sampling interval, wall seconds")
+    ap.add_argument("--step-time", type=float, default=0.5)
+    ap.add_argument("--every", type=int, default=120, help="periodic checkpoint interval, steps")
+    ap.add_argument("--steps", type=int, default=100_000)
+    ap.add_argument("--resume-steps", type=int, default=10, help="steps to train after resuming")
+    ap.add_argument("--only", choices=["predictor", "periodic"], default=None)
+    ap.add_argument("--json", default=None, help="write the timelines as JSON here")
+    args = ap.parse_args()
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="ckpt-guard-demo-", dir="/var/tmp")
+    args.object_store_for = lambda run: f"{(args.object_store or 'file://' + args.workdir).rstrip('/')}/{run.name}/objstore"
+    say(f"work directory {args.workdir}")
+    runs = []
+    if args.only != "periodic":
+        runs.append(scenario(args, "with-predictor", True))
+    if args.only != "predictor":
+        runs.append(scenario(args, "periodic-only", False))
+    out = report(runs, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

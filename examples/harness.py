@@ -1,0 +1,50 @@
+"""What the Lightning and Hugging Face examples share: their command line and the
+fault injector their tests drive."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    """The examples' options; also sets up logging and one CPU thread (a tiny model)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", required=True, help="checkpoint directory (local-disk tier)")
+    ap.add_argument("--steps", type=int, default=18)
+    ap.add_argument("--every", type=int, default=4, help="periodic checkpoint interval, optimizer steps")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batches-per-epoch", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--memory-dir", default="/dev/shm")
+    ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '6:kill,10:term'")
+    ap.add_argument("--out", default=None, help="write the final weights digest here (JSON)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    return args
+
+
+class Faults:
+    """``"6:kill,10:term"``: SIGKILL this process when training completes step 6,
+    SIGTERM it (a preemption notice) at step 10. Each fault fires once per checkpoint
+    root, remembered by a marker file there, so a restarted run goes past it."""
+
+    def __init__(self, spec: str, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.at = {int(step): SIGNALS[kind] for step, kind in (f.split(":") for f in spec.split(",") if f)}
+
+    def fire(self, step: int) -> None:
+        """Call at the end of each step with the number of steps completed."""
+        marker = self.root / f"fault-{step}.fired"
+        if step in self.at and not marker.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            logging.info("fault injector: %s at step %d", self.at[step].name, step)
+            os.kill(os.getpid(), self.at[step])

@@ -1,0 +1,135 @@
+"""Shared helpers for the Lightning and Hugging Face integration tests.
+
+An example training script (examples/train_lightning.py, examples/train_hf.py) runs as
+real child processes; its fault injector SIGKILLs or SIGTERMs them, and the test starts
+it again until it finishes, as a job scheduler would. ``Zygote`` imports the example
+once (Lightning alone takes seconds to import) and forks one fresh process per run,
+so a five-run test costs one import: ``python -m tests.integration_helpers MODULE``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.ckpt_helpers import REPO, shm_dir  # noqa: F401  (a fixture for the test modules)
+
+FAULTS = "6:kill,10:term,14:kill"  # mid-epoch SIGKILL, preemption notice, SIGKILL after an epoch-end save
+
+
+@dataclass
+class Run:
+    rc: int  # exit code, or minus the signal that ended it
+    restored: int | None  # the step it resumed from
+    log: str
+
+
+class Zygote:
+    """Client of the forking server below, for one example module."""
+
+    def __init__(self, module: str, workdir: Path) -> None:
+        self.workdir, self.runs = workdir, 0
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.integration_helpers", module], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, *argv: str, timeout: float = 120.0) -> Run:
+        self.runs += 1
+        log = self.workdir / f"run-{self.runs}.log"
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps({"argv": list(argv), "log": str(log), "timeout": timeout}) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, "the zygote died"
+        text = log.read_text()
+        found = re.search(r"restored step (\d+)", text)
+        return Run(json.loads(answer)["rc"], int(found.group(1)) if found else None, text)
+
+    def run_until_done(self, *argv: str, attempts: int = 6) -> list[Run]:
+        runs: list[Run] = []
+        while not runs or runs[-1].rc != 0:
+            assert len(runs) < attempts, "\n---\n".join(r.log[-2000:] for r in runs)
+            runs.append(self.run(*argv))
+            assert runs[-1].rc in (0, -signal.SIGKILL, 143), runs[-1].log[-4000:]
+        return runs
+
+    def close(self) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def assert_resumes_exactly(module: str, tmp_path: Path, memory_dir: str, restored: list[int]) -> None:
+    """The example ``module`` interrupted by FAULTS, restarted after each, resumes from
+    the ``restored`` steps (the second: the urgent save SIGTERM asked for) and ends
+    bitwise equal to an uninterrupted run with the same seed."""
+    runs, faulty, clean = faulty_and_clean(module, tmp_path, memory_dir)
+    assert [r.rc for r in runs] == [-signal.SIGKILL, 143, -signal.SIGKILL, 0]
+    assert [r.restored for r in runs] == [None, *restored]
+    assert f"urgent checkpoint at step {restored[1]}" in runs[1].log
+    assert faulty == clean, "the resumed run diverged from the uninterrupted one"
+
+
+def faulty_and_clean(module: str, tmp_path: Path, memory_dir: str) -> tuple[list[Run], str, str]:
+    """An interrupted run, restarted after each fault until done, and an uninterrupted
+    one with the same seed: the runs and both final weight digests."""
+    zygote = Zygote(module, tmp_path)
+    try:
+        def argv(name: str, *extra: str) -> list[str]:
+            return ["--root", str(tmp_path / name), "--memory-dir", memory_dir, "--out", str(tmp_path / f"{name}.json"),
+                    *extra]
+        clean = zygote.run(*argv("clean"))
+        assert clean.rc == 0, clean.log[-4000:]
+        runs = zygote.run_until_done(*argv("faulty", "--faults", FAULTS))
+    finally:
+        zygote.close()
+    digests = [json.loads((tmp_path / f"{name}.json").read_text())["digest"] for name in ("faulty", "clean")]
+    return runs, digests[0], digests[1]
+
+
+def serve(module: str) -> None:
+    """Import ``module`` once; per request line (argv, log, timeout) fork a process that
+    runs its ``main()`` with that argv, and answer with how it ended."""
+    main = importlib.import_module(module).main
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(module, main, req["argv"], req["log"])
+        deadline = time.monotonic() + req["timeout"]
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(done[1])}), flush=True)
+
+
+def _child(module: str, main: object, argv: list[str], log: str) -> None:
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.argv = [module, *argv]
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,150 @@
+"""ckpt.simulate: the analytic waste against Young's and Daly's closed forms, the Monte
+Carlo against both, the inputs' scaling, and the ``ckpt simulate`` command."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckpt import simulate_inputs as inputs
+from ckpt.cli import cli
+from ckpt.simulate import Lead, Recovery, Run, Skill, Strategy, _play, analytic, monte_carlo
+from tests.test_policy import daly_exact_wall
+
+DEFAULT_RUN = Run()
+
+
+def plain(cost: float, restore: float = 0.0) -> Strategy:
+    """One kind of recovery for every failure, durable when the save returns: Young's setting."""
+    rec = Recovery(cost, restore)
+    return Strategy("x", "x", cost, rec, rec)
+
+
+def defaults() -> list[Strategy]:
+    return inputs.strategies(DEFAULT_RUN, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR, inputs.STATE_GB_PER_GPU)
+
+
+def test_analytic_is_youngs_waste() -> None:
+    run = replace(DEFAULT_RUN, restart_s=0.0)
+    cost, lam = 40.0, run.failure_rate
+    for formula in ("young", "daly"):
+        out = analytic(run, plain(cost), formula)
+        period = out.interval_s + cost
+        assert out.waste == pytest.approx(cost / period + lam * period / 2, rel=1e-12)
+        assert out.restart == 0.0
+    # and at the optimum it is Young's closed form sqrt(2Cλ), to first order in C/M
+    assert analytic(run, plain(cost)).waste == pytest.approx(math.sqrt(2 * cost * lam), rel=0.01)
+
+
+@pytest.mark.parametrize("cost,restart", [(5.0, 300.0), (40.0, 300.0), (120.0, 600.0), (40.0, 1200.0)])
+def test_analytic_against_dalys_exact_model(cost: float, restart: float) -> None:
+    run = replace(DEFAULT_RUN, restart_s=restart)
+    lam = run.failure_rate
+    out = analytic(run, plain(cost))
+    exact = 1.0 / daly_exact_wall(out.interval_s, cost, 1 / lam, restart)
+    # first order against exact: off by second-order terms, and on the safe side
+    assert exact - (lam * cost + (lam * (restart + cost)) ** 2) < out.ettr <= exact
+    assert out.waste == pytest.approx(math.sqrt(2 * cost * lam) + lam * restart, rel=0.05)
+
+
+def test_monte_carlo_plays_dalys_process() -> None:
+    # frequent failures (M = 720 s), a heavy save: the exact model and the first order differ here
+    run = Run(days=5.0, failures=600, restart_s=120.0, host_down_share=0.0)
+    s = plain(30.0)
+    mc = monte_carlo(run, s, runs=10, seed=1)
+    exact = 1.0 / daly_exact_wall(mc.interval_s, 30.0, 1 / run.failure_rate, 120.0)
+    assert mc.ettr == pytest.approx(exact, abs=0.01)
+    assert abs(analytic(run, s).ettr - exact) > abs(mc.ettr - exact)  # the play is the better model here
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_monte_carlo_agrees_with_analytic_at_defaults(index: int) -> None:
+    s = defaults()[index]
+    a, mc = analytic(DEFAULT_RUN, s), monte_carlo(DEFAULT_RUN, s, runs=10, seed=2)
+    assert mc.waste == pytest.approx(a.waste, rel=0.05)
+    for part in ("stall", "lost", "restart"):
+        assert getattr(mc, part) == pytest.approx(getattr(a, part), rel=0.15, abs=0.001)
+
+
+def test_a_play_accounts_for_every_second() -> None:
+    for s in defaults():
+        kept, stall, lost, restart = _play(DEFAULT_RUN, s, random.Random(3))
+        assert kept + stall + lost + restart == pytest.approx(DEFAULT_RUN.wall_s, rel=1e-9)
+        assert min(kept, stall, lost, restart) > 0
+
+
+def test_predictor_that_catches_nothing_changes_nothing() -> None:
+    _, b, c = defaults()
+    blind = replace(c, skill=replace(c.skill, recall_of_predictable=0.0, false_alarms_per_1000_node_days=0.0))
+    assert analytic(DEFAULT_RUN, blind).waste == pytest.approx(analytic(DEFAULT_RUN, b).waste)
+
+
+def test_a_perfect_predictor_covers_the_host_down_lag() -> None:
+    _, b, c = defaults()
+    run = replace(DEFAULT_RUN, precursor_share=1.0)
+    sharp = replace(c, skill=Skill(1.0, 0.0, Lead(150.0, 125.0)))  # every failure, 2.5 min ahead, no false alarm
+    assert analytic(run, sharp).lost < 0.5 * analytic(run, b).lost
+
+
+def test_lead_distribution() -> None:
+    lead = Lead(median_s=1800.0, p10_s=300.0)
+    assert lead.covered(60.0) == 1.0  # every caught failure has 2 min of lead by definition
+    assert 0.0 < lead.covered(2400.0) < lead.covered(600.0) < 1.0
+    rng = random.Random(4)
+    draws = [lead.sample(rng, 600.0) for _ in range(20000)]
+    assert min(draws) >= 600.0 and max(draws) <= 3600.0
+    assert sum(draws) / len(draws) == pytest.approx(lead.mean_below(600.0, math.inf)[1], rel=0.02)
+    p, _ = lead.mean_below(600.0, 1800.0)
+    assert p == pytest.approx(sum(d < 1800.0 for d in draws) / len(draws), abs=0.02)
+
+
+def test_costs_scale_with_the_checkpoint_and_the_store() -> None:
+    a, b, _ = defaults()
+    a2, b2, _ = inputs.strategies(DEFAULT_RUN, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR,
+                                  2 * inputs.STATE_GB_PER_GPU)
+    assert b2.blocking_s == pytest.approx(2 * b.blocking_s)
+    assert a2.blocking_s == pytest.approx(2 * a.blocking_s)
+    fast = inputs.strategies(DEFAULT_RUN, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR,
+                             inputs.STATE_GB_PER_GPU, objstore_gbps=10.0)
+    assert fast[0].blocking_s < a.blocking_s and fast[1].host_down.lag_s < b.host_down.lag_s
+    assert fast[1].blocking_s == b.blocking_s  # the snapshot never touches the store
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(cli, ["simulate", *args])
+    return res.exit_code, res.output
+
+
+def test_cli_defaults_and_json(tmp_path: Path) -> None:
+    code, text = run_cli()
+    assert code == 0 and "(c) ckpt tiers + predictor" in text and "target <= 0.5" in text
+    code, out = run_cli("--json", "--monte-carlo", "2")
+    data = json.loads(out)
+    assert code == 0 and [o["strategy"] for o in data["analytic"]] == ["a", "b", "c"]
+    assert len(data["monte_carlo"]) == 3 and "met" in data["target"]
+    assert data["strategies"][2]["policy"]["formula"].startswith("Daly")
+
+
+def test_cli_reads_measurements(tmp_path: Path) -> None:
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(inputs.BENCH | {"ours_block_s": 2 * inputs.BENCH["ours_block_s"]}))
+    ev = tmp_path / "eval.json"
+    ev.write_text(json.dumps({"node": inputs.PREDICTOR["node"] | {"recall_of_predictable": 0.0},
+                              "gpu": {}}))
+    code, out = run_cli("--json", "--bench", str(bench), "--predictor-eval", str(ev))
+    data = json.loads(out)
+    assert code == 0 and data["sources"]["bench"] == str(bench)
+    assert data["strategies"][1]["blocking_s"] == pytest.approx(2 * defaults()[1].blocking_s)
+
+
+def test_cli_errors(tmp_path: Path) -> None:
+    assert run_cli("--failures", "0")[0] == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    code, out = run_cli("--bench", str(bad))
+    assert code == 1 and "unusable input" in out
