@@ -87,12 +87,12 @@ def make_state(total: int) -> dict[str, torch.Tensor]:
 
 
 class Bench:
-    def __init__(self, server, work: Path, state: dict, part_size: int, concurrency: int) -> None:
+    def __init__(self, server, work: Path, shm: str, state: dict, part_size: int, concurrency: int) -> None:
         self.opts = server.options(read_timeout=600)  # moto needs long to assemble a GB-sized upload
         self.bucket = create_bucket(server)
-        self.work, self.state = work, state
+        self.work, self.shm, self.state = work, shm, state
         self.part_size, self.concurrency = part_size, concurrency
-        with CheckpointManager(work / "disk", memory_dir=str(work / "shm"), run="bench") as mgr:
+        with CheckpointManager(work / "disk", memory_dir=shm, run="bench") as mgr:
             mgr.save(1, state).wait()
             self.disk = mgr.disk
         self.ckpt_id = self.disk.list()[-1].id
@@ -158,6 +158,18 @@ class Bench:
         self._check(got)
         self.fs.rm(url, recursive=True)
 
+    def urgent_save(self) -> dict[str, float]:
+        """What a failure prediction triggers: save(urgent=True) on a manager with a disk and
+        an object tier; seconds blocked, and from then to durable on disk and off-node."""
+        url = self._url("urgent")
+        with CheckpointManager(self.work / f"urgent-{uuid.uuid4().hex[:6]}", object_store=self._tier(url),
+                               memory_dir=self.shm, run=uuid.uuid4().hex[:8]) as mgr:
+            h = mgr.save(1, self.state, urgent=True)
+            h.wait()
+            shutil.rmtree(mgr.disk.root)
+        self.fs.rm(url, recursive=True)
+        return {"blocking_s": h.blocking_s, **{f"{tier}_s": s for tier, s in h.durable_s.items()}}
+
     def dcp_1_thread(self, clock: Clock) -> None:
         self._dcp(clock, 1)
 
@@ -176,24 +188,31 @@ CONTENDERS = {
 
 def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="objstore-bench-"))
+    shm = tempfile.mkdtemp(prefix="objstore-bench-", dir="/dev/shm")  # memory slots where they live in training
     chosen = args.only or list(CONTENDERS)
     runs: dict[str, list[dict[str, Sample]]] = {c: [] for c in chosen}
+    urgent: list[dict[str, float]] = []
     try:
         state = make_state(int(args.gb * (1 << 30)))
         # moto spools every object over 5 MiB to a temporary file on this VM's disk; real
         # S3 has no such cost on the client's path, so by default objects stay in its memory
         env = None if args.moto_disk_spool else {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(64 << 30)}
         with moto_server(env) as server:
-            bench = Bench(server, work, state, args.part_mib << 20, args.concurrency)
-            with tqdm(total=args.repeats * len(chosen), desc="transfers", unit="run", disable=args.json) as bar:
+            bench = Bench(server, work, shm, state, args.part_mib << 20, args.concurrency)
+            total = args.repeats * (len(chosen) + (not args.no_urgent))
+            with tqdm(total=total, desc="transfers", unit="run", disable=args.json) as bar:
                 for _ in range(args.repeats):  # round-robin, so drift hits every contender alike
                     for c in chosen:
                         clock = Clock(server.proc.pid)
                         CONTENDERS[c][1](bench, clock)
                         runs[c].append(clock.samples)
                         bar.update()
+                    if not args.no_urgent:
+                        urgent.append(bench.urgent_save())
+                        bar.update()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
     gb = bench.nbytes / 1e9
     rows = {}
     for c, samples in runs.items():
@@ -210,7 +229,8 @@ def run(args: argparse.Namespace) -> dict:
     server = "moto_server on loopback, " + ("objects spooled to disk" if args.moto_disk_spool else "objects in memory")
     return {"bytes": bench.nbytes, "repeats": args.repeats, "part_size": args.part_mib << 20,
             "concurrency": args.concurrency, "server": server, "cpus": os.cpu_count(),
-            "loadavg_after": os.getloadavg(), "results": rows}
+            "loadavg_after": os.getloadavg(), "results": rows,
+            "urgent_save": {k: statistics.median(u[k] for u in urgent) for k in urgent[0]} if urgent else None}
 
 
 def print_table(report: dict) -> None:
@@ -227,6 +247,10 @@ def print_table(report: dict) -> None:
             x = f"{p['x_single']:.2f}" if p["x_single"] else "-"
             cells += [f"{p['MBps']:.0f}", x, f"{p['server_cpu_s_per_GB']:.1f}", f"{p['client_cpu_s_per_GB']:.1f}"]
         print(f"| {r['what']:<52} | " + " | ".join(cells) + " |")
+    if report["urgent_save"]:
+        u = report["urgent_save"]
+        print(f"\nurgent save (median): blocked {u['blocking_s']:.2f} s; durable on disk {u['disk_s']:.1f} s "
+              f"and off-node {u['object_s']:.1f} s after save() returned")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=list(CONTENDERS), help="run only these contenders")
     p.add_argument("--moto-disk-spool", action="store_true",
                    help="leave moto's default of spooling objects to temporary files (slower, noisier)")
+    p.add_argument("--no-urgent", action="store_true", help="skip the urgent-save measurement")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     report = run(args)

@@ -16,7 +16,7 @@ import click
 from tqdm import tqdm
 
 from .errors import CheckpointError, DamagedCheckpoint, ManifestError
-from .locations import tiers_for
+from .locations import is_url, tiers_for
 from .manager import merge_listing
 from .manifest import Manifest
 from .memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
@@ -164,10 +164,11 @@ def _copy(source: Tier, target: Tier, ckpt_id: CheckpointId, progress) -> None:
 def gc_cmd(root: str, keep: int | None, grace: float, force: bool, memory_dir: str, as_json: bool) -> None:
     """Remove leftovers of interrupted saves, memory slots whose job is gone (once their
     steps are on disk), and, with --keep, old checkpoints."""
-    disk = LocalDiskTier(root)
+    disk = tiers_for(root, memory_dir=memory_dir)[-1]  # the durable tier: the disk, or the object store at a URL
     removed = disk.cleanup(min_age_s=grace)
     on_disk = {(i.id.generation, i.id.step) for i in disk.list() if i.complete}
-    removed += sweep_orphans(namespaces_of_root(os.path.realpath(root), memory_dir), on_disk, force=force)
+    if not is_url(root):
+        removed += sweep_orphans(namespaces_of_root(os.path.realpath(root), memory_dir), on_disk, force=force)
     deleted = []
     if keep is not None:
         complete = [i for i in disk.list() if i.complete]

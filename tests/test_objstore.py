@@ -282,10 +282,11 @@ def test_outage_mid_upload_training_goes_on_and_the_upload_is_retried(tmp_path, 
         assert_same(got, states[1])
 
 
-def test_cli_reads_s3_urls_with_endpoint_and_credentials_from_the_aws_environment(tmp_path, s3_server, s3_bucket):
+def test_cli_on_s3_urls_with_endpoint_and_credentials_from_the_aws_environment(tmp_path, s3_server, s3_bucket):
     url = f"s3://{s3_bucket}/run-42"
     st = make_state(7)
     with manager(tmp_path, s3_tier(s3_server, s3_bucket)) as mgr:
+        mgr.save(6, make_state(6)).wait()
         mgr.save(7, st).wait()
     env = {**os.environ, "AWS_ENDPOINT_URL_S3": s3_server.endpoint, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "PYTHONPATH": os.getcwd()}
@@ -296,7 +297,11 @@ def test_cli_reads_s3_urls_with_endpoint_and_credentials_from_the_aws_environmen
 
     ls = ckpt("ls", url, "--json")
     assert ls.returncode == 0, ls.stderr
-    assert [(r["step"], r["tiers"]) for r in json.loads(ls.stdout)] == [(7, ["object"])]
+    assert [(r["step"], r["tiers"]) for r in json.loads(ls.stdout)] == [(6, ["object"]), (7, ["object"])]
+    gc = ckpt("gc", url, "--keep", "1", "--json")
+    assert gc.returncode == 0, gc.stderr
+    assert json.loads(gc.stdout)["checkpoints_deleted"] == [6]
+    assert [i.id.step for i in s3_tier(s3_server, s3_bucket).list()] == [7]
     out = ckpt("restore", url, "--to", str(tmp_path / "restored"), "--json")
     assert out.returncode == 0, out.stderr
     with CheckpointManager(tmp_path / "restored", memory_dir=str(tmp_path / "shm2")) as mgr:

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
-from fsspec.exceptions import FSTimeoutError
 from fsspec.core import split_protocol, url_to_fs
+from fsspec.exceptions import FSTimeoutError
 
 from ..retry import RetryPolicy
 
