@@ -299,7 +299,10 @@ def _sse(event: str, data: dict, event_id: int | None = None) -> bytes:
 
 
 def _json_error(cls, reason: str, headers: dict | None = None) -> web.HTTPException:
-    return cls(text=json.dumps({"error": reason}), content_type="application/json", headers=headers)
+    body = {"text": json.dumps({"error": reason}), "content_type": "application/json", "headers": headers}
+    if cls is web.HTTPRequestEntityTooLarge:        # its constructor wants the sizes; the text says them
+        return cls(max_size=0, actual_size=0, **body)
+    return cls(**body)
 
 
 def make_app(service: Service) -> web.Application:
@@ -325,6 +328,7 @@ def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     alerts = StrictAlerts(alertmanager_url, webhook_url, resend_s)
     service = Service(model, tokens, max_body, alerts)
-    web.run_app(make_app(service), host=host, port=port, access_log=None,
+    # auto_decompress off: wire.decompress inflates gzip itself, under the size cap
+    web.run_app(make_app(service), host=host, port=port, access_log=None, auto_decompress=False,
                 print=lambda msg: log.info("listening on http://%s:%d (auth %s)", host, port,
                                            "on" if tokens else "OFF"))

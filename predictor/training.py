@@ -3,7 +3,8 @@
 Labels: a sample is positive when a failure with a visible precursor follows on the
 same GPU within the horizon and the precursor has begun; samples in the horizon
 before a failure whose signs are not (yet) visible are left out rather than called
-healthy. Validation holds out whole nodes: the model is fitted on the others,
+healthy. An alarm more than the horizon early is a false alarm (EVAL.md), so the
+hours before the horizon are kept in full as negatives. Validation holds out whole nodes: the model is fitted on the others,
 calibrated on the held-out ones, and the thresholds are picked by replaying the
 held-out nodes through the online scorer and scoring alarms as EVAL.md does.
 """
@@ -29,6 +30,9 @@ MIN_LEAD_S = evaluation.MIN_LEAD_S
 VALIDATION_SHARE = 0.25
 NEGATIVES_PER_TRACE = 250_000        # negatives kept per trace and split (subsampled)
 FALSE_ALARM_BUDGET = 1.0             # per 1000 node-days on validation: half the target, for margin
+#: Samples of a failing GPU this long before its failure, but before the horizon, are all
+#: kept as negatives: they teach the model "not yet", where early alarms come from.
+HARD_NEGATIVE_S = 6 * 3600.0
 ALARM_FLOOR = 1e-3                   # validation replay keeps alarms above this for the sweep
 
 
@@ -62,7 +66,7 @@ class _Collector:
         self.parts: dict[bool, tuple[list, list]] = {False: ([], []), True: ([], [])}
 
     def _labels(self, slots: np.ndarray, t_ms: np.ndarray) -> np.ndarray:
-        """1 positive, 0 negative, -1 left out (see module doc)."""
+        """1 positive, 0 negative, -1 left out, 2 negative worth keeping (see module doc)."""
         label = np.zeros(len(slots), np.int8)
         keys = self.scorer.state.slot_key
         for i in np.flatnonzero([keys[s] in self.fail for s in slots.tolist()]).tolist():
@@ -73,6 +77,8 @@ class _Collector:
             lead_s = (times[j] - t_ms[i]) / 1000.0
             if lead_s <= HORIZON_S:
                 label[i] = 1 if pre[j] >= MIN_LEAD_S and lead_s <= pre[j] else -1
+            elif lead_s <= HARD_NEGATIVE_S:
+                label[i] = 2
         return label
 
     def __call__(self, scored: Scored) -> None:
@@ -83,10 +89,11 @@ class _Collector:
         val = self.is_val[scored.slots]
         draw = self.rng.random(len(label))
         for part in (False, True):
-            keep = (val == part) & ~scored.critical & ((label == 1) | ((label == 0) & (draw < self.keep_negative[part])))
+            keep = (val == part) & ~scored.critical & (
+                (label >= 1) | ((label == 0) & (draw < self.keep_negative[part])))
             if keep.any():
                 self.parts[part][0].append(scored.features[keep].astype(np.float32))
-                self.parts[part][1].append(label[keep])
+                self.parts[part][1].append((label[keep] == 1).astype(np.int8))
 
     def dataset(self, validation: bool) -> Dataset:
         xs, ys = self.parts[validation]

@@ -112,3 +112,11 @@ def live_server(tmp_path):
     yield start
     for s in servers:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One `predictor serve --max-body 20000` for a module's tests (each uses its own node names)."""
+    srv = LiveServer(tmp_path_factory.mktemp("serve"), "--max-body", "20000")
+    yield srv
+    srv.stop()
