@@ -38,8 +38,8 @@ def simulate(out: Path, nodes: int, days: float, interval: int, seed: int, *extr
 
 @pytest.fixture(scope="session")
 def small_trace(tmp_path_factory) -> Path:
-    """12 nodes x 2 days at 60 s with failures enriched 4x (about 40 failures)."""
-    return simulate(tmp_path_factory.mktemp("trace") / "small", 12, 2, 60, 5, "--failure-rate", "0.2")
+    """10 nodes x 1.5 days at 60 s with failures enriched 6x (about 30 failures)."""
+    return simulate(tmp_path_factory.mktemp("trace") / "small", 10, 1.5, 60, 5, "--failure-rate", "0.3")
 
 
 @pytest.fixture(scope="session")
