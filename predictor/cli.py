@@ -6,19 +6,20 @@ import sys
 from pathlib import Path
 
 import click
-import pyarrow.parquet as pq
 
-from predictor import evaluation, model as model_io
+# scikit-learn, skops and pyarrow are imported inside the commands: `--help` and usage
+# errors answer at once.
 
 
-def _load_model(path: str | None) -> model_io.Model:
+def _load_model(path: str | None):
+    from predictor import model as model_io
     try:
         return model_io.load(path)
     except (OSError, ValueError) as e:
         raise click.ClickException(f"cannot load model: {e}") from e
 
 
-def _threshold(model: model_io.Model, which: str) -> float:
+def _threshold(model, which: str) -> float:
     if which in ("sensitive", "strict"):
         return getattr(model, which)
     try:
@@ -47,10 +48,10 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the model summary as JSON")
 def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool) -> None:
     """Train a model on labelled traces and pick its two thresholds."""
-    from predictor import training
     for t in traces:
         if not (t / "failures.parquet").exists():
             raise click.ClickException(f"{t}: no failures.parquet, cannot train on an unlabelled trace")
+    from predictor import training
     try:
         m = training.train(list(traces), seed=seed)
     except ValueError as e:
@@ -63,10 +64,11 @@ def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool) -> None
                f"false alarms {m.info['validation_false_alarms_per_1000_node_days']}/1000 node-days")
 
 
-def _alarms(model: model_io.Model, trace: Path, threshold: str):
+def _alarms(model, trace: Path, threshold: str):
     from predictor.replay import score_trace
     from predictor.scoring import Scorer
-    return score_trace(trace, Scorer(model), threshold=_threshold(model, threshold))
+    thr = _threshold(model, threshold)
+    return score_trace(trace, Scorer(model, reasons_from=thr), threshold=thr)
 
 
 @main.command()
@@ -77,6 +79,7 @@ def _alarms(model: model_io.Model, trace: Path, threshold: str):
 @click.option("--json", "as_json", is_flag=True)
 def score(model_path: str | None, trace: Path, out: Path, threshold: str, as_json: bool) -> None:
     """Replay a trace through the online scorer; write its alarms (timestamp, node, gpu, score, reason)."""
+    import pyarrow.parquet as pq
     alarms = _alarms(_load_model(model_path), trace, threshold)
     pq.write_table(alarms, out)
     summary = {"alarms": alarms.num_rows, "out": str(out)}
@@ -93,13 +96,16 @@ def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path 
     """Score a labelled trace and print the EVAL.md metrics (node and GPU level)."""
     if not (trace / "failures.parquet").exists():
         raise click.ClickException(f"{trace}: no failures.parquet, nothing to evaluate against")
+    import pyarrow.parquet as pq
+
+    from predictor import evaluation
     m = _load_model(model_path)
     alarms = _alarms(m, trace, threshold)
     if alarms_out:
         pq.write_table(alarms, alarms_out)
     res = evaluation.report(alarms, evaluation.load_truth(trace))
     if as_json:
-        click.echo(json.dumps(res, indent=1))
+        click.echo(json.dumps(res, indent=1, default=evaluation.plain))
         return
     for lvl, r in res.items():
         click.echo(f"[{lvl}] recall {r['recall']} ({r['caught']}/{r['failures']}), of predictable "

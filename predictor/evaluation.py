@@ -57,6 +57,13 @@ def score(alarms: pa.Table, truth: Truth, level: str = "node") -> dict:
                               HORIZON_S, MIN_LEAD_S, level)
 
 
+def plain(value):
+    """JSON for the numpy scalars the reference scorer's counts can be."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def report(alarms: pa.Table, truth: Truth) -> dict:
     """Node and GPU level, as the reference scorer prints them."""
     return {level: score(alarms, truth, level) for level in ("node", "gpu")}

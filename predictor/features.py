@@ -40,6 +40,7 @@ THROTTLE_TAUS_S = (600.0, 3600.0)
 XID_TAUS_S = (1800.0, 21600.0)
 INTERVAL_TAU_S = 3600.0                      # memory of a GPU's usual sample interval
 NULL_TAU_S = 1800.0
+ACTIVE_EVENTS = 1.0                          # a counter is "active" at >= 1 event in its 1 h window
 NODE_STALE_S = 600.0                         # a sibling silent this long is not a reference
 THERMAL_BITS = 0x20 | 0x40                   # SW / HW thermal slowdown
 SLOWDOWN_BITS = 0x08 | 0x80                  # HW slowdown / power brake
@@ -58,7 +59,7 @@ def _feature_names() -> tuple[str, ...]:
     for c in COUNTERS:
         short = c.removeprefix("DCGM_FI_DEV_").lower()
         names += [f"{short}_rate_{int(t // 60)}m" for t in RATE_TAUS_S]
-        names += [f"{short}_accel_10m_1h", f"{short}_accel_1h_6h"]
+        names += [f"{short}_accel_10m_1h", f"{short}_accel_1h_6h", f"{short}_active_for"]
     names += [f"thermal_throttle_{int(t // 60)}m" for t in THROTTLE_TAUS_S]
     names += [f"slowdown_throttle_{int(t // 60)}m" for t in THROTTLE_TAUS_S]
     names += ["thermal_throttle_vs_node", "row_remap_failure", "null_share", "gap_ratio",
@@ -145,6 +146,7 @@ class FleetState:
         grow("counter_last", (nk,), np.nan)
         grow("counter_t", (nk,), -1, np.int64)
         grow("counted", (nk, len(RATE_TAUS_S)), 0.0)
+        grow("active_since", (nk,), -1, np.int64)
         grow("throttle", (2, len(THROTTLE_TAUS_S)), 0.0)
         grow("null_share", (), 0.0)
         grow("remap_failure", (), 0.0)
@@ -177,6 +179,7 @@ class FleetState:
         self.counter_last[slots] = np.nan
         self.counter_t[slots] = -1
         self.counted[slots] = 0.0
+        self.active_since[slots] = -1
         self.throttle[slots] = 0.0
         self.null_share[slots] = 0.0
         self.remap_failure[slots] = 0.0
@@ -247,6 +250,11 @@ class FleetState:
         ok = ~np.isnan(c)
         cnt = self.counted[s]
         self.counted[s] = np.where(ok[:, :, None], cnt * dec + delta[:, :, None], cnt)
+        # since when each counter has been active: long-standing errors are not a precursor
+        hour = self.counted[s][:, :, 1]
+        since = self.active_since[s]
+        since = np.where((hour >= ACTIVE_EVENTS) & (since < 0), t[:, None], since)
+        self.active_since[s] = np.where(hour < ACTIVE_EVENTS / 2, -1, since)
         self.counter_last[s] = np.where(ok, c, last)
         self.counter_t[s] = np.where(ok, t[:, None], self.counter_t[s])
 
@@ -288,7 +296,9 @@ class FleetState:
             feats[:, col: col + 3] = np.log1p(rates[:, k])
             feats[:, col + 3] = np.log((rates[:, k, 0] + 0.1) / (rates[:, k, 1] + 0.1))
             feats[:, col + 4] = np.log((rates[:, k, 1] + 0.1) / (rates[:, k, 2] + 0.1))
-            col += 5
+            since = self.active_since[s, k]
+            feats[:, col + 5] = np.where(since < 0, -1.0, np.log1p((t - since) / 60000.0))
+            col += 6
         th = self.throttle[s]
         feats[:, col: col + 2] = th[:, 0]
         feats[:, col + 2: col + 4] = th[:, 1]

@@ -27,7 +27,7 @@ class Scored:
     risk: np.ndarray
     features: np.ndarray
     critical: np.ndarray     # bool: risk set to 1 by a critical XID
-    reasons: list[str]       # why, for rows at or above the sensitive threshold ("" below)
+    reasons: list[str]       # why, for rows at or above the scorer's reasons_from ("" below)
     dropped: int = 0
 
 
@@ -74,10 +74,12 @@ def metric_matrix(table: pa.Table) -> np.ndarray:
 class Scorer:
     """Fleet state + model + rules; the live risk of every GPU it has seen."""
 
-    def __init__(self, model: Model | None, capacity: int = 1024):
-        """`model=None` computes features only (training); risk is then 0 unless a rule fires."""
+    def __init__(self, model: Model | None, capacity: int = 1024, reasons_from: float | None = None):
+        """`model=None` computes features only (training); risk is then 0 unless a rule fires.
+        Rows at or above `reasons_from` (default: the sensitive threshold) get a reason."""
         self.model = model
-        self.sensitive = model.sensitive if model is not None else np.inf
+        self.reasons_from = (model.sensitive if model is not None else np.inf) if reasons_from is None \
+            else reasons_from
         self.state = FleetState(capacity)
         self.risk = np.zeros(capacity)
         self.risk_t = np.full(capacity, -1, dtype=np.int64)
@@ -172,7 +174,7 @@ class Scorer:
             risk[:n_samples] = 0.0
         risk[crit] = 1.0
         reasons = [""] * n_samples + [e[2] for e in events]
-        hot = np.flatnonzero(risk[:n_samples] >= self.sensitive)
+        hot = np.flatnonzero(risk[:n_samples] >= self.reasons_from)
         if len(hot):
             model_hot = hot[~crit[hot]]
             texts = self.model.reasons(feats[model_hot]) if len(model_hot) else []

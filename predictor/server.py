@@ -26,8 +26,7 @@ from predictor.auth import Tokens
 from predictor.jobs import DEFAULT_MIN_INTERVAL_S, MAX_NODES_PER_JOB, LISTENER_QUEUE, JobRegistry
 from predictor.metrics import ServiceMetrics
 from predictor.model import Model
-from predictor.features import METRICS
-from predictor.scoring import Scored, Scorer, Xids, metric_matrix, timestamps_ms
+from predictor.scoring import Scored, Scorer, Xids, timestamps_ms
 
 log = logging.getLogger(__name__)
 SEEN_BATCH_IDS = 200_000             # X-Batch-Id memory: far more than any retry window
@@ -160,19 +159,10 @@ class Service:
         """Runs in the scorer thread: everything queued becomes one scoring pass."""
         tel = [it.table for it in items if it.kind == "telemetry"]
         xid = [it.table for it in items if it.kind == "xid"]
-        xids = Xids.from_table(pa.concat_tables([t.select(list(wire.XID_KEYS)) for t in xid],
-                                                promote_options="permissive")) if xid else None
-        ts = np.concatenate([timestamps_ms(t.column("timestamp")) for t in tel] + [np.empty(0, np.int64)])
-        nodes = [n for t in tel for n in pc.cast(t.column("node"), pa.string()).to_pylist()]
-        gpus = np.concatenate([np.asarray(t.column("gpu").to_numpy(zero_copy_only=False), np.int64) for t in tel]
-                              + [np.empty(0, np.int64)])
-        values = np.concatenate([metric_matrix(t) for t in tel] + [np.empty((0, len(METRICS)))])
-        uuids = None
-        if any("uuid" in t.column_names for t in tel):
-            uuids = [u for t in tel for u in (pc.cast(t.column("uuid"), pa.string()).to_pylist()
-                                              if "uuid" in t.column_names else [None] * t.num_rows)]
-        scored = self.scorer.score_rows(ts, nodes, gpus, values, uuids, xids)
-        self.metrics.scored(len(scored.slots), scored.dropped)
+        xids = Xids.from_table(_concat([t.select(list(wire.XID_KEYS)) for t in xid])) if xid else None
+        samples_before = self.scorer.samples
+        scored = self.scorer.score_table(_concat(tel), xids) if tel else self.scorer.add_xids(xids)
+        self.metrics.scored(self.scorer.samples - samples_before, scored.dropped)
         return scored
 
     async def _publish(self, before: np.ndarray, scored: Scored) -> None:
@@ -291,6 +281,29 @@ class Service:
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "gpus": len(self.scorer.state.slot_key),
                                   "pending_samples": self._pending_rows})
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    """One table from many senders' batches, whose column sets and types may differ."""
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.concat_tables([_plain(t) for t in tables], promote_options="permissive")
+
+
+def _plain(table: pa.Table) -> pa.Table:
+    """Dictionary node names as strings, numbers as float64/int64: the common denominator."""
+    cols = {}
+    for name, col in zip(table.column_names, table.columns):
+        if name == "timestamp":
+            cols[name] = pa.array(timestamps_ms(col), pa.timestamp("ms", tz="UTC"))
+        elif name in ("node", "uuid"):
+            cols[name] = pc.cast(col, pa.string())
+        elif pa.types.is_integer(col.type):
+            cols[name] = pc.cast(col, pa.int64())
+        elif pa.types.is_floating(col.type) or pa.types.is_null(col.type):
+            cols[name] = pc.cast(col, pa.float64())
+    return pa.table(cols)
 
 
 def _sse(event: str, data: dict, event_id: int | None = None) -> bytes:

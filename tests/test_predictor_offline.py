@@ -8,6 +8,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from predictor import evaluation, training
 from predictor import model as model_io
 from predictor.features import FEATURE_NAMES, METRICS
 from predictor.replay import score_trace
@@ -52,7 +53,7 @@ def _reference_scorer():
 def test_eval_matches_reference_scorer_and_writes_alarms(small_trace, trained_model, tmp_path):
     alarms = tmp_path / "alarms.parquet"
     res = json.loads(run_cli("predictor.cli", "eval", "--model", str(trained_model), "--trace", str(small_trace),
-                             "--alarms-out", str(alarms), "--json").stdout)
+                             "--threshold", "0.05", "--alarms-out", str(alarms), "--json").stdout)
     ref = _reference_scorer()
     a = ref.load(str(alarms), ["timestamp", "node", "gpu"])
     f = ref.load(str(small_trace / "failures.parquet"), ["timestamp", "node", "gpu", "mode", "precursor_s"])
@@ -66,6 +67,17 @@ def test_eval_matches_reference_scorer_and_writes_alarms(small_trace, trained_mo
     assert t.num_rows > 0 and all(t.column("reason").to_pylist())
     ts = timestamps_ms(t.column("timestamp"))
     assert np.all(ts[1:] >= ts[:-1])
+    # the fast threshold sweep used in training counts exactly what the reference counts
+    truth = evaluation.load_truth(small_trace)
+    for level in ("node", "gpu"):
+        sweep = training._Sweep(t, truth, level)
+        for thr in (0.0, 0.05, 0.3, 0.7, 0.99):
+            a = ref.load(str(alarms), ["timestamp", "node", "gpu"])
+            keep = pc.greater_equal(t.column("score"), thr).to_numpy(zero_copy_only=False)
+            r = ref.score({k: v[keep] for k, v in a.items()}, f, ref.node_days(str(small_trace)), level=level)
+            caught, predictable, false = sweep(thr)
+            assert (predictable, false) == (r["predictable_failures"], r["false_alarms"]), (level, thr)
+            assert caught == round((r["recall_of_predictable"] or 0) * predictable), (level, thr)
 
 
 def test_vendored_reference_scorer_is_verbatim():
@@ -77,8 +89,10 @@ def test_vendored_reference_scorer_is_verbatim():
 
 def test_score_cli_writes_parquet(small_trace, trained_model, tmp_path):
     out = tmp_path / "alarms.parquet"
+    ts = timestamps_ms(pq.read_table(small_trace / "telemetry.parquet", columns=["timestamp"]).column("timestamp"))
+    part = _cut(small_trace, tmp_path / "part", int(ts.min() + (ts.max() - ts.min()) * 0.3))
     summary = json.loads(run_cli("predictor.cli", "score", "--model", str(trained_model), "--trace",
-                                 str(small_trace), "--threshold", "strict", "--out", str(out), "--json").stdout)
+                                 str(part), "--threshold", "0.01", "--out", str(out), "--json").stdout)
     assert pq.read_table(out).num_rows == summary["alarms"]
 
 
