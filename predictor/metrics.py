@@ -25,16 +25,20 @@ class _RiskCollector:
     def collect(self):
         sc = self.service.scorer
         st = sc.state
-        n = len(st.slot_key)
-        risk = sc.risk[:n]
+        # the scorer thread may be registering GPUs meanwhile: read a consistent prefix
+        risk = sc.risk.copy()
+        keys = st.slot_key[: len(risk)]
+        risk = risk[: len(keys)]
         gpu = GaugeMetricFamily("predictor_gpu_risk", "Predicted probability that the GPU fails within the horizon",
                                 labels=["node", "gpu"])
-        for (node, g), r in zip(st.slot_key, risk.tolist()):
+        for (node, g), r in zip(keys, risk.tolist()):
             gpu.add_metric([node, str(g)], r)
         yield gpu
         node = GaugeMetricFamily("predictor_node_risk", "Risk of the node's worst GPU", labels=["node"])
-        for name, slots in zip(st.node_names, st.node_slots):
-            node.add_metric([name], float(risk[slots].max()))
+        for name, slots in list(zip(st.node_names, st.node_slots)):
+            seen = [s for s in slots if s < len(risk)]
+            if seen:
+                node.add_metric([name], float(risk[seen].max()))
         yield node
         above = GaugeMetricFamily("predictor_gpus_at_risk", "GPUs at or above a threshold", labels=["threshold"])
         thr = GaugeMetricFamily("predictor_threshold", "The model's thresholds", labels=["threshold"])

@@ -211,11 +211,14 @@ class Scorer:
         if nid is None:
             return None
         gpus = []
-        for s in self.state.node_slots[nid]:
-            risky = self.risk[s] >= self.model.sensitive
-            gpus.append({"gpu": int(self.state.gpu_idx[s]), "risk": round(float(self.risk[s]), 6),
+        risk = self.risk                     # the scorer thread may grow it meanwhile
+        for s in [s for s in self.state.node_slots[nid] if s < len(risk)]:
+            risky = risk[s] >= self.model.sensitive
+            gpus.append({"gpu": int(self.state.gpu_idx[s]), "risk": round(float(risk[s]), 6),
                          "at_ms": int(self.risk_t[s]), "reason": self.reason.get(s, "") if risky else "",
                          "uuid": self.state.uuid[s]})
+        if not gpus:
+            return None
         worst = max(gpus, key=lambda g: g["risk"])
         return {"node": node, "risk": worst["risk"], "worst_gpu": worst["gpu"], "reason": worst["reason"],
                 "sensitive": self.model.sensitive, "strict": self.model.strict,
