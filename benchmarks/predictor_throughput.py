@@ -118,6 +118,26 @@ async def _latencies(url: str, job_nodes: list[str], gpus: int, rounds: int, pau
     return out
 
 
+def _component_costs(model_path: str | None, nodes: int, gpus: int) -> dict:
+    """CPU time of the server's two halves without HTTP: decode+validate a request, score a sample."""
+    from predictor import model as model_io, wire
+    from predictor.scoring import Scorer
+    from predictor.server import _concat
+    rng = np.random.default_rng(1)
+    scorer = Scorer(model_io.load(model_path))
+    decode_s, score_s = [], []
+    for step in range(3):
+        bodies = [_body(f"node{i:05d}", T0 + step * 10_000, gpus, rng) for i in range(nodes)]
+        t = time.process_time()
+        tables = [wire.decode(b, ARROW, wire.TELEMETRY_KEYS) for b in bodies]
+        decode_s.append((time.process_time() - t) / nodes)
+        t = time.process_time()
+        scorer.score_table(_concat(tables))
+        score_s.append((time.process_time() - t) / (nodes * gpus))
+    return {"decode_validate_us_per_request": round(statistics.median(decode_s) * 1e6, 1),
+            "scoring_us_per_sample": round(statistics.median(score_s[1:]) * 1e6, 1)}
+
+
 def _scored(url: str) -> float:
     import urllib.request
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
@@ -143,6 +163,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
+    costs = _component_costs(a.model, min(a.nodes, 2000), a.gpus)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREDICTOR_OPERATOR_TOKEN": TOKEN}
@@ -182,14 +203,16 @@ def main() -> int:
            "accepted_samples_per_s": round(accepted / elapsed), "scored_samples_per_s": round(scored / elapsed),
            "checkpoint_latency_s_p50": round(statistics.median(lat), 4),
            "checkpoint_latency_s_p99": round(float(np.percentile(lat, 99)), 4), "latency_probes": len(lat),
-           "cpu_count": os.cpu_count()}
+           "cpu_count": os.cpu_count(), **costs}
     if a.json:
         print(json.dumps(res, indent=1))
     else:
         print(f"{res['scored_samples_per_s']:,} GPU samples/s scored ({res['accepted_samples_per_s']:,} accepted) "
               f"from {res['concurrent_senders']} senders, one node ({a.gpus} GPUs) per request; "
               f"POST -> checkpoint now p50 {res['checkpoint_latency_s_p50'] * 1000:.1f} ms, "
-              f"p99 {res['checkpoint_latency_s_p99'] * 1000:.1f} ms ({len(lat)} probes)")
+              f"p99 {res['checkpoint_latency_s_p99'] * 1000:.1f} ms ({len(lat)} probes); CPU without HTTP: "
+              f"decode+validate {costs['decode_validate_us_per_request']} us/request, "
+              f"scoring {costs['scoring_us_per_sample']} us/sample")
     return 0
 
 

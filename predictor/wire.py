@@ -118,7 +118,8 @@ def _from_ndjson(body: bytes, keys: tuple[str, ...]) -> pa.Table:
 def _validated(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
     if table.num_rows == 0:
         raise BadBatch("empty batch")
-    missing = [k for k in keys if k not in table.column_names]
+    names = set(table.schema.names)
+    missing = [k for k in keys if k not in names]
     if missing:
         raise BadBatch(f"missing column(s) {', '.join(missing)}")
     ts = table.column("timestamp")
@@ -141,8 +142,8 @@ def _validated(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
     if pc.any(pc.equal(pc.utf8_length(pc.cast(node, pa.string())), 0)).as_py():
         raise BadBatch("empty node name")
     for m in METRICS:
-        if m in table.column_names:
-            t = table.column(m).type
+        if m in names:
+            t = table.schema.field(m).type
             if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)):
                 raise BadBatch(f"{m} has type {t}, expected a number")
     return table
