@@ -1,0 +1,141 @@
+"""`predictor train / score / eval / serve`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+# scikit-learn, skops and pyarrow are imported inside the commands: `--help` and usage
+# errors answer at once.
+
+
+def _load_model(path: str | None):
+    from predictor import model as model_io
+    try:
+        return model_io.load(path)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"cannot load model: {e}") from e
+
+
+def _threshold(model, which: str) -> float:
+    if which in ("sensitive", "strict"):
+        return getattr(model, which)
+    try:
+        return float(which)
+    except ValueError:
+        raise click.BadParameter("sensitive, strict or a number", param_hint="--threshold") from None
+
+
+_trace_dir = click.Path(exists=True, file_okay=False, path_type=Path)
+_model_opt = click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
+                          help="model file (default: the packaged model)")
+_threshold_opt = click.option("--threshold", default="sensitive", show_default=True,
+                              help="sensitive, strict, or a risk between 0 and 1")
+
+
+@click.group()
+def main() -> None:
+    """Predict GPU failures from fleet telemetry."""
+
+
+@main.command()
+@click.option("--trace", "traces", multiple=True, required=True, type=_trace_dir,
+              help="labelled trace directory (repeatable)")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="model file to write")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print the model summary as JSON")
+def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool) -> None:
+    """Train a model on labelled traces and pick its two thresholds."""
+    for t in traces:
+        if not (t / "failures.parquet").exists():
+            raise click.ClickException(f"{t}: no failures.parquet, cannot train on an unlabelled trace")
+    from predictor import training
+    try:
+        m = training.train(list(traces), seed=seed)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    m.save(out)
+    summary = {"model": str(out), "sensitive": m.sensitive, "strict": m.strict, **m.info}
+    click.echo(json.dumps(summary, indent=1) if as_json else
+               f"wrote {out}: sensitive {m.sensitive:.4g}, strict {m.strict:.4g}, "
+               f"validation recall of predictable {m.info['validation_recall_of_predictable']}, "
+               f"false alarms {m.info['validation_false_alarms_per_1000_node_days']}/1000 node-days")
+
+
+def _alarms(model, trace: Path, threshold: str):
+    from predictor.replay import score_trace
+    from predictor.scoring import Scorer
+    thr = _threshold(model, threshold)
+    return score_trace(trace, Scorer(model, reasons_from=thr), threshold=thr)
+
+
+@main.command()
+@_model_opt
+@click.option("--trace", required=True, type=_trace_dir)
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="alarms.parquet to write")
+@_threshold_opt
+@click.option("--json", "as_json", is_flag=True)
+def score(model_path: str | None, trace: Path, out: Path, threshold: str, as_json: bool) -> None:
+    """Replay a trace through the online scorer; write its alarms (timestamp, node, gpu, score, reason)."""
+    import pyarrow.parquet as pq
+    alarms = _alarms(_load_model(model_path), trace, threshold)
+    pq.write_table(alarms, out)
+    summary = {"alarms": alarms.num_rows, "out": str(out)}
+    click.echo(json.dumps(summary) if as_json else f"{alarms.num_rows} alarms -> {out}")
+
+
+@main.command("eval")
+@_model_opt
+@click.option("--trace", required=True, type=_trace_dir)
+@_threshold_opt
+@click.option("--alarms-out", type=click.Path(dir_okay=False, path_type=Path), help="also write the alarms")
+@click.option("--json", "as_json", is_flag=True)
+def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path | None, as_json: bool) -> None:
+    """Score a labelled trace and print the EVAL.md metrics (node and GPU level)."""
+    if not (trace / "failures.parquet").exists():
+        raise click.ClickException(f"{trace}: no failures.parquet, nothing to evaluate against")
+    import pyarrow.parquet as pq
+
+    from predictor import evaluation
+    m = _load_model(model_path)
+    alarms = _alarms(m, trace, threshold)
+    if alarms_out:
+        pq.write_table(alarms, alarms_out)
+    res = evaluation.report(alarms, evaluation.load_truth(trace))
+    if as_json:
+        click.echo(json.dumps(res, indent=1, default=evaluation.plain))
+        return
+    for lvl, r in res.items():
+        click.echo(f"[{lvl}] recall {r['recall']} ({r['caught']}/{r['failures']}), of predictable "
+                   f"{r['recall_of_predictable']}, false alarms {r['false_alarms_per_1000_node_days']}/1000 "
+                   f"node-days, lead median {r['lead_s_median']} s, precision at real failure rate "
+                   f"{r['precision_at_real_failure_rate']}, by mode {r['recall_by_mode']}")
+
+
+@main.command()
+@_model_opt
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=9410, show_default=True)
+@click.option("--tokens", "tokens_path", type=click.Path(exists=True, dir_okay=False),
+              help="token file: one 'ROLE TOKEN' per line, ROLE agent|job|admin "
+                   "(default: $PREDICTOR_TOKENS_FILE, or $PREDICTOR_AGENT_TOKEN / $PREDICTOR_JOB_TOKEN)")
+@click.option("--no-auth", is_flag=True, help="accept requests without a token (loopback testing only)")
+@click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL, e.g. http://127.0.0.1:9093")
+@click.option("--webhook", "webhook_url", help="generic webhook URL for strict-threshold alerts")
+@click.option("--max-body", default=16 * 2**20, show_default=True, help="batch size cap in bytes, decompressed")
+def serve(model_path: str | None, host: str, port: int, tokens_path: str | None, no_auth: bool,
+          alertmanager_url: str | None, webhook_url: str | None, max_body: int) -> None:
+    """Run the HTTP service: ingest, risk, jobs + checkpoint stream, /metrics, alerts."""
+    from predictor import auth, server
+    try:
+        tokens = None if no_auth else auth.load_tokens(tokens_path)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
+               alertmanager_url=alertmanager_url, webhook_url=webhook_url)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

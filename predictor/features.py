@@ -1,0 +1,341 @@
+"""Incremental per-GPU feature state: the one place telemetry becomes model input.
+
+Every statistic is exponentially decayed with a time constant in *seconds*, so a
+10 s, 30 s, 60 s or irregular trace yields comparable features and the state is
+O(1) per GPU. Levels are always relative (to the same node's other GPUs or to the
+GPU's own past), so a fleet that runs 4 °C warmer looks the same. The state only
+ever moves forward in time: a sample is scored from data up to its own timestamp.
+
+Updates are vectorised over a *chunk*: at most one sample per GPU, and one
+timestamp per node, so that node-relative features never see a later sample.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"
+MEMORY_TEMP = "DCGM_FI_DEV_MEMORY_TEMP"
+POWER = "DCGM_FI_DEV_POWER_USAGE"
+SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
+THROTTLE = "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"
+ROW_REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"
+COUNTERS = (
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+)
+GAUGES = (GPU_TEMP, MEMORY_TEMP, POWER, SM_CLOCK)
+#: The metric columns, in the order of `Chunk.values`.
+METRICS = GAUGES + COUNTERS + (THROTTLE, ROW_REMAP_FAILURE)
+
+GAUGE_TAUS_S = (300.0, 3600.0, 21600.0)      # short / medium / long memory of a level
+RATE_TAUS_S = (600.0, 3600.0, 21600.0)       # counter-rate windows
+THROTTLE_TAUS_S = (600.0, 3600.0)
+XID_TAUS_S = (1800.0, 21600.0)
+INTERVAL_TAU_S = 3600.0                      # memory of a GPU's usual sample interval
+NULL_TAU_S = 1800.0
+ACTIVE_EVENTS = 1.0                          # a counter is "active" at >= 1 event in its 1 h window
+NODE_STALE_S = 600.0                         # a sibling silent this long is not a reference
+THERMAL_BITS = 0x20 | 0x40                   # SW / HW thermal slowdown
+SLOWDOWN_BITS = 0x08 | 0x80                  # HW slowdown / power brake
+WARNING_XIDS = frozenset({63, 92})
+APPLICATION_XIDS = frozenset({13, 31, 43, 45})
+_LOG_GAUGES = (False, False, True, True)     # power and clock compare as ratios (log)
+_NODE_COLS = 2 * len(GAUGES) + 1              # short level and trend per gauge, thermal share
+
+
+def _feature_names() -> tuple[str, ...]:
+    names = []
+    for g in GAUGES:
+        short = g.removeprefix("DCGM_FI_DEV_").lower()
+        names += [f"{short}_trend_5m_1h", f"{short}_trend_1h_6h", f"{short}_vs_node",
+                  f"{short}_trend_vs_node"]
+    for c in COUNTERS:
+        short = c.removeprefix("DCGM_FI_DEV_").lower()
+        names += [f"{short}_rate_{int(t // 60)}m" for t in RATE_TAUS_S]
+        names += [f"{short}_accel_10m_1h", f"{short}_accel_1h_6h", f"{short}_active_for"]
+    names += [f"thermal_throttle_{int(t // 60)}m" for t in THROTTLE_TAUS_S]
+    names += [f"slowdown_throttle_{int(t // 60)}m" for t in THROTTLE_TAUS_S]
+    names += ["thermal_throttle_vs_node", "row_remap_failure", "null_share", "gap_ratio",
+              "age", "warning_xids_30m", "warning_xids_6h", "application_xids_30m"]
+    return tuple(names)
+
+
+FEATURE_NAMES = _feature_names()
+
+
+@dataclass
+class Chunk:
+    """Samples to apply together: slot indices unique, one timestamp per node."""
+
+    slots: np.ndarray    # int64 [n]
+    t_ms: np.ndarray     # int64 [n]
+    values: np.ndarray   # float64 [n, len(METRICS)], NaN = missing
+    uuids: list | None = None
+
+
+def _decay(dt_s: np.ndarray, taus: tuple[float, ...]) -> np.ndarray:
+    return np.exp(-np.maximum(dt_s, 0.0)[:, None] / np.asarray(taus)[None, :])
+
+
+class FleetState:
+    """Per-GPU decayed statistics for a whole fleet, in flat numpy arrays."""
+
+    def __init__(self, capacity: int = 1024):
+        self.slot_of: dict[tuple[str, int], int] = {}
+        self.node_of: dict[str, int] = {}
+        self.node_names: list[str] = []
+        self.node_slots: list[list[int]] = []
+        self.slot_key: list[tuple[str, int]] = []
+        self._cap = 0
+        self._node_cap = 0
+        self._gpu_cap = 8
+        self._grow(capacity)
+        self._grow_nodes(64, self._gpu_cap)
+
+    # ------------------------------------------------------------ registry
+    def slots_for(self, nodes: list[str], gpus: np.ndarray) -> np.ndarray:
+        """Slot index of each (node, gpu), registering new GPUs."""
+        out = np.empty(len(nodes), dtype=np.int64)
+        get = self.slot_of.get
+        for i, key in enumerate(zip(nodes, gpus.tolist())):
+            s = get(key)
+            out[i] = self._register(key) if s is None else s
+        return out
+
+    def _register(self, key: tuple[str, int]) -> int:
+        node, gpu = key
+        if node not in self.node_of:
+            self.node_of[node] = len(self.node_names)
+            self.node_names.append(node)
+            self.node_slots.append([])
+        slot = len(self.slot_key)
+        if slot >= self._cap:
+            self._grow(2 * self._cap)
+        nid = self.node_of[node]
+        if nid >= self._node_cap or gpu >= self._gpu_cap:
+            self._grow_nodes(max(2 * self._node_cap, nid + 1) if nid >= self._node_cap
+                             else self._node_cap, max(self._gpu_cap, gpu + 1))
+        self.slot_of[key] = slot
+        self.slot_key.append(key)
+        self.node_slots[nid].append(slot)
+        self.node_idx[slot] = nid
+        self.gpu_idx[slot] = gpu
+        return slot
+
+    def _grow(self, cap: int) -> None:
+        def grow(name, shape_tail, fill, dtype=np.float64):
+            new = np.full((cap,) + shape_tail, fill, dtype=dtype)
+            old = getattr(self, name, None)
+            if old is not None:
+                new[: len(old)] = old
+            setattr(self, name, new)
+        nk, ng = len(COUNTERS), len(GAUGES)
+        grow("node_idx", (), 0, np.int64)
+        grow("gpu_idx", (), 0, np.int64)
+        grow("last_t", (), -1, np.int64)
+        grow("start_t", (), -1, np.int64)
+        grow("interval_s", (), np.nan)
+        grow("level", (ng, len(GAUGE_TAUS_S)), np.nan)
+        grow("counter_last", (nk,), np.nan)
+        grow("counter_t", (nk,), -1, np.int64)
+        grow("counted", (nk, len(RATE_TAUS_S)), 0.0)
+        grow("active_since", (nk,), -1, np.int64)
+        grow("throttle", (2, len(THROTTLE_TAUS_S)), 0.0)
+        grow("null_share", (), 0.0)
+        grow("remap_failure", (), 0.0)
+        grow("xid_t", (), -1, np.int64)
+        grow("warning_xids", (len(XID_TAUS_S),), 0.0)
+        grow("application_xids", (), 0.0)
+        grow("critical_xid", (), 0, np.int64)
+        grow("critical_t", (), -1, np.int64)
+        uu = [None] * cap
+        uu[: self._cap] = getattr(self, "uuid", [])
+        self.uuid = uu
+        self._cap = cap
+
+    def _grow_nodes(self, node_cap: int, gpu_cap: int) -> None:
+        vals = np.full((node_cap, gpu_cap, _NODE_COLS), np.nan)
+        ts = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
+        if self._node_cap:
+            vals[: self._node_cap, : self._gpu_cap] = self.node_vals
+            ts[: self._node_cap, : self._gpu_cap] = self.node_t
+        self.node_vals, self.node_t = vals, ts
+        self._node_cap, self._gpu_cap = node_cap, gpu_cap
+
+    # ------------------------------------------------------------ updates
+    def reset(self, slots: np.ndarray) -> None:
+        """Forget a GPU's history: it was replaced (new UUID) or its counters restarted."""
+        self.last_t[slots] = -1
+        self.start_t[slots] = -1
+        self.interval_s[slots] = np.nan
+        self.level[slots] = np.nan
+        self.counter_last[slots] = np.nan
+        self.counter_t[slots] = -1
+        self.counted[slots] = 0.0
+        self.active_since[slots] = -1
+        self.throttle[slots] = 0.0
+        self.null_share[slots] = 0.0
+        self.remap_failure[slots] = 0.0
+        self.xid_t[slots] = -1
+        self.warning_xids[slots] = 0.0
+        self.application_xids[slots] = 0.0
+        self.critical_xid[slots] = 0
+        self.critical_t[slots] = -1
+        self.node_vals[self.node_idx[slots], self.gpu_idx[slots]] = np.nan
+        self.node_t[self.node_idx[slots], self.gpu_idx[slots]] = -1
+
+    def replaced(self, chunk: Chunk) -> np.ndarray:
+        """Mask of chunk rows whose GPU is a new board: a new UUID or a counter that went back."""
+        s = chunk.slots
+        c = chunk.values[:, len(GAUGES): len(GAUGES) + len(COUNTERS)]
+        went_back = np.any(c < self.counter_last[s] - 0.5, axis=1)
+        if chunk.uuids is not None:
+            for i, (slot, u) in enumerate(zip(s.tolist(), chunk.uuids)):
+                if u is None:
+                    continue
+                if self.uuid[slot] is not None and self.uuid[slot] != u:
+                    went_back[i] = True
+                self.uuid[slot] = u
+        return went_back
+
+    def apply(self, chunk: Chunk) -> np.ndarray:
+        """Fold a chunk into the state; return its feature matrix [n, len(FEATURE_NAMES)].
+
+        Rows must be newer than their GPU's last sample (the scorer filters)."""
+        s, t, v = chunk.slots, chunk.t_ms, chunk.values
+        first = self.last_t[s] < 0
+        dt = np.where(first, 0.0, (t - self.last_t[s]) / 1000.0)
+        self.start_t[s] = np.where(first, t, self.start_t[s])
+        self.last_t[s] = t
+        ng, nk = len(GAUGES), len(COUNTERS)
+
+        # usual interval, for the gap ratio
+        prev_iv = self.interval_s[s]
+        a_iv = 1.0 - np.exp(-dt / INTERVAL_TAU_S)
+        iv = np.where(np.isnan(prev_iv), dt, prev_iv + a_iv * (dt - prev_iv))
+        self.interval_s[s] = np.where(first, np.nan, iv)
+        gap_ratio = np.where(first | np.isnan(prev_iv), 0.0,
+                             np.log(np.maximum(dt, 1e-3) / np.maximum(np.nan_to_num(prev_iv, nan=1.0), 1e-3)))
+
+        # missing fields
+        nulls = np.isnan(v).mean(axis=1)
+        a_null = 1.0 - np.exp(-dt / NULL_TAU_S)
+        self.null_share[s] = np.where(first, nulls, self.null_share[s] + a_null * (nulls - self.null_share[s]))
+
+        # gauges: levels at three memories (log for power/clock so comparisons are ratios)
+        g = v[:, :ng].copy()
+        for j, is_log in enumerate(_LOG_GAUGES):
+            if is_log:
+                g[:, j] = np.log(np.maximum(g[:, j], 1.0))
+        lv = self.level[s]                                   # [n, ng, 3]
+        alpha = 1.0 - _decay(dt, GAUGE_TAUS_S)               # [n, 3]
+        upd = lv + alpha[:, None, :] * (g[:, :, None] - lv)
+        upd = np.where(np.isnan(lv), g[:, :, None], upd)     # first valid value seeds
+        upd = np.where(np.isnan(g)[:, :, None], lv, upd)     # missing keeps the old level
+        self.level[s] = upd
+
+        # counters: decayed event counts -> rates; a missing read keeps the baseline
+        c = v[:, ng: ng + nk]
+        last = self.counter_last[s]
+        cdt = np.where(self.counter_t[s] < 0, 0.0, (t[:, None] - self.counter_t[s]) / 1000.0)
+        delta = np.where(np.isnan(c) | np.isnan(last), 0.0, np.maximum(c - last, 0.0))
+        dec = np.exp(-cdt[:, :, None] / np.asarray(RATE_TAUS_S)[None, None, :])
+        ok = ~np.isnan(c)
+        cnt = self.counted[s]
+        self.counted[s] = np.where(ok[:, :, None], cnt * dec + delta[:, :, None], cnt)
+        # since when each counter has been active: long-standing errors are not a precursor
+        hour = self.counted[s][:, :, 1]
+        since = self.active_since[s]
+        since = np.where((hour >= ACTIVE_EVENTS) & (since < 0), t[:, None], since)
+        self.active_since[s] = np.where(hour < ACTIVE_EVENTS / 2, -1, since)
+        self.counter_last[s] = np.where(ok, c, last)
+        self.counter_t[s] = np.where(ok, t[:, None], self.counter_t[s])
+
+        # throttle reasons
+        bits = np.nan_to_num(v[:, ng + nk], nan=0.0).astype(np.int64)
+        hits = np.stack([(bits & THERMAL_BITS) != 0, (bits & SLOWDOWN_BITS) != 0], axis=1).astype(float)
+        a_th = 1.0 - _decay(dt, THROTTLE_TAUS_S)
+        th = self.throttle[s]
+        self.throttle[s] = np.where(first[:, None, None], hits[:, :, None],
+                                    th + a_th[:, None, :] * (hits[:, :, None] - th))
+        rf = v[:, ng + nk + 1]
+        self.remap_failure[s] = np.where(np.isnan(rf), self.remap_failure[s], rf)
+
+        # node-relative: publish this GPU's short level and trend, compare to the node median
+        lv = self.level[s]
+        trend = lv[:, :, 0] - lv[:, :, 1]
+        pub = np.concatenate([lv[:, :, 0], trend, self.throttle[s][:, 0, :1]], axis=1)
+        ni, gi = self.node_idx[s], self.gpu_idx[s]
+        self.node_vals[ni, gi] = pub
+        self.node_t[ni, gi] = t
+        peers = self.node_vals[ni].copy()                    # [n, G, cols]
+        stale = (t[:, None] - self.node_t[ni]) > NODE_STALE_S * 1000
+        peers[stale | (self.node_t[ni] < 0)] = np.nan
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(peers, axis=1)
+        vs_node = np.nan_to_num(pub - med, nan=0.0)
+
+        feats = np.empty((len(s), len(FEATURE_NAMES)))
+        col = 0
+        for j in range(ng):
+            feats[:, col] = lv[:, j, 0] - lv[:, j, 1]
+            feats[:, col + 1] = lv[:, j, 1] - lv[:, j, 2]
+            feats[:, col + 2] = vs_node[:, j]
+            feats[:, col + 3] = vs_node[:, ng + j]
+            col += 4
+        rates = self.counted[s] / np.asarray(RATE_TAUS_S)[None, None, :] * 3600.0   # per hour
+        for k in range(nk):
+            feats[:, col: col + 3] = np.log1p(rates[:, k])
+            feats[:, col + 3] = np.log((rates[:, k, 0] + 0.1) / (rates[:, k, 1] + 0.1))
+            feats[:, col + 4] = np.log((rates[:, k, 1] + 0.1) / (rates[:, k, 2] + 0.1))
+            since = self.active_since[s, k]
+            feats[:, col + 5] = np.where(since < 0, -1.0, np.log1p((t - since) / 60000.0))
+            col += 6
+        th = self.throttle[s]
+        feats[:, col: col + 2] = th[:, 0]
+        feats[:, col + 2: col + 4] = th[:, 1]
+        feats[:, col + 4] = vs_node[:, 2 * ng]
+        feats[:, col + 5] = self.remap_failure[s]
+        feats[:, col + 6] = self.null_share[s]
+        feats[:, col + 7] = gap_ratio
+        feats[:, col + 8] = np.log1p((t - self.start_t[s]) / 60000.0)
+        w, app = self.xid_counts_at(s, t)
+        feats[:, col + 9: col + 11] = np.log1p(w)
+        feats[:, col + 11] = np.log1p(app)
+        return np.nan_to_num(feats, nan=0.0, posinf=0.0, neginf=0.0)
+
+    # ------------------------------------------------------------ XIDs
+    def xid_counts_at(self, slots: np.ndarray, t_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Decayed warning and application XID counts as seen at `t_ms` (never grows forward)."""
+        age = np.where(self.xid_t[slots] < 0, 0.0, np.maximum(t_ms - self.xid_t[slots], 0) / 1000.0)
+        w = self.warning_xids[slots] * _decay(age, XID_TAUS_S)
+        app = self.application_xids[slots] * np.exp(-age / XID_TAUS_S[0])
+        return w, app
+
+    def add_xid(self, slot: int, t_ms: int, xid: int, critical: bool) -> None:
+        """Record one XID event. Events older than the GPU's XID clock are folded in decayed."""
+        ref = int(self.xid_t[slot])
+        if ref < 0:
+            ref = t_ms
+        if t_ms > ref:                                        # move the XID clock forward
+            age = (t_ms - ref) / 1000.0
+            self.warning_xids[slot] *= np.exp(-age / np.asarray(XID_TAUS_S))
+            self.application_xids[slot] *= np.exp(-age / XID_TAUS_S[0])
+            ref = t_ms
+        self.xid_t[slot] = ref
+        weight_w = np.exp(-(ref - t_ms) / 1000.0 / np.asarray(XID_TAUS_S))
+        if xid in WARNING_XIDS:
+            self.warning_xids[slot] += weight_w
+        elif xid in APPLICATION_XIDS:
+            self.application_xids[slot] += weight_w[0]
+        if critical and t_ms >= self.critical_t[slot]:
+            self.critical_xid[slot] = xid
+            self.critical_t[slot] = t_ms

@@ -1,0 +1,79 @@
+"""Training jobs registered for "checkpoint now", and the queues of their listeners.
+
+A job names its nodes; when any of them crosses the sensitive threshold every
+listener of the job gets one event, at most once per `min_interval_s` per job (a
+job that has just checkpointed gains nothing from another urgent save).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+
+DEFAULT_MIN_INTERVAL_S = 60.0
+MAX_NODES_PER_JOB = 100_000
+LISTENER_QUEUE = 64
+
+
+@dataclass
+class Job:
+    id: str
+    name: str
+    nodes: frozenset[str]
+    min_interval_s: float
+    created: float = field(default_factory=time.time)
+    last_sent: float = float("-inf")
+    sent: int = 0
+    suppressed: int = 0
+    listeners: set[asyncio.Queue] = field(default_factory=set)
+
+    def public(self) -> dict:
+        return {"id": self.id, "name": self.name, "nodes": sorted(self.nodes), "min_interval_s": self.min_interval_s,
+                "created": self.created, "checkpoints_sent": self.sent, "checkpoints_suppressed": self.suppressed,
+                "listeners": len(self.listeners), "stream": f"/v1/jobs/{self.id}/events"}
+
+
+class JobRegistry:
+    """Jobs by id and by node; `notify` fans an event out to the listeners of affected jobs."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, Job] = {}
+        self.by_node: dict[str, set[str]] = {}
+        self._event_ids = itertools.count(1)
+
+    def register(self, nodes: list[str], name: str = "", min_interval_s: float = DEFAULT_MIN_INTERVAL_S) -> Job:
+        job = Job(uuid.uuid4().hex, name, frozenset(nodes), float(min_interval_s))
+        self.jobs[job.id] = job
+        for n in job.nodes:
+            self.by_node.setdefault(n, set()).add(job.id)
+        return job
+
+    def remove(self, job_id: str) -> Job | None:
+        job = self.jobs.pop(job_id, None)
+        if job:
+            for n in job.nodes:
+                self.by_node.get(n, set()).discard(job.id)
+            for q in job.listeners:
+                q.put_nowait(None)            # tells the stream to end
+        return job
+
+    def notify(self, node: str, payload: dict, now: float | None = None) -> list[Job]:
+        """Send "checkpoint now" to the jobs on `node`, each subject to its rate limit."""
+        now = time.monotonic() if now is None else now
+        sent = []
+        for job_id in self.by_node.get(node, ()):
+            job = self.jobs[job_id]
+            if now - job.last_sent < job.min_interval_s:
+                job.suppressed += 1
+                continue
+            job.last_sent = now
+            job.sent += 1
+            event = {"event_id": next(self._event_ids), "job": job.id, **payload}
+            for q in list(job.listeners):
+                if q.full():                 # a listener that stopped reading loses its oldest event
+                    q.get_nowait()
+                q.put_nowait(event)
+            sent.append(job)
+        return sent

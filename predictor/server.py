@@ -1,0 +1,354 @@
+"""`predictor serve`: ingest, risk, jobs and their "checkpoint now" stream, /metrics.
+
+aiohttp on one event loop: handlers only decode and validate (cheap, Arrow), then
+queue the batch; one scoring task drains the queue into the scorer in a worker
+thread, so many small batches become one vectorised scoring pass. Its results fan
+out to job streams (SSE) and to the strict-threshold alerts.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from aiohttp import web
+
+from predictor import wire
+from predictor.alerts import StrictAlerts
+from predictor.auth import Tokens
+from predictor.jobs import DEFAULT_MIN_INTERVAL_S, MAX_NODES_PER_JOB, LISTENER_QUEUE, JobRegistry
+from predictor.metrics import ServiceMetrics
+from predictor.model import Model
+from predictor.scoring import Scored, Scorer, Xids, timestamps_ms
+
+log = logging.getLogger(__name__)
+SEEN_BATCH_IDS = 200_000             # X-Batch-Id memory: far more than any retry window
+MAX_PENDING_SAMPLES = 2_000_000      # beyond this, ask senders to back off (429)
+KEEPALIVE_S = 15.0
+#: After the first queued batch, wait this long for more before scoring: one pass over
+#: many batches costs little more than over one (the model call dominates), and the
+#: window is small against the 1 s "checkpoint now" budget.
+BATCH_WINDOW_S = 0.025
+FULL_CYCLE_SAMPLES = 50_000          # score at once when this many are waiting
+ROUTE_ROLES = {                      # who may call what (the invariant in ARCHITECTURE.md)
+    "ingest": {"agent", "operator"},
+    "jobs": {"job", "operator"},
+    "risk": {"operator"},
+}
+
+
+@dataclass
+class _Pending:
+    kind: str                        # "telemetry" | "xid"
+    table: pa.Table
+    received: float                  # time.perf_counter() at receipt
+
+
+class Service:
+    """The state behind the HTTP app: scorer, queue, jobs, alerts, metrics."""
+
+    def __init__(self, model: Model, tokens: Tokens | None, max_body: int = 16 * 2**20,
+                 alerts: StrictAlerts | None = None):
+        self.scorer = Scorer(model)
+        self.tokens = tokens
+        self.max_body = max_body
+        self.jobs = JobRegistry()
+        self.metrics = ServiceMetrics(self)
+        self.alerts = alerts or StrictAlerts(None, None)
+        self.alerts._on_delivery = self.metrics.alert_delivered
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._pending: list[_Pending] = []
+        self._pending_rows = 0
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="scorer")
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self, _app=None) -> None:
+        self._task = asyncio.create_task(self._score_loop())
+        await self.alerts.start()
+
+    async def stop(self, _app=None) -> None:
+        if self._task:
+            self._task.cancel()
+        for job_id in list(self.jobs.jobs):
+            self.jobs.remove(job_id)
+        await self.alerts.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ auth
+    def _require(self, request: web.Request, route: str) -> None:
+        if self.tokens is None:
+            return
+        role = self.tokens.role_of(request.headers.get("Authorization"))
+        if role is None:
+            self.metrics.refused(route, "unauthorized")
+            raise _json_error(web.HTTPUnauthorized, "missing or unknown bearer token",
+                              headers={"WWW-Authenticate": "Bearer"})
+        if role not in ROUTE_ROLES[route]:
+            self.metrics.refused(route, "forbidden")
+            raise _json_error(web.HTTPForbidden, f"a {role} token may not call this endpoint")
+
+    # ------------------------------------------------------------ ingest
+    async def ingest(self, request: web.Request) -> web.Response:
+        kind = request.match_info["kind"]
+        keys = wire.TELEMETRY_KEYS if kind == "telemetry" else wire.XID_KEYS
+        self._require(request, "ingest")
+        batch_id = request.headers.get("X-Batch-Id", "").strip()
+        if not batch_id or len(batch_id) > 128:
+            self.metrics.batch(kind, "malformed")
+            raise _json_error(web.HTTPBadRequest, "X-Batch-Id header missing (or longer than 128 characters)")
+        if batch_id in self._seen:
+            self.metrics.batch(kind, "duplicate")
+            return web.json_response({"accepted": 0, "duplicate": True})
+        if request.content_length is not None and request.content_length > self.max_body:
+            self.metrics.batch(kind, "too_large")
+            raise _json_error(web.HTTPRequestEntityTooLarge,
+                              f"body of {request.content_length} bytes is over the {self.max_body}-byte cap; split it")
+        try:
+            body = await request.content.read(self.max_body + 1)
+            if len(body) > self.max_body:
+                raise wire.TooLarge(f"body is over the {self.max_body}-byte cap; split it")
+            table = wire.decode(wire.decompress(body, request.headers.get("Content-Encoding"), self.max_body),
+                                request.headers.get("Content-Type"), keys)
+        except wire.TooLarge as e:
+            self.metrics.batch(kind, "too_large")
+            raise _json_error(web.HTTPRequestEntityTooLarge, str(e)) from None
+        except wire.BadBatch as e:
+            self.metrics.batch(kind, "malformed")
+            raise _json_error(web.HTTPBadRequest, str(e)) from None
+        if self._pending_rows + table.num_rows > MAX_PENDING_SAMPLES:
+            self.metrics.batch(kind, "throttled")
+            raise _json_error(web.HTTPTooManyRequests, "scoring is behind; retry later", headers={"Retry-After": "1"})
+        self._remember(batch_id)
+        self._pending.append(_Pending(kind, table, time.perf_counter()))
+        self._pending_rows += table.num_rows
+        self._wake.set()
+        self.metrics.batch(kind, "accepted", table.num_rows)
+        return web.json_response({"accepted": table.num_rows}, status=202)
+
+    def _remember(self, batch_id: str) -> None:
+        self._seen[batch_id] = None
+        if len(self._seen) > SEEN_BATCH_IDS:
+            self._seen.popitem(last=False)
+
+    # ------------------------------------------------------------ scoring
+    async def _score_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            if self._pending_rows < FULL_CYCLE_SAMPLES:
+                await asyncio.sleep(BATCH_WINDOW_S)
+            self._wake.clear()
+            items, self._pending, self._pending_rows = self._pending, [], 0
+            if not items:
+                continue
+            try:
+                before = self.scorer.risk.copy()
+                started = time.perf_counter()
+                scored = await loop.run_in_executor(self._executor, self._score, items)
+                self.metrics.scoring_cycle(time.perf_counter() - started)
+                await self._publish(before, scored)
+            except Exception:                       # a bug must not stop scoring for good
+                log.exception("scoring cycle failed")
+            done = time.perf_counter()
+            for it in items:
+                self.metrics.latency(done - it.received)
+
+    def _score(self, items: list[_Pending]) -> Scored:
+        """Runs in the scorer thread: everything queued becomes one scoring pass."""
+        tel = [it.table for it in items if it.kind == "telemetry"]
+        xid = [it.table for it in items if it.kind == "xid"]
+        xids = Xids.from_table(_concat([t.select(list(wire.XID_KEYS)) for t in xid])) if xid else None
+        samples_before = self.scorer.samples
+        scored = self.scorer.score_table(_concat(tel), xids) if tel else self.scorer.add_xids(xids)
+        self.metrics.scored(self.scorer.samples - samples_before, scored.dropped)
+        return scored
+
+    async def _publish(self, before: np.ndarray, scored: Scored) -> None:
+        """Crossings of the sensitive threshold → job streams; strict threshold → alerts."""
+        if not len(scored.slots):
+            return
+        slots, risk = scored.slots, scored.risk
+        peak = np.zeros(len(self.scorer.risk))
+        np.maximum.at(peak, slots, risk)
+        prev = np.zeros(len(peak))
+        prev[: len(before)] = before
+        sens = self.scorer.model.sensitive
+        touched = np.unique(slots)
+        state = self.scorer.state
+        for slot in touched[(peak[touched] >= sens) & (prev[touched] < sens)].tolist():
+            node, gpu = state.slot_key[slot]
+            payload = {"event": "checkpoint", "node": node, "gpu": gpu, "risk": round(float(peak[slot]), 6),
+                       "reason": self.scorer.reason.get(slot, ""), "sensitive": sens,
+                       "sent_at_ms": int(time.time() * 1000)}
+            for _ in self.jobs.notify(node, payload):
+                self.metrics.checkpoint_sent()
+        strict = self.scorer.model.strict
+        now = self.scorer.risk[touched]
+        changed = touched[(now >= strict) | np.isin(touched, self._firing_slots())]
+        await self.alerts.observe([(state.slot_key[s][0], state.slot_key[s][1], state.uuid[s],
+                                    float(self.scorer.risk[s]), self.scorer.reason.get(s, ""),
+                                    bool(self.scorer.risk[s] >= strict)) for s in changed.tolist()])
+
+    def _firing_slots(self) -> np.ndarray:
+        of = self.scorer.state.slot_of
+        return np.asarray([of[k] for k in self.alerts.firing], dtype=np.int64)
+
+    # ------------------------------------------------------------ risk
+    async def risk(self, request: web.Request) -> web.Response:
+        self._require(request, "risk")
+        node = request.query.get("node")
+        if not node:
+            at_risk = [r for r in map(self.scorer.node_risk, list(self.scorer.state.node_names))
+                       if r and r["risk"] >= self.scorer.model.sensitive]
+            return web.json_response({"nodes": at_risk,
+                                      "sensitive": self.scorer.model.sensitive, "strict": self.scorer.model.strict})
+        r = self.scorer.node_risk(node)
+        if r is None:
+            raise _json_error(web.HTTPNotFound, f"no telemetry seen from node {node!r}")
+        return web.json_response(r)
+
+    # ------------------------------------------------------------ jobs
+    async def register_job(self, request: web.Request) -> web.Response:
+        self._require(request, "jobs")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _json_error(web.HTTPBadRequest, "body must be JSON: {\"nodes\": [...]}") from None
+        nodes = body.get("nodes") if isinstance(body, dict) else None
+        if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) and n for n in nodes):
+            raise _json_error(web.HTTPBadRequest, "\"nodes\" must be a non-empty list of node names")
+        if len(nodes) > MAX_NODES_PER_JOB:
+            raise _json_error(web.HTTPRequestEntityTooLarge, f"more than {MAX_NODES_PER_JOB} nodes")
+        interval = body.get("min_interval_s", DEFAULT_MIN_INTERVAL_S)
+        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval < 0:
+            raise _json_error(web.HTTPBadRequest, "\"min_interval_s\" must be a number ≥ 0")
+        name = body.get("name", "")
+        if not isinstance(name, str):
+            raise _json_error(web.HTTPBadRequest, "\"name\" must be a string")
+        job = self.jobs.register(nodes, name[:200], interval)
+        return web.json_response(job.public(), status=201)
+
+    def _job(self, request: web.Request):
+        self._require(request, "jobs")
+        job = self.jobs.jobs.get(request.match_info["job_id"])
+        if job is None:
+            raise _json_error(web.HTTPNotFound, "no such job")
+        return job
+
+    async def get_job(self, request: web.Request) -> web.Response:
+        return web.json_response(self._job(request).public())
+
+    async def delete_job(self, request: web.Request) -> web.Response:
+        job = self._job(request)
+        self.jobs.remove(job.id)
+        return web.json_response({"deleted": job.id})
+
+    async def job_events(self, request: web.Request) -> web.StreamResponse:
+        """SSE: `hello` on connect, `checkpoint` events, comment keep-alives."""
+        job = self._job(request)
+        q: asyncio.Queue = asyncio.Queue(LISTENER_QUEUE)
+        job.listeners.add(q)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        try:
+            await resp.prepare(request)
+            hello = {"job": job.id, "nodes": len(job.nodes), "sensitive": self.scorer.model.sensitive,
+                     "at_risk": [r for r in (self.scorer.node_risk(n) for n in sorted(job.nodes))
+                                 if r and r["risk"] >= self.scorer.model.sensitive]}
+            await resp.write(_sse("hello", hello))
+            while True:
+                try:
+                    event = await asyncio.wait_for(q.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    await resp.write(b": keep-alive\n\n")
+                    continue
+                if event is None:                  # job deleted
+                    await resp.write(_sse("closed", {"job": job.id}))
+                    break
+                await resp.write(_sse("checkpoint", event, event["event_id"]))
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            job.listeners.discard(q)
+        return resp
+
+    async def metrics_endpoint(self, _request: web.Request) -> web.Response:
+        body, ctype = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "gpus": len(self.scorer.state.slot_key),
+                                  "pending_samples": self._pending_rows})
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    """One table from many senders' batches, whose column sets and types may differ."""
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.concat_tables([_plain(t) for t in tables], promote_options="permissive")
+
+
+def _plain(table: pa.Table) -> pa.Table:
+    """Dictionary node names as strings, numbers as float64/int64: the common denominator."""
+    cols = {}
+    for name, col in zip(table.column_names, table.columns):
+        if name == "timestamp":
+            cols[name] = pa.array(timestamps_ms(col), pa.timestamp("ms", tz="UTC"))
+        elif name in ("node", "uuid"):
+            cols[name] = pc.cast(col, pa.string())
+        elif pa.types.is_integer(col.type):
+            cols[name] = pc.cast(col, pa.int64())
+        elif pa.types.is_floating(col.type) or pa.types.is_null(col.type):
+            cols[name] = pc.cast(col, pa.float64())
+    return pa.table(cols)
+
+
+def _sse(event: str, data: dict, event_id: int | None = None) -> bytes:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _json_error(cls, reason: str, headers: dict | None = None) -> web.HTTPException:
+    body = {"text": json.dumps({"error": reason}), "content_type": "application/json", "headers": headers}
+    if cls is web.HTTPRequestEntityTooLarge:        # its constructor wants the sizes; the text says them
+        return cls(max_size=0, actual_size=0, **body)
+    return cls(**body)
+
+
+def make_app(service: Service) -> web.Application:
+    """The aiohttp application; the body cap is enforced by the ingest handler itself."""
+    app = web.Application(client_max_size=service.max_body + 1)
+    app.router.add_post("/v1/{kind:telemetry|xid}", service.ingest)
+    app.router.add_get("/v1/risk", service.risk)
+    app.router.add_post("/v1/jobs", service.register_job)
+    app.router.add_get("/v1/jobs/{job_id}", service.get_job)
+    app.router.add_delete("/v1/jobs/{job_id}", service.delete_job)
+    app.router.add_get("/v1/jobs/{job_id}/events", service.job_events)
+    app.router.add_get("/metrics", service.metrics_endpoint)
+    app.router.add_get("/healthz", service.health)
+    app.on_startup.append(service.start)
+    app.on_shutdown.append(service.stop)
+    return app
+
+
+def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens | None = None,
+        max_body: int = 16 * 2**20, alertmanager_url: str | None = None, webhook_url: str | None = None,
+        resend_s: float = 60.0) -> None:
+    """Serve until interrupted."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    alerts = StrictAlerts(alertmanager_url, webhook_url, resend_s)
+    service = Service(model, tokens, max_body, alerts)
+    # auto_decompress off: wire.decompress inflates gzip itself, under the size cap
+    web.run_app(make_app(service), host=host, port=port, access_log=None, auto_decompress=False,
+                print=lambda msg: log.info("listening on http://%s:%d (auth %s)", host, port,
+                                           "on" if tokens else "OFF"))

@@ -1,0 +1,149 @@
+"""Decoding and validating agent batches (SCHEMA.md "On the wire").
+
+Everything here raises `BadBatch` (→ 400, with the reason) or `TooLarge` (→ 413);
+nothing is half-accepted: a batch either validates completely or is refused.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from datetime import datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from predictor.features import METRICS
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+NDJSON = "application/x-ndjson"
+TELEMETRY_KEYS = ("timestamp", "node", "gpu")
+XID_KEYS = ("timestamp", "node", "gpu", "xid")
+MAX_GPU_INDEX = 1023
+
+
+class BadBatch(ValueError):
+    """The batch is malformed and will never be accepted."""
+
+
+class TooLarge(ValueError):
+    """The batch is over the size cap: split and resend."""
+
+
+def decompress(body: bytes, encoding: str | None, cap: int) -> bytes:
+    """Undo Content-Encoding, refusing to inflate past `cap` bytes (zip bombs included)."""
+    enc = (encoding or "identity").strip().lower()
+    if enc == "identity":
+        if len(body) > cap:
+            raise TooLarge(f"body is {len(body)} bytes, over the {cap}-byte cap")
+        return body
+    if enc not in ("gzip", "x-gzip"):
+        raise BadBatch(f"unsupported Content-Encoding {encoding!r} (gzip or none)")
+    d = zlib.decompressobj(wbits=31)
+    try:
+        out = d.decompress(body, cap + 1)
+    except zlib.error as e:
+        raise BadBatch(f"gzip body does not decompress: {e}") from None
+    if len(out) > cap or d.unconsumed_tail:
+        raise TooLarge(f"body inflates past the {cap}-byte cap")
+    if not d.eof:
+        raise BadBatch("gzip body is truncated")
+    return out
+
+
+def decode(body: bytes, content_type: str | None, keys: tuple[str, ...]) -> pa.Table:
+    """An Arrow IPC stream or NDJSON body as a validated table with `keys` columns."""
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype == ARROW_STREAM:
+        try:
+            table = pa.ipc.open_stream(body).read_all()
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+            raise BadBatch(f"not a readable Arrow IPC stream: {e}") from None
+    elif ctype in (NDJSON, "application/json", "application/jsonl"):
+        table = _from_ndjson(body, keys)
+    else:
+        raise BadBatch(f"unsupported Content-Type {content_type!r} ({ARROW_STREAM} or {NDJSON})")
+    return _validated(table, keys)
+
+
+def _timestamp_ms(value, line: int) -> int:
+    if isinstance(value, bool) or value is None:
+        raise BadBatch(f"line {line}: timestamp missing")
+    if isinstance(value, (int, float)):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            raise BadBatch(f"line {line}: timestamp {value!r} is neither RFC 3339 nor epoch ms") from None
+        if dt.tzinfo is None:
+            raise BadBatch(f"line {line}: timestamp {value!r} has no time zone")
+        return int(dt.timestamp() * 1000)
+    raise BadBatch(f"line {line}: timestamp {value!r} is neither RFC 3339 nor epoch ms")
+
+
+def _from_ndjson(body: bytes, keys: tuple[str, ...]) -> pa.Table:
+    extra = METRICS + ("uuid",) if keys == TELEMETRY_KEYS else ()
+    cols: dict[str, list] = {k: [] for k in keys + extra}
+    for n, raw in enumerate(body.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadBatch(f"line {n}: not JSON: {e}") from None
+        if not isinstance(rec, dict):
+            raise BadBatch(f"line {n}: expected a JSON object")
+        for k in keys:
+            if rec.get(k) is None:
+                raise BadBatch(f"line {n}: missing {k!r}")
+        cols["timestamp"].append(_timestamp_ms(rec["timestamp"], n))
+        for k in keys[1:]:
+            cols[k].append(rec[k])
+        for k in extra:
+            cols[k].append(rec.get(k))
+    if not cols["timestamp"]:
+        raise BadBatch("empty batch")
+    try:
+        arrays = {"timestamp": pa.array(cols["timestamp"], pa.int64()).cast(pa.timestamp("ms", tz="UTC")),
+                  "node": pa.array(cols["node"], pa.string()), "gpu": pa.array(cols["gpu"], pa.int64())}
+        if "xid" in keys:
+            arrays["xid"] = pa.array(cols["xid"], pa.int64())
+        for k in extra:
+            arrays[k] = pa.array(cols[k], pa.string() if k == "uuid" else pa.float64())
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
+        raise BadBatch(f"a field has the wrong type: {e}") from None
+    return pa.table(arrays)
+
+
+def _validated(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
+    if table.num_rows == 0:
+        raise BadBatch("empty batch")
+    names = set(table.schema.names)
+    missing = [k for k in keys if k not in names]
+    if missing:
+        raise BadBatch(f"missing column(s) {', '.join(missing)}")
+    ts = table.column("timestamp")
+    if not (pa.types.is_timestamp(ts.type) or pa.types.is_integer(ts.type)):
+        raise BadBatch(f"timestamp has type {ts.type}, expected timestamp or epoch-ms integer")
+    node = table.column("node")
+    if not (pa.types.is_string(node.type) or pa.types.is_large_string(node.type)
+            or (pa.types.is_dictionary(node.type) and pa.types.is_string(node.type.value_type))):
+        raise BadBatch(f"node has type {node.type}, expected string")
+    for k in keys[2:]:
+        if not pa.types.is_integer(table.column(k).type):
+            raise BadBatch(f"{k} has type {table.column(k).type}, expected integer")
+    for k in keys:
+        if table.column(k).null_count:
+            raise BadBatch(f"{k} is null in {table.column(k).null_count} row(s)")
+    gpu = table.column("gpu")
+    lo, hi = pc.min_max(gpu).values()
+    if lo.as_py() < 0 or hi.as_py() > MAX_GPU_INDEX:
+        raise BadBatch(f"gpu index out of range 0..{MAX_GPU_INDEX}")
+    if pc.any(pc.equal(pc.utf8_length(pc.cast(node, pa.string())), 0)).as_py():
+        raise BadBatch("empty node name")
+    for m in METRICS:
+        if m in names:
+            t = table.schema.field(m).type
+            if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)):
+                raise BadBatch(f"{m} has type {t}, expected a number")
+    return table

@@ -1,0 +1,122 @@
+"""Test helpers for predictor/: small simulated traces, a trained model, a live server.
+
+Traces come from the agents' fleet simulator (`agents simulate`), small and with an
+enriched failure rate so that a few node-days hold enough failures to train on.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS = {"agent": "agent-token-0123456789", "job": "job-token-0123456789ab",
+          "operator": "operator-token-0123456789"}
+
+
+def run_cli(module: str, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` from the repository root, as a user would run it."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    res = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=full_env, capture_output=True,
+                         text=True, timeout=300)
+    if check and res.returncode != 0:
+        raise AssertionError(f"{module} {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
+    return res
+
+
+def simulate(out: Path, nodes: int, days: float, interval: int, seed: int, *extra: str) -> Path:
+    run_cli("agents.cli", "simulate", "--nodes", str(nodes), "--days", str(days), "--interval", str(interval),
+            "--seed", str(seed), "--out", str(out), *extra)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_trace(tmp_path_factory) -> Path:
+    """10 nodes x 1.5 days at 60 s with failures enriched 6x (about 30 failures)."""
+    return simulate(tmp_path_factory.mktemp("trace") / "small", 10, 1.5, 60, 5, "--failure-rate", "0.3")
+
+
+@pytest.fixture(scope="session")
+def trained_model(small_trace, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "small.skops"
+    run_cli("predictor.cli", "train", "--trace", str(small_trace), "--out", str(out), "--json")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`predictor serve` in a subprocess on 127.0.0.1, tokens from a file named in the env."""
+
+    def __init__(self, tmp: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        tokens = tmp / "tokens"
+        tokens.write_text("".join(f"{role} {tok}\n" for role, tok in TOKENS.items()))
+        tokens.chmod(0o600)
+        self.log = open(tmp / f"serve-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "predictor.cli", "serve", "--port", str(self.port), *args], cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "PREDICTOR_TOKENS_FILE": str(tokens)},
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"predictor serve exited {self.proc.returncode}: {self.output()}")
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).ok:
+                    return
+            except requests.ConnectionError:
+                time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"predictor serve did not come up: {self.output()}")
+
+    def headers(self, role: str, **extra: str) -> dict:
+        return {"Authorization": f"Bearer {TOKENS[role]}", **extra}
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def live_server(tmp_path):
+    """Factory: start `predictor serve ARGS`; every server started is stopped afterwards."""
+    servers = []
+
+    def start(*args: str) -> LiveServer:
+        servers.append(LiveServer(tmp_path, *args))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One `predictor serve --max-body 20000` for a module's tests (each uses its own node names)."""
+    srv = LiveServer(tmp_path_factory.mktemp("serve"), "--max-body", "20000")
+    yield srv
+    srv.stop()

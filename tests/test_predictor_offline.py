@@ -1,0 +1,156 @@
+"""Offline path: train / score / eval on a small simulated trace, causality, the model format."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from predictor import evaluation, training
+from predictor import model as model_io
+from predictor.features import FEATURE_NAMES, METRICS
+from predictor.replay import score_trace
+from predictor.scoring import Scorer, Xids, timestamps_ms
+from tests.predictor_fixtures import run_cli, small_trace, trained_model  # noqa: F401 (fixtures)
+
+SHARED_SCORER = Path("/work/shared/telemetry/score_alarms.py")
+
+
+def _cut(trace: Path, out: Path, until_ms: int) -> Path:
+    out.mkdir()
+    for name in ("telemetry.parquet", "xid.parquet"):
+        t = pq.read_table(trace / name)
+        pq.write_table(t.filter(pa.array(timestamps_ms(t.column("timestamp")) < until_ms)), out / name,
+                       row_group_size=7777)                 # other batch boundaries than the original
+    return out
+
+
+def test_scoring_is_causal(small_trace, trained_model, tmp_path):
+    """Alarms before T are the same whether the trace ends at T or goes on."""
+    m = model_io.load(trained_model)
+    ts = timestamps_ms(pq.read_table(small_trace / "telemetry.parquet", columns=["timestamp"]).column("timestamp"))
+    cut_ms = int(ts.min() + (ts.max() - ts.min()) * 0.6) + 12_345
+    low = min(m.sensitive, 0.05)                     # a low threshold, so there are many alarms to compare
+    full = score_trace(small_trace, Scorer(m), threshold=low, progress=False)
+    cut = score_trace(_cut(small_trace, tmp_path / "cut", cut_ms), Scorer(m), threshold=low, progress=False)
+    before = full.filter(pc.less(pc.cast(full.column("timestamp"), pa.int64()), cut_ms))
+    assert before.num_rows > 10
+    assert cut.to_pylist() == before.to_pylist()
+
+
+def _reference_scorer():
+    """The shared reference scorer when this machine has it, else the vendored copy."""
+    import importlib.util
+    path = SHARED_SCORER if SHARED_SCORER.exists() else Path(model_io.__file__).with_name("score_alarms.py")
+    spec = importlib.util.spec_from_file_location("reference_score_alarms", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_eval_matches_reference_scorer_and_writes_alarms(small_trace, trained_model, tmp_path):
+    alarms = tmp_path / "alarms.parquet"
+    res = json.loads(run_cli("predictor.cli", "eval", "--model", str(trained_model), "--trace", str(small_trace),
+                             "--threshold", "0.05", "--alarms-out", str(alarms), "--json").stdout)
+    ref = _reference_scorer()
+    a = ref.load(str(alarms), ["timestamp", "node", "gpu"])
+    f = ref.load(str(small_trace / "failures.parquet"), ["timestamp", "node", "gpu", "mode", "precursor_s"])
+    expected = {lvl: ref.score(a, f, ref.node_days(str(small_trace)), level=lvl) for lvl in ("node", "gpu")}
+    assert res == json.loads(json.dumps(expected, default=lambda v: v.item()))
+    assert res["node"]["failures"] > 0 and res["node"]["caught"] > 0
+    # the alarm file: the documented columns, in time order, each with a reason
+    t = pq.read_table(alarms)
+    assert t.column_names == ["timestamp", "node", "gpu", "score", "reason"]
+    assert str(t.schema.field("timestamp").type) == "timestamp[ms, tz=UTC]"
+    assert t.num_rows > 0 and all(t.column("reason").to_pylist())
+    ts = timestamps_ms(t.column("timestamp"))
+    assert np.all(ts[1:] >= ts[:-1])
+    # the fast threshold sweep used in training counts exactly what the reference counts
+    truth = evaluation.load_truth(small_trace)
+    for level in ("node", "gpu"):
+        sweep = training._Sweep(t, truth, level)
+        for thr in (0.0, 0.05, 0.3, 0.7, 0.99):
+            a = ref.load(str(alarms), ["timestamp", "node", "gpu"])
+            keep = pc.greater_equal(t.column("score"), thr).to_numpy(zero_copy_only=False)
+            r = ref.score({k: v[keep] for k, v in a.items()}, f, ref.node_days(str(small_trace)), level=level)
+            caught, predictable, false = sweep(thr)
+            assert (predictable, false) == (r["predictable_failures"], r["false_alarms"]), (level, thr)
+            assert caught == round((r["recall_of_predictable"] or 0) * predictable), (level, thr)
+
+
+def test_vendored_reference_scorer_is_verbatim():
+    if not SHARED_SCORER.exists():
+        pytest.skip("the shared telemetry contract is not on this machine")
+    vendored = Path(model_io.__file__).with_name("score_alarms.py").read_text().splitlines()
+    assert vendored[3:] == SHARED_SCORER.read_text().splitlines()
+
+
+def test_score_cli_writes_parquet(small_trace, trained_model, tmp_path):
+    out = tmp_path / "alarms.parquet"
+    ts = timestamps_ms(pq.read_table(small_trace / "telemetry.parquet", columns=["timestamp"]).column("timestamp"))
+    part = _cut(small_trace, tmp_path / "part", int(ts.min() + (ts.max() - ts.min()) * 0.3))
+    summary = json.loads(run_cli("predictor.cli", "score", "--model", str(trained_model), "--trace",
+                                 str(part), "--threshold", "0.01", "--out", str(out), "--json").stdout)
+    assert pq.read_table(out).num_rows == summary["alarms"]
+
+
+def test_model_file_is_checked_before_loading(trained_model, tmp_path):
+    m = model_io.load(trained_model)
+    assert 0 < m.sensitive <= m.strict <= 1
+    x = np.zeros((3, len(FEATURE_NAMES)))
+    p = m.predict(x)
+    assert p.shape == (3,) and np.all((0 <= p) & (p <= 1))
+    # a file with an unexpected type is refused, not constructed
+    import fractions
+
+    import skops.io as sio
+    bad = tmp_path / "bad.skops"
+    sio.dump({"format_version": 1, "estimator": fractions.Fraction(1, 3)}, str(bad))
+    with pytest.raises(ValueError, match="refusing"):
+        model_io.load(bad)
+
+
+def test_packaged_default_model_loads():
+    m = model_io.load(None)
+    assert m.info.get("traces"), "the default model records what it was trained on"
+
+
+def test_replaced_gpu_starts_a_fresh_history(trained_model):
+    """A new UUID (or counters that went back) resets the GPU's state; old errors do not linger."""
+    s = Scorer(model_io.load(trained_model))
+    vals = np.zeros((1, len(METRICS)))
+    vals[0, :4] = [70, 75, 500, 1900]
+    sbe = METRICS.index("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL")
+    for i in range(30):
+        vals[0, sbe] = 50 * i                                  # a fast-rising ECC counter
+        s.score_rows(np.array([i * 60_000]), ["n0"], np.array([0]), vals.copy(), ["GPU-old"])
+    slot = s.state.slot_of[("n0", 0)]
+    assert s.state.counted[slot].sum() > 0
+    vals[0, sbe] = 0
+    s.score_rows(np.array([31 * 60_000]), ["n0"], np.array([0]), vals.copy(), ["GPU-new"])
+    assert s.state.counted[slot].sum() == 0 and s.state.uuid[slot] == "GPU-new"
+
+
+def test_late_and_duplicate_samples_are_dropped(trained_model):
+    s = Scorer(model_io.load(trained_model))
+    vals = np.full((3, len(METRICS)), 1.0)
+    r = s.score_rows(np.array([120_000, 120_000, 60_000]), ["n0", "n0", "n0"], np.array([0, 0, 0]), vals)
+    assert len(r.slots) == 2 and r.dropped == 1             # exact duplicate dropped, older one ordered first
+    r = s.score_rows(np.array([90_000]), ["n0"], np.array([0]), vals[:1])
+    assert len(r.slots) == 0 and r.dropped == 1             # older than what the GPU already reported
+
+
+def test_critical_xid_sets_risk_to_one(trained_model):
+    s = Scorer(model_io.load(trained_model))
+    s.score_rows(np.array([60_000]), ["n0"], np.array([2]), np.full((1, len(METRICS)), 1.0))
+    r = s.add_xids(Xids(np.array([61_000, 62_000]), ["n0", "n0"], np.array([2, 2]), np.array([13, 79])))
+    assert r.risk.tolist() == [1.0] and r.reasons == ["critical XID 79"]
+    assert s.node_risk("n0")["risk"] == 1.0
+
+
+def test_usage_errors_exit_2_and_failures_exit_1(tmp_path):
+    assert run_cli("predictor.cli", "eval", "--threshold", check=False).returncode == 2
+    res = run_cli("predictor.cli", "train", "--trace", str(tmp_path), "--out", str(tmp_path / "m"), check=False)
+    assert res.returncode == 1 and "failures.parquet" in res.stderr

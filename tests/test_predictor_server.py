@@ -1,0 +1,163 @@
+"""`predictor serve` as a real process on 127.0.0.1: auth, ingest, risk, jobs + SSE, /metrics."""
+import gzip
+import json
+import time
+import uuid
+
+import pyarrow as pa
+import requests
+
+from tests.predictor_fixtures import shared_server  # noqa: F401 (fixture)
+
+T0 = 1_780_000_000_000
+
+
+def arrow_body(rows: list[dict]) -> bytes:
+    table = pa.Table.from_pylist(rows)
+    table = table.set_column(0, "timestamp", table.column("timestamp").cast(pa.timestamp("ms", tz="UTC")))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def node_rows(node: str, t_ms: int, uuid_prefix: str = "GPU", gpus: int = 8) -> list[dict]:
+    return [{"timestamp": t_ms, "node": node, "gpu": g, "uuid": f"{uuid_prefix}-{node}-{g}",
+             "DCGM_FI_DEV_GPU_TEMP": 65.0 + g, "DCGM_FI_DEV_MEMORY_TEMP": 70.0, "DCGM_FI_DEV_POWER_USAGE": 550.0,
+             "DCGM_FI_DEV_SM_CLOCK": 1980.0, "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": 0.0,
+             "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": 0.0, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 0.0} for g in range(gpus)]
+
+
+def post(srv, kind: str, body: bytes, role: str = "agent", ctype: str = "application/vnd.apache.arrow.stream",
+         batch_id: str | None = None, **headers) -> requests.Response:
+    h = srv.headers(role, **{"Content-Type": ctype, "X-Batch-Id": batch_id or str(uuid.uuid4()), **headers})
+    return requests.post(f"{srv.url}/v1/{kind}", data=body, headers=h, timeout=10)
+
+
+def wait_for(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def test_tokens_and_roles(shared_server):
+    srv = shared_server
+    body = arrow_body(node_rows("n1", T0))
+    assert requests.post(f"{srv.url}/v1/telemetry", data=body, timeout=5).status_code == 401
+    assert post(srv, "telemetry", body, role="job").status_code == 403
+    assert requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["n1"]}, headers=srv.headers("agent"),
+                         timeout=5).status_code == 403
+    assert requests.get(f"{srv.url}/v1/risk?node=n1", headers=srv.headers("job"), timeout=5).status_code == 403
+    assert requests.get(f"{srv.url}/metrics", timeout=5).status_code == 200       # open, as Prometheus expects
+
+
+def test_ingest_formats_duplicates_and_refusals(shared_server):
+    srv = shared_server
+    body = arrow_body(node_rows("n1", T0))
+    r = post(srv, "telemetry", gzip.compress(body), batch_id="b-1", **{"Content-Encoding": "gzip"})
+    assert r.status_code == 202 and r.json() == {"accepted": 8}
+    r = post(srv, "telemetry", body, batch_id="b-1")
+    assert r.status_code == 200 and r.json()["duplicate"] is True
+    nd = "\n".join(json.dumps({**row, "timestamp": "2026-05-28T20:27:00Z"}) for row in node_rows("n2", 0))
+    assert post(srv, "telemetry", nd.encode(), ctype="application/x-ndjson").status_code == 202
+    xid = json.dumps({"timestamp": T0, "node": "n1", "gpu": 1, "xid": 13})
+    assert post(srv, "xid", xid.encode(), ctype="application/x-ndjson").status_code == 202
+
+    refusals = {
+        "not arrow": (b"garbage", "application/vnd.apache.arrow.stream", "Arrow"),
+        "no gpu": (b'{"timestamp": 1, "node": "n1"}', "application/x-ndjson", "gpu"),
+        "bad time": (b'{"timestamp": "yesterday", "node": "n1", "gpu": 0}', "application/x-ndjson", "timestamp"),
+        "text metric": (b'{"timestamp": 1, "node": "n1", "gpu": 0, "DCGM_FI_DEV_GPU_TEMP": "hot"}',
+                        "application/x-ndjson", "type"),
+        "content type": (b"{}", "text/plain", "Content-Type"),
+    }
+    for name, (data, ctype, word) in refusals.items():
+        r = post(srv, "telemetry", data, ctype=ctype)
+        assert r.status_code == 400, name
+        assert word in r.json()["error"], (name, r.json())
+    r = requests.post(f"{srv.url}/v1/telemetry", data=body, timeout=5,
+                      headers=srv.headers("agent", **{"Content-Type": "application/vnd.apache.arrow.stream"}))
+    assert r.status_code == 400 and "X-Batch-Id" in r.json()["error"]
+    big = arrow_body([row for t in range(40) for row in node_rows("n3", T0 + t * 1000)])
+    r = post(srv, "telemetry", big)
+    assert r.status_code == 413 and "split" in r.json()["error"]
+    bomb = gzip.compress(b"\n" * 10_000_000)
+    r = post(srv, "telemetry", bomb, ctype="application/x-ndjson", **{"Content-Encoding": "gzip"})
+    assert r.status_code == 413
+    # nothing refused was lost from what was accepted; late and duplicate samples are dropped
+    assert post(srv, "telemetry", arrow_body(node_rows("n1", T0 - 60_000))).status_code == 202
+    risk = wait_for(lambda: _risk(srv, "n1"))
+    assert len(risk["gpus"]) == 8 and all(g["at_ms"] == T0 for g in risk["gpus"])
+    metrics = requests.get(f"{srv.url}/metrics", timeout=5).text
+    assert 'predictor_batches_total{endpoint="telemetry",outcome="malformed"} 6.0' in metrics
+    assert 'predictor_batches_total{endpoint="telemetry",outcome="duplicate"} 1.0' in metrics
+    assert wait_for(lambda: "predictor_dropped_samples_total 8.0" in requests.get(f"{srv.url}/metrics").text)
+
+
+def _risk(srv, node: str):
+    r = requests.get(f"{srv.url}/v1/risk", params={"node": node}, headers=srv.headers("operator"), timeout=5)
+    return r.json() if r.status_code == 200 else None
+
+
+def read_events(resp: requests.Response, want: int, timeout: float = 10.0) -> list[tuple[str, dict]]:
+    """Parse SSE until `want` events other than hello arrived (or, for 0, the hello)."""
+    events, event, deadline = [], None, time.monotonic() + timeout
+    while True:
+        line = resp.raw.readline().decode()
+        assert line, "stream ended"
+        line = line.rstrip("\n")
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            events.append((event, json.loads(line[6:])))
+            if len([e for e in events if e[0] != "hello"]) >= want:
+                return [e for e in events if e[0] != "hello"] if want else events
+        assert time.monotonic() < deadline, events
+
+
+def test_job_hears_checkpoint_now_once_per_interval(shared_server):
+    srv = shared_server
+    for node in ("j1", "j2"):
+        assert post(srv, "telemetry", arrow_body(node_rows(node, T0))).status_code == 202
+    job = requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["j1", "j9"], "name": "llm", "min_interval_s": 600},
+                        headers=srv.headers("job"), timeout=5)
+    assert job.status_code == 201
+    job = job.json()
+    stream = requests.get(srv.url + job["stream"], headers=srv.headers("job"), stream=True, timeout=15)
+    assert stream.headers["Content-Type"].startswith("text/event-stream")
+    hello = read_events(stream, 0)
+    assert hello[0][0] == "hello" and hello[0][1]["at_risk"] == []
+    # j2 is not the job's: nothing; j1 GPU 3 logs XID 79: checkpoint now
+    xid = lambda node, gpu, t: json.dumps({"timestamp": t, "node": node, "gpu": gpu, "xid": 79}).encode()  # noqa: E731
+    assert post(srv, "xid", xid("j2", 0, T0 + 1000), ctype="application/x-ndjson").status_code == 202
+    sent = time.monotonic()
+    assert post(srv, "xid", xid("j1", 3, T0 + 2000), ctype="application/x-ndjson").status_code == 202
+    (name, ev), = read_events(stream, 1)
+    assert time.monotonic() - sent < 5
+    assert name == "checkpoint" and ev["node"] == "j1" and ev["gpu"] == 3 and ev["risk"] == 1.0
+    assert ev["reason"] == "critical XID 79"
+    # a second GPU of the same node crossing inside the job's interval is rate-limited
+    assert post(srv, "xid", xid("j1", 4, T0 + 3000), ctype="application/x-ndjson").status_code == 202
+    info = wait_for(lambda: (j := requests.get(f"{srv.url}/v1/jobs/{job['id']}", headers=srv.headers("job"),
+                                               timeout=5).json())["checkpoints_suppressed"] and j)
+    assert info["checkpoints_sent"] == 1
+    risk = _risk(srv, "j1")
+    assert risk["risk"] == 1.0 and risk["worst_gpu"] in (3, 4) and risk["reason"] == "critical XID 79"
+    assert requests.delete(f"{srv.url}/v1/jobs/{job['id']}", headers=srv.headers("job"), timeout=5).ok
+    stream.close()
+    metrics = requests.get(f"{srv.url}/metrics", timeout=5).text
+    for name in ('predictor_gpu_risk{gpu="3",node="j1"} 1.0', "predictor_checkpoint_events_total 1.0",
+                 "predictor_scoring_latency_seconds_bucket", 'predictor_ingested_rows_total{endpoint="telemetry"}'):
+        assert name in metrics, name
+
+
+def test_job_registration_is_validated(shared_server):
+    srv = shared_server
+    for body in ({"nodes": []}, {"nodes": "n1"}, {"nodes": ["n1"], "min_interval_s": -1}, [1, 2]):
+        r = requests.post(f"{srv.url}/v1/jobs", json=body, headers=srv.headers("job"), timeout=5)
+        assert r.status_code == 400 and r.json()["error"], body
+    assert requests.get(f"{srv.url}/v1/jobs/nope/events", headers=srv.headers("job"), timeout=5).status_code == 404
