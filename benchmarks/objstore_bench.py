@@ -44,7 +44,6 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.manifest import Manifest  # noqa: E402
 from ckpt.restore import read_checkpoint  # noqa: E402
-from ckpt.tiers.base import CheckpointId  # noqa: E402
 from ckpt.tiers.object_store import ObjectStoreTier  # noqa: E402
 from tests.objstore_fixtures import create_bucket, moto_server  # noqa: E402
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import s3fs
 
+from .procs import stop_process
+
 MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 
 
@@ -81,12 +83,7 @@ def moto_server(env: dict | None = None):
         yield S3Server(proc, endpoint)
     finally:
         proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def create_bucket(server: S3Server, name: str | None = None) -> str:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from .procs import stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = {"agent": "agent-token-0123456789", "job": "job-token-0123456789ab",
           "operator": "operator-token-0123456789"}
@@ -90,13 +92,7 @@ class LiveServer:
         return self.log.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 

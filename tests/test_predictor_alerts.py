@@ -3,14 +3,13 @@ import json
 import shutil
 import subprocess
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 import requests
 
 from tests.predictor_fixtures import ROOT, free_port, live_server  # noqa: F401 (fixture)
+from tests.procs import stop_process
 from tests.test_predictor_server import T0, arrow_body, node_rows, post, wait_for
 
 DEPLOY = ROOT / "deploy" / "prometheus"
@@ -46,12 +45,7 @@ def alertmanager(tmp_path):
         wait_for(lambda: _ready(url), timeout=30)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 
