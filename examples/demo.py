@@ -74,6 +74,28 @@ class Run:
                 p.wait()
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants: torchrun starts each worker in a
+    session of its own, so killing torchrun's process group would leave them running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def steps_done(timeline: Path) -> list[dict]:
     if not timeline.exists():
         return []
@@ -133,7 +155,7 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
                 say(f"{name}: step {last}")
         # The GPU fails: the job dies with it, and this host (memory, local disk) is gone.
         train = run.procs[-1]
-        os.killpg(train.pid, signal.SIGKILL)
+        kill_tree(train.pid)
         train.wait()
         run.events["failure"] = time.time()
         done = steps_done(run.dir / "timeline.jsonl")
