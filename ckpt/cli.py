@@ -22,7 +22,7 @@ from .manifest import Manifest
 from .memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
 from .restore import candidates, verify_checkpoint
 from .simulate_cli import simulate_cmd
-from .tiers.base import CheckpointId, Tier
+from .tiers.base import CheckpointId, Tier, prune
 from .tiers.local import LocalDiskTier
 
 _root = click.argument("root")
@@ -169,15 +169,7 @@ def gc_cmd(root: str, keep: int | None, grace: float, force: bool, memory_dir: s
     on_disk = {(i.id.generation, i.id.step) for i in disk.list() if i.complete}
     if not is_url(root):
         removed += sweep_orphans(namespaces_of_root(os.path.realpath(root), memory_dir), on_disk, force=force)
-    deleted = []
-    if keep is not None:
-        complete = [i for i in disk.list() if i.complete]
-        if complete:
-            oldest_kept = complete[-keep:][0].id
-            for info in disk.list():
-                if info.id < oldest_kept:
-                    disk.delete(info.id)
-                    deleted.append(info.id.step)
+    deleted = [i.step for i in prune(disk, keep)] if keep is not None else []
     out = {"leftovers_removed": removed, "checkpoints_deleted": deleted}
     _emit(as_json, out, f"removed {len(removed)} leftover(s); deleted {len(deleted)} old checkpoint(s)"
           + (f": steps {', '.join(map(str, deleted))}" if deleted else ""))

@@ -28,7 +28,7 @@ from .offload import Offloader
 from .restore import read_checkpoint, restore_newest
 from .state import flatten, load_into
 from .tensor_io import with_checksums
-from .tiers.base import CheckpointId, Tier
+from .tiers.base import CheckpointId, Tier, prune
 from .tiers.local import LocalDiskTier
 from .tiers.memory import MemoryTier, SlotReader
 from .tiers.object_store import ObjectStoreTier
@@ -232,14 +232,8 @@ class CheckpointManager:
             return False
 
     def _apply_retention(self, tier: Tier) -> None:
-        infos = tier.list()
-        keep_last = self.keep_last_by_tier.get(tier.name, self.keep_last)
-        keep = {i.id for i in [i for i in infos if i.complete][-keep_last:]}
-        keep |= self._offload.pinned if self._offload is not None and tier is self.disk else set()
-        oldest_kept = min(keep, default=None)
-        for info in infos:
-            if info.id not in keep and (oldest_kept is None or info.id < oldest_kept):
-                tier.delete(info.id)
+        pinned = self._offload.pinned if self._offload is not None and tier is self.disk else ()
+        prune(tier, self.keep_last_by_tier.get(tier.name, self.keep_last), pinned)
 
     def _newest_known(self) -> CheckpointId | None:
         return max((i.id for t in self.tiers for i in t.list()), default=None)

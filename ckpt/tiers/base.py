@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Iterable
 
 from ..checksum import crc32c_of
 from ..errors import DamagedCheckpoint, ManifestError
@@ -152,3 +153,19 @@ def check_shard(ckpt_id: CheckpointId, ref: ShardRef, raw: bytes | None, data_si
         raise DamagedCheckpoint(ckpt_id.step, data_where,
                                 f"truncated or extended: {data_size} bytes, manifest says {man.data_bytes}", tier)
     return man
+
+
+def prune(tier: Tier, keep_last: int, pinned: Iterable[CheckpointId] = ()) -> list[CheckpointId]:
+    """Retention: delete what is older than the newest ``keep_last`` complete checkpoints
+    (and than anything ``pinned``), damaged commits included; never the kept ones. With
+    nothing complete, nothing is deleted. Returns the ids deleted."""
+    infos = tier.list()
+    keep = {i.id for i in [i for i in infos if i.complete][-keep_last:]} | set(pinned)
+    if not keep:
+        return []
+    oldest_kept = min(keep)
+    gone = [i.id for i in infos if i.id not in keep and i.id < oldest_kept]
+    for ckpt_id in gone:
+        tier.delete(ckpt_id)
+    return gone
+
