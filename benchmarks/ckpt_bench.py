@@ -3,8 +3,10 @@ tools users would pick instead, in one run on the same bytes.
 
     python benchmarks/ckpt_bench.py                 # ~350M-param GPT + AdamW (~4 GB)
     python benchmarks/ckpt_bench.py --config tiny --repeats 3 --json out.json
+    python benchmarks/ckpt_bench.py --device cuda   # state on the GPU
 
-Floors: memcpy (copy of the same bytes into warm, pre-faulted memory), disk write
+Floors: memcpy (copy of the same bytes into warm, pre-faulted memory; with --device
+cuda, the device-to-host copy into warm pinned memory, and back for restores), disk write
 (sequential write + fsync of the same bytes), disk read (sequential read of the same
 bytes after dropping them from the page cache). Every disk restore drops the page
 cache for its files first (posix_fadvise DONTNEED), so reads come from the device.
@@ -69,9 +71,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def build_state(cfg: GPTConfig) -> tuple[dict, int]:
+def build_state(cfg: GPTConfig, device: str) -> tuple[dict, int]:
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -89,9 +91,17 @@ def tensors_of(state: dict) -> list[torch.Tensor]:
     return [t for _, t in flatten(state).tensors]
 
 
-def floor_memcpy(tensors: list[torch.Tensor], repeats: int) -> float:
+def sync(tensors: list[torch.Tensor]) -> None:
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+
+
+def floor_memcpy(tensors: list[torch.Tensor], repeats: int) -> tuple[float, float, list[torch.Tensor]]:
+    """Copy into warm host memory (pinned when the state is on a GPU), and back: the
+    snapshot floor and the restore-from-memory floor. Also returns the host copies."""
     total = sum(t.numel() * t.element_size() for t in tensors)
-    dst = torch.empty(total, dtype=torch.uint8)
+    cuda = any(t.is_cuda for t in tensors)
+    dst = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     dst.fill_(0)  # fault it in: the floor is a copy into warm memory
     views, off = [], 0
     for t in tensors:
@@ -99,11 +109,17 @@ def floor_memcpy(tensors: list[torch.Tensor], repeats: int) -> float:
         views.append(dst[off:off + n].view(t.dtype).view(t.shape))
         off += n
 
-    def run() -> None:
+    def out() -> None:
         for v, t in zip(views, tensors):
-            v.copy_(t)
-    run()
-    return median_time(run, repeats)
+            v.copy_(t, non_blocking=cuda)
+        sync(tensors)
+
+    def back() -> None:
+        for v, t in zip(views, tensors):
+            t.copy_(v, non_blocking=cuda)
+        sync(tensors)
+    out()
+    return median_time(out, repeats), median_time(back, repeats), views
 
 
 def floor_disk(tensors: list[torch.Tensor], workdir: Path, repeats: int) -> tuple[float, float]:
@@ -144,19 +160,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="Directory on the disk to measure (default: a temp dir under /var/tmp).")
     ap.add_argument("--json", default=None, help="Also write the results as JSON to this path ('-' for stdout).")
+    ap.add_argument("--device", default="cpu", help="Where the training state lives: cpu or cuda.")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
     base = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir or "/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="/dev/shm"))
-    res = Results(config=args.config, repeats=args.repeats, threads=torch.get_num_threads())
+    res = Results(config=args.config, repeats=args.repeats, threads=torch.get_num_threads(), device=args.device)
+    if args.device != "cpu":
+        res["device_name"] = torch.cuda.get_device_name()
     try:
-        state, nbytes = build_state(GPTConfig.medium() if args.config == "medium" else GPTConfig.tiny())
+        state, nbytes = build_state(GPTConfig.medium() if args.config == "medium" else GPTConfig.tiny(), args.device)
         tensors = tensors_of(state)
         res["state_bytes"] = nbytes
-        print(f"state: {nbytes / 2**30:.2f} GiB in {len(tensors)} tensors", file=sys.stderr)
-        res["memcpy_s"] = floor_memcpy(tensors, args.repeats)
-        write_s, read_s = floor_disk(tensors, base, args.repeats)
+        print(f"state: {nbytes / 2**30:.2f} GiB in {len(tensors)} tensors on {args.device}", file=sys.stderr)
+        res["memcpy_s"], res["memcpy_back_s"], host = floor_memcpy(tensors, args.repeats)
+        write_s, read_s = floor_disk(host, base, args.repeats)
+        del host
         res["disk_write_s"], res["disk_read_s"] = write_s, read_s
         rss0 = rss_bytes()
 
@@ -182,6 +202,7 @@ def main() -> None:
 
         def restore_from(tier) -> None:
             load_into(state, read_checkpoint(tier, last, state=state))
+            sync(tensors)
         res["ours_restore_memory_s"] = median_time(lambda: restore_from(mgr.memory), args.repeats)
         mgr.close()
         # A restore from disk runs in a fresh process, before any slot exists: give the
@@ -206,7 +227,7 @@ def main() -> None:
 
         def tload() -> None:
             drop_cache(ts)
-            sd = torch.load(ts, weights_only=True)
+            sd = torch.load(ts, weights_only=True, map_location=args.device)
             state["model"].load_state_dict(sd["model"])
             state["optim"].load_state_dict(sd["optim"])
         res["torch_load_s"] = median_time(tload, args.repeats)
@@ -225,6 +246,7 @@ def main() -> None:
             drop_cache(base / "dcp")
             target = sd()
             dcp.load(target, checkpoint_id=base / "dcp")
+            sync(tensors)
         res["dcp_load_s"] = median_time(dload, args.repeats)
         ablock, atotal = [], []
         for _ in range(args.repeats):
@@ -248,9 +270,11 @@ def main() -> None:
 
 def report(r: dict) -> None:
     gb = r["state_bytes"] / 1e9
-    m, w, rd = r["memcpy_s"], r["disk_write_s"], r["disk_read_s"]
+    m, mb, w, rd = r["memcpy_s"], r["memcpy_back_s"], r["disk_write_s"], r["disk_read_s"]
+    cuda = r.get("device", "cpu") != "cpu"
     rows = [
-        ("memcpy floor (warm memory)", m, "1.00x memcpy"),
+        ("memcpy floor (device→pinned host)" if cuda else "memcpy floor (warm memory)", m, "1.00x memcpy"),
+        ("memcpy floor back (pinned host→device)" if cuda else "memcpy floor back (warm memory)", mb, "1.00x memcpy back"),
         ("disk floor: sequential write + fsync", w, "1.00x disk write"),
         ("disk floor: sequential cold read", rd, "1.00x disk read"),
         ("ours: save() blocking, first (slots prepared)", r["ours_first_block_s"], f"{r['ours_first_block_s'] / m:.2f}x memcpy"),
@@ -260,12 +284,12 @@ def report(r: dict) -> None:
         ("dcp.save", r["dcp_save_s"], f"{r['dcp_save_s'] / m:.1f}x memcpy (all blocking)"),
         ("dcp.async_save: blocking", r["dcp_async_block_s"], f"{r['dcp_async_block_s'] / m:.1f}x memcpy"),
         ("dcp.async_save: total", r["dcp_async_total_s"], ""),
-        ("ours: restore from memory", r["ours_restore_memory_s"], f"{r['ours_restore_memory_s'] / m:.2f}x memcpy"),
+        ("ours: restore from memory", r["ours_restore_memory_s"], f"{r['ours_restore_memory_s'] / mb:.2f}x memcpy back"),
         ("ours: restore from disk (cold)", r["ours_restore_disk_s"], f"{r['ours_restore_disk_s'] / rd:.2f}x disk read"),
         ("torch.load (cold)", r["torch_load_s"], f"{r['torch_load_s'] / rd:.2f}x disk read"),
         ("dcp.load (cold)", r["dcp_load_s"], f"{r['dcp_load_s'] / rd:.2f}x disk read"),
     ]
-    print(f"\nstate {gb:.2f} GB, {r['threads']} threads, median of {r['repeats']}\n")
+    print(f"\nstate {gb:.2f} GB on {r.get('device_name', 'cpu')}, {r['threads']} threads, median of {r['repeats']}\n")
     print(f"| {'what':46} | {'seconds':>8} | {'GB/s':>6} | ratio |")
     print(f"|{'-' * 48}|{'-' * 10}|{'-' * 8}|-------|")
     for name, s, ratio in rows:

@@ -1,7 +1,11 @@
 """Object-store throughput: our tier against plain fsspec copies and torch.distributed.checkpoint.
 
-One run, one S3 server (moto's server mode on loopback, started here), the same
-checkpoint bytes for every contender:
+One run, one S3 server on loopback, started here, the same checkpoint bytes for every
+contender. The server: ``--server moto`` (moto's server mode, what the tests use: one
+Python process, ~11 CPU-s per GB, so it is the bottleneck whatever the client does) or
+``--server s3rver`` (the npm package s3rver on Node.js, installed on first use into
+~/.cache/ckpt-guard/s3rver; several times cheaper per byte, so the clients' own
+parallelism shows).
 
 * ours        ObjectStoreTier.write_shard+commit from the disk tier (parallel multipart),
               and restore (parallel ranged GETs, every chunk CRC-checked) into the tensors;
@@ -14,7 +18,7 @@ single-stream copy, and the CPU seconds per GB the server and this client spent:
 on a small machine the server's CPU, not the network, is what every contender
 waits for. Not a test: nothing here asserts a speed.
 
-    PYTHONPATH=. python benchmarks/objstore_bench.py --gb 1 --repeats 3 [--json]
+    PYTHONPATH=. python benchmarks/objstore_bench.py --gb 1 --repeats 3 [--server s3rver] [--json]
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ import json
 import os
 import resource
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,9 +51,53 @@ from ckpt import CheckpointManager  # noqa: E402
 from ckpt.manifest import Manifest  # noqa: E402
 from ckpt.restore import read_checkpoint  # noqa: E402
 from ckpt.tiers.object_store import ObjectStoreTier  # noqa: E402
-from tests.objstore_fixtures import create_bucket, moto_server  # noqa: E402
+from tests.objstore_fixtures import S3Server, create_bucket, moto_server  # noqa: E402
+from tests.procs import stop_process  # noqa: E402
 
 TENSOR_BYTES = 128 << 20
+S3RVER = "s3rver@3.7.1"
+S3RVER_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckpt-guard" / "s3rver"
+
+
+@contextmanager
+def s3rver_server(data_dir: str):
+    """Start s3rver (Node.js) on a free loopback port, objects under ``data_dir``; stop it on exit."""
+    exe = S3RVER_DIR / "node_modules" / ".bin" / "s3rver"
+    if not exe.exists():
+        print(f"installing {S3RVER} into {S3RVER_DIR} (npm)", file=sys.stderr)
+        subprocess.run(["npm", "install", "--prefix", str(S3RVER_DIR), "--no-audit", "--no-fund", S3RVER], check=True,
+                       stdout=subprocess.DEVNULL)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([str(exe), "-d", data_dir, "-a", "127.0.0.1", "-p", str(port), "--silent"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"s3rver did not start on port {port}") from None
+                time.sleep(0.1)
+        yield S3Server(proc, f"http://127.0.0.1:{port}", key="S3RVER", secret="S3RVER")
+    finally:
+        stop_process(proc)
+
+
+@contextmanager
+def start_server(args: argparse.Namespace, shm: str):
+    if args.server == "s3rver":
+        with s3rver_server(tempfile.mkdtemp(prefix="s3rver-", dir=shm)) as server:  # objects in memory, as moto's
+            yield server
+        return
+    # moto spools every object over 5 MiB to a temporary file on this VM's disk; real
+    # S3 has no such cost on the client's path, so by default objects stay in its memory
+    env = None if args.moto_disk_spool else {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(64 << 30)}
+    with moto_server(env) as server:
+        yield server
 
 
 @dataclass
@@ -193,10 +243,7 @@ def run(args: argparse.Namespace) -> dict:
     urgent: list[dict[str, float]] = []
     try:
         state = make_state(int(args.gb * (1 << 30)))
-        # moto spools every object over 5 MiB to a temporary file on this VM's disk; real
-        # S3 has no such cost on the client's path, so by default objects stay in its memory
-        env = None if args.moto_disk_spool else {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(64 << 30)}
-        with moto_server(env) as server:
+        with start_server(args, shm) as server:
             bench = Bench(server, work, shm, state, args.part_mib << 20, args.concurrency)
             total = args.repeats * (len(chosen) + (not args.no_urgent))
             with tqdm(total=total, desc="transfers", unit="run", disable=args.json) as bar:
@@ -225,7 +272,8 @@ def run(args: argparse.Namespace) -> dict:
     for row in rows.values():
         for phase in ("up", "down"):
             row[phase]["x_single"] = rows["put1"][phase]["median_s"] / row[phase]["median_s"] if "put1" in rows else None
-    server = "moto_server on loopback, " + ("objects spooled to disk" if args.moto_disk_spool else "objects in memory")
+    server = ("s3rver (Node.js) on loopback, objects in /dev/shm" if args.server == "s3rver" else
+              "moto_server on loopback, " + ("objects spooled to disk" if args.moto_disk_spool else "objects in memory"))
     return {"bytes": bench.nbytes, "repeats": args.repeats, "part_size": args.part_mib << 20,
             "concurrency": args.concurrency, "server": server, "cpus": os.cpu_count(),
             "loadavg_after": os.getloadavg(), "results": rows,
@@ -259,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mib", type=int, default=32, help="our part and range size in MiB")
     p.add_argument("--concurrency", type=int, default=8, help="our parts/ranges in flight (and DCP's N threads)")
     p.add_argument("--only", nargs="+", choices=list(CONTENDERS), help="run only these contenders")
+    p.add_argument("--server", choices=["moto", "s3rver"], default="moto", help="the S3 server to start on loopback")
     p.add_argument("--moto-disk-spool", action="store_true",
                    help="leave moto's default of spooling objects to temporary files (slower, noisier)")
     p.add_argument("--no-urgent", action="store_true", help="skip the urgent-save measurement")

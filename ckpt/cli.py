@@ -22,6 +22,7 @@ from .manifest import Manifest
 from .memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
 from .restore import candidates, verify_checkpoint
 from .simulate_cli import simulate_cmd
+from .tensor_io import verify_shard
 from .tiers.base import CheckpointId, Tier, prune
 from .tiers.local import LocalDiskTier
 
@@ -120,14 +121,15 @@ def restore_cmd(root: str, step: int | None, dest: str, run: str | None, memory_
     """Copy the newest verified checkpoint (or --step) into DEST, loadable by CheckpointManager(DEST)."""
     target = LocalDiskTier(dest)
     target.root.mkdir(parents=True, exist_ok=True)
+    already = {i.id for i in target.list()}
     skipped = []
     for cand in candidates(tiers_for(root, run=run, memory_dir=memory_dir), step):
         try:
             with _progress(cand.info.bytes * 2, f"restore step {cand.info.id.step} from {cand.tier.name}", as_json) as bar:
-                if not verify_checkpoint(cand.tier, cand.info.id, progress=bar.update):
-                    raise DamagedCheckpoint(cand.info.id.step, cand.tier.location, "checksums not computed yet", cand.tier.name)
-                _copy(cand.tier, target, cand.info.id, bar.update)
+                _copy_verified(cand.tier, target, cand.info.id, bar.update)
         except (DamagedCheckpoint, ManifestError, OSError, EOFError) as e:
+            if cand.info.id not in already:
+                target.delete(cand.info.id)  # the uncommitted part copy
             skipped.append({"step": cand.info.id.step, "tier": cand.tier.name, "reason": str(e)})
             click.echo(f"skipping: {e}", err=True)
             continue
@@ -140,16 +142,25 @@ def restore_cmd(root: str, step: int | None, dest: str, run: str | None, memory_
     sys.exit(1)
 
 
-def _copy(source: Tier, target: Tier, ckpt_id: CheckpointId, progress) -> None:
+def _copy_verified(source: Tier, target: LocalDiskTier, ckpt_id: CheckpointId, progress) -> None:
+    """Copy every shard, check the copy against the source manifest's checksums, then
+    commit: each byte crosses the network once, and nothing unverified is committed."""
     manifest = source.read_manifest(ckpt_id)
     refs = []
     for ref in manifest.shards:
         reader = source.open_shard(ckpt_id, ref)
         try:
+            if not reader.manifest.has_checksums:
+                raise DamagedCheckpoint(ckpt_id.step, source.location, "checksums not computed yet", source.name)
             refs.append(target.write_shard(ckpt_id, reader))
-            progress(ref.data_bytes)
         finally:
             reader.close()
+        progress(ref.data_bytes)
+        copy = target.open_shard(ckpt_id, refs[-1])
+        try:
+            verify_shard(copy, step=ckpt_id.step, tier=source.name, progress=progress)
+        finally:
+            copy.close()
     target.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, manifest.world_size, refs, manifest.created))
 
 

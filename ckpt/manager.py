@@ -134,8 +134,9 @@ class CheckpointManager:
         save is as fast as later ones. Optimizers create their state at their first
         step; for parameters without state yet, room for two moments (Adam's) is kept."""
         own = self._own_part(state)
-        _, nbytes = plan_layout(flatten(own).tensors)
-        self.pool.prepare_async(nbytes + _lazy_optimizer_bytes(own.values()))
+        tensors = flatten(own).tensors
+        _, nbytes = plan_layout(tensors)
+        self.pool.prepare_async(nbytes + _lazy_optimizer_bytes(own.values()), pin=any(t.is_cuda for _, t in tensors))
         self._prepared = True
 
     def save(self, step: int, state: Mapping[str, Any], *, urgent: bool = False) -> SaveHandle:

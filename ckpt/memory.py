@@ -8,7 +8,9 @@ comes first when a slot is reused, so a crash mid-copy leaves it invalid, never 
 Allocation, ``posix_fallocate`` (a full /dev/shm is a clean ENOSPC, never SIGBUS) and
 pre-faulting (``MADV_POPULATE_WRITE``) happen once, off the critical path: first
 touch of fresh pages costs ~16x the copy itself. The mapping then lives as long as
-the pool, so later saves run at memcpy speed.
+the pool, so later saves run at memcpy speed. When the state lives on a GPU, the
+mapping is also registered as CUDA pinned memory (off the critical path too), so
+device copies run by DMA; it is unregistered before it is unmapped.
 """
 from __future__ import annotations
 
@@ -124,6 +126,8 @@ class ShmSlot:
         self.capacity = 0
         self.buffer: torch.Tensor | None = None  # uint8 view of the whole mapping
         self._mmap: mmap.mmap | None = None
+        self._pinned = False  # registered with CUDA (cudaHostRegister)
+        self._lock = threading.Lock()  # the background preparer and the training thread both map and pin
         self.idle = threading.Event()  # set when no drain is reading this slot
         self.idle.set()
         sealed = self.sealed() if self.meta_path.exists() else None
@@ -131,8 +135,22 @@ class ShmSlot:
 
     def ensure(self, nbytes: int) -> None:
         """Allocate (or grow to) ``nbytes``, map and pre-fault; keeps existing contents."""
-        if self.buffer is not None and self.capacity >= nbytes:
-            return
+        with self._lock:
+            if self.buffer is None or self.capacity < nbytes:
+                self._map(nbytes)
+
+    def pin(self) -> None:
+        """Register the mapping as CUDA pinned memory, once: device→slot copies then run
+        asynchronously at full DMA speed instead of through the driver's staging buffers."""
+        with self._lock:
+            if self._pinned or self.buffer is None:
+                return
+            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.capacity, 0)
+            if int(err) != 0:
+                log.warning("cudaHostRegister of %s failed (%s); device copies will be slower", self.data_path, err)
+            self._pinned = int(err) == 0
+
+    def _map(self, nbytes: int) -> None:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(self.data_path, flags | os.O_CREAT | os.O_EXCL, 0o600)
@@ -149,7 +167,7 @@ class ShmSlot:
             except OSError as e:
                 raise CheckpointError(f"cannot allocate {size} bytes in {self.data_path.parent}: {e.strerror} "
                                       f"(enlarge /dev/shm or pass memory_dir=)") from e
-            self.release()
+            self._unmap()
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -174,6 +192,15 @@ class ShmSlot:
         self.holds = (manifest.generation, manifest.step)
 
     def release(self) -> None:
+        with self._lock:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        # a registration must not outlive its mapping: the driver would keep the address
+        # range, and the next allocation there fails ("resource already mapped")
+        if self._pinned and self.buffer is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._pinned = False
         self.buffer = None
         if self._mmap is not None:
             self._mmap.close()
@@ -215,14 +242,17 @@ class SlotPool:
         self._ready = threading.Event()
         self._prepare_error: BaseException | None = None
 
-    def prepare_async(self, nbytes: int) -> None:
-        """Allocate and pre-fault every slot in the background."""
+    def prepare_async(self, nbytes: int, *, pin: bool = False) -> None:
+        """Allocate and pre-fault every slot in the background (and register it with
+        CUDA when ``pin``: the state lives on a GPU)."""
         self._ready.clear()
 
         def run() -> None:
             try:
                 for s in self.slots:
                     s.ensure(nbytes)
+                    if pin:
+                        s.pin()
             except BaseException as e:  # surfaced by the next save
                 self._prepare_error = e
             finally:
@@ -252,6 +282,8 @@ class SlotPool:
                         "prepare() to do it in the background", manifest.data_bytes / 2**20,
                         "the state grew" if slot.capacity else "slots not prepared")
             slot.ensure(manifest.data_bytes)
+        if any(t.is_cuda for t in tensors):
+            slot.pin()
         buf = slot.buffer
         assert buf is not None
         pairs = []
@@ -268,12 +300,11 @@ class SlotPool:
 
 
 class TensorCopier:
-    """Device→shared-memory copy. CPU: torch's multi-threaded copy. CUDA: the mapping is
-    registered as pinned memory once, and copies run on a side stream (DMA at full speed)."""
+    """Device→shared-memory copy. CPU: torch's multi-threaded copy. CUDA: copies into the
+    pinned slot run on a side stream, after the work already queued on the current one."""
 
     def __init__(self) -> None:
         self._stream = None
-        self._registered: set[int] = set()
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         cuda = [(d, s) for d, s in pairs if s.is_cuda]
@@ -284,8 +315,6 @@ class TensorCopier:
             self._copy_cuda(cuda)
 
     def _copy_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for d, _ in pairs:
-            self._pin(d)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
@@ -293,12 +322,3 @@ class TensorCopier:
             for d, s in pairs:
                 d.copy_(s, non_blocking=True)
         self._stream.synchronize()
-
-    def _pin(self, view: torch.Tensor) -> None:
-        base = view.untyped_storage().data_ptr()
-        if base not in self._registered:
-            nbytes = view.untyped_storage().nbytes()
-            err = torch.cuda.cudart().cudaHostRegister(base, nbytes, 0)
-            if int(err) != 0:
-                log.warning("cudaHostRegister failed (%s); device copies will be slower", err)
-            self._registered.add(base)

@@ -46,42 +46,65 @@ def read_tensors(
 ) -> list[torch.Tensor]:
     """Read every tensor of the shard into ``targets[id]`` (its local shard, for a
     DTensor) where it fits, else into a new tensor; verify each piece's CRC when the
-    manifest has them. Returns the targets used and the new tensors, by id."""
+    manifest has them. Returns the targets used and the new tensors, by id.
+
+    A target on a GPU is filled piece by piece: each piece is verified in host memory
+    (the slot itself for the memory tier) and copied to the device once."""
     man = reader.manifest
     targets = targets or {}
     out: list[torch.Tensor] = []
-    views: list[memoryview] = []
+    dests: list[memoryview | torch.Tensor] = []  # host bytes, or a device tensor's bytes
     for e in man.tensors:
         t = targets.get(e.id)
         local = local_tensor(t) if t is not None else None
-        if (local is None or local.device.type != "cpu" or local.dtype != e.torch_dtype
+        if (local is None or local.device.type not in ("cpu", "cuda") or local.dtype != e.torch_dtype
                 or tuple(local.shape) != e.shape or not local.is_contiguous()):
             t = local = torch.empty(e.shape, dtype=e.torch_dtype)
         out.append(t)
-        views.append(byte_view(local))
+        dests.append(byte_view(local) if local.device.type == "cpu" else local.reshape(-1).view(torch.uint8))
     chunk = man.chunk_bytes
 
     def one(piece: tuple[TensorEntry, int]) -> None:
         e, k = piece
         lo, hi = k * chunk, min(e.nbytes, (k + 1) * chunk)
-        buf = views[e.id][lo:hi]
-        src = reader.view(e.offset + lo, hi - lo)
-        check = verify and e.checksums is not None
-        if src is not None:  # in memory already: verify before copying, so a bad slot clobbers nothing
-            if check and crc32c_of(src) != e.checksums[k]:
-                raise DamagedCheckpoint(step, reader.location, f"checksum mismatch in tensor {e.path!r} bytes {lo}..{hi}", tier)
-            if hi > lo:
-                reader.read_into(e.offset + lo, buf)
+        crc = e.checksums[k] if verify and e.checksums is not None else None
+        dst = dests[e.id]
+        if isinstance(dst, torch.Tensor):
+            _to_device(reader, e, lo, hi, dst, crc, step, tier)
         else:
-            if hi > lo:
-                reader.read_into(e.offset + lo, buf)
-            if check and crc32c_of(buf) != e.checksums[k]:
-                raise DamagedCheckpoint(step, reader.location, f"checksum mismatch in tensor {e.path!r} bytes {lo}..{hi}", tier)
+            _to_host(reader, e, lo, hi, dst[lo:hi], crc, step, tier)
         if progress:
             progress(hi - lo)
 
     _run(one, _pieces(man.tensors, chunk), threads)
     return out
+
+
+def _to_host(reader: ShardReader, e: TensorEntry, lo: int, hi: int, buf: memoryview, crc: int | None,
+             step: int, tier: str) -> None:
+    src = reader.view(e.offset + lo, hi - lo)
+    if src is not None and crc is not None and crc32c_of(src) != crc:
+        raise _mismatch(reader, e, lo, hi, step, tier)  # checked first: a bad slot clobbers nothing
+    if hi > lo:
+        reader.read_into(e.offset + lo, buf)
+    if src is None and crc is not None and crc32c_of(buf) != crc:
+        raise _mismatch(reader, e, lo, hi, step, tier)
+
+
+def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch.Tensor, crc: int | None,
+               step: int, tier: str) -> None:
+    host = reader.tensor(e.offset + lo, hi - lo)
+    if host is None:
+        host = torch.empty(hi - lo, dtype=torch.uint8)
+        reader.read_into(e.offset + lo, byte_view(host))
+    if crc is not None and crc32c_of(byte_view(host)) != crc:
+        raise _mismatch(reader, e, lo, hi, step, tier)
+    if hi > lo:
+        dst[lo:hi].copy_(host)
+
+
+def _mismatch(reader: ShardReader, e: TensorEntry, lo: int, hi: int, step: int, tier: str) -> DamagedCheckpoint:
+    return DamagedCheckpoint(step, reader.location, f"checksum mismatch in tensor {e.path!r} bytes {lo}..{hi}", tier)
 
 
 def verify_shard(reader: ShardReader, *, step: int = -1, tier: str = "", threads: int = DEFAULT_THREADS,
@@ -100,7 +123,7 @@ def verify_shard(reader: ShardReader, *, step: int = -1, tier: str = "", threads
             buf = memoryview(bytearray(hi - lo))
             reader.read_into(e.offset + lo, buf)
         if crc32c_of(buf) != e.checksums[k]:
-            raise DamagedCheckpoint(step, reader.location, f"checksum mismatch in tensor {e.path!r} bytes {lo}..{hi}", tier)
+            raise _mismatch(reader, e, lo, hi, step, tier)
         if progress:
             progress(hi - lo)
 

@@ -20,7 +20,7 @@ import s3fs
 
 from .procs import stop_process
 
-MOTO_SERVER = Path(sys.executable).with_name("moto_server")
+MOTO_SERVER = [sys.executable, "-m", "moto.server"]  # works wherever moto is importable (a venv, --target)
 
 
 def _free_port() -> int:
@@ -33,11 +33,13 @@ def _free_port() -> int:
 class S3Server:
     proc: subprocess.Popen
     endpoint: str
+    key: str = "testing"
+    secret: str = "testing"
 
     def options(self, **config) -> dict:
         """storage_options for s3fs: short timeouts so a frozen server shows up as errors, and no
         botocore retries below the tier's own (those are what the tests exercise)."""
-        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing",
+        return {"endpoint_url": self.endpoint, "key": self.key, "secret": self.secret,
                 "client_kwargs": {"region_name": "us-east-1"},
                 "config_kwargs": {"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}, **config}}
 
@@ -75,7 +77,7 @@ def _wait_up(endpoint: str, proc: subprocess.Popen, timeout: float = 30.0) -> No
 def moto_server(env: dict | None = None):
     """Start ``moto_server`` on a free loopback port; stop it (thawed first) on exit."""
     port = _free_port()
-    proc = subprocess.Popen([str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],
+    proc = subprocess.Popen([*MOTO_SERVER, "-H", "127.0.0.1", "-p", str(port)],
                             env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         endpoint = f"http://127.0.0.1:{port}"

@@ -113,6 +113,7 @@ def test_restore_skips_a_damaged_newest_checkpoint(saved: Path, tmp_path: Path, 
     r = ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["step"] == 2 and "rank-00000.bin" in r.stderr
+    assert not ckpt_dir(dest, 3).exists()  # the damaged copy was checked before its commit, and removed
     with CheckpointManager(dest, memory_dir=str(no_slots)) as mgr:
         step, state = restored(mgr)
     assert step == 2

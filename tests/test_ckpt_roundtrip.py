@@ -14,7 +14,7 @@ import torch
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.manifest import DTYPES
 from ckpt.state import is_stateful
-from tests.ckpt_helpers import assert_same, restored, root, shm_dir  # noqa: F401  (fixtures)
+from tests.ckpt_helpers import assert_same, ckpt_dir, flip_byte, restored, root, shm_dir  # noqa: F401  (fixtures)
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -222,3 +222,34 @@ def test_cuda_state_round_trips_through_pinned_shared_memory(root: Path, shm_dir
         assert mgr.restore(target) == 1
     assert target["model"] is model2 and next(model2.parameters()).is_cuda and target["x"].is_cuda
     assert_same(as_saved(target), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_restore_from_each_tier_skips_damage_and_unpins_slots(root: Path, shm_dir: str, tmp_path: Path) -> None:
+    def state_at(step: int) -> dict:
+        g = torch.Generator(device="cuda").manual_seed(step)
+        return {"big": torch.randn(9 << 20, device="cuda", generator=g),  # 36 MiB: several 16 MiB pieces
+                "half": torch.randn(1000, device="cuda", generator=g).half(), "step": step}
+
+    def zeros() -> dict:
+        return {"big": torch.zeros(9 << 20, device="cuda"), "half": torch.zeros(1000, device="cuda").half()}
+
+    with CheckpointManager(root, memory_dir=shm_dir, state=state_at(1)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_at(step))
+            mgr.wait()
+        target = zeros()
+        assert mgr.restore(target) == 2  # from the pinned slot, in place on the GPU
+        assert target["big"].is_cuda and torch.equal(target["big"], state_at(2)["big"])
+    # the slots were unregistered before they were unmapped: memory reusing their
+    # address range can be copied to the GPU (it failed with "resource already mapped")
+    for _ in range(4):
+        torch.ones(48 << 20, dtype=torch.uint8).cuda()
+    torch.cuda.synchronize()
+
+    flip_byte(ckpt_dir(root, 2) / "rank-00000.bin", 20 << 20)  # inside the second piece of "big"
+    with CheckpointManager(root, memory_dir=str(tmp_path / "empty-shm")) as mgr:  # memory gone: disk only
+        target = zeros()
+        assert mgr.restore(target) == 1  # step 2's damage detected on the way in, step 1 loaded
+        assert_same({k: target[k] for k in ("big", "half")}, {k: state_at(1)[k] for k in ("big", "half")})

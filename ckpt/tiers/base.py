@@ -20,6 +20,8 @@ Call order for reading::
 """
 from __future__ import annotations
 
+import torch
+
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -79,6 +81,10 @@ class ShardReader(ABC):
 
     def view(self, offset: int, nbytes: int) -> memoryview | None:
         """Zero-copy access where the bytes already sit in memory (the memory tier)."""
+        return None
+
+    def tensor(self, offset: int, nbytes: int) -> torch.Tensor | None:
+        """The same bytes as ``view``, as a CPU uint8 tensor: the source of a device copy."""
         return None
 
     def close(self) -> None:

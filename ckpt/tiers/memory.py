@@ -46,6 +46,9 @@ class SlotReader(ShardReader):
     def view(self, offset: int, nbytes: int) -> memoryview:
         return self._view[offset : offset + nbytes]
 
+    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self._buf[offset : offset + nbytes]
+
     def read_into(self, offset: int, out: memoryview) -> None:
         n = len(out)
         dst = torch.frombuffer(out, dtype=torch.uint8) if n else None

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The checks that need an NVIDIA GPU (CI has none): the CUDA snapshot/restore path,
+# NVML telemetry, and the checkpoint benchmark with the state on the GPU.
+#
+#   scripts/gpu_checks.sh [OUT_DIR]      # on a machine with a GPU, torch and the project's deps
+#
+# Results (JSON, logs) go to OUT_DIR (default ./gpu-checks).
+set -uo pipefail
+out=${1:-gpu-checks}
+mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+nvidia-smi -L | tee "$out/nvidia-smi.txt"
+$py -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
+
+echo "== GPU tests"
+$py -m pytest -q -m gpu -s tests/test_ckpt_roundtrip.py tests/test_agents_run.py 2>&1 | tee "$out/pytest-gpu.log"
+
+echo "== agent on NVML: /metrics"
+$py -m agents.cli run --source nvml --interval 1 --duration 6 --metrics-port 19400 --json >"$out/agent-nvml.json" 2>"$out/agent-nvml.log" &
+sleep 4
+$py - <<'PY' | tee "$out/agent-metrics.txt"
+import urllib.request
+text = urllib.request.urlopen("http://127.0.0.1:19400/metrics", timeout=5).read().decode()
+print("\n".join(l for l in text.splitlines() if l.startswith("DCGM_FI_") or l.startswith("agent_"))[:6000])
+PY
+wait
+
+echo "== checkpoint benchmark, state on the GPU"
+$py benchmarks/ckpt_bench.py --device cuda --repeats "${REPEATS:-3}" --json "$out/ckpt_bench_cuda.json" 2>"$out/ckpt_bench_cuda.log"
