@@ -188,7 +188,7 @@ class CheckpointManager:
 
     def _drain(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle,
                upload: bool = False, urgent: bool = False, lease: Lease | None = None) -> None:
-        reader = SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, check_seal=False)
+        reader = SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, seal=None)
         try:
             reader.manifest = with_checksums(reader, self.threads)
             slot.seal(reader.manifest)  # memory restores can now verify too
@@ -196,7 +196,7 @@ class CheckpointManager:
                 lease.hold()
                 sealed = reader.manifest
                 self._offload.submit(ckpt_id, lambda: SlotReader(slot.meta_path, slot.data_path, sealed, slot.buffer,
-                                                                 check_seal=False),
+                                                                 seal=None),
                                      handle, urgent=urgent, pin=False, on_exit=lease.release)
             for tier in self.durable:
                 ref = tier.write_shard(ckpt_id, reader)

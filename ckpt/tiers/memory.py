@@ -24,10 +24,11 @@ from .base import CheckpointId, CheckpointInfo, ShardReader, Tier
 
 class SlotReader(ShardReader):
     def __init__(self, meta_path: Path, data_path: Path, manifest: ShardManifest, buffer: torch.Tensor | None,
-                 *, check_seal: bool = True) -> None:
+                 *, seal: int | None) -> None:
+        """``seal``: the inode of the seal ``manifest`` was read from (None: do not re-check)."""
         self.manifest, self.location = manifest, str(data_path)
         self._meta_path = meta_path
-        self._seal = meta_path.stat().st_ino if check_seal else None
+        self._seal = seal
         self._mmap = None
         if buffer is None:
             fd = os.open(data_path, os.O_RDONLY)
@@ -84,20 +85,26 @@ class MemoryTier(Tier):
     def location(self) -> str:
         return str(self.dir)
 
-    def _sealed(self) -> list[tuple[Path, ShardManifest | None, str | None]]:
+    def _sealed(self) -> list[tuple[Path, ShardManifest | None, str | None, int]]:
+        """(seal path, its manifest or None, why not, the seal's inode). The inode is taken
+        from the file the manifest was read from: a reseal is a new inode, so a reader
+        can tell later whether the slot still holds what this manifest describes."""
         out = []
         for meta in sorted(self.dir.glob("slot-*.json")) if self.dir.is_dir() else []:
             try:
-                out.append((meta, ShardManifest.from_bytes(meta.read_bytes(), str(meta)), None))
+                with open(meta, "rb") as f:
+                    ino, raw = os.fstat(f.fileno()).st_ino, f.read()
             except FileNotFoundError:
                 continue
+            try:
+                out.append((meta, ShardManifest.from_bytes(raw, str(meta)), None, ino))
             except ManifestError as e:
-                out.append((meta, None, str(e)))
+                out.append((meta, None, str(e), ino))
         return out
 
     def list(self) -> list[CheckpointInfo]:
         infos = []
-        for meta, man, err in self._sealed():
+        for meta, man, _, _ in self._sealed():
             if man is None:
                 continue  # an unreadable seal is an invalid slot, not a checkpoint
             try:
@@ -108,25 +115,25 @@ class MemoryTier(Tier):
                                         man.data_bytes, man.world_size, checksummed=man.has_checksums))
         return sorted(infos, key=lambda i: i.id)
 
-    def _find(self, ckpt_id: CheckpointId) -> tuple[Path, ShardManifest]:
-        for meta, man, _ in self._sealed():
+    def _find(self, ckpt_id: CheckpointId) -> tuple[Path, ShardManifest, int]:
+        for meta, man, _, ino in self._sealed():
             if man is not None and (man.generation, man.step) == (ckpt_id.generation, ckpt_id.step):
-                return meta, man
+                return meta, man, ino
         raise FileNotFoundError(f"step {ckpt_id} is not in memory ({self.dir})")
 
     def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
-        meta, man = self._find(ckpt_id)
+        meta, man, _ = self._find(ckpt_id)
         # A slot holds one rank's shard: the manifest lists just that one.
         return Manifest(man.step, man.generation, man.world_size,
                         [ShardRef(man.rank, crc32c_of(meta.read_bytes()), man.data_bytes)], created=meta.stat().st_mtime)
 
     def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
-        meta, man = self._find(ckpt_id)
+        meta, man, seal = self._find(ckpt_id)
         data = meta.with_suffix(".bin")
         live = None
         if self.pool is not None:
             live = next((s.buffer for s in self.pool.slots if s.meta_path == meta and s.buffer is not None), None)
-        return SlotReader(meta, data, man, live)
+        return SlotReader(meta, data, man, live, seal=seal)
 
     def write_shard(self, ckpt_id: CheckpointId, source: ShardReader) -> ShardRef:
         raise NotImplementedError("the memory tier is written by snapshots (SlotPool.snapshot), not copied into")
@@ -138,7 +145,7 @@ class MemoryTier(Tier):
         raise NotImplementedError("a memory slot is committed by its seal")
 
     def delete(self, ckpt_id: CheckpointId) -> None:
-        meta, _ = self._find(ckpt_id)
+        meta, _, _ = self._find(ckpt_id)
         meta.unlink(missing_ok=True)
 
     def cleanup(self, min_age_s: float = 0.0) -> list[str]:
