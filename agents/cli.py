@@ -136,7 +136,7 @@ def _default_spool_dir(node: str) -> str:
     return os.path.join(state, "ckpt-guard", f"agent-spool-{node}")
 
 
-def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet):
+def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet, model_clock=False):
     if source == "nvml":
         from agents.sources.nvml import NvmlSource, NvmlUnavailable
 
@@ -150,7 +150,8 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
         from agents.sources.sim import SimSource
 
         name = node_name or default_node_name()
-        return SimSource(fleet_config(nodes=1, days=None, interval=interval, node_names=(name,), **fleet)), name
+        cfg = fleet_config(nodes=1, days=None, interval=interval, node_names=(name,), **fleet)
+        return SimSource(cfg, model_clock=model_clock), name
     if not trace:
         raise click.UsageError("--source replay needs --trace DIR")
     from agents.sources.replay import ReplaySource
@@ -179,6 +180,8 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
 @click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, help="Replay: N x recorded pace.")
 @click.option("--replay-node", "replay_nodes", multiple=True, help="Replay: only this node (repeatable).")
 @click.option("--retime", is_flag=True, help="Replay: stamp samples with the wall clock instead of the recorded time.")
+@click.option("--model-clock", is_flag=True, help="Sim: stamp samples with the simulated clock, --time-scale times faster "
+              "than the wall clock, so a predictor sees sped-up precursors at their natural pace (demos).")
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None, help="Stop after this many seconds.")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="At exit, how long to keep sending the spool.")
@@ -186,7 +189,8 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @fleet_options
 def run(source, predictor, token_file, token_argv, interval, metrics_port, metrics_addr, node_name, spool_dir, spool_max_mb,
-        batch_seconds, trace, speed, replay_nodes, retime, duration, drain_seconds, as_json, log_level, **fleet) -> None:
+        batch_seconds, trace, speed, replay_nodes, retime, model_clock, duration, drain_seconds, as_json, log_level,
+        **fleet) -> None:
     """Run the node agent: sample GPUs, stream to the predictor, serve /metrics."""
     import logging
     import signal
@@ -200,7 +204,7 @@ def run(source, predictor, token_file, token_argv, interval, metrics_port, metri
         raise click.UsageError(f"--token is refused: a token in argv is visible to every user (ps); "
                                f"use --token-file PATH or ${TOKEN_ENV}")
     token = _read_token(token_file) if predictor else None
-    src, node = _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet)
+    src, node = _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet, model_clock)
     from tqdm import tqdm
 
     # a replay has an end: show how far it got, on a terminal only

@@ -134,7 +134,7 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
             say(f"{name}: predictor serving on {url}")
             run.start("agent", [PY, "-m", "agents.cli", "run", "--source", "sim", "--predictor", url,
                                 "--token-file", str(run.dir / "agent.token"), "--node-name", node,
-                                "--interval", str(args.interval), "--time-scale", str(args.time_scale),
+                                "--interval", str(args.interval), "--time-scale", str(args.time_scale), "--model-clock",
                                 "--fail", f"{node}/gpu2/hbm@+{args.fail_after}s", "--metrics-port", "0",
                                 "--spool-dir", str(run.dir / "spool")], {"PYTHONPATH": str(REPO)})
             say(f"{name}: node agent simulating {node}'s 8 GPUs; an HBM failure of gpu2 is due in {args.fail_after:.0f} s "

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from agents import schema as S
 from agents.cli import main
+from agents.fleetsim import FleetConfig
 
 SHARED_SAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "fleet-sample")
 
@@ -113,3 +114,19 @@ def test_same_seed_same_trace_and_warmer_fleet(tmp_path):
 def test_bad_options_are_usage_errors(tmp_path, args, message):
     res = CliRunner().invoke(main, ["simulate", "--out", str(tmp_path), "--nodes", "2", *args])
     assert res.exit_code == 2 and message in res.output
+
+
+def test_live_sim_stamps_samples_on_the_wall_or_the_simulated_clock():
+    from agents.sources.sim import SimSource
+
+    cfg = FleetConfig(nodes=1, node_names=("n0",), interval_s=2, seed=1, days=None, time_scale=30)
+    now = [1_780_000_000.0]
+    wall, model = SimSource(cfg, clock=lambda: now[0]), SimSource(cfg, clock=lambda: now[0], model_clock=True)
+    stamps: dict[str, list[int]] = {"wall": [], "model": []}
+    for _ in range(4):
+        stamps["wall"].append(wall.read()[0]["timestamp"])
+        stamps["model"].append(model.read()[0]["timestamp"])
+        now[0] += 2  # reads on schedule, every 2 s of wall time
+    assert [b - a for a, b in zip(stamps["wall"], stamps["wall"][1:])] == [2000] * 3
+    assert [b - a for a, b in zip(stamps["model"], stamps["model"][1:])] == [60_000] * 3  # 2 s x 30
+    assert stamps["model"][0] == stamps["wall"][0]  # both clocks start at the wall clock
