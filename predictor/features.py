@@ -11,7 +11,6 @@ timestamp per node, so that node-relative features never see a later sample.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,6 +77,16 @@ class Chunk:
     t_ms: np.ndarray     # int64 [n]
     values: np.ndarray   # float64 [n, len(METRICS)], NaN = missing
     uuids: list | None = None
+
+
+def _nanmedian_of_peers(peers: np.ndarray) -> np.ndarray:
+    """`np.nanmedian(peers, axis=1)`, bit for bit, at a fraction of its cost: [n, G, cols] → [n, cols]."""
+    s = np.sort(peers.transpose(0, 2, 1), axis=2)             # NaN sorts last
+    k = np.count_nonzero(~np.isnan(s), axis=2)[..., None]     # values per column (0: NaN result)
+    lo = np.take_along_axis(s, np.maximum(k - 1, 0) // 2, axis=2)[..., 0]
+    hi = np.take_along_axis(s, k // 2, axis=2)[..., 0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (lo + hi) / 2 + 0.0                            # + 0.0: a zero median is +0, as nanmedian's
 
 
 def _decay(dt_s: np.ndarray, taus: tuple[float, ...]) -> np.ndarray:
@@ -275,13 +284,10 @@ class FleetState:
         ni, gi = self.node_idx[s], self.gpu_idx[s]
         self.node_vals[ni, gi] = pub
         self.node_t[ni, gi] = t
-        peers = self.node_vals[ni].copy()                    # [n, G, cols]
+        peers = self.node_vals[ni]                           # [n, G, cols], a copy
         stale = (t[:, None] - self.node_t[ni]) > NODE_STALE_S * 1000
         peers[stale | (self.node_t[ni] < 0)] = np.nan
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            med = np.nanmedian(peers, axis=1)
-        vs_node = np.nan_to_num(pub - med, nan=0.0)
+        vs_node = np.nan_to_num(pub - _nanmedian_of_peers(peers), nan=0.0)
 
         feats = np.empty((len(s), len(FEATURE_NAMES)))
         col = 0
