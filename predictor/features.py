@@ -284,10 +284,12 @@ class FleetState:
         ni, gi = self.node_idx[s], self.gpu_idx[s]
         self.node_vals[ni, gi] = pub
         self.node_t[ni, gi] = t
-        peers = self.node_vals[ni]                           # [n, G, cols], a copy
-        stale = (t[:, None] - self.node_t[ni]) > NODE_STALE_S * 1000
-        peers[stale | (self.node_t[ni] < 0)] = np.nan
-        vs_node = np.nan_to_num(pub - _nanmedian_of_peers(peers), nan=0.0)
+        # one timestamp per node in a chunk: a node's rows share their peers, so once per node
+        nids, first_row, row_node = np.unique(ni, return_index=True, return_inverse=True)
+        peers = self.node_vals[nids]                         # [nodes, G, cols], a copy
+        stale = (t[first_row, None] - self.node_t[nids]) > NODE_STALE_S * 1000
+        peers[stale | (self.node_t[nids] < 0)] = np.nan
+        vs_node = np.nan_to_num(pub - _nanmedian_of_peers(peers)[row_node], nan=0.0)
 
         feats = np.empty((len(s), len(FEATURE_NAMES)))
         col = 0
@@ -316,7 +318,8 @@ class FleetState:
         w, app = self.xid_counts_at(s, t)
         feats[:, col + 9: col + 11] = np.log1p(w)
         feats[:, col + 11] = np.log1p(app)
-        return np.nan_to_num(feats, nan=0.0, posinf=0.0, neginf=0.0)
+        feats[~np.isfinite(feats)] = 0.0                       # NaN and ±inf: 0
+        return feats
 
     # ------------------------------------------------------------ XIDs
     def xid_counts_at(self, slots: np.ndarray, t_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
