@@ -76,7 +76,7 @@ class Chunk:
     slots: np.ndarray    # int64 [n]
     t_ms: np.ndarray     # int64 [n]
     values: np.ndarray   # float64 [n, len(METRICS)], NaN = missing
-    uuids: list | None = None
+    uuids: np.ndarray | None = None   # object [n]: str, or None where not reported
 
 
 def _nanmedian_of_peers(peers: np.ndarray) -> np.ndarray:
@@ -109,11 +109,17 @@ class FleetState:
         self._grow_nodes(64, self._gpu_cap)
 
     # ------------------------------------------------------------ registry
-    def slots_for(self, nodes: list[str], gpus: np.ndarray) -> np.ndarray:
-        """Slot index of each (node, gpu), registering new GPUs."""
-        out = np.empty(len(nodes), dtype=np.int64)
+    def slots_for(self, nodes: list[str], gpus: np.ndarray, codes: np.ndarray | None = None) -> np.ndarray:
+        """Slot index of each (node, gpu), registering new GPUs (in row order). With `codes`,
+        row i's node is nodes[codes[i]]: one look-up per distinct node, not per row."""
+        codes = np.arange(len(nodes)) if codes is None else codes
+        nid = np.fromiter((self.node_of.get(n, -1) for n in nodes), np.int64, len(nodes))[codes]
+        known = (nid >= 0) & (gpus >= 0) & (gpus < self._gpu_cap)
+        out = np.full(len(codes), -1, dtype=np.int64)
+        out[known] = self.slot_at[nid[known], gpus[known]]
         get = self.slot_of.get
-        for i, key in enumerate(zip(nodes, gpus.tolist())):
+        for i in np.flatnonzero(out < 0).tolist():
+            key = (nodes[codes[i]], int(gpus[i]))
             s = get(key)
             out[i] = self._register(key) if s is None else s
         return out
@@ -132,6 +138,7 @@ class FleetState:
             self._grow_nodes(max(2 * self._node_cap, nid + 1) if nid >= self._node_cap
                              else self._node_cap, max(self._gpu_cap, gpu + 1))
         self.slot_of[key] = slot
+        self.slot_at[nid, gpu] = slot
         self.slot_key.append(key)
         self.node_slots[nid].append(slot)
         self.node_idx[slot] = nid
@@ -164,18 +171,18 @@ class FleetState:
         grow("application_xids", (), 0.0)
         grow("critical_xid", (), 0, np.int64)
         grow("critical_t", (), -1, np.int64)
-        uu = [None] * cap
-        uu[: self._cap] = getattr(self, "uuid", [])
-        self.uuid = uu
+        grow("uuid", (), None, object)
         self._cap = cap
 
     def _grow_nodes(self, node_cap: int, gpu_cap: int) -> None:
         vals = np.full((node_cap, gpu_cap, _NODE_COLS), np.nan)
         ts = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
+        slot_at = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
         if self._node_cap:
             vals[: self._node_cap, : self._gpu_cap] = self.node_vals
             ts[: self._node_cap, : self._gpu_cap] = self.node_t
-        self.node_vals, self.node_t = vals, ts
+            slot_at[: self._node_cap, : self._gpu_cap] = self.slot_at
+        self.node_vals, self.node_t, self.slot_at = vals, ts, slot_at
         self._node_cap, self._gpu_cap = node_cap, gpu_cap
 
     # ------------------------------------------------------------ updates
@@ -206,12 +213,10 @@ class FleetState:
         c = chunk.values[:, len(GAUGES): len(GAUGES) + len(COUNTERS)]
         went_back = np.any(c < self.counter_last[s] - 0.5, axis=1)
         if chunk.uuids is not None:
-            for i, (slot, u) in enumerate(zip(s.tolist(), chunk.uuids)):
-                if u is None:
-                    continue
-                if self.uuid[slot] is not None and self.uuid[slot] != u:
-                    went_back[i] = True
-                self.uuid[slot] = u
+            u, known = chunk.uuids, self.uuid[s]
+            reported = u != None                                        # noqa: E711 (elementwise)
+            went_back |= reported & (known != None) & (known != u)      # noqa: E711
+            self.uuid[s[reported]] = u[reported]
         return went_back
 
     def apply(self, chunk: Chunk) -> np.ndarray:

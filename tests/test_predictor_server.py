@@ -1,12 +1,15 @@
 """`predictor serve` as a real process on 127.0.0.1: auth, ingest, risk, jobs + SSE, /metrics."""
 import gzip
 import json
+import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import requests
 
+from predictor.server import _concat
 from tests.predictor_fixtures import shared_server  # noqa: F401 (fixture)
 
 T0 = 1_780_000_000_000
@@ -164,3 +167,35 @@ def test_job_registration_is_validated(shared_server):
         r = requests.post(f"{srv.url}/v1/jobs", json=body, headers=srv.headers("job"), timeout=5)
         assert r.status_code == 400 and r.json()["error"], body
     assert requests.get(f"{srv.url}/v1/jobs/nope/events", headers=srv.headers("job"), timeout=5).status_code == 404
+
+
+def test_concurrent_batches_are_scored_together_and_a_bad_one_is_refused_alone(shared_server):
+    """Batches that arrive together share a scoring pass; each is answered once its rows are
+    scored, and a malformed one among them gets its own 400 without holding up the others."""
+    srv = shared_server
+    cycles = lambda: _metric(srv, "predictor_scoring_cycle_seconds_count")  # noqa: E731
+    before = cycles()
+    bad = arrow_body([{**row, "gpu": 4096} for row in node_rows("c-bad", T0)])
+    bodies = {f"c{i}": arrow_body(node_rows(f"c{i}", T0)) for i in range(24)} | {"c-bad": bad}
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = dict(zip(bodies, pool.map(lambda b: post(srv, "telemetry", b), bodies.values())))
+    assert answers.pop("c-bad").status_code == 400
+    assert all(r.status_code == 202 and r.json() == {"accepted": 8} for r in answers.values())
+    for node in answers:                      # answered after scoring: the risk is already there
+        assert [g["at_ms"] for g in _risk(srv, node)["gpus"]] == [T0] * 8, node
+    assert _risk(srv, "c-bad") is None
+    assert cycles() - before < len(answers)
+
+
+def test_batches_of_different_schemas_keep_their_arrival_order():
+    """Agents' batches are joined per run of one schema, then promoted; the order is arrival order."""
+    a = pa.table({"gpu": pa.array([0, 1], pa.int16()), "x": [1.0, 2.0]})
+    b = pa.table({"gpu": pa.array([2], pa.int64()), "y": [3.0]})
+    joined = _concat([a, a, b, a])
+    assert joined.column("gpu").to_pylist() == [0, 1, 0, 1, 2, 0, 1]
+    assert joined.column("y").to_pylist() == [None] * 4 + [3.0] + [None] * 2
+
+
+def _metric(srv, name: str) -> float:
+    text = requests.get(f"{srv.url}/metrics", timeout=5).text
+    return float(re.search(rf"^{name} ([0-9.e+]+)$", text, re.M).group(1))
