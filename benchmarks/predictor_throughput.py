@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -40,13 +41,38 @@ _PLACEHOLDER_MS = 0x5A5A_5A5A_5A5A       # stands for the timestamp in a body te
 RUN_SPAN_MS = 10**8                      # simulated time per measurement: each starts later than the last ended
 
 
-def _body(nodes: list[str], t_ms: int, gpus: int, rng: np.random.Generator) -> bytes:
-    """One request: every GPU of `nodes` at `t_ms`, as an Arrow IPC stream."""
-    n = len(nodes) * gpus
+@dataclass(frozen=True)
+class Shape:
+    """What one request carries: `instants` samples, `interval_s` apart, of every GPU of `nodes` nodes."""
+
+    gpus: int
+    nodes: int
+    instants: int
+    interval_s: float
+
+    @property
+    def rows(self) -> int:
+        return self.gpus * self.nodes * self.instants
+
+    @property
+    def span_ms(self) -> int:
+        """Simulated time one request covers: the next request of its nodes starts this much later."""
+        return int(self.instants * self.interval_s * 1000)
+
+    def offsets_ms(self, nodes: int) -> np.ndarray:
+        """Each row's time after the request's first instant (rows instant by instant)."""
+        return np.repeat(np.arange(self.instants) * int(self.interval_s * 1000), nodes * self.gpus)
+
+
+def _body(nodes: list[str], t_ms: np.ndarray, gpus: int, rng: np.random.Generator) -> bytes:
+    """One request: every GPU of `nodes` at each distinct time of `t_ms` (one per row), as an Arrow IPC stream."""
+    n = len(t_ms)
+    per_instant = n // (len(nodes) * gpus)
     table = pa.table({
-        "timestamp": pa.array(np.full(n, t_ms), pa.timestamp("ms", tz="UTC")),
-        "node": pa.array(np.repeat(nodes, gpus)), "gpu": pa.array(np.tile(np.arange(gpus), len(nodes)), pa.int16()),
-        "uuid": pa.array([f"GPU-{node}-{g}" for node in nodes for g in range(gpus)]),
+        "timestamp": pa.array(t_ms, pa.timestamp("ms", tz="UTC")),
+        "node": pa.array(np.tile(np.repeat(nodes, gpus), per_instant)),
+        "gpu": pa.array(np.tile(np.arange(gpus), len(nodes) * per_instant), pa.int16()),
+        "uuid": pa.array([f"GPU-{node}-{g}" for node in nodes for g in range(gpus)] * per_instant),
         "DCGM_FI_DEV_GPU_TEMP": rng.normal(68, 2, n), "DCGM_FI_DEV_MEMORY_TEMP": rng.normal(74, 2, n),
         "DCGM_FI_DEV_POWER_USAGE": rng.normal(600, 30, n), "DCGM_FI_DEV_SM_CLOCK": np.full(n, 1980.0),
         "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": np.zeros(n), "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": np.zeros(n),
@@ -64,25 +90,30 @@ class _Template:
     """A request body whose timestamps are patched in place: the load generator must not
     spend on encoding the CPU that the server it measures needs."""
 
-    def __init__(self, nodes: list[str], gpus: int, rng: np.random.Generator):
-        self.body = _body(nodes, _PLACEHOLDER_MS, gpus, rng)
-        self.rows = len(nodes) * gpus
-        placeholder = np.full(self.rows, _PLACEHOLDER_MS, np.int64).tobytes()
-        self.offset = self.body.find(placeholder)
-        assert self.offset >= 0 and self.body.count(placeholder[:8]) == self.rows, "placeholder not unique"
+    def __init__(self, nodes: list[str], shape: Shape, rng: np.random.Generator):
+        self.offsets = shape.offsets_ms(len(nodes))
+        self.rows = len(self.offsets)
+        placeholder = (_PLACEHOLDER_MS + self.offsets).astype(np.int64)
+        self.body = _body(nodes, placeholder, shape.gpus, rng)
+        self.at_byte = self.body.find(placeholder.tobytes())
+        assert self.at_byte >= 0 and self.body.count(placeholder[:1].tobytes()) == len(nodes) * shape.gpus
 
     def at(self, t_ms: int) -> bytes:
         b = bytearray(self.body)
-        b[self.offset: self.offset + 8 * self.rows] = np.full(self.rows, t_ms, np.int64).tobytes()
+        b[self.at_byte: self.at_byte + 8 * self.rows] = (t_ms + self.offsets).astype(np.int64).tobytes()
         return bytes(b)
 
 
-async def _send_fleet(url: str, nodes: list[str], gpus: int, batch_nodes: int, start_ms: int, interval_s: float,
-                      concurrency: int, stop_at: float) -> int:
-    """Each group of `batch_nodes` posts its GPUs once per (simulated) interval from `start_ms`, as
-    fast as the server answers (it answers once a batch is scored: `concurrency` bounds the queue)."""
+def _templates(nodes: list[str], shape: Shape, rng: np.random.Generator) -> list[_Template]:
+    return [_Template(nodes[i:i + shape.nodes], shape, rng) for i in range(0, len(nodes), shape.nodes)]
+
+
+async def _send_fleet(url: str, nodes: list[str], shape: Shape, start_ms: int, concurrency: int,
+                      stop_at: float) -> int:
+    """Each group of nodes posts its GPUs' next samples from `start_ms` on, as fast as the server
+    answers (it answers once a batch is scored: `concurrency` bounds the queue)."""
     rng = np.random.default_rng(abs(hash(nodes[0])) % 2**32)
-    templates = [_Template(nodes[i:i + batch_nodes], gpus, rng) for i in range(0, len(nodes), batch_nodes)]
+    templates = _templates(nodes, shape, rng)
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": ARROW}
     sent = 0
     queue: asyncio.Queue = asyncio.Queue(concurrency * 2)
@@ -102,23 +133,22 @@ async def _send_fleet(url: str, nodes: list[str], gpus: int, batch_nodes: int, s
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
         workers = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
-        step = 0
+        t_ms = start_ms
         while time.time() < stop_at:
-            t_ms = start_ms + int(step * interval_s * 1000)
             for tpl in templates:
                 if time.time() >= stop_at:
                     break
                 await queue.put((tpl.at(t_ms), tpl.rows))
-            step += 1
+            t_ms += shape.span_ms
         for w in workers:
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
     return sent
 
 
-def _sender_process(url: str, nodes: list[str], gpus: int, batch_nodes: int, start_ms: int, interval_s: float,
-                    concurrency: int, stop_at: float, out: mp.Queue) -> None:
-    out.put(asyncio.run(_send_fleet(url, nodes, gpus, batch_nodes, start_ms, interval_s, concurrency, stop_at)))
+def _sender_process(url: str, nodes: list[str], shape: Shape, start_ms: int, concurrency: int, stop_at: float,
+                    out: mp.Queue) -> None:
+    out.put(asyncio.run(_send_fleet(url, nodes, shape, start_ms, concurrency, stop_at)))
 
 
 async def _latencies(url: str, job_nodes: list[str], gpus: int, rounds: int, pause_s: float) -> list[float]:
@@ -150,7 +180,7 @@ async def _latencies(url: str, job_nodes: list[str], gpus: int, rounds: int, pau
     return out
 
 
-def _component_costs(model_path: str | None, nodes: int, gpus: int, batch_nodes: int) -> dict:
+def _component_costs(model_path: str | None, nodes: int, shape: Shape) -> dict:
     """CPU time of the server's two halves without HTTP: decode+validate a request, score a sample
     (in one pass over `nodes` nodes, on one native thread as in the server)."""
     from threadpoolctl import threadpool_limits
@@ -161,17 +191,17 @@ def _component_costs(model_path: str | None, nodes: int, gpus: int, batch_nodes:
     rng = np.random.default_rng(1)
     scorer = Scorer(model_io.load(model_path))
     names = [f"node{i:05d}" for i in range(nodes)]
-    templates = [_Template(names[i:i + batch_nodes], gpus, rng) for i in range(0, nodes, batch_nodes)]
+    templates = _templates(names, shape, rng)
     decode_s, score_s = [], []
     with threadpool_limits(1, user_api="openmp"):
         for step in range(4):
-            bodies = [tpl.at(T0 + step * 10_000) for tpl in templates]
+            bodies = [tpl.at(T0 + step * shape.span_ms) for tpl in templates]
             t = time.process_time()
             tables = [wire.decode(b, ARROW, wire.TELEMETRY_KEYS) for b in bodies]
             decode_s.append((time.process_time() - t) / len(bodies))
             t = time.process_time()
             scorer.score_table(_concat(tables))
-            score_s.append((time.process_time() - t) / (nodes * gpus))
+            score_s.append((time.process_time() - t) / sum(tpl.rows for tpl in templates))
     return {"decode_validate_us_per_request": round(statistics.median(decode_s) * 1e6, 1),
             "scoring_us_per_sample": round(statistics.median(score_s[1:]) * 1e6, 2)}
 
@@ -195,15 +225,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _window(url: str, pid: int, nodes: list[str], a: argparse.Namespace, start_ms: int, job_nodes: list[str]) -> dict:
+def _window(url: str, pid: int, nodes: list[str], shape: Shape, a: argparse.Namespace, start_ms: int,
+            job_nodes: list[str]) -> dict:
     """One measurement: the fleet streams for `a.duration` s from `start_ms` on while the latency probes run."""
     before, cpu_before, t_start = _scored(url), _cpu_s(pid), time.time()
     stop_at = t_start + a.duration
     results: mp.Queue = mp.Queue()
-    groups = [nodes[i:i + a.batch_nodes] for i in range(0, len(nodes), a.batch_nodes)]
+    groups = [nodes[i:i + shape.nodes] for i in range(0, len(nodes), shape.nodes)]
     parts = [[n for g in groups[i::a.procs] for n in g] for i in range(a.procs)]
-    procs = [mp.Process(target=_sender_process, args=(url, p, a.gpus, a.batch_nodes, start_ms, 10.0, a.senders,
-                                                      stop_at, results)) for p in parts]
+    procs = [mp.Process(target=_sender_process, args=(url, p, shape, start_ms, a.senders, stop_at, results))
+             for p in parts]
     for p in procs:
         p.start()
     time.sleep(min(2.0, a.duration / 4))
@@ -227,6 +258,9 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=4000, help="simulated nodes")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     ap.add_argument("--batch-nodes", type=int, default=1, help="nodes per request (1: as the agents send)")
+    ap.add_argument("--instants", type=int, default=1,
+                    help="samples per GPU per request (agents: --batch-seconds / --interval)")
+    ap.add_argument("--interval", type=float, default=10.0, help="simulated seconds between a GPU's samples")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per measurement")
     ap.add_argument("--runs", type=int, default=3, help="measurements (medians are reported)")
     ap.add_argument("--senders", type=int, default=64, help="concurrent requests per client process")
@@ -236,7 +270,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
-    costs = _component_costs(a.model, min(a.nodes, 2000), a.gpus, a.batch_nodes)
+    shape = Shape(a.gpus, a.batch_nodes, a.instants, a.interval)
+    costs = _component_costs(a.model, min(a.nodes, 2000), shape)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREDICTOR_OPERATOR_TOKEN": TOKEN}
@@ -251,15 +286,16 @@ def main() -> int:
                 time.sleep(0.1)
         nodes = [f"node{i:05d}" for i in range(a.nodes)]
         # warm-up: every GPU registered once, so the measurements are steady state
-        asyncio.run(_send_fleet(url, nodes, a.gpus, a.batch_nodes, T0, 10.0, a.senders, time.time() + 3))
+        asyncio.run(_send_fleet(url, nodes, shape, T0, a.senders, time.time() + 3))
         per_run = -(-a.rounds // a.gpus)                   # nodes whose GPUs the probes of one run use
-        runs = [_window(url, server.pid, nodes, a, T0 + (i + 1) * RUN_SPAN_MS, nodes[i * per_run:(i + 1) * per_run])
-                for i in range(a.runs)]
+        runs = [_window(url, server.pid, nodes, shape, a, T0 + (i + 1) * RUN_SPAN_MS,
+                        nodes[i * per_run:(i + 1) * per_run]) for i in range(a.runs)]
     finally:
         server.terminate()
         server.wait(10)
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "latency_probes"}
-    res = {"gpus": a.nodes * a.gpus, "batch_nodes": a.batch_nodes, "batch_gpus": a.batch_nodes * a.gpus,
+    res = {"gpus": a.nodes * a.gpus, "batch_nodes": a.batch_nodes, "batch_instants": a.instants,
+           "batch_rows": shape.rows, "interval_s": a.interval,
            "client_processes": a.procs, "concurrent_requests": a.procs * a.senders, "cpu_count": os.cpu_count(),
            "median": median, "runs": runs, **costs}
     if a.json:
@@ -267,7 +303,8 @@ def main() -> int:
     else:
         m = median
         print(f"{m['scored_samples_per_s']:,.0f} GPU samples/s scored (median of {a.runs}) from "
-              f"{res['concurrent_requests']} concurrent requests of {res['batch_gpus']} GPUs; server CPU "
+              f"{res['concurrent_requests']} concurrent requests of {shape.rows} samples ({a.batch_nodes} node(s) x "
+              f"{a.gpus} GPUs x {a.instants} instant(s)); server CPU "
               f"{m['server_cpu_s_per_1000_samples']:.4f} s per 1000 samples ({m['server_cores_used']} cores used); "
               f"POST -> checkpoint now p50 {m['checkpoint_latency_s_p50'] * 1000:.1f} ms, "
               f"p99 {m['checkpoint_latency_s_p99'] * 1000:.1f} ms; CPU without HTTP: decode+validate "

@@ -46,6 +46,10 @@ ROUTE_ROLES = {                      # who may call what (the invariant in ARCHI
 }
 
 
+class _Stopping(Exception):
+    """The service stopped before a queued batch was scored."""
+
+
 @dataclass
 class _Pending:
     kind: str                        # "telemetry" | "xid"
@@ -72,6 +76,7 @@ class Service:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="scorer", initializer=_one_native_thread)
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, _app=None) -> None:
@@ -81,6 +86,10 @@ class Service:
     async def stop(self, _app=None) -> None:
         if self._task:
             self._task.cancel()
+        self._stopping = True
+        for it in self._pending:                   # never to be scored: their senders retry (503)
+            if not it.scored.done():
+                it.scored.set_exception(_Stopping())
         for job_id in list(self.jobs.jobs):
             self.jobs.remove(job_id)
         await self.alerts.stop()
@@ -130,13 +139,18 @@ class Service:
         if self._pending_rows + table.num_rows > MAX_PENDING_SAMPLES:
             self.metrics.batch(kind, "throttled")
             raise _json_error(web.HTTPTooManyRequests, "scoring is behind; retry later", headers={"Retry-After": "1"})
+        if self._stopping:                         # queued now, it would never be scored
+            raise _unavailable()
         self._remember(batch_id)
         item = _Pending(kind, table, time.perf_counter())
         self._pending.append(item)
         self._pending_rows += table.num_rows
         self._wake.set()
         self.metrics.batch(kind, "accepted", table.num_rows)
-        await item.scored
+        try:
+            await item.scored
+        except _Stopping:
+            raise _unavailable() from None
         return web.json_response({"accepted": table.num_rows}, status=202)
 
     def _remember(self, batch_id: str) -> None:
@@ -160,11 +174,12 @@ class Service:
                 await self._publish(before, scored)
             except Exception:                       # a bug must not stop scoring for good
                 log.exception("scoring cycle failed")
-            done = time.perf_counter()
-            for it in items:
-                self.metrics.latency(done - it.received)
-                if not it.scored.done():
-                    it.scored.set_result(None)
+            finally:                                # answered even when stopped mid-pass
+                done = time.perf_counter()
+                for it in items:
+                    self.metrics.latency(done - it.received)
+                    if not it.scored.done():
+                        it.scored.set_result(None)
 
     def _take(self) -> list[_Pending]:
         """The oldest queued batches, up to MAX_PASS_SAMPLES (at least one); wake again if some remain."""
@@ -351,6 +366,10 @@ def _plain(table: pa.Table) -> pa.Table:
 def _sse(event: str, data: dict, event_id: int | None = None) -> bytes:
     head = f"id: {event_id}\n" if event_id is not None else ""
     return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _unavailable() -> web.HTTPException:
+    return _json_error(web.HTTPServiceUnavailable, "shutting down; retry", headers={"Retry-After": "1"})
 
 
 def _json_error(cls, reason: str, headers: dict | None = None) -> web.HTTPException:

@@ -1,16 +1,21 @@
 """`predictor serve` as a real process on 127.0.0.1: auth, ingest, risk, jobs + SSE, /metrics."""
+import asyncio
 import gzip
 import json
 import re
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import pyarrow as pa
 import requests
+from aiohttp import web
 
-from predictor.server import _concat
-from tests.predictor_fixtures import shared_server  # noqa: F401 (fixture)
+from predictor import model as model_io
+from predictor.server import Service, _concat, make_app
+from tests.predictor_fixtures import free_port, shared_server  # noqa: F401 (fixture)
 
 T0 = 1_780_000_000_000
 
@@ -109,6 +114,11 @@ def _risk(srv, node: str):
     return r.json() if r.status_code == 200 else None
 
 
+def _metric(srv, name: str) -> float:
+    text = requests.get(f"{srv.url}/metrics", timeout=5).text
+    return float(re.search(rf"^{name} ([0-9.e+]+)$", text, re.M).group(1))
+
+
 def read_events(resp: requests.Response, want: int, timeout: float = 10.0) -> list[tuple[str, dict]]:
     """Parse SSE until `want` events other than hello arrived (or, for 0, the hello)."""
     events, event, deadline = [], None, time.monotonic() + timeout
@@ -196,6 +206,40 @@ def test_batches_of_different_schemas_keep_their_arrival_order():
     assert joined.column("y").to_pylist() == [None] * 4 + [3.0] + [None] * 2
 
 
-def _metric(srv, name: str) -> float:
-    text = requests.get(f"{srv.url}/metrics", timeout=5).text
-    return float(re.search(rf"^{name} ([0-9.e+]+)$", text, re.M).group(1))
+def test_stopping_answers_every_queued_batch():
+    """A service stopped with batches queued or mid-pass answers them (503 or 202) instead of
+    holding their senders until the shutdown timeout."""
+    async def scenario() -> tuple[list[int], float]:
+        service = Service(model_io.load(None), tokens=None)
+        runner = web.AppRunner(make_app(service))
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}/v1/telemetry"
+        gate = threading.Event()
+        service._executor.submit(gate.wait)             # the scorer thread is busy: nothing gets scored
+
+        async def send(session: aiohttp.ClientSession, node: str) -> int:
+            headers = {"Content-Type": "application/vnd.apache.arrow.stream", "X-Batch-Id": node}
+            async with session.post(url, data=arrow_body(node_rows(node, T0)), headers=headers) as r:
+                return r.status
+
+        async def accepted(n: int) -> None:
+            while f'outcome="accepted"}} {n}.0'.encode() not in service.metrics.render()[0]:
+                await asyncio.sleep(0.01)
+
+        try:
+            async with aiohttp.ClientSession() as session:
+                sends = [asyncio.create_task(send(session, "s0"))]
+                await accepted(1)                       # its pass waits for the scorer thread
+                sends += [asyncio.create_task(send(session, f"s{i}")) for i in (1, 2)]
+                await accepted(3)                       # these wait in the queue
+                started = time.monotonic()
+                await runner.cleanup()
+                return await asyncio.gather(*sends), time.monotonic() - started
+        finally:
+            gate.set()
+            await runner.cleanup()
+
+    statuses, stop_s = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert statuses == [202, 503, 503] and stop_s < 5
