@@ -292,7 +292,11 @@ def main() -> int:
                         nodes[i * per_run:(i + 1) * per_run]) for i in range(a.runs)]
     finally:
         server.terminate()
-        server.wait(10)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "latency_probes"}
     res = {"gpus": a.nodes * a.gpus, "batch_nodes": a.batch_nodes, "batch_instants": a.instants,
            "batch_rows": shape.rows, "interval_s": a.interval,
