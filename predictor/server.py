@@ -194,7 +194,7 @@ class Service:
         return items
 
     def _score(self, items: list[_Pending]) -> Scored:
-        """Runs in the scorer thread: everything queued becomes one scoring pass."""
+        """Runs in the scorer thread: the batches taken become one scoring pass."""
         tel = [it.table for it in items if it.kind == "telemetry"]
         xid = [it.table for it in items if it.kind == "xid"]
         xids = Xids.from_table(_concat([t.select(list(wire.XID_KEYS)) for t in xid])) if xid else None
