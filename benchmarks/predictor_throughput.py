@@ -1,12 +1,16 @@
-"""Predictor service throughput and "checkpoint now" latency, measured on a live server.
+"""Predictor service throughput, server CPU per sample and "checkpoint now" latency, on a live server.
 
-One `predictor serve` process (the thing measured) receives realistic batches, one
-node's GPUs per request, from many concurrent senders in separate client processes.
-Throughput is read from the server's own counter (samples *scored*, not just
-accepted). Latency: while the fleet streams, a job listens on SSE and a critical
-XID batch is posted for one of its nodes; the time from that POST to the event.
+One `predictor serve` process (the thing measured) receives Arrow batches from many
+concurrent senders in separate client processes: one node's GPUs per request, as the
+agents send (`--batch-nodes 1`), or several nodes' per request, as a rack-level
+aggregator would (`--batch-nodes 32`). Throughput is read from the server's own
+counter (samples *scored*, not just accepted) over each window; the server's CPU time
+over the same window (from /proc) gives CPU-seconds per 1000 samples, which does not
+depend on how much of the machine the load generator left to the server. Latency:
+while the fleet streams, a job listens on SSE and a critical XID batch is posted for
+one of its nodes; the time from that POST to the event.
 
-    PYTHONPATH=. python benchmarks/predictor_throughput.py [--nodes 4000] [--duration 20] [--json]
+    PYTHONPATH=. python benchmarks/predictor_throughput.py [--nodes 4000] [--batch-nodes 1] [--runs 3] [--json]
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -32,13 +37,42 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-operator-token-0123456789"
 ARROW = "application/vnd.apache.arrow.stream"
 T0 = 1_780_000_000_000
+_PLACEHOLDER_MS = 0x5A5A_5A5A_5A5A       # stands for the timestamp in a body template
+RUN_SPAN_MS = 10**8                      # simulated time per measurement: each starts later than the last ended
 
 
-def _body(node: str, t_ms: int, gpus: int, rng: np.random.Generator) -> bytes:
-    n = gpus
+@dataclass(frozen=True)
+class Shape:
+    """What one request carries: `instants` samples, `interval_s` apart, of every GPU of `nodes` nodes."""
+
+    gpus: int
+    nodes: int
+    instants: int
+    interval_s: float
+
+    @property
+    def rows(self) -> int:
+        return self.gpus * self.nodes * self.instants
+
+    @property
+    def span_ms(self) -> int:
+        """Simulated time one request covers: the next request of its nodes starts this much later."""
+        return int(self.instants * self.interval_s * 1000)
+
+    def offsets_ms(self, nodes: int) -> np.ndarray:
+        """Each row's time after the request's first instant (rows instant by instant)."""
+        return np.repeat(np.arange(self.instants) * int(self.interval_s * 1000), nodes * self.gpus)
+
+
+def _body(nodes: list[str], t_ms: np.ndarray, gpus: int, rng: np.random.Generator) -> bytes:
+    """One request: every GPU of `nodes` at each distinct time of `t_ms` (one per row), as an Arrow IPC stream."""
+    n = len(t_ms)
+    per_instant = n // (len(nodes) * gpus)
     table = pa.table({
-        "timestamp": pa.array(np.full(n, t_ms), pa.timestamp("ms", tz="UTC")),
-        "node": pa.array([node] * n), "gpu": pa.array(np.arange(n), pa.int16()),
+        "timestamp": pa.array(t_ms, pa.timestamp("ms", tz="UTC")),
+        "node": pa.array(np.tile(np.repeat(nodes, gpus), per_instant)),
+        "gpu": pa.array(np.tile(np.arange(gpus), len(nodes) * per_instant), pa.int16()),
+        "uuid": pa.array([f"GPU-{node}-{g}" for node in nodes for g in range(gpus)] * per_instant),
         "DCGM_FI_DEV_GPU_TEMP": rng.normal(68, 2, n), "DCGM_FI_DEV_MEMORY_TEMP": rng.normal(74, 2, n),
         "DCGM_FI_DEV_POWER_USAGE": rng.normal(600, 30, n), "DCGM_FI_DEV_SM_CLOCK": np.full(n, 1980.0),
         "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": np.zeros(n), "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": np.zeros(n),
@@ -52,10 +86,34 @@ def _body(node: str, t_ms: int, gpus: int, rng: np.random.Generator) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-async def _send_fleet(url: str, nodes: list[str], gpus: int, interval_s: float, concurrency: int,
+class _Template:
+    """A request body whose timestamps are patched in place: the load generator must not
+    spend on encoding the CPU that the server it measures needs."""
+
+    def __init__(self, nodes: list[str], shape: Shape, rng: np.random.Generator):
+        self.offsets = shape.offsets_ms(len(nodes))
+        self.rows = len(self.offsets)
+        placeholder = (_PLACEHOLDER_MS + self.offsets).astype(np.int64)
+        self.body = _body(nodes, placeholder, shape.gpus, rng)
+        self.at_byte = self.body.find(placeholder.tobytes())
+        assert self.at_byte >= 0 and self.body.count(placeholder[:1].tobytes()) == len(nodes) * shape.gpus
+
+    def at(self, t_ms: int) -> bytes:
+        b = bytearray(self.body)
+        b[self.at_byte: self.at_byte + 8 * self.rows] = (t_ms + self.offsets).astype(np.int64).tobytes()
+        return bytes(b)
+
+
+def _templates(nodes: list[str], shape: Shape, rng: np.random.Generator) -> list[_Template]:
+    return [_Template(nodes[i:i + shape.nodes], shape, rng) for i in range(0, len(nodes), shape.nodes)]
+
+
+async def _send_fleet(url: str, nodes: list[str], shape: Shape, start_ms: int, concurrency: int,
                       stop_at: float) -> int:
-    """Each node posts its GPUs once per (simulated) interval, as fast as the server takes them."""
+    """Each group of nodes posts its GPUs' next samples from `start_ms` on, as fast as the server
+    answers (it answers once a batch is scored: `concurrency` bounds the queue)."""
     rng = np.random.default_rng(abs(hash(nodes[0])) % 2**32)
+    templates = _templates(nodes, shape, rng)
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": ARROW}
     sent = 0
     queue: asyncio.Queue = asyncio.Queue(concurrency * 2)
@@ -63,37 +121,39 @@ async def _send_fleet(url: str, nodes: list[str], gpus: int, interval_s: float, 
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal sent
         while True:
-            body = await queue.get()
+            body, rows = await queue.get()
             async with session.post(url + "/v1/telemetry", data=body,
                                     headers={**headers, "X-Batch-Id": uuid.uuid4().hex}) as r:
                 if r.status == 202:
-                    sent += gpus
+                    sent += rows
                 elif r.status == 429:
                     await asyncio.sleep(0.05)
             queue.task_done()
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
         workers = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
-        step = 0
+        t_ms = start_ms
         while time.time() < stop_at:
-            t_ms = T0 + int(step * interval_s * 1000)
-            for node in nodes:
+            for tpl in templates:
                 if time.time() >= stop_at:
                     break
-                await queue.put(_body(node, t_ms, gpus, rng))
-            step += 1
+                await queue.put((tpl.at(t_ms), tpl.rows))
+            t_ms += shape.span_ms
         for w in workers:
             w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
     return sent
 
 
-def _sender_process(url: str, nodes: list[str], gpus: int, interval_s: float, concurrency: int, stop_at: float,
+def _sender_process(url: str, nodes: list[str], shape: Shape, start_ms: int, concurrency: int, stop_at: float,
                     out: mp.Queue) -> None:
-    out.put(asyncio.run(_send_fleet(url, nodes, gpus, interval_s, concurrency, stop_at)))
+    out.put(asyncio.run(_send_fleet(url, nodes, shape, start_ms, concurrency, stop_at)))
 
 
 async def _latencies(url: str, job_nodes: list[str], gpus: int, rounds: int, pause_s: float) -> list[float]:
-    """POST a critical XID for a job node; time until the job's SSE stream says checkpoint."""
+    """POST a critical XID for a job node; time until the job's SSE stream says checkpoint.
+    Each probe takes a GPU not probed before (a critical XID holds its GPU at risk 1)."""
     headers = {"Authorization": f"Bearer {TOKEN}"}
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -115,27 +175,35 @@ async def _latencies(url: str, job_nodes: list[str], gpus: int, rounds: int, pau
                         out.append(time.perf_counter() - start)
                         break
                 await asyncio.sleep(pause_s)
+        async with session.delete(url + f"/v1/jobs/{job['id']}", headers=headers):
+            pass
     return out
 
 
-def _component_costs(model_path: str | None, nodes: int, gpus: int) -> dict:
-    """CPU time of the server's two halves without HTTP: decode+validate a request, score a sample."""
+def _component_costs(model_path: str | None, nodes: int, shape: Shape) -> dict:
+    """CPU time of the server's two halves without HTTP: decode+validate a request, score a sample
+    (in one pass over `nodes` nodes, on one native thread as in the server)."""
+    from threadpoolctl import threadpool_limits
+
     from predictor import model as model_io, wire
     from predictor.scoring import Scorer
     from predictor.server import _concat
     rng = np.random.default_rng(1)
     scorer = Scorer(model_io.load(model_path))
+    names = [f"node{i:05d}" for i in range(nodes)]
+    templates = _templates(names, shape, rng)
     decode_s, score_s = [], []
-    for step in range(3):
-        bodies = [_body(f"node{i:05d}", T0 + step * 10_000, gpus, rng) for i in range(nodes)]
-        t = time.process_time()
-        tables = [wire.decode(b, ARROW, wire.TELEMETRY_KEYS) for b in bodies]
-        decode_s.append((time.process_time() - t) / nodes)
-        t = time.process_time()
-        scorer.score_table(_concat(tables))
-        score_s.append((time.process_time() - t) / (nodes * gpus))
+    with threadpool_limits(1, user_api="openmp"):
+        for step in range(4):
+            bodies = [tpl.at(T0 + step * shape.span_ms) for tpl in templates]
+            t = time.process_time()
+            tables = [wire.decode(b, ARROW, wire.TELEMETRY_KEYS) for b in bodies]
+            decode_s.append((time.process_time() - t) / len(bodies))
+            t = time.process_time()
+            scorer.score_table(_concat(tables))
+            score_s.append((time.process_time() - t) / sum(tpl.rows for tpl in templates))
     return {"decode_validate_us_per_request": round(statistics.median(decode_s) * 1e6, 1),
-            "scoring_us_per_sample": round(statistics.median(score_s[1:]) * 1e6, 1)}
+            "scoring_us_per_sample": round(statistics.median(score_s[1:]) * 1e6, 2)}
 
 
 def _scored(url: str) -> float:
@@ -145,25 +213,65 @@ def _scored(url: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _window(url: str, pid: int, nodes: list[str], shape: Shape, a: argparse.Namespace, start_ms: int,
+            job_nodes: list[str]) -> dict:
+    """One measurement: the fleet streams for `a.duration` s from `start_ms` on while the latency probes run."""
+    before, cpu_before, t_start = _scored(url), _cpu_s(pid), time.time()
+    stop_at = t_start + a.duration
+    results: mp.Queue = mp.Queue()
+    groups = [nodes[i:i + shape.nodes] for i in range(0, len(nodes), shape.nodes)]
+    parts = [[n for g in groups[i::a.procs] for n in g] for i in range(a.procs)]
+    procs = [mp.Process(target=_sender_process, args=(url, p, shape, start_ms, a.senders, stop_at, results))
+             for p in parts]
+    for p in procs:
+        p.start()
+    time.sleep(min(2.0, a.duration / 4))
+    lat = asyncio.run(_latencies(url, job_nodes, a.gpus, a.rounds, max(0.0, (a.duration - 4) / a.rounds)))
+    accepted = sum(results.get(timeout=a.duration + 120) for _ in procs)
+    for p in procs:
+        p.join()
+    elapsed = time.time() - t_start
+    scored, cpu = _scored(url) - before, _cpu_s(pid) - cpu_before
+    return {"seconds": round(elapsed, 1), "scored_samples_per_s": round(scored / elapsed),
+            "accepted_samples_per_s": round(accepted / elapsed),
+            "server_cpu_s_per_1000_samples": round(cpu / scored * 1000, 4) if scored else None,
+            "server_cores_used": round(cpu / elapsed, 2),
+            "checkpoint_latency_s_p50": round(statistics.median(lat), 4),
+            "checkpoint_latency_s_p99": round(float(np.percentile(lat, 99)), 4), "latency_probes": len(lat),
+            "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, default=4000, help="simulated nodes (8 GPUs each)")
-    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--nodes", type=int, default=4000, help="simulated nodes")
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    ap.add_argument("--batch-nodes", type=int, default=1, help="nodes per request (1: as the agents send)")
+    ap.add_argument("--instants", type=int, default=1,
+                    help="samples per GPU per request (agents: --batch-seconds / --interval)")
+    ap.add_argument("--interval", type=float, default=10.0, help="simulated seconds between a GPU's samples")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per measurement")
+    ap.add_argument("--runs", type=int, default=3, help="measurements (medians are reported)")
     ap.add_argument("--senders", type=int, default=64, help="concurrent requests per client process")
     ap.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="client processes")
-    ap.add_argument("--rounds", type=int, default=50, help="checkpoint-latency probes")
+    ap.add_argument("--rounds", type=int, default=50, help="checkpoint-latency probes per measurement")
     ap.add_argument("--model", help="model file (default: the packaged one)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
-    costs = _component_costs(a.model, min(a.nodes, 2000), a.gpus)
+    shape = Shape(a.gpus, a.batch_nodes, a.instants, a.interval)
+    costs = _component_costs(a.model, min(a.nodes, 2000), shape)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREDICTOR_OPERATOR_TOKEN": TOKEN}
@@ -177,42 +285,34 @@ def main() -> int:
             except OSError:
                 time.sleep(0.1)
         nodes = [f"node{i:05d}" for i in range(a.nodes)]
-        # warm-up: every GPU registered once, so the measurement is steady state
-        asyncio.run(_send_fleet(url, nodes, a.gpus, 10.0, a.senders, time.time() + 3))
-        before, t_start = _scored(url), time.time()
-        stop_at = t_start + a.duration
-        results: mp.Queue = mp.Queue()
-        parts = [nodes[i::a.procs] for i in range(a.procs)]
-        procs = [mp.Process(target=_sender_process, args=(url, p, a.gpus, 10.0, a.senders, stop_at, results))
-                 for p in parts]
-        for p in procs:
-            p.start()
-        time.sleep(min(2.0, a.duration / 4))
-        lat = asyncio.run(_latencies(url, nodes[:16], a.gpus, a.rounds, max(0.0, (a.duration - 4) / a.rounds)))
-        accepted = sum(results.get(timeout=a.duration + 60) for _ in procs)
-        for p in procs:
-            p.join()
-        time.sleep(0.5)
-        elapsed = time.time() - t_start
-        scored = _scored(url) - before
+        # warm-up: every GPU registered once, so the measurements are steady state
+        asyncio.run(_send_fleet(url, nodes, shape, T0, a.senders, time.time() + 3))
+        per_run = -(-a.rounds // a.gpus)                   # nodes whose GPUs the probes of one run use
+        runs = [_window(url, server.pid, nodes, shape, a, T0 + (i + 1) * RUN_SPAN_MS,
+                        nodes[i * per_run:(i + 1) * per_run]) for i in range(a.runs)]
     finally:
         server.terminate()
-        server.wait(10)
-    res = {"gpus": a.nodes * a.gpus, "client_processes": a.procs, "concurrent_senders": a.procs * a.senders,
-           "batch_gpus": a.gpus, "seconds": round(elapsed, 1),
-           "accepted_samples_per_s": round(accepted / elapsed), "scored_samples_per_s": round(scored / elapsed),
-           "checkpoint_latency_s_p50": round(statistics.median(lat), 4),
-           "checkpoint_latency_s_p99": round(float(np.percentile(lat, 99)), 4), "latency_probes": len(lat),
-           "cpu_count": os.cpu_count(), **costs}
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    median = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "latency_probes"}
+    res = {"gpus": a.nodes * a.gpus, "batch_nodes": a.batch_nodes, "batch_instants": a.instants,
+           "batch_rows": shape.rows, "interval_s": a.interval,
+           "client_processes": a.procs, "concurrent_requests": a.procs * a.senders, "cpu_count": os.cpu_count(),
+           "median": median, "runs": runs, **costs}
     if a.json:
         print(json.dumps(res, indent=1))
     else:
-        print(f"{res['scored_samples_per_s']:,} GPU samples/s scored ({res['accepted_samples_per_s']:,} accepted) "
-              f"from {res['concurrent_senders']} senders, one node ({a.gpus} GPUs) per request; "
-              f"POST -> checkpoint now p50 {res['checkpoint_latency_s_p50'] * 1000:.1f} ms, "
-              f"p99 {res['checkpoint_latency_s_p99'] * 1000:.1f} ms ({len(lat)} probes); CPU without HTTP: "
-              f"decode+validate {costs['decode_validate_us_per_request']} us/request, "
-              f"scoring {costs['scoring_us_per_sample']} us/sample")
+        m = median
+        print(f"{m['scored_samples_per_s']:,.0f} GPU samples/s scored (median of {a.runs}) from "
+              f"{res['concurrent_requests']} concurrent requests of {shape.rows} samples ({a.batch_nodes} node(s) x "
+              f"{a.gpus} GPUs x {a.instants} instant(s)); server CPU "
+              f"{m['server_cpu_s_per_1000_samples']:.4f} s per 1000 samples ({m['server_cores_used']} cores used); "
+              f"POST -> checkpoint now p50 {m['checkpoint_latency_s_p50'] * 1000:.1f} ms, "
+              f"p99 {m['checkpoint_latency_s_p99'] * 1000:.1f} ms; CPU without HTTP: decode+validate "
+              f"{costs['decode_validate_us_per_request']} us/request, scoring {costs['scoring_us_per_sample']} us/sample")
     return 0
 
 

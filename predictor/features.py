@@ -11,7 +11,6 @@ timestamp per node, so that node-relative features never see a later sample.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,7 +76,17 @@ class Chunk:
     slots: np.ndarray    # int64 [n]
     t_ms: np.ndarray     # int64 [n]
     values: np.ndarray   # float64 [n, len(METRICS)], NaN = missing
-    uuids: list | None = None
+    uuids: np.ndarray | None = None   # object [n]: str, or None where not reported
+
+
+def _nanmedian_of_peers(peers: np.ndarray) -> np.ndarray:
+    """`np.nanmedian(peers, axis=1)`, bit for bit, at a fraction of its cost: [n, G, cols] → [n, cols]."""
+    s = np.sort(peers.transpose(0, 2, 1), axis=2)             # NaN sorts last
+    k = np.count_nonzero(~np.isnan(s), axis=2)[..., None]     # values per column (0: NaN result)
+    lo = np.take_along_axis(s, np.maximum(k - 1, 0) // 2, axis=2)[..., 0]
+    hi = np.take_along_axis(s, k // 2, axis=2)[..., 0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (lo + hi) / 2 + 0.0                            # + 0.0: a zero median is +0, as nanmedian's
 
 
 def _decay(dt_s: np.ndarray, taus: tuple[float, ...]) -> np.ndarray:
@@ -100,11 +109,17 @@ class FleetState:
         self._grow_nodes(64, self._gpu_cap)
 
     # ------------------------------------------------------------ registry
-    def slots_for(self, nodes: list[str], gpus: np.ndarray) -> np.ndarray:
-        """Slot index of each (node, gpu), registering new GPUs."""
-        out = np.empty(len(nodes), dtype=np.int64)
+    def slots_for(self, nodes: list[str], gpus: np.ndarray, codes: np.ndarray | None = None) -> np.ndarray:
+        """Slot index of each (node, gpu), registering new GPUs (in row order). With `codes`,
+        row i's node is nodes[codes[i]]: one look-up per distinct node, not per row."""
+        codes = np.arange(len(nodes)) if codes is None else codes
+        nid = np.fromiter((self.node_of.get(n, -1) for n in nodes), np.int64, len(nodes))[codes]
+        known = (nid >= 0) & (gpus >= 0) & (gpus < self._gpu_cap)
+        out = np.full(len(codes), -1, dtype=np.int64)
+        out[known] = self.slot_at[nid[known], gpus[known]]
         get = self.slot_of.get
-        for i, key in enumerate(zip(nodes, gpus.tolist())):
+        for i in np.flatnonzero(out < 0).tolist():
+            key = (nodes[codes[i]], int(gpus[i]))
             s = get(key)
             out[i] = self._register(key) if s is None else s
         return out
@@ -123,6 +138,7 @@ class FleetState:
             self._grow_nodes(max(2 * self._node_cap, nid + 1) if nid >= self._node_cap
                              else self._node_cap, max(self._gpu_cap, gpu + 1))
         self.slot_of[key] = slot
+        self.slot_at[nid, gpu] = slot
         self.slot_key.append(key)
         self.node_slots[nid].append(slot)
         self.node_idx[slot] = nid
@@ -155,18 +171,18 @@ class FleetState:
         grow("application_xids", (), 0.0)
         grow("critical_xid", (), 0, np.int64)
         grow("critical_t", (), -1, np.int64)
-        uu = [None] * cap
-        uu[: self._cap] = getattr(self, "uuid", [])
-        self.uuid = uu
+        grow("uuid", (), None, object)
         self._cap = cap
 
     def _grow_nodes(self, node_cap: int, gpu_cap: int) -> None:
         vals = np.full((node_cap, gpu_cap, _NODE_COLS), np.nan)
         ts = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
+        slot_at = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
         if self._node_cap:
             vals[: self._node_cap, : self._gpu_cap] = self.node_vals
             ts[: self._node_cap, : self._gpu_cap] = self.node_t
-        self.node_vals, self.node_t = vals, ts
+            slot_at[: self._node_cap, : self._gpu_cap] = self.slot_at
+        self.node_vals, self.node_t, self.slot_at = vals, ts, slot_at
         self._node_cap, self._gpu_cap = node_cap, gpu_cap
 
     # ------------------------------------------------------------ updates
@@ -197,12 +213,10 @@ class FleetState:
         c = chunk.values[:, len(GAUGES): len(GAUGES) + len(COUNTERS)]
         went_back = np.any(c < self.counter_last[s] - 0.5, axis=1)
         if chunk.uuids is not None:
-            for i, (slot, u) in enumerate(zip(s.tolist(), chunk.uuids)):
-                if u is None:
-                    continue
-                if self.uuid[slot] is not None and self.uuid[slot] != u:
-                    went_back[i] = True
-                self.uuid[slot] = u
+            u, known = chunk.uuids, self.uuid[s]
+            reported = u != None                                        # noqa: E711 (elementwise)
+            went_back |= reported & (known != None) & (known != u)      # noqa: E711
+            self.uuid[s[reported]] = u[reported]
         return went_back
 
     def apply(self, chunk: Chunk) -> np.ndarray:
@@ -275,13 +289,12 @@ class FleetState:
         ni, gi = self.node_idx[s], self.gpu_idx[s]
         self.node_vals[ni, gi] = pub
         self.node_t[ni, gi] = t
-        peers = self.node_vals[ni].copy()                    # [n, G, cols]
-        stale = (t[:, None] - self.node_t[ni]) > NODE_STALE_S * 1000
-        peers[stale | (self.node_t[ni] < 0)] = np.nan
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            med = np.nanmedian(peers, axis=1)
-        vs_node = np.nan_to_num(pub - med, nan=0.0)
+        # one timestamp per node in a chunk: a node's rows share their peers, so once per node
+        nids, first_row, row_node = np.unique(ni, return_index=True, return_inverse=True)
+        peers = self.node_vals[nids]                         # [nodes, G, cols], a copy
+        stale = (t[first_row, None] - self.node_t[nids]) > NODE_STALE_S * 1000
+        peers[stale | (self.node_t[nids] < 0)] = np.nan
+        vs_node = np.nan_to_num(pub - _nanmedian_of_peers(peers)[row_node], nan=0.0)
 
         feats = np.empty((len(s), len(FEATURE_NAMES)))
         col = 0
@@ -310,7 +323,8 @@ class FleetState:
         w, app = self.xid_counts_at(s, t)
         feats[:, col + 9: col + 11] = np.log1p(w)
         feats[:, col + 11] = np.log1p(app)
-        return np.nan_to_num(feats, nan=0.0, posinf=0.0, neginf=0.0)
+        feats[~np.isfinite(feats)] = 0.0                       # NaN and ±inf: 0
+        return feats
 
     # ------------------------------------------------------------ XIDs
     def xid_counts_at(self, slots: np.ndarray, t_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

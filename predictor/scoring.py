@@ -7,6 +7,7 @@ one is late or a duplicate and is counted and dropped.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,10 +92,12 @@ class Scorer:
     def score_table(self, table: pa.Table, xids: Xids | None = None) -> Scored:
         """Score a telemetry batch (SCHEMA telemetry columns; any order, any nodes) and XIDs."""
         t = timestamps_ms(table.column("timestamp"))
-        nodes = _strings(table.column("node"))
+        node = pc.dictionary_encode(pc.cast(table.column("node"), pa.string()).combine_chunks())
         gpus = np.asarray(table.column("gpu").to_numpy(zero_copy_only=False), dtype=np.int64)
-        uuids = _strings(table.column("uuid")) if "uuid" in table.column_names else None
-        return self.score_rows(t, nodes, gpus, metric_matrix(table), uuids, xids)
+        uuids = pc.cast(table.column("uuid"), pa.string()).to_numpy(zero_copy_only=False) \
+            if "uuid" in table.column_names else None
+        return self.score_rows(t, node.dictionary.to_pylist(), gpus, metric_matrix(table), uuids, xids,
+                               codes=node.indices.to_numpy())
 
     def add_xids(self, xids: Xids) -> Scored:
         """Record XID events alone (the /v1/xid endpoint)."""
@@ -102,17 +105,19 @@ class Scorer:
                                None, xids)
 
     def score_rows(self, t: np.ndarray, nodes: list[str], gpus: np.ndarray, values: np.ndarray,
-                   uuids: list | None = None, xids: Xids | None = None) -> Scored:
+                   uuids: Sequence[str | None] | None = None, xids: Xids | None = None,
+                   codes: np.ndarray | None = None) -> Scored:
         """Fold samples and XID events into the state in time order per GPU, then score.
+        With `codes`, row i's node is nodes[codes[i]] (else nodes[i]).
 
         The model runs once per call over every chunk: risk never feeds back into the
         state, so batching the prediction changes its cost and nothing else."""
-        slots = self.state.slots_for(nodes, gpus)
+        slots = self.state.slots_for(nodes, gpus, codes)
         x_slots = self.state.slots_for(xids.nodes, xids.gpus) if xids is not None and len(xids) else None
         self._fit_capacity()
         order = np.lexsort((slots, t))
         t, slots, values = t[order], slots[order], values[order]
-        uuids = [uuids[i] for i in order] if uuids is not None else None
+        uuids = np.asarray(uuids, dtype=object)[order] if uuids is not None else None
         # one sample per GPU and instant; then nothing at or before the GPU's last sample
         keep = np.ones(len(t), bool)
         keep[1:] = (t[1:] != t[:-1]) | (slots[1:] != slots[:-1])
@@ -121,7 +126,7 @@ class Scorer:
         self.dropped += dropped
         if not keep.all():
             t, slots, values = t[keep], slots[keep], values[keep]
-            uuids = [u for u, k in zip(uuids, keep) if k] if uuids is not None else None
+            uuids = uuids[keep] if uuids is not None else None
         # chunk r holds each node's r-th distinct timestamp of this batch
         rank = _rank_within(self.state.node_idx[slots], t)
         n_chunks = int(rank.max()) + 1 if len(rank) else 0
@@ -133,7 +138,7 @@ class Scorer:
             if r < n_chunks:
                 sel = np.flatnonzero(rank == r)
                 parts.append(self._features(Chunk(slots[sel], t[sel], values[sel],
-                                                  [uuids[i] for i in sel] if uuids is not None else None)))
+                                                  uuids[sel] if uuids is not None else None)))
         out = self._risk(parts, events)
         out.dropped = dropped
         self.samples += len(t)

@@ -1,5 +1,6 @@
 """Offline path: train / score / eval on a small simulated trace, causality, the model format."""
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from predictor import evaluation, training
 from predictor import model as model_io
-from predictor.features import FEATURE_NAMES, METRICS
+from predictor.features import FEATURE_NAMES, METRICS, FleetState, _nanmedian_of_peers
 from predictor.replay import score_trace
 from predictor.scoring import Scorer, Xids, timestamps_ms
 from tests.predictor_fixtures import run_cli, small_trace, trained_model  # noqa: F401 (fixtures)
@@ -131,6 +132,30 @@ def test_replaced_gpu_starts_a_fresh_history(trained_model):
     vals[0, sbe] = 0
     s.score_rows(np.array([31 * 60_000]), ["n0"], np.array([0]), vals.copy(), ["GPU-new"])
     assert s.state.counted[slot].sum() == 0 and s.state.uuid[slot] == "GPU-new"
+    s.score_rows(np.array([32 * 60_000]), ["n0"], np.array([0]), vals.copy(), [None])   # UUID not reported
+    assert s.state.uuid[slot] == "GPU-new" and s.state.start_t[slot] == 31 * 60_000   # no reset
+
+
+def test_node_median_is_numpys_bit_for_bit():
+    rng = np.random.default_rng(0)
+    peers = rng.choice([np.nan, -0.0, 0.0, 1.0, -1.5, 2.5, 7.0, np.inf, -np.inf], size=(2000, 8, 9))
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)          # all-NaN columns
+        expected = np.nanmedian(peers, axis=1)
+    got = _nanmedian_of_peers(peers)
+    assert np.array_equal(got, expected, equal_nan=True)
+    assert np.array_equal(np.signbit(got[~np.isnan(got)]), np.signbit(expected[~np.isnan(expected)]))
+
+
+def test_slots_by_distinct_node_match_slots_by_row():
+    """Looking nodes up once each (dictionary codes) registers GPUs in the same order as row by row."""
+    by_row, by_code = FleetState(), FleetState()
+    gpus = np.array([3, 0, 3, 9, 1])                          # a repeat; a GPU index beyond the first 8
+    rows = by_row.slots_for(["n1", "n0", "n1", "n2", "n0"], gpus)
+    coded = by_code.slots_for(["n0", "n1", "n2"], gpus, np.array([1, 0, 1, 2, 0]))
+    assert rows.tolist() == coded.tolist() == [0, 1, 0, 2, 3]
+    assert by_row.slot_key == by_code.slot_key and by_row.node_names == by_code.node_names
+    assert by_code.slots_for(["n2", "n0"], np.array([9, 1, 0]), np.array([0, 1, 1])).tolist() == [2, 3, 1]
 
 
 def test_late_and_duplicate_samples_are_dropped(trained_model):

@@ -1,13 +1,21 @@
 """`predictor serve` as a real process on 127.0.0.1: auth, ingest, risk, jobs + SSE, /metrics."""
+import asyncio
 import gzip
 import json
+import re
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import pyarrow as pa
 import requests
+from aiohttp import web
 
-from tests.predictor_fixtures import shared_server  # noqa: F401 (fixture)
+from predictor import model as model_io
+from predictor.server import Service, _concat, make_app
+from tests.predictor_fixtures import free_port, shared_server  # noqa: F401 (fixture)
 
 T0 = 1_780_000_000_000
 
@@ -106,6 +114,11 @@ def _risk(srv, node: str):
     return r.json() if r.status_code == 200 else None
 
 
+def _metric(srv, name: str) -> float:
+    text = requests.get(f"{srv.url}/metrics", timeout=5).text
+    return float(re.search(rf"^{name} ([0-9.e+]+)$", text, re.M).group(1))
+
+
 def read_events(resp: requests.Response, want: int, timeout: float = 10.0) -> list[tuple[str, dict]]:
     """Parse SSE until `want` events other than hello arrived (or, for 0, the hello)."""
     events, event, deadline = [], None, time.monotonic() + timeout
@@ -164,3 +177,69 @@ def test_job_registration_is_validated(shared_server):
         r = requests.post(f"{srv.url}/v1/jobs", json=body, headers=srv.headers("job"), timeout=5)
         assert r.status_code == 400 and r.json()["error"], body
     assert requests.get(f"{srv.url}/v1/jobs/nope/events", headers=srv.headers("job"), timeout=5).status_code == 404
+
+
+def test_concurrent_batches_are_scored_together_and_a_bad_one_is_refused_alone(shared_server):
+    """Batches that arrive together share a scoring pass; each is answered once its rows are
+    scored, and a malformed one among them gets its own 400 without holding up the others."""
+    srv = shared_server
+    cycles = lambda: _metric(srv, "predictor_scoring_cycle_seconds_count")  # noqa: E731
+    before = cycles()
+    bad = arrow_body([{**row, "gpu": 4096} for row in node_rows("c-bad", T0)])
+    bodies = {f"c{i}": arrow_body(node_rows(f"c{i}", T0)) for i in range(24)} | {"c-bad": bad}
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = dict(zip(bodies, pool.map(lambda b: post(srv, "telemetry", b), bodies.values())))
+    assert answers.pop("c-bad").status_code == 400
+    assert all(r.status_code == 202 and r.json() == {"accepted": 8} for r in answers.values())
+    for node in answers:                      # answered after scoring: the risk is already there
+        assert [g["at_ms"] for g in _risk(srv, node)["gpus"]] == [T0] * 8, node
+    assert _risk(srv, "c-bad") is None
+    assert cycles() - before < len(answers)
+
+
+def test_batches_of_different_schemas_keep_their_arrival_order():
+    """Agents' batches are joined per run of one schema, then promoted; the order is arrival order."""
+    a = pa.table({"gpu": pa.array([0, 1], pa.int16()), "x": [1.0, 2.0]})
+    b = pa.table({"gpu": pa.array([2], pa.int64()), "y": [3.0]})
+    joined = _concat([a, a, b, a])
+    assert joined.column("gpu").to_pylist() == [0, 1, 0, 1, 2, 0, 1]
+    assert joined.column("y").to_pylist() == [None] * 4 + [3.0] + [None] * 2
+
+
+def test_stopping_answers_every_queued_batch():
+    """A service stopped with batches queued or mid-pass answers them (503 or 202) instead of
+    holding their senders until the shutdown timeout."""
+    async def scenario() -> tuple[list[int], float]:
+        service = Service(model_io.load(None), tokens=None)
+        runner = web.AppRunner(make_app(service))
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}/v1/telemetry"
+        gate = threading.Event()
+        service._executor.submit(gate.wait)             # the scorer thread is busy: nothing gets scored
+
+        async def send(session: aiohttp.ClientSession, node: str) -> int:
+            headers = {"Content-Type": "application/vnd.apache.arrow.stream", "X-Batch-Id": node}
+            async with session.post(url, data=arrow_body(node_rows(node, T0)), headers=headers) as r:
+                return r.status
+
+        async def accepted(n: int) -> None:
+            while f'outcome="accepted"}} {n}.0'.encode() not in service.metrics.render()[0]:
+                await asyncio.sleep(0.01)
+
+        try:
+            async with aiohttp.ClientSession() as session:
+                sends = [asyncio.create_task(send(session, "s0"))]
+                await accepted(1)                       # its pass waits for the scorer thread
+                sends += [asyncio.create_task(send(session, f"s{i}")) for i in (1, 2)]
+                await accepted(3)                       # these wait in the queue
+                started = time.monotonic()
+                await runner.cleanup()
+                return await asyncio.gather(*sends), time.monotonic() - started
+        finally:
+            gate.set()
+            await runner.cleanup()
+
+    statuses, stop_s = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert statuses == [202, 503, 503] and stop_s < 5
