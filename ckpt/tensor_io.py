@@ -49,7 +49,8 @@ def read_tensors(
     manifest has them. Returns the targets used and the new tensors, by id.
 
     A target on a GPU is filled piece by piece: each piece is verified in host memory
-    (the slot itself for the memory tier) and copied to the device once."""
+    (the slot itself for the memory tier) and copied to the device once, asynchronously
+    from pinned memory; all copies have landed when this returns."""
     man = reader.manifest
     targets = targets or {}
     out: list[torch.Tensor] = []
@@ -76,7 +77,11 @@ def read_tensors(
         if progress:
             progress(hi - lo)
 
-    _run(one, _pieces(man.tensors, chunk), threads)
+    try:
+        _run(one, _pieces(man.tensors, chunk), threads)
+    finally:
+        if any(isinstance(d, torch.Tensor) for d in dests):
+            torch.cuda.synchronize()  # the source may be unmapped once we return
     return out
 
 
@@ -100,7 +105,7 @@ def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch
     if crc is not None and crc32c_of(byte_view(host)) != crc:
         raise _mismatch(reader, e, lo, hi, step, tier)
     if hi > lo:
-        dst[lo:hi].copy_(host)
+        dst[lo:hi].copy_(host, non_blocking=True)  # truly asynchronous only from pinned (registered) memory
 
 
 def _mismatch(reader: ShardReader, e: TensorEntry, lo: int, hi: int, step: int, tier: str) -> DamagedCheckpoint:
