@@ -20,8 +20,10 @@ T = TypeVar("T")
 
 # Retrying these cannot help: the request itself is wrong, or the store refuses it.
 _PERMANENT = (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-              ValueError, TypeError, CheckpointError)
-_PERMANENT_ERRNO = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG}
+              ValueError, TypeError, NotImplementedError, CheckpointError)
+_PERMANENT_ERRNO = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
+                    errno.ENOSYS, errno.EOPNOTSUPP}  # ENOSYS: s3fs's NotImplemented (a store without that API)
+UNSUPPORTED_ERRNO = {errno.ENOSYS, errno.EOPNOTSUPP}
 
 
 def is_transient(exc: BaseException) -> bool:

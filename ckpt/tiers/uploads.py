@@ -24,7 +24,7 @@ from fsspec.asyn import sync
 from fsspec.core import split_protocol, url_to_fs
 from fsspec.exceptions import FSTimeoutError
 
-from ..retry import RetryPolicy
+from ..retry import UNSUPPORTED_ERRNO, RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,15 @@ class S3MultipartUploader(Uploader):
         swept: list[str] = []
         marker: dict = {}
         while True:
-            page = self.retry.call(lambda: self._call("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix,
-                                                      **marker), f"list unfinished uploads under {prefix}")
+            try:
+                page = self.retry.call(lambda: self._call("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix,
+                                                          **marker), f"list unfinished uploads under {prefix}")
+            except OSError as e:
+                if e.errno not in UNSUPPORTED_ERRNO:
+                    raise
+                log.warning("%s cannot list unfinished multipart uploads (%s): orphans of killed uploads are not "
+                            "swept; a lifecycle rule that aborts incomplete uploads does it", prefix, e)
+                return swept
             for up in page.get("Uploads", []):
                 if (now - up["Initiated"]).total_seconds() >= min_age_s:
                     where = dict(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
