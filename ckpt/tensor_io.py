@@ -49,8 +49,7 @@ def read_tensors(
     manifest has them. Returns the targets used and the new tensors, by id.
 
     A target on a GPU is filled piece by piece: each piece is verified in host memory
-    (the slot itself for the memory tier) and copied to the device once, asynchronously
-    from pinned memory; all copies have landed when this returns."""
+    (the slot itself for the memory tier) and copied to the device once."""
     man = reader.manifest
     targets = targets or {}
     out: list[torch.Tensor] = []
@@ -77,11 +76,7 @@ def read_tensors(
         if progress:
             progress(hi - lo)
 
-    try:
-        _run(one, _pieces(man.tensors, chunk), threads)
-    finally:
-        if any(isinstance(d, torch.Tensor) for d in dests):
-            torch.cuda.synchronize()  # the source may be unmapped once we return
+    _run(one, _pieces(man.tensors, chunk), threads)
     return out
 
 
@@ -105,7 +100,7 @@ def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch
     if crc is not None and crc32c_of(byte_view(host)) != crc:
         raise _mismatch(reader, e, lo, hi, step, tier)
     if hi > lo:
-        dst[lo:hi].copy_(host, non_blocking=True)  # truly asynchronous only from pinned (registered) memory
+        dst[lo:hi].copy_(host)
 
 
 def _mismatch(reader: ShardReader, e: TensorEntry, lo: int, hi: int, step: int, tier: str) -> DamagedCheckpoint:
