@@ -58,8 +58,8 @@ def _feature_names() -> tuple[str, ...]:
     for c in COUNTERS:
         short = c.removeprefix("DCGM_FI_DEV_").lower()
         names += [f"{short}_rate_{int(t // 60)}m" for t in RATE_TAUS_S]
-        names += [f"{short}_accel_10m_1h", f"{short}_accel_1h_6h", f"{short}_active_for"]
-    names += [f"thermal_throttle_{int(t // 60)}m" for t in THROTTLE_TAUS_S]
+        names += [f"{short}_accel_10m_1h", f"{short}_accel_1h_6h", f"{short}_active_for",
+                  f"{short}_since_onset", f"{short}_rate_vs_onset", f"{short}_spread_10m"]
     names += [f"slowdown_throttle_{int(t // 60)}m" for t in THROTTLE_TAUS_S]
     names += ["thermal_throttle_vs_node", "row_remap_failure", "null_share", "gap_ratio",
               "age", "warning_xids_30m", "warning_xids_6h", "application_xids_30m"]
@@ -163,6 +163,8 @@ class FleetState:
         grow("counter_t", (nk,), -1, np.int64)
         grow("counted", (nk, len(RATE_TAUS_S)), 0.0)
         grow("active_since", (nk,), -1, np.int64)
+        grow("onset_events", (nk,), 0.0)
+        grow("largest_jump", (nk,), 0.0)
         grow("throttle", (2, len(THROTTLE_TAUS_S)), 0.0)
         grow("null_share", (), 0.0)
         grow("remap_failure", (), 0.0)
@@ -196,6 +198,8 @@ class FleetState:
         self.counter_t[slots] = -1
         self.counted[slots] = 0.0
         self.active_since[slots] = -1
+        self.onset_events[slots] = 0.0
+        self.largest_jump[slots] = 0.0
         self.throttle[slots] = 0.0
         self.null_share[slots] = 0.0
         self.remap_failure[slots] = 0.0
@@ -264,11 +268,21 @@ class FleetState:
         ok = ~np.isnan(c)
         cnt = self.counted[s]
         self.counted[s] = np.where(ok[:, :, None], cnt * dec + delta[:, :, None], cnt)
-        # since when each counter has been active: long-standing errors are not a precursor
+        # the largest single-sample jump, decayed like the 10 min count: a one-off burst of
+        # replays puts the whole window in one sample, a precursor spreads over many
+        self.largest_jump[s] = np.where(ok, np.maximum(self.largest_jump[s] * dec[:, :, 0], delta),
+                                        self.largest_jump[s])
+        # since when each counter has been active, and how many events since then: a rate
+        # that keeps rising above its own average since onset is a precursor nearing its end,
+        # long-standing steady errors are not
         hour = self.counted[s][:, :, 1]
         since = self.active_since[s]
-        since = np.where((hour >= ACTIVE_EVENTS) & (since < 0), t[:, None], since)
-        self.active_since[s] = np.where(hour < ACTIVE_EVENTS / 2, -1, since)
+        onset = (hour >= ACTIVE_EVENTS) & (since < 0)
+        since = np.where(onset, t[:, None], since)
+        quiet = hour < ACTIVE_EVENTS / 2
+        self.active_since[s] = np.where(quiet, -1, since)
+        ev = np.where(onset, hour, self.onset_events[s] + delta)
+        self.onset_events[s] = np.where(quiet, 0.0, ev)
         self.counter_last[s] = np.where(ok, c, last)
         self.counter_t[s] = np.where(ok, t[:, None], self.counter_t[s])
 
@@ -310,19 +324,25 @@ class FleetState:
             feats[:, col + 3] = np.log((rates[:, k, 0] + 0.1) / (rates[:, k, 1] + 0.1))
             feats[:, col + 4] = np.log((rates[:, k, 1] + 0.1) / (rates[:, k, 2] + 0.1))
             since = self.active_since[s, k]
-            feats[:, col + 5] = np.where(since < 0, -1.0, np.log1p((t - since) / 60000.0))
-            col += 6
+            active = since >= 0
+            feats[:, col + 5] = np.where(active, np.log1p((t - since) / 60000.0), -1.0)
+            ev = self.onset_events[s, k]
+            feats[:, col + 6] = np.log1p(ev)
+            # onset counts a window's worth of events at once: average over at least that hour
+            per_h = ev / np.maximum((t - since) / 3.6e6 + 1.0, 1.0)
+            feats[:, col + 7] = np.where(active, np.log((rates[:, k, 0] + 0.1) / (per_h + 0.1)), 0.0)
+            feats[:, col + 8] = np.log((self.counted[s, k, 0] + 1.0) / (self.largest_jump[s, k] + 1.0))
+            col += 9
         th = self.throttle[s]
-        feats[:, col: col + 2] = th[:, 0]
-        feats[:, col + 2: col + 4] = th[:, 1]
-        feats[:, col + 4] = vs_node[:, 2 * ng]
-        feats[:, col + 5] = self.remap_failure[s]
-        feats[:, col + 6] = self.null_share[s]
-        feats[:, col + 7] = gap_ratio
-        feats[:, col + 8] = np.log1p((t - self.start_t[s]) / 60000.0)
+        feats[:, col: col + 2] = th[:, 1]
+        feats[:, col + 2] = vs_node[:, 2 * ng]
+        feats[:, col + 3] = self.remap_failure[s]
+        feats[:, col + 4] = self.null_share[s]
+        feats[:, col + 5] = gap_ratio
+        feats[:, col + 6] = np.log1p((t - self.start_t[s]) / 60000.0)
         w, app = self.xid_counts_at(s, t)
-        feats[:, col + 9: col + 11] = np.log1p(w)
-        feats[:, col + 11] = np.log1p(app)
+        feats[:, col + 7: col + 9] = np.log1p(w)
+        feats[:, col + 9] = np.log1p(app)
         feats[~np.isfinite(feats)] = 0.0                       # NaN and ±inf: 0
         return feats
 

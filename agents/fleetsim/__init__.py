@@ -62,14 +62,20 @@ Failure modes with precursors (the GPU stops reporting at the terminal XID):
 * hbm: single-bit ECC rate rising exponentially, correctable row remaps (XID
   63), XID 92 once the rate is high, sometimes a DBE and an uncorrectable remap
   at the end; terminal XID 48, 94, 95 or 64 (then the remap-failure flag is set);
-* thermal: cooling loss; temperature climbs 15-35 °C, thermal throttle bits,
+* thermal: cooling loss; temperature climbs 8-30 °C, thermal throttle bits,
   falling clocks; terminal XID 79;
 * pcie: PCIe replay rate accelerating; terminal XID 79;
 * nvlink: NVLink CRC flit error rate accelerating; terminal XID 74.
 Each has a precursor duration (log-normal per mode, minutes to hours) and a
 strength (log-normal: some precursors are faint). ``precursor_s`` in
-failures.parquet is the time from the first sample that shows the precursor
-to the failure, so a faint precursor that emitted nothing counts as none.
+failures.parquet is the precursor's duration, as in the shared fleet sample:
+its first visible event comes later (a faint one may emit almost nothing).
+Precursor rates, durations, look-alike rates and the temperature spread are
+matched to the shared sample (its last ten minutes before an HBM failure show
+0.01-0.07 SBE/s, PCIe 0.06-0.35 replays/s, NVLink 0.07-0.9 CRC errors/s, thermal
++7-40 °C; look-alikes run steady at 100-290 SBE, 25-130 PCIe replays or 20-60
+NVLink errors a day), so that a predictor validated here is not fooled by
+precursors louder than the sample's.
 Sudden failures (default one third): XID 79, 48, 119, 120 or 62 with no sign.
 
 After a failure the node's job dies (the other GPUs idle for a while); the GPU
