@@ -217,8 +217,10 @@ class Service:
         state = self.scorer.state
         for slot in touched[(peak[touched] >= sens) & (prev[touched] < sens)].tolist():
             node, gpu = state.slot_key[slot]
+            rows = np.flatnonzero(slots == slot)
+            top = int(rows[np.argmax(risk[rows])])  # the row that crossed: a later one in the batch may be lower
             payload = {"event": "checkpoint", "node": node, "gpu": gpu, "risk": round(float(peak[slot]), 6),
-                       "reason": self.scorer.reason.get(slot, ""), "sensitive": sens,
+                       "reason": scored.reasons[top], "sensitive": sens,
                        "sent_at_ms": int(time.time() * 1000)}
             for _ in self.jobs.notify(node, payload):
                 self.metrics.checkpoint_sent()
