@@ -52,7 +52,7 @@ from ckpt.manifest import Manifest  # noqa: E402
 from ckpt.restore import read_checkpoint  # noqa: E402
 from ckpt.tiers.object_store import ObjectStoreTier  # noqa: E402
 from tests.objstore_fixtures import S3Server, create_bucket, moto_server  # noqa: E402
-from tests.procs import stop_process  # noqa: E402
+from tests.procs import cpu_seconds, free_port, stop_process  # noqa: E402
 
 TENSOR_BYTES = 128 << 20
 S3RVER = "s3rver@3.7.1"
@@ -67,9 +67,7 @@ def s3rver_server(data_dir: str):
         print(f"installing {S3RVER} into {S3RVER_DIR} (npm)", file=sys.stderr)
         subprocess.run(["npm", "install", "--prefix", str(S3RVER_DIR), "--no-audit", "--no-fund", S3RVER], check=True,
                        stdout=subprocess.DEVNULL)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([str(exe), "-d", data_dir, "-a", "127.0.0.1", "-p", str(port), "--silent"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -107,10 +105,6 @@ class Sample:
     client_cpu_s: float
 
 
-def _cpu_of(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 def _own_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -125,9 +119,9 @@ class Clock:
 
     @contextmanager
     def __call__(self, phase: str):
-        s0, c0, t0 = _cpu_of(self.pid), _own_cpu(), time.perf_counter()
+        s0, c0, t0 = cpu_seconds(self.pid), _own_cpu(), time.perf_counter()
         yield
-        self.samples[phase] = Sample(time.perf_counter() - t0, _cpu_of(self.pid) - s0, _own_cpu() - c0)
+        self.samples[phase] = Sample(time.perf_counter() - t0, cpu_seconds(self.pid) - s0, _own_cpu() - c0)
 
 
 def make_state(total: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import numpy as np
 import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.procs import cpu_seconds, free_port  # noqa: E402
 TOKEN = "bench-operator-token-0123456789"
 ARROW = "application/vnd.apache.arrow.stream"
 T0 = 1_780_000_000_000
@@ -213,22 +214,12 @@ def _scored(url: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _window(url: str, pid: int, nodes: list[str], shape: Shape, a: argparse.Namespace, start_ms: int,
             job_nodes: list[str]) -> dict:
     """One measurement: the fleet streams for `a.duration` s from `start_ms` on while the latency probes run."""
-    before, cpu_before, t_start = _scored(url), _cpu_s(pid), time.time()
+    before, cpu_before, t_start = _scored(url), cpu_seconds(pid), time.time()
     stop_at = t_start + a.duration
     results: mp.Queue = mp.Queue()
     groups = [nodes[i:i + shape.nodes] for i in range(0, len(nodes), shape.nodes)]
@@ -243,7 +234,7 @@ def _window(url: str, pid: int, nodes: list[str], shape: Shape, a: argparse.Name
     for p in procs:
         p.join()
     elapsed = time.time() - t_start
-    scored, cpu = _scored(url) - before, _cpu_s(pid) - cpu_before
+    scored, cpu = _scored(url) - before, cpu_seconds(pid) - cpu_before
     return {"seconds": round(elapsed, 1), "scored_samples_per_s": round(scored / elapsed),
             "accepted_samples_per_s": round(accepted / elapsed),
             "server_cpu_s_per_1000_samples": round(cpu / scored * 1000, 4) if scored else None,
@@ -272,7 +263,7 @@ def main() -> int:
 
     shape = Shape(a.gpus, a.batch_nodes, a.instants, a.interval)
     costs = _component_costs(a.model, min(a.nodes, 2000), shape)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREDICTOR_OPERATOR_TOKEN": TOKEN}
     cmd = [sys.executable, "-m", "predictor.cli", "serve", "--port", str(port)] + (["--model", a.model] if a.model else [])

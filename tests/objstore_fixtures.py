@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,20 +12,14 @@ import urllib.request
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import s3fs
 
-from .procs import stop_process
+from .procs import free_port, stop_process
 
 MOTO_SERVER = [sys.executable, "-m", "moto.server"]  # works wherever moto is importable (a venv, --target)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -76,7 +69,7 @@ def _wait_up(endpoint: str, proc: subprocess.Popen, timeout: float = 30.0) -> No
 @contextmanager
 def moto_server(env: dict | None = None):
     """Start ``moto_server`` on a free loopback port; stop it (thawed first) on exit."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([*MOTO_SERVER, "-H", "127.0.0.1", "-p", str(port)],
                             env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

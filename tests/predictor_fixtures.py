@@ -6,7 +6,6 @@ enriched failure rate so that a few node-days hold enough failures to train on.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from .procs import stop_process
+from .procs import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = {"agent": "agent-token-0123456789", "job": "job-token-0123456789ab",
@@ -50,11 +49,6 @@ def trained_model(small_trace, tmp_path_factory) -> Path:
     run_cli("predictor.cli", "train", "--trace", str(small_trace), "--out", str(out), "--json")
     return out
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

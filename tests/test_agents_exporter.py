@@ -1,7 +1,6 @@
 """/metrics: dcgm-exporter names and labels, checked by prometheus_client's parser and a real Prometheus."""
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -15,6 +14,7 @@ from agents.exporter import DCGM_METRICS, Exporter
 from agents.fleetsim import FleetConfig
 from agents.sources.sim import SimSource
 from agents.stats import AgentStats
+from tests.procs import free_port
 
 DCGM_LABELS = {"gpu", "UUID", "device", "modelName", "Hostname"}
 
@@ -68,17 +68,12 @@ def test_blank_fields_are_left_out_and_silent_gpus_expire():
     assert [s.labels["gpu"] for s in fam.samples] == [str(rows[1]["gpu"])]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian package prometheus not installed")
 def test_a_real_prometheus_scrapes_it(tmp_path):
     exp, rows = sim_exporter()
     port = exp.serve(0)
-    prom_port = _free_port()
+    prom_port = free_port()
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"scrape_configs:\n- job_name: dcgm\n  static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n")

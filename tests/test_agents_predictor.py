@@ -7,7 +7,6 @@ wire contract there.
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.agents_fixtures import TOKEN
+from tests.procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,18 +37,13 @@ def _env():
     return {**os.environ, "PYTHONPATH": path}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def predictor(tmp_path_factory):
     d = tmp_path_factory.mktemp("predictor")
     (d / "tokens").write_text(f"agent {TOKEN}\n")
     (d / "agent.token").write_text(TOKEN)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(d / "tokens")],
                             cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -8,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from tests.predictor_fixtures import ROOT, free_port, live_server  # noqa: F401 (fixture)
+from tests.predictor_fixtures import ROOT, live_server  # noqa: F401 (fixture)
+from tests.procs import free_port
 from tests.procs import stop_process
 from tests.test_predictor_server import T0, arrow_body, node_rows, post, wait_for
 

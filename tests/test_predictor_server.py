@@ -15,7 +15,8 @@ from aiohttp import web
 
 from predictor import model as model_io
 from predictor.server import Service, _concat, make_app
-from tests.predictor_fixtures import free_port, shared_server  # noqa: F401 (fixture)
+from tests.predictor_fixtures import shared_server  # noqa: F401 (fixture)
+from tests.procs import free_port
 
 T0 = 1_780_000_000_000
 
