@@ -21,9 +21,10 @@ T = TypeVar("T")
 # Retrying these cannot help: the request itself is wrong, or the store refuses it.
 _PERMANENT = (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
               ValueError, TypeError, NotImplementedError, CheckpointError)
+# The store lacks the call (s3fs maps S3's NotImplemented to ENOSYS): callers may skip what needs it.
+UNSUPPORTED_ERRNO = frozenset({errno.ENOSYS, errno.EOPNOTSUPP})
 _PERMANENT_ERRNO = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
-                    errno.ENOSYS, errno.EOPNOTSUPP}  # ENOSYS: s3fs's NotImplemented (a store without that API)
-UNSUPPORTED_ERRNO = {errno.ENOSYS, errno.EOPNOTSUPP}
+                    *UNSUPPORTED_ERRNO}
 
 
 def is_transient(exc: BaseException) -> bool:

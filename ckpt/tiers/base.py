@@ -20,12 +20,12 @@ Call order for reading::
 """
 from __future__ import annotations
 
-import torch
-
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterable
+
+import torch
 
 from ..checksum import crc32c_of
 from ..errors import DamagedCheckpoint, ManifestError
