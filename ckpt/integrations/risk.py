@@ -110,10 +110,10 @@ class RiskListener:
             self._last_risk = time.monotonic()
         elif event == "checkpoint":
             self._last_risk = time.monotonic()
-            self.events.append({**data, "received": time.time()})
-            log.warning("predictor: node %s at risk (%s); requesting an urgent checkpoint",
+            self.requests.request()  # before the event is recorded: whoever sees the event sees the request
+            log.warning("predictor: node %s at risk (%s); requested an urgent checkpoint",
                         data.get("node"), data.get("reason") or data.get("reasons"))
-            self.requests.request()
+            self.events.append({**data, "received": time.time()})
         elif event == "closed":
             self.job_id = None
 
