@@ -1,11 +1,16 @@
 """The servers tests and benchmarks start: a free loopback port for one, its CPU time,
-and stopping it, politely first, for certain after a grace period."""
+stopping it, politely first, for certain after a grace period, and waiting for what it
+does in the background."""
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -31,3 +36,13 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.05) -> T | None:
+    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` passes (None)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value or None
+        time.sleep(interval)

@@ -13,18 +13,12 @@ from agents.sources.sim import SimSource
 from agents.spool import Spool
 from agents.stats import AgentStats
 from tests.agents_fixtures import TOKEN, receiver  # noqa: F401  (fixture)
+from tests.procs import wait_for
 
 
 def make_rows(n, t0=1_700_000_000_000, node="n0"):
     return [{"timestamp": t0 + i * 1000, "node": node, "gpu": i % 8, "uuid": f"GPU-{i % 8}", S.GPU_TEMP: 50.0 + i % 7,
              S.SBE: float(i), S.NVLINK_CRC: None} for i in range(n)]
-
-
-def wait_for(cond, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def sender_for(rx, tmp_path, stats=None, token=TOKEN, max_spool=64 << 20, **kw):
@@ -40,12 +34,12 @@ def test_outage_loses_nothing_and_resends_in_order(receiver, tmp_path):
     sampler = Sampler(SimSource(cfg), [sender.put, lambda s, x: seen.extend(s)], 0.05, stats)
     sampler.start()
     try:
-        wait_for(lambda: receiver.count() > 40)
+        assert wait_for(lambda: receiver.count() > 40, 30.0), "timed out"
         receiver.stop()
-        wait_for(lambda: len(sender.spool) >= 5)  # batches pile up on disk meanwhile
+        assert wait_for(lambda: len(sender.spool) >= 5, 30.0), "timed out"  # batches pile up on disk meanwhile
         assert stats.snapshot()["send_errors"] > 0
         receiver.start()
-        wait_for(lambda: receiver.count() > len(seen) // 2 + 40)
+        assert wait_for(lambda: receiver.count() > len(seen) // 2 + 40, 30.0), "timed out"
     finally:
         sampler.stop()
         sender.close(drain_s=10)
@@ -63,7 +57,7 @@ def test_malformed_batch_is_set_aside_and_does_not_block(receiver, tmp_path):
     sender = sender_for(receiver, tmp_path, stats)
     receiver.forced.append(400)
     sender.put(make_rows(8), [])
-    wait_for(lambda: stats.snapshot()["samples_rejected"] == 8)
+    assert wait_for(lambda: stats.snapshot()["samples_rejected"] == 8, 30.0), "timed out"
     sender.put(make_rows(16, t0=1_800_000_000_000), [{"timestamp": 1_800_000_000_000, "node": "n0", "gpu": 3, "xid": 79}])
     sender.close()
     assert receiver.count() == 16 and receiver.count("/v1/xid") == 1
@@ -112,7 +106,7 @@ def test_refused_token_retries_without_losing(receiver, tmp_path):
     stats = AgentStats()
     sender = sender_for(receiver, tmp_path, stats, token="wrong")
     sender.put(make_rows(8), [])
-    wait_for(lambda: stats.snapshot()["send_errors"] >= 2)
+    assert wait_for(lambda: stats.snapshot()["send_errors"] >= 2, 30.0), "timed out"
     sender.close(drain_s=0)
     assert receiver.statuses[401] >= 2 and receiver.count() == 0
     assert len(Spool(str(tmp_path / "spool"))) == 1  # still there for when the token is fixed

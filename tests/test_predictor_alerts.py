@@ -9,9 +9,8 @@ import pytest
 import requests
 
 from tests.predictor_fixtures import ROOT, live_server  # noqa: F401 (fixture)
-from tests.procs import free_port
-from tests.procs import stop_process
-from tests.test_predictor_server import T0, arrow_body, node_rows, post, wait_for
+from tests.procs import free_port, stop_process, wait_for
+from tests.test_predictor_server import T0, arrow_body, node_rows, post
 
 DEPLOY = ROOT / "deploy" / "prometheus"
 
@@ -43,7 +42,7 @@ def alertmanager(tmp_path):
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ready(url), timeout=30)
+        assert wait_for(lambda: _ready(url), timeout=30), "alertmanager did not become ready"
         yield url
     finally:
         stop_process(proc)
@@ -102,15 +101,16 @@ def test_strict_risk_pages_alertmanager_and_resolves_on_replacement(live_server,
     assert post(srv, "xid", xid, ctype="application/x-ndjson").status_code == 202
 
     firing = wait_for(lambda: _our_alerts(alertmanager), timeout=15)
+    assert firing, "no alert reached Alertmanager"
     (alert,) = firing
     assert alert["labels"]["node"] == "n7" and alert["labels"]["gpu"] == "5"
     assert alert["labels"]["uuid"] == "GPU-n7-5" and alert["status"]["state"] == "active"
     assert alert["annotations"]["reason"] == "critical XID 95"
-    assert webhook.bodies[0]["status"] == "firing"
+    assert wait_for(lambda: webhook.bodies)[0]["status"] == "firing"
 
     # the GPU is swapped: a new UUID at the same index, counters from zero -> resolved
     assert post(srv, "telemetry", arrow_body(node_rows("n7", T0 + 120_000, uuid_prefix="NEW"))).status_code == 202
-    wait_for(lambda: not _our_alerts(alertmanager), timeout=15)
+    assert wait_for(lambda: not _our_alerts(alertmanager), timeout=15), "the alert was not resolved"
     assert wait_for(lambda: [b for b in webhook.bodies if b["status"] == "resolved"])[0]["alerts"][0][
         "labels"]["gpu"] == "5"
     metrics = requests.get(srv.url + "/metrics", timeout=5).text

@@ -16,7 +16,7 @@ from aiohttp import web
 from predictor import model as model_io
 from predictor.server import Service, _concat, make_app
 from tests.predictor_fixtures import shared_server  # noqa: F401 (fixture)
-from tests.procs import free_port
+from tests.procs import free_port, wait_for
 
 T0 = 1_780_000_000_000
 
@@ -41,16 +41,6 @@ def post(srv, kind: str, body: bytes, role: str = "agent", ctype: str = "applica
          batch_id: str | None = None, **headers) -> requests.Response:
     h = srv.headers(role, **{"Content-Type": ctype, "X-Batch-Id": batch_id or str(uuid.uuid4()), **headers})
     return requests.post(f"{srv.url}/v1/{kind}", data=body, headers=h, timeout=10)
-
-
-def wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def test_tokens_and_roles(shared_server):
@@ -103,6 +93,7 @@ def test_ingest_formats_duplicates_and_refusals(shared_server):
     # scoring pass, then check that the late sample moved nothing back
     risk = wait_for(lambda: (r := _risk(srv, "n1")) and len(r["gpus"]) == 8
                     and all(g["at_ms"] != -1 for g in r["gpus"]) and r)
+    assert risk, "the GPUs were never scored"
     assert all(g["at_ms"] == T0 for g in risk["gpus"])
     metrics = requests.get(f"{srv.url}/metrics", timeout=5).text
     assert 'predictor_batches_total{endpoint="telemetry",outcome="malformed"} 6.0' in metrics
@@ -161,6 +152,7 @@ def test_job_hears_checkpoint_now_once_per_interval(shared_server):
     assert post(srv, "xid", xid("j1", 4, T0 + 3000), ctype="application/x-ndjson").status_code == 202
     info = wait_for(lambda: (j := requests.get(f"{srv.url}/v1/jobs/{job['id']}", headers=srv.headers("job"),
                                                timeout=5).json())["checkpoints_suppressed"] and j)
+    assert info, "the second crossing was never counted as suppressed"
     assert info["checkpoints_sent"] == 1
     risk = _risk(srv, "j1")
     assert risk["risk"] == 1.0 and risk["worst_gpu"] in (3, 4) and risk["reason"] == "critical XID 79"

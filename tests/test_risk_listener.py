@@ -14,15 +14,7 @@ from ckpt.integrations.risk import RiskListener
 from ckpt.integrations.urgency import SaveRequests
 
 from .predictor_fixtures import TOKENS, live_server  # noqa: F401  (fixture)
-
-
-def wait_for(check, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
+from .procs import wait_for
 
 
 def test_critical_xid_on_a_job_node_requests_an_urgent_save(live_server) -> None:  # noqa: F811
