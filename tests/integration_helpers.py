@@ -1,4 +1,5 @@
-"""Shared helpers for the Lightning and Hugging Face integration tests.
+"""Shared helpers for the tests that run training scripts as real processes: ``torchrun``
+(gloo, 2 ranks on CPU), and for the Lightning and Hugging Face integration tests:
 
 An example training script (examples/train_lightning.py, examples/train_hf.py) runs as
 real child processes; its fault injector SIGKILLs or SIGTERMs them, and the test starts
@@ -23,6 +24,17 @@ from pathlib import Path
 from tests.ckpt_helpers import REPO, shm_dir  # noqa: F401  (a fixture for the test modules)
 
 FAULTS = "6:kill,10:term,14:kill"  # mid-epoch SIGKILL, preemption notice, SIGKILL after an epoch-end save
+
+
+def torchrun(script: Path, *args: str, restarts: int = 0) -> str:
+    """Run ``script`` on 2 gloo ranks (restarted up to ``restarts`` times); its output, asserting success."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--max-restarts={restarts}",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.5", str(script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return log
 
 
 @dataclass
@@ -76,6 +88,25 @@ def assert_resumes_exactly(module: str, tmp_path: Path, memory_dir: str, restore
     assert [r.restored for r in runs] == [None, *restored]
     assert f"urgent checkpoint at step {restored[1]}" in runs[1].log
     assert faulty == clean, "the resumed run diverged from the uninterrupted one"
+
+
+def assert_ddp_resumes_exactly(module: str, tmp_path: Path, memory_dir: str, restored: list[int]) -> None:
+    """The same under torchrun on 2 DDP ranks, FAULTS hitting the last rank only: both
+    ranks save the urgent step together, restore the same ``restored`` steps, and end
+    bitwise equal to an uninterrupted 2-rank run."""
+    script = REPO / "examples" / f"{module.rsplit('.', 1)[-1]}.py"
+
+    def run(name: str, *extra: str, restarts: int = 0) -> str:
+        return torchrun(script, "--root", str(tmp_path / name), "--memory-dir", memory_dir,
+                        "--out", str(tmp_path / f"{name}.json"), *extra, restarts=restarts)
+
+    run("clean")
+    log = run("faulty", "--faults", FAULTS, restarts=3)
+    for rank in (0, 1):
+        assert re.search(rf"rank{rank} \S+ urgent checkpoint at step {restored[1]}\b", log), log[-4000:]
+        assert [int(s) for s in re.findall(rf"rank{rank} \S+ rank {rank} restored step (\d+)", log)] == restored
+    digests = [json.loads((tmp_path / f"{name}.json").read_text())["digest"] for name in ("faulty", "clean")]
+    assert digests[0] == digests[1], "the resumed DDP run diverged from the uninterrupted one"
 
 
 def faulty_and_clean(module: str, tmp_path: Path, memory_dir: str) -> tuple[list[Run], str, str]:

@@ -5,10 +5,8 @@ to an uninterrupted run's."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,19 +15,10 @@ import pytest
 from ckpt import CheckpointManager
 from ckpt.errors import CheckpointError
 from ckpt.tiers.local import LocalDiskTier
+from tests.integration_helpers import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 40, 5
-
-
-def torchrun(script: Path, *args: str, restarts: int = 0) -> str:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--max-restarts={restarts}",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.5", str(script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    return log
 
 
 def train(root: Path, memory_dir: str, out: Path, *extra: str, restarts: int = 0) -> str:

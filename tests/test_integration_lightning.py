@@ -1,7 +1,8 @@
 """The Lightning integration on a real Trainer and a small real model (the example GPT
 with dropout): a run SIGKILLed mid-epoch, preempted by SIGTERM, and SIGKILLed after an
 epoch-end checkpoint, restarted each time as a new process, ends bitwise equal to an
-uninterrupted run with the same seed."""
+uninterrupted run with the same seed; on one process, and on two DDP ranks under
+torchrun, where only the last rank is hit and the other must follow it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,13 +10,17 @@ from pathlib import Path
 import torch
 
 import ckpt
-from tests.integration_helpers import assert_resumes_exactly, shm_dir  # noqa: F401
+from tests.integration_helpers import assert_ddp_resumes_exactly, assert_resumes_exactly, shm_dir  # noqa: F401
 
 
 def test_interrupted_lightning_run_resumes_exactly(tmp_path: Path, shm_dir: str) -> None:
     # every 4 steps, 6 batches an epoch: 4 is mid-epoch; SIGTERM after step 10 saves at
     # the end of step 11; 12 ends epoch 2
     assert_resumes_exactly("examples.train_lightning", tmp_path, shm_dir, restored=[4, 11, 12])
+
+
+def test_two_ddp_ranks_resume_exactly_and_save_together(tmp_path: Path, shm_dir: str) -> None:
+    assert_ddp_resumes_exactly("examples.train_lightning", tmp_path, shm_dir, restored=[4, 11, 12])
 
 
 def test_data_loader_position_is_the_batches_delivered() -> None:

@@ -311,7 +311,7 @@ def test_cli_on_s3_urls_with_endpoint_and_credentials_from_the_aws_environment(t
 
 
 def test_two_ranks_upload_their_shards_and_a_fresh_node_restores_from_the_store(tmp_path):
-    from tests.test_distributed_torchrun import torchrun
+    from tests.integration_helpers import torchrun
 
     log = torchrun(Path(__file__).with_name("objstore_dist_child.py"), str(tmp_path), str(tmp_path / "shm"))
     assert log.count("objstore dist ok") == 2, log[-3000:]
