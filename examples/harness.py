@@ -1,5 +1,5 @@
-"""What the Lightning and Hugging Face examples share: their command line and the
-fault injector their tests drive."""
+"""What the Lightning and Hugging Face examples share: their command line, joining
+torchrun's process group, and the fault injector their tests drive."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,8 @@ import signal
 from pathlib import Path
 
 import torch
+
+from ckpt.distributed import init_process_group
 
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
@@ -31,14 +33,27 @@ def parse_args(doc: str) -> argparse.Namespace:
     return args
 
 
+def world_size() -> int:
+    """Join torchrun's process group when launched by it (restart-safe, and before the
+    Trainer, which then uses this group instead of building one that a restart breaks);
+    returns the number of ranks."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        init_process_group()
+    return world
+
+
 class Faults:
     """``"6:kill,10:term"``: SIGKILL this process when training completes step 6,
     SIGTERM it (a preemption notice) at step 10. Each fault fires once per checkpoint
-    root, remembered by a marker file there, so a restarted run goes past it."""
+    root, remembered by a marker file there, so a restarted run goes past it. Under
+    torchrun only the last rank faults: the others must follow it."""
 
     def __init__(self, spec: str, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.at = {int(step): SIGNALS[kind] for step, kind in (f.split(":") for f in spec.split(",") if f)}
+        if int(os.environ.get("RANK", "0")) != int(os.environ.get("WORLD_SIZE", "1")) - 1:
+            self.at = {}
 
     def fire(self, step: int) -> None:
         """Call at the end of each step with the number of steps completed."""

@@ -13,7 +13,6 @@ built from a config (random weights, dropout on): nothing is downloaded.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -22,9 +21,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
-from ckpt.distributed import init_process_group  # noqa: E402
 from ckpt.integrations.huggingface import HFCheckpoint  # noqa: E402
-from examples.harness import Faults, parse_args  # noqa: E402
+from examples.harness import Faults, parse_args, world_size  # noqa: E402
 from examples.gpt import GPTConfig  # noqa: E402
 from examples.train_torchrun import synthetic_corpus, weights_digest  # noqa: E402
 
@@ -47,14 +45,12 @@ class FaultCallback(TrainerCallback):
         self.faults = faults
 
     def on_step_end(self, args: TrainingArguments, state: object, control: object, **kwargs: object) -> None:
-        if args.process_index == args.world_size - 1:
-            self.faults.fire(state.global_step)
+        self.faults.fire(state.global_step)
 
 
 def main() -> None:
     args = parse_args(__doc__)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        init_process_group()  # restart-safe under torchrun; the Trainer uses the group it finds
+    world_size()  # under torchrun: join its process group before the Trainer builds one
     targs = TrainingArguments(output_dir=str(Path(args.root) / "trainer"), max_steps=args.steps, seed=args.seed,
                               per_device_train_batch_size=args.batch, learning_rate=3e-3, lr_scheduler_type="cosine",
                               save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,

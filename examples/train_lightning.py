@@ -13,7 +13,6 @@ only: under torchrun the other ranks must follow it).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,9 +22,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
-from ckpt.distributed import init_process_group  # noqa: E402
 from ckpt.integrations.lightning import LightningCheckpoint  # noqa: E402
-from examples.harness import Faults, parse_args  # noqa: E402
+from examples.harness import Faults, parse_args, world_size  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.train_torchrun import synthetic_corpus, weights_digest  # noqa: E402
 
@@ -56,15 +54,12 @@ class FaultCallback(pl.Callback):
         self.faults = faults
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        if trainer.global_rank == trainer.world_size - 1:
-            self.faults.fire(trainer.global_step)
+        self.faults.fire(trainer.global_step)
 
 
 def main() -> None:
     args = parse_args(__doc__)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        init_process_group()  # first: the manager and the sampler take rank and world size from it
+    world = world_size()  # first: the manager and the sampler take rank and world size from its group
     pl.seed_everything(args.seed, verbose=False)
 
     data = synthetic_corpus(args.batch * args.batches_per_epoch, GPTConfig.tiny())
