@@ -105,8 +105,8 @@ def assert_ddp_resumes_exactly(module: str, tmp_path: Path, memory_dir: str, res
     for rank in (0, 1):
         assert re.search(rf"rank{rank} \S+ urgent checkpoint at step {restored[1]}\b", log), log[-4000:]
         assert [int(s) for s in re.findall(rf"rank{rank} \S+ rank {rank} restored step (\d+)", log)] == restored
-    digests = [json.loads((tmp_path / f"{name}.json").read_text())["digest"] for name in ("faulty", "clean")]
-    assert digests[0] == digests[1], "the resumed DDP run diverged from the uninterrupted one"
+    assert _digest(tmp_path, "faulty") == _digest(tmp_path, "clean"), \
+        "the resumed DDP run diverged from the uninterrupted one"
 
 
 def faulty_and_clean(module: str, tmp_path: Path, memory_dir: str) -> tuple[list[Run], str, str]:
@@ -122,8 +122,12 @@ def faulty_and_clean(module: str, tmp_path: Path, memory_dir: str) -> tuple[list
         runs = zygote.run_until_done(*argv("faulty", "--faults", FAULTS))
     finally:
         zygote.close()
-    digests = [json.loads((tmp_path / f"{name}.json").read_text())["digest"] for name in ("faulty", "clean")]
-    return runs, digests[0], digests[1]
+    return runs, _digest(tmp_path, "faulty"), _digest(tmp_path, "clean")
+
+
+def _digest(tmp_path: Path, name: str) -> str:
+    """The final weights digest a run named ``name`` wrote (rank 0, ``--out``)."""
+    return json.loads((tmp_path / f"{name}.json").read_text())["digest"]
 
 
 def serve(module: str) -> None:

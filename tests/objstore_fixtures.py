@@ -21,7 +21,6 @@ from .procs import free_port, stop_process
 MOTO_SERVER = [sys.executable, "-m", "moto.server"]  # works wherever moto is importable (a venv, --target)
 
 
-
 @dataclass
 class S3Server:
     proc: subprocess.Popen

@@ -50,7 +50,6 @@ def trained_model(small_trace, tmp_path_factory) -> Path:
     return out
 
 
-
 class LiveServer:
     """`predictor serve` in a subprocess on 127.0.0.1, tokens from a file named in the env."""
 

@@ -68,7 +68,6 @@ def test_blank_fields_are_left_out_and_silent_gpus_expire():
     assert [s.labels["gpu"] for s in fam.samples] == [str(rows[1]["gpu"])]
 
 
-
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian package prometheus not installed")
 def test_a_real_prometheus_scrapes_it(tmp_path):
     exp, rows = sim_exporter()

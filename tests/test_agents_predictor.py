@@ -37,7 +37,6 @@ def _env():
     return {**os.environ, "PYTHONPATH": path}
 
 
-
 @pytest.fixture(scope="module")
 def predictor(tmp_path_factory):
     d = tmp_path_factory.mktemp("predictor")

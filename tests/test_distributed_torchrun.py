@@ -15,9 +15,8 @@ import pytest
 from ckpt import CheckpointManager
 from ckpt.errors import CheckpointError
 from ckpt.tiers.local import LocalDiskTier
-from tests.integration_helpers import torchrun
+from tests.integration_helpers import REPO, torchrun
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 40, 5
 
 
@@ -56,7 +55,6 @@ def test_killed_workers_resume_exactly(runs: tuple[Path, str]) -> None:
               f"{t_first - t_kill:.1f} s from kill to first resumed step")
         assert step - resumed_step <= EVERY  # the fault during save may lose the unfinished drain, never more
     assert got["digest"] == ref["digest"], "resumed run diverged from the uninterrupted one"
-
 
 
 def test_replicated_state_is_stored_once(runs: tuple[Path, str]) -> None:
