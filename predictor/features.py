@@ -41,6 +41,16 @@ INTERVAL_TAU_S = 3600.0                      # memory of a GPU's usual sample in
 NULL_TAU_S = 1800.0
 ACTIVE_EVENTS = 1.0                          # a counter is "active" at >= 1 event in its 1 h window
 NODE_STALE_S = 600.0                         # a sibling silent this long is not a reference
+#: A precursor's event rate grows like exp(RAMP_GROWTH * progress) over its duration D, so the
+#: events seen so far date the ramp: their mean age against the time since the first one gives
+#: the progress, hence D and the time left. Measured on the shared sample (per failure, from its
+#: events and labelled duration): median 4.0 (HBM), 4.3 (PCIe), 4.7 (NVLink); 3.5-4.4 on the
+#: long ramps, where the estimate is tight.
+RAMP_GROWTH = 4.0
+RAMP_GAP_S = 3600.0                          # an hour without events ends a counter's ramp
+RAMP_BURST_FLOOR = 6.0                       # a sample adds at most FLOOR + FACTOR x the events
+RAMP_BURST_FACTOR = 8.0                      # the last 10 min's rate predicts: a burst is no ramp
+RAMP_NONE_MIN = 1e4                          # "time left" when nothing is ramping (minutes)
 THERMAL_BITS = 0x20 | 0x40                   # SW / HW thermal slowdown
 SLOWDOWN_BITS = 0x08 | 0x80                  # HW slowdown / power brake
 WARNING_XIDS = frozenset({63, 92})
@@ -59,7 +69,8 @@ def _feature_names() -> tuple[str, ...]:
         short = c.removeprefix("DCGM_FI_DEV_").lower()
         names += [f"{short}_rate_{int(t // 60)}m" for t in RATE_TAUS_S]
         names += [f"{short}_accel_10m_1h", f"{short}_accel_1h_6h", f"{short}_active_for",
-                  f"{short}_since_onset", f"{short}_rate_vs_onset", f"{short}_spread_10m"]
+                  f"{short}_since_onset", f"{short}_rate_vs_onset", f"{short}_spread_10m",
+                  f"{short}_ramp_left", f"{short}_ramp_left_hi", f"{short}_ramp_events"]
     names += [f"slowdown_throttle_{int(t // 60)}m" for t in THROTTLE_TAUS_S]
     names += ["thermal_throttle_vs_node", "row_remap_failure", "null_share", "gap_ratio",
               "age", "warning_xids_30m", "warning_xids_6h", "application_xids_30m"]
@@ -87,6 +98,28 @@ def _nanmedian_of_peers(peers: np.ndarray) -> np.ndarray:
     hi = np.take_along_axis(s, k // 2, axis=2)[..., 0]
     with np.errstate(invalid="ignore", over="ignore"):
         return (lo + hi) / 2 + 0.0                            # + 0.0: a zero median is +0, as nanmedian's
+
+
+def _ramp_x_table() -> tuple[np.ndarray, np.ndarray]:
+    """x = growth x elapsed against q = mean event age / elapsed, for a rate ∝ exp(growth * age):
+    q(x) = 1/x - 1/(e^x - 1) falls from 1/2 (flat) towards 0 (steep)."""
+    x = np.geomspace(1e-4, 200.0, 4000)
+    return -(1 / x - 1 / np.expm1(x)), x          # negated: increasing, for np.interp
+
+
+_RAMP_NEG_Q, _RAMP_X = _ramp_x_table()
+
+
+def ramp_left_min(elapsed_s: np.ndarray, mean_age_s: np.ndarray) -> np.ndarray:
+    """Minutes left on an exponential ramp whose events since `elapsed_s` ago have that mean age.
+
+    The ramp's duration is RAMP_GROWTH / growth and `elapsed_s` of it has passed; a flat or
+    falling rate (mean age >= half the elapsed time) has no end in sight (RAMP_NONE_MIN)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(elapsed_s > 0, mean_age_s / elapsed_s, 0.5)
+        x = np.interp(-np.minimum(q, 0.5), _RAMP_NEG_Q, _RAMP_X)
+        left = elapsed_s * (RAMP_GROWTH / x - 1.0) / 60.0
+    return np.clip(np.nan_to_num(left, nan=RAMP_NONE_MIN), 0.0, RAMP_NONE_MIN)
 
 
 def _decay(dt_s: np.ndarray, taus: tuple[float, ...]) -> np.ndarray:
@@ -165,6 +198,10 @@ class FleetState:
         grow("active_since", (nk,), -1, np.int64)
         grow("onset_events", (nk,), 0.0)
         grow("largest_jump", (nk,), 0.0)
+        grow("ramp_first_t", (nk,), -1, np.int64)
+        grow("ramp_last_t", (nk,), -1, np.int64)
+        grow("ramp_events", (nk,), 0.0)
+        grow("ramp_moment", (nk,), 0.0)
         grow("throttle", (2, len(THROTTLE_TAUS_S)), 0.0)
         grow("null_share", (), 0.0)
         grow("remap_failure", (), 0.0)
@@ -200,6 +237,10 @@ class FleetState:
         self.active_since[slots] = -1
         self.onset_events[slots] = 0.0
         self.largest_jump[slots] = 0.0
+        self.ramp_first_t[slots] = -1
+        self.ramp_last_t[slots] = -1
+        self.ramp_events[slots] = 0.0
+        self.ramp_moment[slots] = 0.0
         self.throttle[slots] = 0.0
         self.null_share[slots] = 0.0
         self.remap_failure[slots] = 0.0
@@ -283,6 +324,20 @@ class FleetState:
         self.active_since[s] = np.where(quiet, -1, since)
         ev = np.where(onset, hour, self.onset_events[s] + delta)
         self.onset_events[s] = np.where(quiet, 0.0, ev)
+        # the current ramp: events since the counter woke from RAMP_GAP_S of silence, and
+        # their summed age from the first one (so their mean age needs no per-event memory);
+        # a one-off burst of replays is capped to what the 10 min rate makes plausible
+        expected = cnt[:, :, 0] * dec[:, :, 0] / RATE_TAUS_S[0] * cdt
+        counted = np.minimum(delta, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * expected)
+        hit = ok & (counted > 0)
+        tt = t[:, None]
+        woke = hit & ((self.ramp_last_t[s] < 0) | (tt - self.ramp_last_t[s] > RAMP_GAP_S * 1000))
+        r_first = np.where(woke, tt, self.ramp_first_t[s])
+        self.ramp_first_t[s] = r_first
+        self.ramp_events[s] = np.where(woke, 0.0, self.ramp_events[s]) + np.where(hit, counted, 0.0)
+        self.ramp_moment[s] = np.where(woke, 0.0, self.ramp_moment[s]) + \
+            np.where(hit, counted * (tt - r_first) / 1000.0, 0.0)
+        self.ramp_last_t[s] = np.where(hit, tt, self.ramp_last_t[s])
         self.counter_last[s] = np.where(ok, c, last)
         self.counter_t[s] = np.where(ok, t[:, None], self.counter_t[s])
 
@@ -332,7 +387,8 @@ class FleetState:
             per_h = ev / np.maximum((t - since) / 3.6e6 + 1.0, 1.0)
             feats[:, col + 7] = np.where(active, np.log((rates[:, k, 0] + 0.1) / (per_h + 0.1)), 0.0)
             feats[:, col + 8] = np.log((self.counted[s, k, 0] + 1.0) / (self.largest_jump[s, k] + 1.0))
-            col += 9
+            feats[:, col + 9: col + 12] = self._ramp(s, t, k)
+            col += 12
         th = self.throttle[s]
         feats[:, col: col + 2] = th[:, 1]
         feats[:, col + 2] = vs_node[:, 2 * ng]
@@ -345,6 +401,25 @@ class FleetState:
         feats[:, col + 9] = np.log1p(app)
         feats[~np.isfinite(feats)] = 0.0                       # NaN and ±inf: 0
         return feats
+
+    def _ramp(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
+        """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
+        upper bound (few events date a ramp loosely), and log events in it."""
+        n = self.ramp_events[s, k]
+        elapsed = (t - self.ramp_first_t[s, k]) / 1000.0
+        # a ramp is dated once it spans time: events in one sample say nothing of their trend
+        live = (self.ramp_last_t[s, k] >= 0) & (t - self.ramp_last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
+            & (elapsed > 0)
+        elapsed = np.where(live, elapsed, 0.0)
+        n1 = np.maximum(n, 1.0)
+        age = elapsed - self.ramp_moment[s, k] / n1
+        # the mean of n ages spread over [0, elapsed] is uncertain by about elapsed / sqrt(12 n)
+        age_hi = age + elapsed / np.sqrt(12.0 * n1)
+        out = np.empty((len(s), 3))
+        out[:, 0] = np.log1p(np.where(live, ramp_left_min(elapsed, age), RAMP_NONE_MIN))
+        out[:, 1] = np.log1p(np.where(live, ramp_left_min(elapsed, age_hi), RAMP_NONE_MIN))
+        out[:, 2] = np.log1p(np.where(live, n, 0.0))
+        return out
 
     # ------------------------------------------------------------ XIDs
     def xid_counts_at(self, slots: np.ndarray, t_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -165,7 +165,8 @@ class Scorer:
         return chunk, feats, rules.critical_mask(st.critical_t[chunk.slots], chunk.t_ms)
 
     def _risk(self, parts: list, events: list[tuple[int, int, str]]) -> Scored:
-        """One model call for all chunks; critical XIDs (as events and as holds) force risk 1."""
+        """One model call for all chunks; critical XIDs (as events and as holds) and due
+        precursor ramps force risk 1."""
         ev_slots = np.asarray([e[0] for e in events], np.int64)
         slots = np.concatenate([c.slots for c, _, _ in parts] + [ev_slots])
         t = np.concatenate([c.t_ms for c, _, _ in parts] + [np.asarray([e[1] for e in events], np.int64)])
@@ -177,14 +178,17 @@ class Scorer:
             risk[:n_samples] = self.model.predict(feats[:n_samples])
         elif n_samples:
             risk[:n_samples] = 0.0
-        risk[crit] = 1.0
+        due = np.concatenate([rules.ramp_due(feats[:n_samples]), np.full(len(events), -1)])
+        risk[crit | (due >= 0)] = 1.0
         reasons = [""] * n_samples + [e[2] for e in events]
         hot = np.flatnonzero(risk[:n_samples] >= self.reasons_from)
         if len(hot):
-            model_hot = hot[~crit[hot]]
+            model_hot = hot[~crit[hot] & (due[hot] < 0)]
             texts = self.model.reasons(feats[model_hot]) if len(model_hot) else []
             for i, text in zip(model_hot.tolist(), texts):
                 reasons[i] = text
+            for i in hot[~crit[hot] & (due[hot] >= 0)].tolist():
+                reasons[i] = rules.ramp_reason(int(due[i]), feats[i])
             for i in hot[crit[hot]].tolist():
                 reasons[i] = rules.critical_reason(self.state.critical_xid[slots[i]])
         self._remember(slots, t, risk, reasons)

@@ -11,7 +11,7 @@ import pytest
 
 from predictor import evaluation, training
 from predictor import model as model_io
-from predictor.features import FEATURE_NAMES, METRICS, FleetState, _nanmedian_of_peers
+from predictor.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState, _nanmedian_of_peers
 from predictor.replay import score_trace
 from predictor.scoring import Scorer, Xids, timestamps_ms
 from tests.predictor_fixtures import run_cli, small_trace, trained_model  # noqa: F401 (fixtures)
@@ -145,6 +145,58 @@ def test_node_median_is_numpys_bit_for_bit():
     got = _nanmedian_of_peers(peers)
     assert np.array_equal(got, expected, equal_nan=True)
     assert np.array_equal(np.signbit(got[~np.isnan(got)]), np.signbit(expected[~np.isnan(expected)]))
+
+
+def _ramp_left_over_time(rate_per_min, minutes: int, interval_s: int, seed: int) -> np.ndarray:
+    """Minutes left read off the SBE ramp feature of one GPU fed Poisson SBE counts."""
+    rng = np.random.default_rng(seed)
+    state = FleetState()
+    slot = state.slots_for(["n0"], np.array([0]))
+    sbe = METRICS.index(COUNTERS[0])
+    col = FEATURE_NAMES.index("ecc_sbe_vol_total_ramp_left")
+    t_min = np.arange(0, minutes, interval_s / 60)
+    counts = np.cumsum(rng.poisson(rate_per_min(t_min) * interval_s / 60))
+    out = []
+    for tm, c in zip(t_min, counts):
+        values = np.full((1, len(METRICS)), np.nan)
+        values[0, sbe] = c
+        out.append(state.apply(Chunk(slot, np.array([int(tm * 60_000)]), values))[0, col])
+    return np.expm1(np.asarray(out))
+
+
+@pytest.mark.parametrize("interval_s", [30, 60])
+def test_ramp_features_date_an_exponential_precursor(interval_s):
+    """A rate rising like exp(4 x progress) to 3 SBE/min over 3 h: the events so far tell how
+    much is left, whatever the peak (loosely: there are few of them); a steady rate of errors
+    has no end in sight."""
+    duration = 180
+    runs = [_ramp_left_over_time(lambda m: 3.0 * np.exp(4.0 * (m / duration - 1.0)), duration, interval_s, seed)
+            for seed in range(6)]
+    at = lambda m: np.median([r[int(m * 60 / interval_s)] for r in runs])
+    assert at(90) > 90 and 15 <= at(150) <= 90 and at(170) < 50     # 90, 30 and 10 min left
+    steady = _ramp_left_over_time(lambda m: np.full_like(m, 0.5), 600, interval_s, 0)
+    assert np.median(steady[len(steady) // 2:]) > 600
+
+
+def test_a_due_ramp_sets_risk_to_one_with_its_reason():
+    """The ramp rule: a steep SBE ramp is due near its end and not 40 min before; a steady
+    rate never is. Counts are the expected ones (no noise), one sample a minute."""
+    scorer = Scorer(None, reasons_from=0.5)
+    sbe = METRICS.index(COUNTERS[0])
+    minutes = np.arange(60)
+    ramp = np.floor(np.cumsum(20.0 * np.exp(4.0 * (minutes / 60 - 1.0))))
+    steady = 5.0 * minutes
+    risk, reasons = {0: [], 1: []}, {0: [], 1: []}
+    for m in minutes.tolist():
+        values = np.full((2, len(METRICS)), np.nan)
+        values[:, sbe] = ramp[m], steady[m]
+        r = scorer.score_rows(np.array([m * 60_000] * 2), ["n0", "n0"], np.array([0, 1]), values)
+        for i, gpu in enumerate(r.slots.tolist()):
+            risk[gpu].append(r.risk[i])
+            reasons[gpu].append(r.reasons[i])
+    assert risk[0][20] == 0.0 and risk[0][55] == 1.0
+    assert reasons[0][55].startswith("ecc_sbe_vol_total ramp of ")
+    assert max(risk[1]) == 0.0
 
 
 def test_slots_by_distinct_node_match_slots_by_row():
