@@ -3,7 +3,7 @@ off-node, the node lost, and training resumed in seconds; next to the same job w
 periodic checkpoints only.
 
 Everything runs on this machine on embedded defaults: a predictor service, a node
-agent simulating this host's 8 GPUs (an HBM failure with precursors is scheduled on
+agent simulating this host's 8 GPUs (a PCIe link failure with precursors is scheduled on
 gpu2), a 2-rank torchrun (gloo, CPU) training job with the ckpt callback, and an
 object-store tier (a ``file://`` directory; ``--object-store s3://...`` with
 ``AWS_ENDPOINT_URL`` for a real one). At the failure time the job is SIGKILLed and the
@@ -135,9 +135,9 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
             run.start("agent", [PY, "-m", "agents.cli", "run", "--source", "sim", "--predictor", url,
                                 "--token-file", str(run.dir / "agent.token"), "--node-name", node,
                                 "--interval", str(args.interval), "--time-scale", str(args.time_scale), "--model-clock",
-                                "--fail", f"{node}/gpu2/hbm@+{args.fail_after}s", "--metrics-port", "0",
+                                "--fail", f"{node}/gpu2/pcie@+{args.fail_after}s", "--metrics-port", "0",
                                 "--spool-dir", str(run.dir / "spool")], {"PYTHONPATH": str(REPO)})
-            say(f"{name}: node agent simulating {node}'s 8 GPUs; an HBM failure of gpu2 is due in {args.fail_after:.0f} s "
+            say(f"{name}: node agent simulating {node}'s 8 GPUs; a PCIe link failure of gpu2 is due in {args.fail_after:.0f} s "
                 f"(precursors {args.time_scale:g}x faster than real)")
             extra = ["--predictor", url, "--elevated-every", str(max(1, args.every // 4))]
             env = {"CKPT_PREDICTOR_TOKEN": job_tok}

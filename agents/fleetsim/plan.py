@@ -33,6 +33,10 @@ TERMINAL_XIDS = {
 # 0.01-0.07 SBE/s, PCIe 0.06-0.35 replays/s, NVLink 0.07-0.9 CRC/s, thermal +7-40 °C.
 PEAK_RATE = {"hbm": (0.02, 0.06), "pcie": (0.12, 0.35), "nvlink": (0.2, 0.9)}
 THERMAL_PEAK_C = (11.0, 24.0)
+# Growth g of the rate's rise, expm1(g * progress) / expm1(g), uniform: fitted per failure
+# to the shared sample's events (as a pure exponential), long ramps, where the fit is tight,
+# give 3.5-4.4, median 4.0; this range fits the simulator's own ramps to the same.
+RAMP_GROWTH = (3.1, 4.1)
 APP_STORM_XIDS = ((13, 31, 43), (0.3, 0.45, 0.25))
 
 
@@ -100,13 +104,14 @@ class NodePlan:
             self._plan_failures(t0, self.until)
 
     def add_scheduled(self, gpu: int, mode: str, t: float) -> None:
-        """A demo failure: its precursor is never faint or short, and starts after the start."""
+        """A demo failure: its precursor is never faint or short (it peaks at the top of its
+        mode's range), and starts after the start."""
         self._add_failure(gpu, mode, t, max_duration=0.9 * t)
         f = self.failures[-1]
         f.strength = max(f.strength, 1.0)
         if mode in PRECURSOR_DURATION:
             f.duration = min(max(f.duration, PRECURSOR_DURATION[mode][0]), 0.9 * t)
-        f.peak = max(f.peak, float(np.sqrt(np.prod(PEAK_RATE.get(f.mode, THERMAL_PEAK_C)))))
+        f.peak = PEAK_RATE.get(f.mode, THERMAL_PEAK_C)[1]
 
     # -- drawing ---------------------------------------------------------------
 
@@ -171,7 +176,7 @@ class NodePlan:
             duration = float(np.clip(rng.lognormal(np.log(median), sigma), 60, 8 * 3600))
             duration = max(0.0, min(duration, max_duration))
             strength = float(rng.lognormal(0.0, 0.8))
-            growth = float(rng.uniform(2.5, 6.0))
+            growth = float(rng.uniform(*RAMP_GROWTH))
             if mode in PEAK_RATE:
                 lo, hi = PEAK_RATE[mode]
                 peak = float(np.exp(rng.uniform(np.log(lo), np.log(hi))))
