@@ -59,14 +59,19 @@ _LOG_GAUGES = (False, False, True, True)     # power and clock compare as ratios
 _NODE_COLS = 2 * len(GAUGES) + 1              # short level and trend per gauge, thermal share
 
 
+def short_name(metric: str) -> str:
+    """A DCGM field's name as feature names spell it: DCGM_FI_DEV_GPU_TEMP -> gpu_temp."""
+    return metric.removeprefix("DCGM_FI_DEV_").lower()
+
+
 def _feature_names() -> tuple[str, ...]:
     names = []
     for g in GAUGES:
-        short = g.removeprefix("DCGM_FI_DEV_").lower()
+        short = short_name(g)
         names += [f"{short}_trend_5m_1h", f"{short}_trend_1h_6h", f"{short}_vs_node",
                   f"{short}_trend_vs_node"]
     for c in COUNTERS:
-        short = c.removeprefix("DCGM_FI_DEV_").lower()
+        short = short_name(c)
         names += [f"{short}_rate_{int(t // 60)}m" for t in RATE_TAUS_S]
         names += [f"{short}_accel_10m_1h", f"{short}_accel_1h_6h", f"{short}_active_for",
                   f"{short}_since_onset", f"{short}_rate_vs_onset", f"{short}_spread_10m",

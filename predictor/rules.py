@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from predictor.features import COUNTERS, FEATURE_NAMES
+from predictor.features import COUNTERS, FEATURE_NAMES, short_name
 
 CRITICAL_XIDS = frozenset({48, 62, 64, 74, 79, 94, 95, 119, 120})
 #: How long a critical XID keeps a GPU at risk 1 when no replacement is seen.
@@ -39,7 +39,7 @@ def critical_reason(xid: int) -> str:
 RAMP_DUE_MIN = 30.0
 #: ... and it holds at least this many events (fewer date it too loosely).
 RAMP_MIN_EVENTS = 10.0
-_SHORT = [c.removeprefix("DCGM_FI_DEV_").lower() for c in COUNTERS]
+_SHORT = [short_name(c) for c in COUNTERS]
 _LEFT_HI = [FEATURE_NAMES.index(f"{c}_ramp_left_hi") for c in _SHORT]
 _EVENTS = [FEATURE_NAMES.index(f"{c}_ramp_events") for c in _SHORT]
 
