@@ -40,7 +40,8 @@ from predictor.scoring import Scorer
 from predictor.training import _Sweep
 
 GROWTH = 4.1
-SOON_MIN = 58.0                     # the catch window [T - 60 min, T - 2 min] is 58 min wide
+HORIZON_MS, MIN_LEAD_MS = int(evaluation.HORIZON_S * 1000), int(evaluation.MIN_LEAD_S * 1000)
+SOON_MIN = (evaluation.HORIZON_S - evaluation.MIN_LEAD_S) / 60.0   # the width of the catch window
 MODE_OF = {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": "hbm", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": "pcie",
            "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": "nvlink"}
 D_GRID = np.exp(np.linspace(np.log(3.0), np.log(600.0), 40))          # ramp length, minutes
@@ -54,13 +55,11 @@ class RampRecorder(FleetState):
 
     def __init__(self, capacity: int = 1024):
         super().__init__(capacity)
-        self.calls: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.calls: list[np.ndarray] = []     # per _ramp call: [rows, 3] of n, elapsed s, moment
 
     def _ramp(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
-        n = self.ramp_events[s, k]
-        elapsed = (t - self.ramp_first_t[s, k]) / 1000.0
-        live = (self.ramp_last_t[s, k] >= 0) & (t - self.ramp_last_t[s, k] <= 3600_000) & (n > 0) & (elapsed > 0)
-        self.calls.append((np.where(live, n, 0.0), np.where(live, elapsed, 0.0), self.ramp_moment[s, k].copy()))
+        live, n, elapsed = self.ramp_window(s, t, k)
+        self.calls.append(np.stack([np.where(live, n, 0.0), elapsed, self.ramp_moment[s, k]], 1))
         return super()._ramp(s, t, k)
 
 
@@ -73,10 +72,10 @@ def record(trace: Path) -> dict[str, np.ndarray]:
 
     def on(scored) -> None:
         calls, scorer.state.calls = scorer.state.calls, []
-        chunks = [calls[i:i + nk] for i in range(0, len(calls), nk)]
-        n = np.concatenate([np.stack([c[0] for c in ch], 1) for ch in chunks]) if chunks else np.empty((0, nk))
-        el = np.concatenate([np.stack([c[1] for c in ch], 1) for ch in chunks]) if chunks else np.empty((0, nk))
-        mom = np.concatenate([np.stack([c[2] for c in ch], 1) for ch in chunks]) if chunks else np.empty((0, nk))
+        # _ramp runs once per counter for each chunk of samples, counters in order
+        stats = np.concatenate([np.stack(calls[i:i + nk], 1) for i in range(0, len(calls), nk)]) \
+            if calls else np.empty((0, nk, 3))
+        n, el, mom = stats[:, :, 0], stats[:, :, 1], stats[:, :, 2]
         ns = len(n)
         rows["slot"].append(scored.slots); rows["t"].append(scored.t_ms); rows["crit"].append(scored.critical)
         pad = np.zeros((len(scored.slots) - ns, nk))          # XID-only rows after the samples
@@ -155,8 +154,9 @@ def p_soon(n: np.ndarray, el: np.ndarray, sa: np.ndarray, prior: tuple[float, fl
 def _by_mode(truth: evaluation.Truth, node: np.ndarray, t: np.ndarray, on: np.ndarray) -> dict[str, str]:
     """'caught/predictable' per failure mode, node level (an alarm on the node 60 to 2 min before)."""
     f, tally = truth.failures, {}
-    for i in np.flatnonzero(f["precursor_s"] >= 120):
-        hit = np.any(on & (node == f["node"][i]) & (t >= f["timestamp"][i] - 3600_000) & (t <= f["timestamp"][i] - 120_000))
+    for i in np.flatnonzero(f["precursor_s"] >= evaluation.MIN_LEAD_S):
+        hit = np.any(on & (node == f["node"][i]) & (t >= f["timestamp"][i] - HORIZON_MS)
+                     & (t <= f["timestamp"][i] - MIN_LEAD_MS))
         c, n = tally.get(f["mode"][i], (0, 0))
         tally[f["mode"][i]] = (c + int(hit), n + 1)
     return {m: f"{c}/{n}" for m, (c, n) in sorted(tally.items())}
@@ -171,10 +171,11 @@ def sweep(trace: Path, priors: dict, min_events: float) -> dict:
             p = p_soon(rec["n"][live, k], rec["el"][live, k], rec["sa"][live, k], priors[MODE_OF[col]])
             score[live] = np.maximum(score[live], p)
     hot = np.flatnonzero(score >= min(LEVELS))
-    alarms = pa.table({"timestamp": pa.array(rec["t"][hot], pa.timestamp("ms", tz="UTC")),
-                       "node": pa.array(rec["node"][rec["slot"][hot]].tolist(), pa.string()),
+    node, t, score = rec["node"][rec["slot"][hot]], rec["t"][hot], score[hot]
+    alarms = pa.table({"timestamp": pa.array(t, pa.timestamp("ms", tz="UTC")),
+                       "node": pa.array(node.tolist(), pa.string()),
                        "gpu": pa.array(rec["gpu"][rec["slot"][hot]].astype(np.int16)),
-                       "score": pa.array(score[hot])})
+                       "score": pa.array(score)})
     truth = evaluation.load_truth(trace)
     counts = _Sweep(alarms, truth, "node")
     rows = []
@@ -182,7 +183,7 @@ def sweep(trace: Path, priors: dict, min_events: float) -> dict:
         caught, predictable, false = counts(c)
         rows.append({"level": c, "caught": caught, "predictable": predictable, "false_episodes": false,
                      "false_per_1000_node_days": round(false / truth.node_days * 1000, 2),
-                     "caught_by_mode": _by_mode(truth, rec["node"][rec["slot"][hot]], rec["t"][hot], score[hot] >= c)})
+                     "caught_by_mode": _by_mode(truth, node, t, score >= c)})
     return {"trace": str(trace), "node_days": truth.node_days, "min_events": min_events, "rows": rows}
 
 

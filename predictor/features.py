@@ -407,15 +407,20 @@ class FleetState:
         feats[~np.isfinite(feats)] = 0.0                       # NaN and ±inf: 0
         return feats
 
-    def _ramp(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
-        """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
-        upper bound (few events date a ramp loosely), and log events in it."""
+    def ramp_window(self, s: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Counter k's current ramp at times t: live mask, events in it, seconds since its first
+        event (0 where no ramp is live)."""
         n = self.ramp_events[s, k]
         elapsed = (t - self.ramp_first_t[s, k]) / 1000.0
         # a ramp is dated once it spans time: events in one sample say nothing of their trend
         live = (self.ramp_last_t[s, k] >= 0) & (t - self.ramp_last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
             & (elapsed > 0)
-        elapsed = np.where(live, elapsed, 0.0)
+        return live, n, np.where(live, elapsed, 0.0)
+
+    def _ramp(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
+        """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
+        upper bound (few events date a ramp loosely), and log events in it."""
+        live, n, elapsed = self.ramp_window(s, t, k)
         n1 = np.maximum(n, 1.0)
         age = elapsed - self.ramp_moment[s, k] / n1
         # the mean of n ages spread over [0, elapsed] is uncertain by about elapsed / sqrt(12 n)
