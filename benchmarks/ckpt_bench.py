@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckpt import CheckpointManager  # noqa: E402
-from ckpt.restore import read_checkpoint  # noqa: E402
+from ckpt.restore import read_shard  # noqa: E402
 from ckpt.state import load_into  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -183,7 +183,7 @@ def main() -> None:
         # ours
         mgr = CheckpointManager(base / "ours", keep_last=2, run="bench", memory_dir=str(shm), state=state)
         t0 = time.perf_counter()
-        mgr.pool.wait_prepared()
+        mgr.memory.wait_prepared()
         res["ours_prepare_s"] = time.perf_counter() - t0  # background in real use; shown for honesty
         first = mgr.save(1, state)
         res["ours_first_block_s"] = first.blocking_s
@@ -201,7 +201,7 @@ def main() -> None:
         last = max(mgr.disk.list(), key=lambda i: i.id).id
 
         def restore_from(tier) -> None:
-            load_into(state, read_checkpoint(tier, last, state=state))
+            load_into(state, read_shard(tier, last, 0, state=state))
             sync(tensors)
         res["ours_restore_memory_s"] = median_time(lambda: restore_from(mgr.memory), args.repeats)
         mgr.close()

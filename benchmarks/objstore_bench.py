@@ -49,7 +49,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.manifest import Manifest  # noqa: E402
-from ckpt.restore import read_checkpoint  # noqa: E402
+from ckpt.restore import read_shard  # noqa: E402
 from ckpt.tiers.object_store import ObjectStoreTier  # noqa: E402
 from tests.objstore_fixtures import S3Server, create_bucket, moto_server  # noqa: E402
 from tests.procs import cpu_seconds, free_port, stop_process  # noqa: E402
@@ -169,7 +169,7 @@ class Bench:
             src.close()
         got = self._blank()
         with clock("down"):
-            values = read_checkpoint(tier, self.ckpt_id, state=got)
+            values = read_shard(tier, self.ckpt_id, 0, state=got)
         self._check({k: values[k] for k in got})
         tier.delete(self.ckpt_id)
         tier.close()

@@ -15,16 +15,16 @@ from typing import Iterator
 import click
 from tqdm import tqdm
 
-from .errors import CheckpointError, DamagedCheckpoint, ManifestError
-from .locations import is_url, tiers_for
-from .manager import merge_listing
-from .manifest import Manifest
-from .memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
-from .restore import candidates, verify_checkpoint
+from .errors import CheckpointError, DamagedCheckpoint
+from .listing import merge_listing
+from .locations import durable_tier_for, is_url, tiers_for
+from .manifest import Manifest, ShardRef
+from .plan import RestorePlan, ShardNeed
+from .restore import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
 from .simulate_cli import simulate_cmd
-from .tensor_io import verify_shard
-from .tiers.base import CheckpointId, Tier, prune
+from .tiers.base import CheckpointId, TierReader
 from .tiers.local import LocalDiskTier
+from .tiers.memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
 
 _root = click.argument("root")
 _run = click.option("--run", default=None, help="Run id the job used (selects its shared-memory slots).")
@@ -63,6 +63,7 @@ def _size(n: int) -> str:
 @_json
 def ls_cmd(root: str, run: str | None, memory_dir: str, as_json: bool) -> None:
     """List checkpoints: step, time, size, tiers holding them, status."""
+    _must_exist(root)
     rows = merge_listing(tiers_for(root, run=run, memory_dir=memory_dir))
     lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  STATUS"]
     for r in rows:
@@ -81,6 +82,7 @@ def ls_cmd(root: str, run: str | None, memory_dir: str, as_json: bool) -> None:
 @_json
 def verify_cmd(root: str, step: int | None, run: str | None, memory_dir: str, as_json: bool) -> None:
     """Check every checksum of every copy; exit 1 naming the damaged files."""
+    _must_exist(root)
     tiers = tiers_for(root, run=run, memory_dir=memory_dir)
     results = []
     for tier in tiers:
@@ -93,11 +95,11 @@ def verify_cmd(root: str, step: int | None, run: str | None, memory_dir: str, as
             else:
                 try:
                     with _progress(info.bytes, f"verify {info.id.step} ({tier.name})", as_json) as bar:
-                        ok = verify_checkpoint(tier, info.id, progress=bar.update)
+                        ok = tier.verify(info.id, progress=bar.update)
                     row["status"] = "ok" if ok else "unverified (sealed; checksums still being computed)"
                 except DamagedCheckpoint as e:
                     row.update(status="damaged", file=e.file, reason=e.reason)
-                except (ManifestError, OSError, EOFError) as e:
+                except DAMAGE as e:
                     row.update(status="damaged", file=tier.location, reason=str(e))
             results.append(row)
     damaged = [r for r in results if r["status"] == "damaged"]
@@ -114,54 +116,75 @@ def verify_cmd(root: str, step: int | None, run: str | None, memory_dir: str, as
 @_root
 @click.option("--step", type=int, default=None, help="Restore this step (default: newest valid).")
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False), help="Directory to materialise into.")
+@click.option("--force", is_flag=True, help="Write into DEST even if it already holds checkpoints.")
 @_run
 @_memdir
 @_json
-def restore_cmd(root: str, step: int | None, dest: str, run: str | None, memory_dir: str, as_json: bool) -> None:
+def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | None, memory_dir: str,
+                as_json: bool) -> None:
     """Copy the newest verified checkpoint (or --step) into DEST, loadable by CheckpointManager(DEST)."""
+    _must_exist(root)
     target = LocalDiskTier(dest)
-    target.root.mkdir(parents=True, exist_ok=True)
     already = {i.id for i in target.list()}
-    skipped = []
-    for cand in candidates(tiers_for(root, run=run, memory_dir=memory_dir), step):
+    if already and not force:
+        raise click.UsageError(f"{dest} already holds {len(already)} checkpoint(s); pass --force to add to it")
+    target.root.mkdir(parents=True, exist_ok=True)
+
+    def copy(plan: RestorePlan) -> None:
+        total = 2 * sum(r.data_bytes for s in plan.shards for r in s.sources[0].read_manifest(plan.ckpt_id).shards
+                        if r.rank == s.rank)  # copied, then verified
         try:
-            with _progress(cand.info.bytes * 2, f"restore step {cand.info.id.step} from {cand.tier.name}", as_json) as bar:
-                _copy_verified(cand.tier, target, cand.info.id, bar.update)
-        except (DamagedCheckpoint, ManifestError, OSError, EOFError) as e:
-            if cand.info.id not in already:
-                target.delete(cand.info.id)  # the uncommitted part copy
-            skipped.append({"step": cand.info.id.step, "tier": cand.tier.name, "reason": str(e)})
-            click.echo(f"skipping: {e}", err=True)
-            continue
-        out = {"step": cand.info.id.step, "generation": cand.info.id.generation, "from": cand.tier.name,
-               "source": cand.tier.location, "to": str(target.root), "bytes": cand.info.bytes, "skipped": skipped}
-        _emit(as_json, out, f"restored step {out['step']} from {out['from']} ({out['source']}) into {out['to']}")
-        return
-    _emit(as_json, {"error": "no valid checkpoint", "skipped": skipped},
-          f"no valid checkpoint{'' if step is None else f' for step {step}'} in {root}")
-    sys.exit(1)
+            with _progress(total, f"restore step {plan.ckpt_id.step}", as_json) as bar:
+                _copy_verified(plan, target, bar.update)
+        except BaseException:
+            if plan.ckpt_id not in already:
+                target.delete(plan.ckpt_id)  # the uncommitted part copy
+            raise
+
+    found = restore_agreed(LOCAL, tiers_for(root, run=run, memory_dir=memory_dir),
+                           lambda world: [ShardNeed(r) for r in range(world)], copy, step=step)
+    if found is None:
+        _emit(as_json, {"error": "no checkpoint"}, f"no checkpoint{'' if step is None else f' for step {step}'} in {root}")
+        sys.exit(1)
+    plan = found[0]
+    out = {"step": plan.ckpt_id.step, "generation": plan.ckpt_id.generation,
+           "from": sorted({s.sources[0].name for s in plan.shards}), "to": str(target.root)}
+    _emit(as_json, out, f"restored step {out['step']} from {', '.join(out['from'])} into {out['to']}")
 
 
-def _copy_verified(source: Tier, target: LocalDiskTier, ckpt_id: CheckpointId, progress) -> None:
-    """Copy every shard, check the copy against the source manifest's checksums, then
-    commit: each byte crosses the network once, and nothing unverified is committed."""
-    manifest = source.read_manifest(ckpt_id)
-    refs = []
-    for ref in manifest.shards:
-        reader = source.open_shard(ckpt_id, ref)
-        try:
-            if not reader.manifest.has_checksums:
-                raise DamagedCheckpoint(ckpt_id.step, source.location, "checksums not computed yet", source.name)
-            refs.append(target.write_shard(ckpt_id, reader))
-        finally:
-            reader.close()
-        progress(ref.data_bytes)
-        copy = target.open_shard(ckpt_id, refs[-1])
-        try:
-            verify_shard(copy, step=ckpt_id.step, tier=source.name, progress=progress)
-        finally:
-            copy.close()
-    target.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, manifest.world_size, refs, manifest.created))
+def _copy_verified(plan: RestorePlan, target: LocalDiskTier, progress) -> None:
+    """Copy every shard from its first sound source, check the copy against the source
+    manifest's checksums, then commit: each byte crosses the network once, and nothing
+    unverified is committed."""
+    ckpt_id = plan.ckpt_id
+    refs = [first_sound(s, ckpt_id, lambda tier, s=s: _copy_shard(tier, target, ckpt_id, s.rank, progress))
+            for s in plan.shards]
+    target.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, plan.world_size, refs))
+
+
+def _copy_shard(source: TierReader, target: LocalDiskTier, ckpt_id: CheckpointId, rank: int, progress) -> ShardRef:
+    from .verify import verify_shard
+
+    reader = open_shard(source, ckpt_id, rank)
+    try:
+        if not reader.manifest.has_checksums:
+            raise DamagedCheckpoint(ckpt_id.step, source.location, "checksums not computed yet", source.name)
+        ref = target.write_shard(ckpt_id, reader)
+    finally:
+        reader.close()
+    progress(ref.data_bytes)
+    copy = target.open_shard(ckpt_id, ref)
+    try:
+        verify_shard(copy, step=ckpt_id.step, tier=source.name, progress=progress)
+    finally:
+        copy.close()
+    return ref
+
+
+def _must_exist(root: str) -> None:
+    """A local root that does not exist is a typo, not an empty checkpoint list."""
+    if not is_url(root) and not os.path.isdir(root):
+        raise click.UsageError(f"{root}: no such directory")
 
 
 @cli.command("gc")
@@ -175,12 +198,13 @@ def _copy_verified(source: Tier, target: LocalDiskTier, ckpt_id: CheckpointId, p
 def gc_cmd(root: str, keep: int | None, grace: float, force: bool, memory_dir: str, as_json: bool) -> None:
     """Remove leftovers of interrupted saves, memory slots whose job is gone (once their
     steps are on disk), and, with --keep, old checkpoints."""
-    disk = tiers_for(root, memory_dir=memory_dir)[-1]  # the durable tier: the disk, or the object store at a URL
+    _must_exist(root)
+    disk = durable_tier_for(root)  # the disk, or the object store at a URL
     removed = disk.cleanup(min_age_s=grace)
     on_disk = {(i.id.generation, i.id.step) for i in disk.list() if i.complete}
     if not is_url(root):
         removed += sweep_orphans(namespaces_of_root(os.path.realpath(root), memory_dir), on_disk, force=force)
-    deleted = [i.step for i in prune(disk, keep)] if keep is not None else []
+    deleted = [i.step for i in disk.prune(keep)] if keep is not None else []
     out = {"leftovers_removed": removed, "checkpoints_deleted": deleted}
     _emit(as_json, out, f"removed {len(removed)} leftover(s); deleted {len(deleted)} old checkpoint(s)"
           + (f": steps {', '.join(map(str, deleted))}" if deleted else ""))

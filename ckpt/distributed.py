@@ -1,14 +1,15 @@
-"""Ranks under torch.distributed: who commits, and agreeing on one decision.
+"""Ranks under torch.distributed: agreeing on one decision, and a side channel for the drain.
 
-Control traffic runs on a dedicated gloo group, so it works beside NCCL and never
-queues behind the training's own collectives. Everything here is called from the
-training thread, at the same point on every rank; the background drain never
-communicates: the coordinator learns that the other ranks' shards are durable by
-seeing their shard manifests in the tier.
+Control traffic on the training thread runs on a dedicated gloo group, so it works
+beside NCCL and never queues behind the training's own collectives; it is called at
+the same point on every rank. The background drain never joins a collective: it
+talks through the job's key-value store (``store_connector``), one client connection
+per thread, so a blocking wait there never holds up anyone else.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -62,6 +63,30 @@ class Coordinator:
     def barrier(self) -> None:
         if self.active:
             dist.barrier(group=self._group)
+
+
+def store_connector(namespace: str, timeout_s: float) -> Callable[[], "dist.Store"] | None:
+    """A function returning this thread's client of the job's store, keys under ``namespace``
+    and the restart attempt (None when not distributed). Under torchrun and ``env://`` the
+    store is the rendezvous store at MASTER_ADDR:MASTER_PORT, reached on a connection of
+    the calling thread's own; otherwise the default group's store is shared."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    prefix = f"ckpt-guard/{namespace}/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    local = threading.local()
+
+    def connect() -> "dist.Store":
+        store = getattr(local, "store", None)
+        if store is None:
+            if host and port:
+                base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+            else:
+                base = dist.distributed_c10d._get_default_store()
+            store = local.store = dist.PrefixStore(prefix, base)
+        return store
+
+    return connect
 
 
 def init_process_group(backend: str | None = None, timeout: timedelta = timedelta(minutes=10)) -> None:

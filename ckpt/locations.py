@@ -8,36 +8,42 @@ from __future__ import annotations
 
 import os
 
-from fsspec.core import split_protocol
-
-from .memory import DEFAULT_SHM_DIR, namespace_dir, namespaces_of_root
-from .tiers.base import Tier
+from .tiers.base import DurableTier, TierReader
 from .tiers.local import LocalDiskTier
-from .tiers.memory import MemoryTier
-from .tiers.object_store import ObjectStoreTier
-
-
-def memory_namespace(root: str | os.PathLike, run: str | None, memory_dir: str = DEFAULT_SHM_DIR):
-    """The shared-memory directory of the job with this root and run (the CLI finds it too)."""
-    return namespace_dir(os.path.realpath(root), run or "default", memory_dir)
+from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, memory_namespace, namespaces_of_root
 
 
 def is_url(location: str | os.PathLike) -> bool:
     """True for ``proto://…`` (an object store, ``file://`` included), False for a plain path."""
-    return split_protocol(os.fspath(location))[0] is not None
+    text = os.fspath(location)
+    if "://" not in text and "::" not in text:
+        return False  # a plain path: no need to import fsspec
+    from fsspec.core import split_protocol
+
+    return split_protocol(text)[0] is not None
+
+
+def durable_tier_for(location: str | os.PathLike, storage_options: dict | None = None) -> DurableTier:
+    """The durable tier at ``location``: its disk tier, or the object store at a URL."""
+    if is_url(location):
+        from .tiers.object_store import ObjectStoreTier  # fsspec/s3fs: only for URLs
+
+        return ObjectStoreTier(os.fspath(location), storage_options)
+    return LocalDiskTier(location)
 
 
 def tiers_for(location: str | os.PathLike, storage_options: dict | None = None, *, run: str | None = None,
-              memory_dir: str = DEFAULT_SHM_DIR, rank: int = 0) -> list[Tier]:
+              memory_dir: str = DEFAULT_SHM_DIR, rank: int = 0) -> list[TierReader]:
     """Tiers of a checkpoint root, fastest first: this host's memory slots, then the disk;
     or, for a URL, the object store there (``storage_options`` go to fsspec/s3fs).
 
     Without ``run``, the memory slots of every run that used this root are found from
     their owner records, so an operator needs only the path after a crash."""
+    durable = durable_tier_for(location, storage_options)
     if is_url(location):
-        return [ObjectStoreTier(os.fspath(location), storage_options)]
+        return [durable]
     if run is not None:
         spaces = [memory_namespace(location, run, memory_dir)]
     else:
         spaces = namespaces_of_root(os.path.realpath(location), memory_dir) or [memory_namespace(location, None, memory_dir)]
-    return [*(MemoryTier(ns, rank) for ns in spaces), LocalDiskTier(location)]
+    return [*(MemoryTier(ns, rank) for ns in spaces), durable]

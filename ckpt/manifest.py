@@ -27,7 +27,7 @@ from .checksum import ALGORITHM, crc32c_of
 from .errors import ManifestError
 
 FORMAT_NAME = "ckpt-guard"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1: a commit may list a subset of the shards (per-node commits)
 MANIFEST_FILE = "manifest.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 _MAX_MANIFEST_BYTES = 256 << 20
@@ -219,7 +219,9 @@ class ShardRef:
 
 @dataclass
 class Manifest:
-    """The commit record of one checkpoint in one tier."""
+    """The commit record of one checkpoint in one volume of a tier: the shards held there
+    (all ranks' on one machine or a shared store; one node's on its local disk).
+    It exists only once every rank's shard is durable in the tier (``commit.py``)."""
 
     step: int
     generation: int
@@ -253,8 +255,8 @@ class Manifest:
             raise ManifestError(f"{what}: checksum mismatch (the manifest itself is damaged)")
         world = _int(doc, "world_size", 1)
         raw = doc.get("shards")
-        if not isinstance(raw, list) or len(raw) != world:
-            raise ManifestError(f"{what}: expected {world} shards")
+        if not isinstance(raw, list) or not 1 <= len(raw) <= world:
+            raise ManifestError(f"{what}: expected 1 to {world} shards")
         shards = []
         for s in raw:
             if not isinstance(s, dict):
@@ -263,8 +265,9 @@ class Manifest:
             if check_name(s.get("manifest")) != ref.manifest_file or check_name(s.get("data")) != ref.data_file:
                 raise ManifestError(f"{what}: shard file names do not match rank {ref.rank}")
             shards.append(ref)
-        if sorted(s.rank for s in shards) != list(range(world)):
-            raise ManifestError(f"{what}: shard ranks are not 0..{world - 1}")
+        ranks = [s.rank for s in shards]
+        if len(set(ranks)) != len(ranks) or max(ranks) >= world:
+            raise ManifestError(f"{what}: shard ranks must be distinct and below the world size {world}")
         created = doc.get("created")
         if not isinstance(created, (int, float)):
             raise ManifestError(f"{what}: bad 'created'")

@@ -10,28 +10,24 @@ save interval, the newest checkpoint goes next and the ones in between stay loca
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable
 
+from .commit import Committer
 from .drain import Drainer, SaveHandle
-from .manifest import ShardRef
-from .tiers.base import CheckpointId, ShardReader, Tier
+from .tiers.base import CheckpointId, DurableTier, ShardReader
 
 log = logging.getLogger(__name__)
 
 
 class Offloader:
-    """``commit`` makes an uploaded shard visible (rank 0 waits for every rank's);
-    ``retention`` (None on ranks that do not own retention) trims the tier after."""
+    """Uploads shards to ``tier`` and commits them through ``committer``; a checkpoint read
+    from another tier (``pin_in``) stays pinned there against retention until uploaded."""
 
-    def __init__(self, tier: Tier, *, commit: Callable[[Tier, CheckpointId, ShardRef], None],
-                 retention: Callable[[Tier], None] | None, interval_s: float) -> None:
+    def __init__(self, tier: DurableTier, committer: Committer, *, interval_s: float) -> None:
         self.tier, self.interval_s = tier, interval_s
-        self._commit, self._retention = commit, retention
+        self._committer = committer
         self._drainer = Drainer("ckpt-offload")
-        self._lock = threading.Lock()
-        self._pinned: set[CheckpointId] = set()
         self._routine: SaveHandle | None = None  # the routine upload not yet finished, if any
         self._last_start = float("-inf")
 
@@ -50,22 +46,15 @@ class Offloader:
         if not urgent:
             self._routine, self._last_start = handle, time.monotonic()
 
-    @property
-    def pinned(self) -> set[CheckpointId]:
-        """Checkpoints the disk tier must keep until their upload is done."""
-        with self._lock:
-            return set(self._pinned)
-
     def submit(self, ckpt_id: CheckpointId, open_source: Callable[[], ShardReader], handle: SaveHandle, *,
-               urgent: bool, pin: bool, on_exit: Callable[[], None] = lambda: None) -> None:
+               urgent: bool, pin_in: str | None = None, on_exit: Callable[[], None] = lambda: None) -> None:
         """Queue the upload; ``open_source`` opens the copy to read when the job starts."""
-        if pin:
-            with self._lock:
-                self._pinned.add(ckpt_id)
+        if pin_in is not None:
+            self._committer.pin(pin_in, ckpt_id)
 
         def done() -> None:
-            with self._lock:
-                self._pinned.discard(ckpt_id)
+            if pin_in is not None:
+                self._committer.unpin(pin_in, ckpt_id)
             on_exit()
 
         self._drainer.submit(lambda: self._upload(ckpt_id, open_source, handle), handle, urgent=urgent, on_exit=done)
@@ -76,9 +65,7 @@ class Offloader:
             ref = self.tier.write_shard(ckpt_id, reader)
         finally:
             reader.close()
-        self._commit(self.tier, ckpt_id, ref)
-        if self._retention is not None:
-            self._retention(self.tier)
+        self._committer.commit(self.tier, ckpt_id, ref)
         handle.mark(self.tier.name)
         log.info("step %d is durable off-node in %s, %.1f s after save()", ckpt_id.step, self.tier.location,
                  handle.durable_s[self.tier.name])

@@ -1,51 +1,106 @@
-"""Choosing what to restore: candidates across tiers, newest complete first, fastest
-tier first, verified on read, falling back past anything damaged."""
+"""The one restore path: agree on the newest checkpoint every rank can read, read it
+(each shard from its fastest sound source), agree that every rank succeeded, else
+skip that checkpoint, say why, and try the next.
+
+A single process is the one-rank case (``LOCAL``), so ``CheckpointManager.restore``,
+``ckpt.load`` and ``ckpt restore`` all go through ``restore_agreed``; only what is done
+with a plan differs (load into a state, or copy into another tier).
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
-
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from .errors import CheckpointError, DamagedCheckpoint, ManifestError
-from .locations import tiers_for
-from .state import tensor_targets, unflatten
-from .tensor_io import Progress, read_tensors, verify_shard
-from .tiers.base import CheckpointId, CheckpointInfo, Tier
+from .plan import Inventory, Needs, RestorePlan, ShardNeed, ShardPlan, plans
+from .tiers.base import CheckpointId, ShardReader, TierReader
+from .verify import Progress
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Candidate:
-    info: CheckpointInfo
-    tier: Tier
+#: "This copy is damaged, try the next": the one list, for every restore and verify.
+DAMAGE = (DamagedCheckpoint, ManifestError, OSError, EOFError)
+T = TypeVar("T")
 
 
-def candidates(tiers: Sequence[Tier], step: int | None = None) -> list[Candidate]:
-    """Complete checkpoints, newest (generation, step) first; for one id, tiers in the
-    order given (fastest first). ``step`` keeps only that step, newest generation first."""
-    found: list[tuple[CheckpointId, int, Candidate]] = []
-    for rank, tier in enumerate(tiers):
-        for info in tier.list():
-            if info.complete and (step is None or info.id.step == step):
-                found.append((info.id, rank, Candidate(info, tier)))
-    found.sort(key=lambda x: (x[0].generation, x[0].step, -x[1]), reverse=True)
-    return [c for _, _, c in found]
+class Agreement(Protocol):
+    """What restore needs of the ranks (``distributed.Coordinator``; ``LOCAL`` when alone)."""
+
+    world_size: int
+
+    def gather(self, obj: Any) -> list[Any]: ...
+
+    def all(self, flag: bool) -> bool: ...
+
+    def any(self, *flags: bool) -> list[bool]: ...
 
 
-def read_checkpoint(tier: Tier, ckpt_id: CheckpointId, *, rank: int = 0, world_size: int | None = None,
-                    state: Mapping[str, Any] | None = None, threads: int = 4,
-                    progress: Progress | None = None) -> dict:
-    """Read and verify one rank's shard; tensors land in ``state``'s own tensors where they fit."""
-    manifest = tier.read_manifest(ckpt_id)
-    if world_size is not None and manifest.world_size != world_size:
-        raise CheckpointError(f"step {ckpt_id.step} was saved by {manifest.world_size} ranks; this job has "
-                              f"{world_size}. Resume with the same world size (resharding is not supported)")
-    ref = next((s for s in manifest.shards if s.rank == rank), None)
-    if ref is None:
-        raise FileNotFoundError(f"step {ckpt_id.step}: rank {rank}'s shard is not in {tier.location}")
-    reader = tier.open_shard(ckpt_id, ref)
+class _Alone:
+    world_size = 1
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def all(self, flag: bool) -> bool:
+        return flag
+
+    def any(self, *flags: bool) -> list[bool]:
+        return list(flags)
+
+
+LOCAL: Agreement = _Alone()
+
+
+def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, execute: Callable[[RestorePlan], T],
+                   *, step: int | None = None) -> tuple[RestorePlan, T] | None:
+    """Run ``execute`` on the newest plan that succeeds on every rank; None when no
+    checkpoint is there. Raises CheckpointError when checkpoints exist but none can be
+    read by this job (every one damaged, or saved by another world size)."""
+    inventory = Inventory(tiers)
+    rejected: dict[CheckpointId, str] = {}
+    while True:
+        mine = plans(inventory, needs, step, skip=rejected)
+        common = set.intersection(*(set(ids) for ids in coord.gather([p.ckpt_id for p in mine])))
+        if not common:
+            _nothing_left(coord, inventory, needs, step, rejected)
+            return None
+        chosen = next(p for p in mine if p.ckpt_id == max(common))
+        result: T | None = None
+        error: str | None = None
+        try:
+            result = execute(chosen)
+        except (CheckpointError, *DAMAGE) as e:
+            error = str(e)
+        if coord.all(error is None):
+            return chosen, result  # type: ignore[return-value]
+        reason = error or "another rank could not read it"
+        log.warning("skipping step %d (generation %d): %s", chosen.ckpt_id.step, chosen.ckpt_id.generation, reason)
+        rejected[chosen.ckpt_id] = reason
+
+
+def _nothing_left(coord: Agreement, inventory: Inventory, needs: Needs, step: int | None,
+                  rejected: dict[CheckpointId, str]) -> None:
+    """After the last candidate: raise (on every rank alike) if checkpoints were there."""
+    other_world = sorted({inventory.world_size(i) for i in inventory.ids(step) if needs(inventory.world_size(i)) is None})
+    damaged, resized = coord.any(bool(rejected), bool(other_world))
+    what = "" if step is None else f" for step {step}"
+    if damaged:
+        lines = [f"step {i.step} (generation {i.generation}): {why}" for i, why in sorted(rejected.items(), reverse=True)]
+        raise CheckpointError(f"no valid checkpoint{what}; every candidate is damaged:\n  " + "\n  ".join(lines or
+                              ["(on another rank)"]))
+    if resized:
+        saved = ", ".join(map(str, other_world)) or "another number of"
+        raise CheckpointError(f"the checkpoints{what} were saved by {saved} ranks; this job has {coord.world_size}. "
+                              "Resume with the same world size (resharding is not supported)")
+
+
+def read_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, *, state: Mapping[str, Any] | None = None,
+               threads: int = 4, progress: Progress | None = None) -> dict:
+    """Read and verify one saved rank's shard; tensors land in ``state``'s own tensors where they fit."""
+    from .state import tensor_targets, unflatten
+    from .tensor_io import read_tensors
+
+    reader = open_shard(tier, ckpt_id, rank)
     try:
         targets = tensor_targets(state, reader.manifest.tree) if state is not None else {}
         tensors = read_tensors(reader, targets, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
@@ -57,46 +112,44 @@ def read_checkpoint(tier: Tier, ckpt_id: CheckpointId, *, rank: int = 0, world_s
     return values
 
 
-def restore_newest(tiers: Sequence[Tier], *, step: int | None = None, rank: int = 0, world_size: int | None = None,
-                   state: Mapping[str, Any] | None = None, threads: int = 4,
-                   progress: Progress | None = None) -> tuple[Candidate, dict] | None:
-    """The newest candidate that reads and verifies; damaged ones are logged and skipped."""
+def open_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int) -> ShardReader:
+    ref = next((s for s in tier.read_manifest(ckpt_id).shards if s.rank == rank), None)
+    if ref is None:
+        raise FileNotFoundError(f"step {ckpt_id.step}: rank {rank}'s shard is not in {tier.location}")
+    return tier.open_shard(ckpt_id, ref)
+
+
+def first_sound(shard: ShardPlan, ckpt_id: CheckpointId, read: Callable[[TierReader], T]) -> T:
+    """``read`` from the shard's sources in order, past damaged ones (each logged)."""
     failures = []
-    for cand in candidates(tiers, step):
+    for tier in shard.sources:
         try:
-            return cand, read_checkpoint(cand.tier, cand.info.id, rank=rank, world_size=world_size, state=state,
-                                         threads=threads, progress=progress)
-        except (DamagedCheckpoint, ManifestError, OSError, EOFError) as e:  # OSError covers a missing shard
-            log.warning("skipping step %d in tier %s (%s): %s", cand.info.id.step, cand.tier.name,
-                        cand.tier.location, e)
-            failures.append(f"{cand.tier.name}: {e}")
-    if failures:
-        raise CheckpointError("no valid checkpoint" + (f" for step {step}" if step is not None else "")
-                              + "; every candidate is damaged:\n  " + "\n  ".join(failures)
-                              + ("\nthe objects in state may be partly overwritten" if state else ""))
-    return None
+            return read(tier)
+        except DAMAGE as e:
+            log.warning("step %d: shard %d in %s (%s) is damaged: %s", ckpt_id.step, shard.rank, tier.name,
+                        tier.location, e)
+            failures.append(f"{tier.name}: {e}")
+    raise CheckpointError(f"no valid copy of shard {shard.rank} of step {ckpt_id.step} ({'; '.join(failures)})")
 
 
-def verify_checkpoint(tier: Tier, ckpt_id: CheckpointId, *, threads: int = 4,
-                      progress: Progress | None = None) -> bool:
-    """Check every byte of every shard against the manifest. Returns False when the copy
-    is sealed but has no checksums yet (a memory slot still draining); raises if damaged."""
-    manifest = tier.read_manifest(ckpt_id)
-    for ref in manifest.shards:
-        reader = tier.open_shard(ckpt_id, ref)
-        try:
-            if not reader.manifest.has_checksums:
-                return False
-            verify_shard(reader, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
-        finally:
-            reader.close()
-    return True
+def load_plan(plan: RestorePlan, state: Mapping[str, Any] | None, *, threads: int = 4,
+              progress: Progress | None = None) -> dict:
+    """Execute ``plan`` into plain values (tensors in ``state``'s own where they fit)."""
+    values: dict = {}
+    for shard in plan.shards:
+        got = first_sound(shard, plan.ckpt_id, lambda tier: read_shard(tier, plan.ckpt_id, shard.rank, state=state,
+                                                                        threads=threads, progress=progress))
+        values.update(got if shard.keys is None else {k: v for k, v in got.items() if k in shard.keys})
+    return values
 
 
 def load(location: str, step: int | None = None, *, run: str | None = None) -> dict:
     """Read a checkpoint into plain tensors and values, without any training objects
-    (inspection, export, inference). Newest valid one unless ``step`` is given."""
-    found = restore_newest(tiers_for(location, run=run), step=step)
+    (inspection, export, inference): rank 0's shard of the newest valid one, or of ``step``."""
+    from .locations import tiers_for
+
+    found = restore_agreed(LOCAL, tiers_for(location, run=run), lambda world: [ShardNeed(0)],
+                           lambda plan: load_plan(plan, None), step=step)
     if found is None:
         raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
     return found[1]

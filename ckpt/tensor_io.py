@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
 from .checksum import chunk_checksums, crc32c_of
-from .errors import DamagedCheckpoint
 from .manifest import ShardManifest, TensorEntry
+from .plan import ReadItem, read_items
+from .verify import DEFAULT_THREADS, Progress, mismatch, run_parallel
 from .state import local_tensor
 from .tiers.base import ShardReader
 
-Progress = Callable[[int], None]
-DEFAULT_THREADS = 4
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -28,10 +27,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(bytearray())
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def _pieces(entries: Iterable[TensorEntry], chunk: int) -> list[tuple[TensorEntry, int]]:
-    return [(e, k) for e in entries for k in range(max(1, -(-e.nbytes // chunk)))]
 
 
 def read_tensors(
@@ -64,10 +59,9 @@ def read_tensors(
         dests.append(byte_view(local) if local.device.type == "cpu" else local.reshape(-1).view(torch.uint8))
     chunk = man.chunk_bytes
 
-    def one(piece: tuple[TensorEntry, int]) -> None:
-        e, k = piece
-        lo, hi = k * chunk, min(e.nbytes, (k + 1) * chunk)
-        crc = e.checksums[k] if verify and e.checksums is not None else None
+    def one(item: ReadItem) -> None:
+        e, lo, hi = item.tensor, item.lo, item.hi
+        crc = e.checksums[lo // chunk] if verify and e.checksums is not None else None
         dst = dests[e.id]
         if isinstance(dst, torch.Tensor):
             _to_device(reader, e, lo, hi, dst, crc, step, tier)
@@ -76,7 +70,7 @@ def read_tensors(
         if progress:
             progress(hi - lo)
 
-    _run(one, _pieces(man.tensors, chunk), threads)
+    run_parallel(one, read_items(man), threads)
     return out
 
 
@@ -84,11 +78,11 @@ def _to_host(reader: ShardReader, e: TensorEntry, lo: int, hi: int, buf: memoryv
              step: int, tier: str) -> None:
     src = reader.view(e.offset + lo, hi - lo)
     if src is not None and crc is not None and crc32c_of(src) != crc:
-        raise _mismatch(reader, e, lo, hi, step, tier)  # checked first: a bad slot clobbers nothing
+        raise mismatch(reader, e, lo, hi, step, tier)  # checked first: a bad slot clobbers nothing
     if hi > lo:
         reader.read_into(e.offset + lo, buf)
     if src is None and crc is not None and crc32c_of(buf) != crc:
-        raise _mismatch(reader, e, lo, hi, step, tier)
+        raise mismatch(reader, e, lo, hi, step, tier)
 
 
 def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch.Tensor, crc: int | None,
@@ -98,36 +92,9 @@ def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch
         host = torch.empty(hi - lo, dtype=torch.uint8)
         reader.read_into(e.offset + lo, byte_view(host))
     if crc is not None and crc32c_of(byte_view(host)) != crc:
-        raise _mismatch(reader, e, lo, hi, step, tier)
+        raise mismatch(reader, e, lo, hi, step, tier)
     if hi > lo:
         dst[lo:hi].copy_(host)
-
-
-def _mismatch(reader: ShardReader, e: TensorEntry, lo: int, hi: int, step: int, tier: str) -> DamagedCheckpoint:
-    return DamagedCheckpoint(step, reader.location, f"checksum mismatch in tensor {e.path!r} bytes {lo}..{hi}", tier)
-
-
-def verify_shard(reader: ShardReader, *, step: int = -1, tier: str = "", threads: int = DEFAULT_THREADS,
-                 progress: Progress | None = None) -> None:
-    """Read every byte the manifest describes and check its CRC; no tensors are kept."""
-    man = reader.manifest
-    if not man.has_checksums:
-        raise DamagedCheckpoint(step, reader.location, "no checksums recorded", tier)
-    chunk = man.chunk_bytes
-
-    def one(piece: tuple[TensorEntry, int]) -> None:
-        e, k = piece
-        lo, hi = k * chunk, min(e.nbytes, (k + 1) * chunk)
-        buf = reader.view(e.offset + lo, hi - lo)
-        if buf is None:
-            buf = memoryview(bytearray(hi - lo))
-            reader.read_into(e.offset + lo, buf)
-        if crc32c_of(buf) != e.checksums[k]:
-            raise _mismatch(reader, e, lo, hi, step, tier)
-        if progress:
-            progress(hi - lo)
-
-    _run(one, _pieces(man.tensors, chunk), threads)
 
 
 def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> ShardManifest:
@@ -144,13 +111,3 @@ def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> Shard
     with ThreadPoolExecutor(threads) as pool:
         tensors = list(pool.map(one, sorted(man.tensors, key=lambda e: -e.nbytes)))
     return dataclasses.replace(man, tensors=sorted(tensors, key=lambda e: e.id))
-
-
-def _run(fn: Callable, items: list, threads: int) -> None:
-    if threads <= 1 or len(items) <= 1:
-        for it in items:
-            fn(it)
-        return
-    with ThreadPoolExecutor(threads) as pool:
-        for f in [pool.submit(fn, it) for it in items]:
-            f.result()

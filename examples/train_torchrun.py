@@ -55,7 +55,7 @@ def parse_faults(spec: str) -> dict[int, bool]:
 def kill_when_sealed(mgr: ckpt.CheckpointManager, step: int) -> None:
     """SIGKILL this process as soon as its memory snapshot of ``step`` is sealed."""
     def watch() -> None:
-        while not any(s.holds and s.holds[1] == step for s in mgr.pool.slots):
+        while not mgr.memory.holds(step):
             time.sleep(0.0005)
         logging.info("fault injector: SIGKILL rank %d at step %d during save (%.3f)", dist.get_rank(), step, time.time())
         os.kill(os.getpid(), signal.SIGKILL)

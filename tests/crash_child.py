@@ -29,7 +29,7 @@ still does the real work) and, at the ``nth`` call whose file matches ``match``,
 SIGKILLs the process (``action: kill``) or parks that thread forever (``hang``):
 
     call  rename | unlink | fsync | pwrite    the os.* function
-          copy                                ckpt.memory.TensorCopier.copy (the snapshot)
+          copy                                ckpt.tiers.memory.copier.TensorCopier.copy (the snapshot)
     when  before | after                      around the real call
           half                                pwrite/copy: do half the work, then act
 """
@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ckpt import CheckpointManager  # noqa: E402
-from ckpt.memory import TensorCopier  # noqa: E402
+from ckpt.tiers.memory.copier import TensorCopier  # noqa: E402
 from tests.ckpt_helpers import step_state  # noqa: E402
 
 

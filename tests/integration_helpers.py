@@ -22,19 +22,51 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.ckpt_helpers import REPO, shm_dir  # noqa: F401  (a fixture for the test modules)
+from tests.procs import free_port, stop_process
 
 FAULTS = "6:kill,10:term,14:kill"  # mid-epoch SIGKILL, preemption notice, SIGKILL after an epoch-end save
 
 
+_ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+
+
 def torchrun(script: Path, *args: str, restarts: int = 0) -> str:
     """Run ``script`` on 2 gloo ranks (restarted up to ``restarts`` times); its output, asserting success."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--max-restarts={restarts}",
            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.5", str(script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    proc = subprocess.run(cmd, env={**os.environ, **_ENV}, capture_output=True, text=True, timeout=400, cwd=REPO)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     return log
+
+
+def torchrun_nodes(script: Path, node_args: list[list[str]], *, nproc: int = 1, restarts: int = 0,
+                   timeout: float = 300.0) -> list[str]:
+    """Simulated nodes on this machine: one torchrun agent per entry of ``node_args`` (that
+    node's own arguments: its disk root, its memory dir), ``nproc`` ranks each, a c10d
+    rendezvous on loopback hosted by node 0, ``CKPT_GUARD_NODE=node<i>``. Each node's
+    output, asserting that every agent succeeded within ``timeout``."""
+    port, nodes = free_port(), len(node_args)
+    procs = []
+    for i, extra in enumerate(node_args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
+               f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               f"--rdzv-id=sim-{port}", f"--rdzv-conf=is_host={int(i == 0)}", "--monitor-interval=0.5",
+               str(script), *extra]
+        env = {**os.environ, **_ENV, "CKPT_GUARD_NODE": f"node{i}"}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      cwd=REPO))
+    logs, deadline = [], time.monotonic() + timeout
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            logs.append(out)
+    finally:
+        for proc in procs:
+            stop_process(proc)
+    for i, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"node{i}:\n{log[-4000:]}"
+    return logs
 
 
 @dataclass

@@ -16,9 +16,8 @@ import pytest
 
 from ckpt import CheckpointManager
 from ckpt.errors import CheckpointError, DamagedCheckpoint
-from ckpt.locations import memory_namespace
-from ckpt.restore import read_checkpoint
-from ckpt.tiers.memory import MemoryTier
+from ckpt.restore import read_shard
+from ckpt.tiers.memory import MemoryTier, memory_namespace
 from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
     CrashServer, assert_same, crash_server, disk_steps, leftovers, restored, root, shm_dir, step_state, steps_logged,
 )
@@ -51,7 +50,7 @@ def check_recovery(root: Path, shm: str, report: dict, newest_before: int | None
         for tier in mgr.tiers:
             for info in tier.list():
                 assert info.complete, f"a crash left a damaged commit: {info}"
-                assert_same(read_checkpoint(tier, info.id), step_state(info.id.step), f"{tier.name} step {info.id.step}")
+                assert_same(read_shard(tier, info.id, 0), step_state(info.id.step), f"{tier.name} step {info.id.step}")
         step, state = restored(mgr)
     assert step is not None or (newest_before is None and not returned), "a saved step was lost"
     if step is not None:
@@ -162,7 +161,7 @@ def test_reading_the_slots_of_a_live_trainer_never_returns_a_torn_checkpoint(
             while time.monotonic() < deadline:
                 for info in tier.list()[::-1]:
                     try:
-                        values = read_checkpoint(tier, info.id)
+                        values = read_shard(tier, info.id, 0)
                     except (DamagedCheckpoint, OSError):
                         refused += 1
                         continue

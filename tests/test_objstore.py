@@ -16,9 +16,8 @@ import torch
 
 from ckpt import BackgroundError, CheckpointError, CheckpointManager, DamagedCheckpoint
 from ckpt.locations import tiers_for
-from ckpt.restore import read_checkpoint
 from ckpt.retry import RetryPolicy
-from ckpt.tensor_io import verify_shard
+from ckpt.verify import verify_shard
 from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.local import LocalDiskTier
 from ckpt.tiers.object_store import ObjectStoreTier

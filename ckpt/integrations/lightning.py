@@ -59,7 +59,8 @@ class ManagerCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         checkpoint: dict[str, Any] = {}
         if self.mgr.restore(checkpoint) is None:
-            raise CheckpointError(f"no checkpoint to resume from in {self.mgr.disk.root}")
+            raise CheckpointError("no checkpoint to resume from in "
+                                  + ", ".join(t.location for t in self.mgr.tiers))
         return checkpoint
 
 

@@ -1,4 +1,4 @@
-"""Storage tiers behind one interface (see ``base.Tier``)."""
-from .base import CheckpointId, CheckpointInfo, ShardReader, Tier
+"""Storage tiers by role (see ``base``): every tier reads, durable tiers are also written."""
+from .base import CheckpointId, CheckpointInfo, DurableTier, ShardReader, TierReader
 
-__all__ = ["CheckpointId", "CheckpointInfo", "ShardReader", "Tier"]
+__all__ = ["CheckpointId", "CheckpointInfo", "DurableTier", "ShardReader", "TierReader"]

@@ -1,16 +1,23 @@
-"""The ``Tier`` interface: every storage level (shared memory, local disk, object
-store) is a small class behind it, so the drain, restore and CLI never branch on
-the backend.
+"""What a storage level is, split by role, so the drain, the committer, restore and the
+CLI never branch on the backend.
 
-A checkpoint in a tier is a directory-like prefix named by its ``CheckpointId``
-holding, per rank, ``rank-NNNNN.bin`` (all tensor bytes) and ``rank-NNNNN.json``
-(the shard manifest), plus ``manifest.json``, the commit.
+* ``TierReader`` (every tier: memory, disk, object store, later peers): list the
+  committed checkpoints, read a commit record, open one rank's shard, verify a copy.
+* ``DurableTier`` (disk, object store): also write a shard, commit, delete, prune,
+  clean up leftovers. The memory tier is not one: it is written by the trainer's
+  snapshot (``tiers/memory``), never copied into.
+
+A checkpoint in a durable tier is a directory-like prefix named by its
+``CheckpointId`` holding, per rank, ``rank-NNNNN.bin`` (all tensor bytes) and
+``rank-NNNNN.json`` (the shard manifest), plus ``manifest.json``, the commit. A
+commit lists the shards held in that *volume* (one node's NVMe, a shared
+filesystem, a bucket prefix): on nodes with local disks each node commits its own.
 
 Call order for writing one checkpoint::
 
-    ref = tier.write_shard(ckpt_id, source)   # each rank; invisible until commit
-    tier.written_shards(ckpt_id)              # coordinator: which ranks are durable
-    tier.commit(ckpt_id, manifest)            # coordinator, after every shard is durable
+    ref = tier.write_shard(ckpt_id, source)   # every rank, its own shard; invisible until commit
+    committer.commit(tier, ckpt_id, ref)      # ckpt/commit.py: once every rank's shard is durable,
+                                              # each volume's leader calls tier.commit(ckpt_id, manifest)
 
 Call order for reading::
 
@@ -22,14 +29,15 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Iterable
-
-import torch
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..checksum import crc32c_of
 from ..errors import DamagedCheckpoint, ManifestError
 from ..manifest import Manifest, ShardManifest, ShardRef
+
+if TYPE_CHECKING:
+    import torch
 
 _DIR_RE = re.compile(r"^step-(\d{12})\.g(\d{1,9})$")
 
@@ -63,6 +71,7 @@ class CheckpointInfo:
     world_size: int
     error: str | None = None  # set when the commit record itself is unreadable
     checksummed: bool = True  # False for a memory slot whose checksums are not computed yet
+    ranks: frozenset[int] = field(default_factory=frozenset)  # the saved ranks whose shards this copy holds
 
     @property
     def complete(self) -> bool:
@@ -83,7 +92,7 @@ class ShardReader(ABC):
         """Zero-copy access where the bytes already sit in memory (the memory tier)."""
         return None
 
-    def tensor(self, offset: int, nbytes: int) -> torch.Tensor | None:
+    def tensor(self, offset: int, nbytes: int) -> "torch.Tensor | None":
         """The same bytes as ``view``, as a CPU uint8 tensor: the source of a device copy."""
         return None
 
@@ -91,9 +100,10 @@ class ShardReader(ABC):
         """Release handles; memory readers re-check their seal here."""
 
 
-class Tier(ABC):
+class TierReader(ABC):
+    """The read role: what restore, ``ckpt ls`` and ``ckpt verify`` need of any tier."""
+
     name: str = "tier"  # "memory", "disk", "object"
-    poll_s: float = 0.05  # how often ranks look for each other's shards here (a remote look costs a request)
 
     @property
     @abstractmethod
@@ -102,7 +112,7 @@ class Tier(ABC):
 
     @abstractmethod
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints (manifest present), oldest first; damaged commits carry ``error``."""
+        """Committed checkpoints, oldest first; damaged commits carry ``error``."""
 
     @abstractmethod
     def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
@@ -112,13 +122,38 @@ class Tier(ABC):
     def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
         """Open one shard, checking its manifest against the commit's CRC and its data's size."""
 
+    def verify(self, ckpt_id: CheckpointId, *, threads: int = 4, progress: Callable[[int], None] | None = None) -> bool:
+        """Check every byte of every shard held here. False when a copy is sealed but has
+        no checksums yet (a memory slot still draining); raises if damaged."""
+        from ..verify import verify_shard
+
+        manifest = self.read_manifest(ckpt_id)
+        for ref in manifest.shards:
+            reader = self.open_shard(ckpt_id, ref)
+            try:
+                if not reader.manifest.has_checksums:
+                    return False
+                verify_shard(reader, step=ckpt_id.step, tier=self.name, threads=threads, progress=progress)
+            finally:
+                reader.close()
+        return True
+
+    def close(self) -> None:
+        """Release threads and connections the tier holds."""
+
+
+class DurableTier(TierReader):
+    """The durable-write role: a tier the drain copies shards into and commits."""
+
+    @property
+    @abstractmethod
+    def volume(self) -> str:
+        """Identifies the storage behind this tier: ranks reporting the same volume write
+        into one place, and one of them commits for all (``ckpt/commit.py``)."""
+
     @abstractmethod
     def write_shard(self, ckpt_id: CheckpointId, source: ShardReader) -> ShardRef:
         """Copy a shard (data, then its manifest) from ``source``; durable but not yet visible."""
-
-    @abstractmethod
-    def written_shards(self, ckpt_id: CheckpointId) -> dict[int, ShardRef]:
-        """Shards whose data and shard manifest are durable (the coordinator's view before committing)."""
 
     @abstractmethod
     def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
@@ -129,11 +164,22 @@ class Tier(ABC):
         """Manifest first, then the data, so a half-deleted checkpoint is never listed."""
 
     @abstractmethod
-    def cleanup(self) -> list[str]:
-        """Remove leftovers of interrupted writes (anything without a manifest); return what went."""
+    def cleanup(self, min_age_s: float = 0.0) -> list[str]:
+        """Remove leftovers of interrupted writes (no manifest) idle for ``min_age_s``; return what went."""
 
-    def close(self) -> None:
-        """Release threads and connections the tier holds."""
+    def prune(self, keep_last: int, pinned: Iterable[CheckpointId] = ()) -> list[CheckpointId]:
+        """Retention: delete what is older than the newest ``keep_last`` complete checkpoints
+        (and than anything ``pinned``), damaged commits included; never the kept ones. With
+        nothing complete, nothing is deleted. Returns the ids deleted."""
+        infos = self.list()
+        keep = {i.id for i in [i for i in infos if i.complete][-keep_last:]} | set(pinned)
+        if not keep:
+            return []
+        oldest_kept = min(keep)
+        gone = [i.id for i in infos if i.id not in keep and i.id < oldest_kept]
+        for ckpt_id in gone:
+            self.delete(ckpt_id)
+        return gone
 
 
 def parse_commit(raw: bytes, ckpt_id: CheckpointId, where: str) -> Manifest:
@@ -144,34 +190,26 @@ def parse_commit(raw: bytes, ckpt_id: CheckpointId, where: str) -> Manifest:
     return m
 
 
+def committed_info(ckpt_id: CheckpointId, tier: str, manifest: Manifest) -> CheckpointInfo:
+    """The listing row of a readable commit record."""
+    return CheckpointInfo(ckpt_id, tier, manifest.created, manifest.total_bytes, manifest.world_size,
+                          ranks=frozenset(s.rank for s in manifest.shards))
+
+
 def check_shard(ckpt_id: CheckpointId, ref: ShardRef, raw: bytes | None, data_size: int | None,
                 manifest_where: str, data_where: str, tier: str) -> ShardManifest:
-    """A shard manifest checked against the commit's CRC, and its data object's size against
-    the manifest; ``None`` stands for a missing file."""
+    """A durable shard manifest, checked against the commit's CRC, carrying checksums, and
+    its data object's size against the manifest; ``None`` stands for a missing file."""
     if raw is None:
         raise DamagedCheckpoint(ckpt_id.step, manifest_where, "missing", tier)
     if crc32c_of(raw) != ref.manifest_crc32c:
         raise DamagedCheckpoint(ckpt_id.step, manifest_where, "does not match the commit's checksum", tier)
     man = ShardManifest.from_bytes(raw, manifest_where)
+    if not man.has_checksums:  # only a memory slot may briefly lack them
+        raise DamagedCheckpoint(ckpt_id.step, manifest_where, "no checksums recorded", tier)
     if data_size is None:
         raise DamagedCheckpoint(ckpt_id.step, data_where, "missing", tier)
     if data_size != man.data_bytes:
         raise DamagedCheckpoint(ckpt_id.step, data_where,
                                 f"truncated or extended: {data_size} bytes, manifest says {man.data_bytes}", tier)
     return man
-
-
-def prune(tier: Tier, keep_last: int, pinned: Iterable[CheckpointId] = ()) -> list[CheckpointId]:
-    """Retention: delete what is older than the newest ``keep_last`` complete checkpoints
-    (and than anything ``pinned``), damaged commits included; never the kept ones. With
-    nothing complete, nothing is deleted. Returns the ids deleted."""
-    infos = tier.list()
-    keep = {i.id for i in [i for i in infos if i.complete][-keep_last:]} | set(pinned)
-    if not keep:
-        return []
-    oldest_kept = min(keep)
-    gone = [i.id for i in infos if i.id not in keep and i.id < oldest_kept]
-    for ckpt_id in gone:
-        tier.delete(ckpt_id)
-    return gone
-

@@ -1,25 +1,42 @@
 """Local-disk tier (NVMe): one directory per checkpoint, written with large
-sequential writes from a few threads, fsynced, committed by ``manifest.json``."""
+sequential writes from a few threads, fsynced, committed by ``manifest.json``.
+
+Files are opened without following symlinks: a link planted in a checkpoint
+directory is damage, never a way to read (or restore) some other file."""
 from __future__ import annotations
 
 import os
 import shutil
+import stat
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..checksum import crc32c_of
-from ..errors import ManifestError
+from ..errors import DamagedCheckpoint, ManifestError
 from ..fsutil import age_s, atomic_file, atomic_write, fsync_dir, pread_exact
 from ..manifest import MANIFEST_FILE, Manifest, ShardManifest, ShardRef
-from .base import CheckpointId, CheckpointInfo, ShardReader, Tier, check_shard, parse_commit
+from .base import CheckpointId, CheckpointInfo, DurableTier, ShardReader, check_shard, committed_info, parse_commit
 
 WRITE_PIECE = 16 << 20
+VOLUME_FILE = ".ckpt-guard-volume"
+_NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def read_nofollow(path: Path) -> bytes:
+    """A file's bytes, refusing a symlink (ELOOP) rather than reading where it points."""
+    fd = os.open(path, _NOFOLLOW)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 class FileShardReader(ShardReader):
     def __init__(self, path: Path, manifest: ShardManifest) -> None:
         self.location, self.manifest = str(path), manifest
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = os.open(path, _NOFOLLOW)
 
     def read_into(self, offset: int, out: memoryview) -> None:
         pread_exact(self._fd, out, offset, self.location)
@@ -30,7 +47,7 @@ class FileShardReader(ShardReader):
             self._fd = -1
 
 
-class LocalDiskTier(Tier):
+class LocalDiskTier(DurableTier):
     name = "disk"
 
     def __init__(self, root: str | os.PathLike, *, threads: int = 4) -> None:
@@ -40,6 +57,23 @@ class LocalDiskTier(Tier):
     @property
     def location(self) -> str:
         return str(self.root)
+
+    @property
+    def volume(self) -> str:
+        """A random id kept in the root, created by whichever rank comes first: ranks on one
+        node (or on one shared filesystem) read the same id, ranks on other nodes' local
+        disks read their own."""
+        path = self.root / VOLUME_FILE
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return read_nofollow(path).decode().strip()
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.root)
+        return read_nofollow(path).decode().strip()
 
     def _dir(self, ckpt_id: CheckpointId) -> Path:
         return self.root / ckpt_id.name
@@ -53,27 +87,29 @@ class LocalDiskTier(Tier):
             if cid is None or not (d / MANIFEST_FILE).exists():
                 continue
             try:
-                m = self.read_manifest(cid)
-                out.append(CheckpointInfo(cid, self.name, m.created, m.total_bytes, m.world_size))
+                out.append(committed_info(cid, self.name, self.read_manifest(cid)))
             except (ManifestError, OSError) as e:
                 out.append(CheckpointInfo(cid, self.name, d.stat().st_mtime, 0, 0, error=str(e)))
         return sorted(out, key=lambda i: i.id)
 
     def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
         path = self._dir(ckpt_id) / MANIFEST_FILE
-        return parse_commit(path.read_bytes(), ckpt_id, str(path))
+        return parse_commit(read_nofollow(path), ckpt_id, str(path))
 
     def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
         d = self._dir(ckpt_id)
         man_path, data_path = d / ref.manifest_file, d / ref.data_file
         try:
-            raw = man_path.read_bytes()
+            raw = read_nofollow(man_path)
         except FileNotFoundError:
             raw = None
         try:
-            size = data_path.stat().st_size
+            st = data_path.lstat()
+            size = st.st_size
         except FileNotFoundError:
-            size = None
+            st, size = None, None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise DamagedCheckpoint(ckpt_id.step, str(data_path), "not a regular file (a symlink?)", self.name)
         man = check_shard(ckpt_id, ref, raw, size, str(man_path), str(data_path), self.name)
         return FileShardReader(data_path, man)
 
@@ -115,17 +151,6 @@ class LocalDiskTier(Tier):
         with ThreadPoolExecutor(n) as pool:
             for f in [pool.submit(region, bounds[i], bounds[i + 1]) for i in range(n)]:
                 f.result()
-
-    def written_shards(self, ckpt_id: CheckpointId) -> dict[int, ShardRef]:
-        out = {}
-        for path in self._dir(ckpt_id).glob("rank-*.json"):
-            try:
-                raw = path.read_bytes()
-                man = ShardManifest.from_bytes(raw, str(path))
-            except (OSError, ManifestError):
-                continue  # not there yet, or being replaced
-            out[man.rank] = ShardRef(man.rank, crc32c_of(raw), man.data_bytes)
-        return out
 
     def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
         atomic_write(self._dir(ckpt_id) / MANIFEST_FILE, manifest.to_bytes())

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..checksum import crc32c_of
 from ..errors import CheckpointError, DamagedCheckpoint, ManifestError
-from ..manifest import MANIFEST_FILE, Manifest, ShardManifest, ShardRef, shard_manifest_file
+from ..manifest import MANIFEST_FILE, Manifest, ShardRef, shard_manifest_file
 from ..retry import RetryPolicy
-from .base import CheckpointId, CheckpointInfo, ShardReader, Tier, check_shard, parse_commit
+from .base import CheckpointId, CheckpointInfo, DurableTier, ShardReader, check_shard, committed_info, parse_commit
 from .ranged import RangedReader
 from .uploads import open_store, uploader_for
 
@@ -29,7 +29,7 @@ DEFAULT_PART_BYTES = 32 << 20
 DEFAULT_CONCURRENCY = 8
 
 
-class ObjectStoreTier(Tier):
+class ObjectStoreTier(DurableTier):
     """Checkpoints under an fsspec URL.
 
     ``part_size`` and ``concurrency``: the size of upload parts and download ranges, and
@@ -40,7 +40,6 @@ class ObjectStoreTier(Tier):
     """
 
     name = "object"
-    poll_s = 1.0
 
     def __init__(self, url: str, storage_options: dict | None = None, *, part_size: int = DEFAULT_PART_BYTES,
                  concurrency: int = DEFAULT_CONCURRENCY, request_timeout_s: float = 300.0,
@@ -59,6 +58,11 @@ class ObjectStoreTier(Tier):
     @property
     def location(self) -> str:
         return self.url
+
+    @property
+    def volume(self) -> str:
+        """The prefix itself: every rank writing here shares it (one committer)."""
+        return self.url_of(self.root)
 
     def url_of(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
@@ -87,8 +91,7 @@ class ObjectStoreTier(Tier):
             try:
                 if not isinstance(raw, bytes):
                     raise ManifestError(f"{self.url_of(path)}: unreadable ({raw!r})")
-                m = parse_commit(raw, cid, self.url_of(path))
-                out.append(CheckpointInfo(cid, self.name, m.created, m.total_bytes, m.world_size))
+                out.append(committed_info(cid, self.name, parse_commit(raw, cid, self.url_of(path))))
             except ManifestError as e:
                 out.append(CheckpointInfo(cid, self.name, 0.0, 0, 0, error=str(e)))
         return sorted(out, key=lambda i: i.id)
@@ -153,21 +156,6 @@ class ObjectStoreTier(Tier):
         raw = man.to_bytes()
         self._uploader.put(self._key(ckpt_id, shard_manifest_file(man.rank)), raw)
         return ShardRef(man.rank, crc32c_of(raw), man.data_bytes)
-
-    def written_shards(self, ckpt_id: CheckpointId) -> dict[int, ShardRef]:
-        """Shard manifests are uploaded after their data object completes, so one listed here is durable."""
-        paths = self.retry.call(lambda: self.fs.glob(self._key(ckpt_id, "rank-*.json")), f"list {self._key(ckpt_id)}")
-        raws = self.retry.call(lambda: self.fs.cat(paths, on_error="return"), f"read shard manifests of {ckpt_id}") \
-            if paths else {}
-        out = {}
-        for path, raw in raws.items():
-            try:
-                if isinstance(raw, bytes):
-                    man = ShardManifest.from_bytes(raw, self.url_of(path))
-                    out[man.rank] = ShardRef(man.rank, crc32c_of(raw), man.data_bytes)
-            except ManifestError:
-                continue  # not ours to judge here: open_shard reports damage
-        return out
 
     def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
         if self._committed(ckpt_id):

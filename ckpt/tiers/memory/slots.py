@@ -1,6 +1,5 @@
 """Shared-memory slots: where ``save()`` copies the state, and what survives the trainer.
 
-Each rank owns a small pool of slots under ``/dev/shm/ckpt-guard-<uid>-<hash>/rank-N/``.
 A slot is a data file (``slot-K.bin``, the shard's data-file layout byte for byte)
 and a seal (``slot-K.json``, the shard manifest, written last by rename). Unsealing
 comes first when a slot is reused, so a crash mid-copy leaves it invalid, never torn.
@@ -16,14 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import hashlib
 import json
 import logging
 import mmap
 import os
-import shutil
 import socket
-import stat
 import threading
 import time
 from pathlib import Path
@@ -31,90 +27,18 @@ from typing import Sequence
 
 import torch
 
-from .errors import CheckpointError
-from .fsutil import atomic_write
-from .manifest import DTYPE_NAMES, ManifestError, ShardManifest, TensorEntry
+from ...errors import CheckpointError
+from ...fsutil import atomic_write
+from ...manifest import ManifestError, ShardManifest
+from .copier import TensorCopier
+from .namespace import OWNER_FILE, make_private_dir, rank_dir, read_private
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SHM_DIR = "/dev/shm"
-ALIGN = 64
 _MADV_POPULATE_WRITE = 23
+_MAX_SEAL_BYTES = 256 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
-def namespace_dir(root_key: str, run: str, shm_dir: str = DEFAULT_SHM_DIR) -> Path:
-    """Private per-job directory: a hash of the root's real path, the user and the run id."""
-    uid = os.getuid()
-    digest = hashlib.sha256(f"{root_key}\0{uid}\0{run}".encode()).hexdigest()[:16]
-    return Path(shm_dir) / f"ckpt-guard-{uid}-{digest}"
-
-
-def rank_dir(ns: Path, rank: int) -> Path:
-    return ns / f"rank-{rank:05d}"
-
-
-def namespaces_of_root(root_real: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[Path]:
-    """Every namespace of this user whose owner recorded ``root_real`` (any run id)."""
-    found = []
-    for owner in sorted(Path(shm_dir).glob(f"ckpt-guard-{os.getuid()}-*/rank-*/owner.json")):
-        try:
-            if json.loads(owner.read_text()).get("root") == root_real and owner.parent.parent not in found:
-                found.append(owner.parent.parent)
-        except (OSError, ValueError, AttributeError):
-            continue
-    return found
-
-
-def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry], int]:
-    """Offsets for each tensor in the shard's data file, aligned for any dtype view."""
-    entries, offset = [], 0
-    for i, (path, t) in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(i, path, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return entries, offset
-
-
-def _private_dir(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise CheckpointError(f"{path} is not a private directory of this user; refusing to use it")
-
-
-def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int]], *, force: bool = False) -> list[str]:
-    """Remove rank directories whose owner is gone (their lock is free), when every
-    sealed (generation, step) in them is also in ``durable``, or with ``force``."""
-    removed = []
-    for ns in spaces:
-        for rdir in sorted(ns.glob("rank-*")):
-            try:
-                fd = os.open(rdir / "lock", os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # a live owner
-            try:
-                sealed = set()
-                for meta in rdir.glob("slot-*.json"):
-                    try:
-                        m = ShardManifest.from_bytes(meta.read_bytes())
-                        sealed.add((m.generation, m.step))
-                    except (OSError, ManifestError):
-                        continue
-                if force or sealed <= durable:
-                    shutil.rmtree(rdir, ignore_errors=True)
-                    removed.append(str(rdir))
-            finally:
-                os.close(fd)
-        if ns.is_dir() and not any(ns.iterdir()):
-            ns.rmdir()
-    return removed
 
 
 class ShmSlot:
@@ -179,8 +103,8 @@ class ShmSlot:
 
     def sealed(self) -> ShardManifest | None:
         try:
-            return ShardManifest.from_bytes(self.meta_path.read_bytes(), str(self.meta_path))
-        except (FileNotFoundError, ManifestError):
+            return ShardManifest.from_bytes(read_private(self.meta_path, _MAX_SEAL_BYTES), str(self.meta_path))
+        except (OSError, ManifestError):
             return None
 
     def unseal(self) -> None:
@@ -223,9 +147,9 @@ class SlotPool:
     def __init__(self, ns: Path, rank: int, *, slots: int = 2, owner: dict | None = None) -> None:
         if slots < 2:
             raise ValueError("at least two slots: a snapshot must never overwrite the last complete one")
-        _private_dir(ns)
+        make_private_dir(ns)
         self.dir = rank_dir(ns, rank)
-        _private_dir(self.dir)
+        make_private_dir(self.dir)
         self.rank = rank
         self._lock_fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -237,7 +161,7 @@ class SlotPool:
         for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
             tmp.unlink(missing_ok=True)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})}
-        atomic_write(self.dir / "owner.json", json.dumps(info).encode(), durable=False, mode=0o600)
+        atomic_write(self.dir / OWNER_FILE, json.dumps(info).encode(), durable=False, mode=0o600)
         self.slots = [ShmSlot(self.dir / f"slot-{k}.bin") for k in range(slots)]
         self._ready = threading.Event()
         self._prepare_error: BaseException | None = None
@@ -266,26 +190,36 @@ class SlotPool:
             err, self._prepare_error = self._prepare_error, None
             raise err
 
-    def target(self) -> ShmSlot:
-        """The slot the next snapshot goes to: never the one holding the newest sealed state."""
+    def reserve(self, step: int) -> tuple[ShmSlot, float]:
+        """The slot the next snapshot goes to, never the one holding the newest sealed
+        state, marked busy; waits (and says so) while every candidate is still draining.
+        Returns the slot and the seconds waited."""
         newest = max((s for s in self.slots if s.holds), key=lambda s: s.holds, default=None)
         candidates = [s for s in self.slots if s is not newest]
-        idle = [s for s in candidates if s.idle.is_set()]
-        return (idle or candidates)[0]
+        slot = ([s for s in candidates if s.idle.is_set()] or candidates)[0]
+        waited = 0.0
+        if not slot.idle.is_set():
+            log.warning("save(%d) waits for the previous checkpoint to leave memory (the drain is slower than the "
+                        "save interval)", step)
+            t0 = time.monotonic()
+            slot.idle.wait()
+            waited = time.monotonic() - t0
+        slot.idle.clear()
+        return slot, waited
 
     def snapshot(self, slot: ShmSlot, tensors: Sequence[torch.Tensor], manifest: ShardManifest,
                  copier: "TensorCopier") -> None:
         """Copy ``tensors`` into ``slot`` at the manifest's offsets, then seal it."""
         slot.unseal()
-        if slot.capacity < manifest.data_bytes:
-            log.warning("allocating %.1f MiB of shared memory on the training thread (%s); pass state= or call "
-                        "prepare() to do it in the background", manifest.data_bytes / 2**20,
-                        "the state grew" if slot.capacity else "slots not prepared")
-            slot.ensure(manifest.data_bytes)
+        if slot.buffer is None or slot.capacity < manifest.data_bytes:
+            if manifest.data_bytes:
+                log.warning("allocating %.1f MiB of shared memory on the training thread (%s); pass state= or call "
+                            "prepare() to do it in the background", manifest.data_bytes / 2**20,
+                            "the state grew" if slot.capacity else "slots not prepared")
+            slot.ensure(manifest.data_bytes)  # a rank with nothing to store still maps one byte
         if any(t.is_cuda for t in tensors):
             slot.pin()
         buf = slot.buffer
-        assert buf is not None
         pairs = []
         for e, t in zip(manifest.tensors, tensors):
             if e.nbytes:
@@ -297,28 +231,3 @@ class SlotPool:
         for s in self.slots:
             s.release()
         os.close(self._lock_fd)
-
-
-class TensorCopier:
-    """Device→shared-memory copy. CPU: torch's multi-threaded copy. CUDA: copies into the
-    pinned slot run on a side stream, after the work already queued on the current one."""
-
-    def __init__(self) -> None:
-        self._stream = None
-
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        cuda = [(d, s) for d, s in pairs if s.is_cuda]
-        for d, s in pairs:
-            if not s.is_cuda:
-                d.copy_(s)
-        if cuda:
-            self._copy_cuda(cuda)
-
-    def _copy_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for d, s in pairs:
-                d.copy_(s, non_blocking=True)
-        self._stream.synchronize()

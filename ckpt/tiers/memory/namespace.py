@@ -1,0 +1,143 @@
+"""Where a job's shared memory lives, and which of it this user may trust.
+
+Each job (disk root or object-store URL, user, run id) owns one namespace directory,
+``<shm>/ckpt-guard-<uid>-<hash>/``, with one ``rank-NNNNN/`` directory per rank
+holding its slots, a lock held while the rank lives, and ``owner.json`` (pid, host,
+root, run) so that the CLI finds a job's slots from its root after a crash.
+
+/dev/shm is writable by every local user, so nothing found there is trusted by
+name: a namespace, rank directory or file counts only if it is owned by this user,
+private (no group/other bits) and not a symlink. A planted namespace is ignored,
+never listed or restored.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from ...errors import CheckpointError, ManifestError
+from ...manifest import ShardManifest
+
+DEFAULT_SHM_DIR = "/dev/shm"
+OWNER_FILE = "owner.json"
+_MAX_OWNER_BYTES = 64 << 10
+_NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def namespace_dir(root_key: str, run: str, shm_dir: str = DEFAULT_SHM_DIR) -> Path:
+    """Private per-job directory: a hash of the root's real path (or URL), the user and the run id."""
+    uid = os.getuid()
+    digest = hashlib.sha256(f"{root_key}\0{uid}\0{run}".encode()).hexdigest()[:16]
+    return Path(shm_dir) / f"ckpt-guard-{uid}-{digest}"
+
+
+def memory_namespace(root: str | os.PathLike, run: str | None, memory_dir: str = DEFAULT_SHM_DIR) -> Path:
+    """The shared-memory directory of the job with this disk root and run (the CLI finds it too)."""
+    return namespace_dir(os.path.realpath(root), run or "default", memory_dir)
+
+
+def rank_dir(ns: Path, rank: int) -> Path:
+    return ns / f"rank-{rank:05d}"
+
+
+def is_trusted(path: Path, *, directory: bool) -> bool:
+    """Owned by this user, private, and not a symlink (checked with lstat)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    kind = stat.S_ISDIR if directory else stat.S_ISREG
+    return kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def make_private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not is_trusted(path, directory=True):
+        raise CheckpointError(f"{path} is not a private directory of this user; refusing to use it")
+
+
+def read_private(path: Path, limit: int) -> bytes:
+    """A small file of this user's, read without following a symlink; OSError otherwise."""
+    fd = os.open(path, _NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(errno.EPERM, "not a private file of this user", str(path))
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
+def read_owner(rdir: Path) -> dict[str, Any] | None:
+    """A rank directory's owner record, or None when it is missing, foreign or malformed."""
+    try:
+        doc = json.loads(read_private(rdir / OWNER_FILE, _MAX_OWNER_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def trusted_namespaces(shm_dir: str = DEFAULT_SHM_DIR) -> list[Path]:
+    """Every namespace directory of this user under ``shm_dir`` that passes ``is_trusted``."""
+    base = Path(shm_dir)
+    if not base.is_dir():
+        return []
+    return [ns for ns in sorted(base.glob(f"ckpt-guard-{os.getuid()}-*")) if is_trusted(ns, directory=True)]
+
+
+def rank_dirs(ns: Path) -> list[Path]:
+    return [d for d in sorted(ns.glob("rank-*")) if is_trusted(d, directory=True)]
+
+
+def namespaces_of_root(root_key: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[Path]:
+    """Every trusted namespace whose owner recorded ``root_key`` (any run id)."""
+    found = []
+    for ns in trusted_namespaces(shm_dir):
+        if any((o := read_owner(d)) is not None and o.get("root") == root_key for d in rank_dirs(ns)):
+            found.append(ns)
+    return found
+
+
+def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int]], *, force: bool = False) -> list[str]:
+    """Remove rank directories whose owner is gone (their lock is free), when every
+    sealed (generation, step) in them is also in ``durable``, or with ``force``."""
+    removed = []
+    for ns in spaces:
+        if not is_trusted(ns, directory=True):
+            continue
+        for rdir in rank_dirs(ns):
+            try:
+                fd = os.open(rdir / "lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a live owner
+            try:
+                sealed = set()
+                for meta in rdir.glob("slot-*.json"):
+                    try:
+                        m = ShardManifest.from_bytes(read_private(meta, 256 << 20))
+                        sealed.add((m.generation, m.step))
+                    except (OSError, ManifestError):
+                        continue
+                if force or sealed <= durable:
+                    shutil.rmtree(rdir, ignore_errors=True)
+                    removed.append(str(rdir))
+            finally:
+                os.close(fd)
+        if ns.is_dir() and not any(ns.iterdir()):
+            ns.rmdir()
+    return removed

@@ -1,0 +1,147 @@
+"""The memory tier: one rank's sealed shared-memory slots.
+
+Two ways to open it:
+
+* ``MemoryTier.own(ns, rank, ...)``: the training process. Takes the rank's lock,
+  owns the slot pool, and writes snapshots (``reserve`` → ``snapshot`` → the drain
+  reads the slot through ``open_slot`` and re-``seal``\\ s it with checksums).
+* ``MemoryTier(ns, rank)``: anyone else (``ckpt`` after a crash, a sibling rank
+  reading replicated state): read-only, re-checking each seal after reading.
+
+It is a ``TierReader`` only: nothing is ever copied *into* memory by the drain.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from ...checksum import crc32c_of
+from ...errors import ManifestError
+from ...manifest import Manifest, ShardManifest, ShardRef
+from ..base import CheckpointId, CheckpointInfo, ShardReader, TierReader
+from .namespace import is_trusted, rank_dir, read_private
+from .reader import SlotReader
+
+if TYPE_CHECKING:  # the writing side needs torch; readers (the CLI) do not
+    import torch
+
+    from .slots import ShmSlot, SlotPool
+
+_MAX_SEAL_BYTES = 256 << 20
+
+
+class MemoryTier(TierReader):
+    name = "memory"
+
+    def __init__(self, ns: Path, rank: int = 0, pool: "SlotPool | None" = None) -> None:
+        self.dir = rank_dir(ns, rank)
+        self.rank = rank
+        self.pool = pool
+        self._copier = None
+
+    @classmethod
+    def own(cls, ns: Path, rank: int, *, slots: int, owner: dict) -> "MemoryTier":
+        """The writable tier of the training process (exclusive per namespace and rank)."""
+        from .copier import TensorCopier
+        from .slots import SlotPool
+
+        tier = cls(ns, rank, SlotPool(ns, rank, slots=slots, owner=owner))
+        tier._copier = TensorCopier()
+        return tier
+
+    @property
+    def location(self) -> str:
+        return str(self.dir)
+
+    # -- writing (owner only) -----------------------------------------------------
+
+    def prepare_async(self, nbytes: int, *, pin: bool = False) -> None:
+        self._owned().prepare_async(nbytes, pin=pin)
+
+    def wait_prepared(self) -> None:
+        self._owned().wait_prepared()
+
+    def reserve(self, step: int) -> "tuple[ShmSlot, float]":
+        """A slot for the snapshot of ``step`` (see ``SlotPool.reserve``)."""
+        return self._owned().reserve(step)
+
+    def snapshot(self, slot: "ShmSlot", tensors: "Sequence[torch.Tensor]", manifest: ShardManifest) -> None:
+        """The trainer's copy into ``slot``, sealed (without checksums) when complete."""
+        self._owned().snapshot(slot, tensors, manifest, self._copier)
+
+    def open_slot(self, slot: ShmSlot, manifest: ShardManifest) -> ShardReader:
+        """A reader over the owner's own mapping of ``slot`` (no re-check: the owner knows
+        the slot stays put until the drain releases it)."""
+        return SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, seal=None)
+
+    def seal(self, slot: ShmSlot, manifest: ShardManifest) -> None:
+        """Re-seal with the checksums computed off the critical path."""
+        slot.seal(manifest)
+
+    def holds(self, step: int) -> bool:
+        """Whether a sealed slot of this process holds ``step``."""
+        return any(s.holds and s.holds[1] == step for s in self._owned().slots)
+
+    def _owned(self) -> "SlotPool":
+        if self.pool is None:
+            raise RuntimeError("this memory tier was opened read-only")
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    # -- reading ------------------------------------------------------------------
+
+    def _sealed(self) -> list[tuple[Path, ShardManifest | None, str | None, int]]:
+        """(seal path, its manifest or None, why not, the seal's inode). The inode is taken
+        from the file the manifest was read from: a reseal is a new inode, so a reader
+        can tell later whether the slot still holds what this manifest describes."""
+        out: list[tuple[Path, ShardManifest | None, str | None, int]] = []
+        if not is_trusted(self.dir, directory=True) or not is_trusted(self.dir.parent, directory=True):
+            return out  # missing, or planted by another user
+        for meta in sorted(self.dir.glob("slot-*.json")):
+            try:
+                ino = os.lstat(meta).st_ino
+                raw = read_private(meta, _MAX_SEAL_BYTES)
+            except OSError:
+                continue
+            try:
+                out.append((meta, ShardManifest.from_bytes(raw, str(meta)), None, ino))
+            except ManifestError as e:
+                out.append((meta, None, str(e), ino))
+        return out
+
+    def list(self) -> list[CheckpointInfo]:
+        infos = []
+        for meta, man, _, _ in self._sealed():
+            if man is None:
+                continue  # an unreadable seal is an invalid slot, not a checkpoint
+            try:
+                sealed_at = meta.stat().st_mtime
+            except FileNotFoundError:
+                continue  # unsealed since it was read: a live job is overwriting the slot
+            infos.append(CheckpointInfo(CheckpointId(man.generation, man.step), self.name, sealed_at,
+                                        man.data_bytes, man.world_size, checksummed=man.has_checksums,
+                                        ranks=frozenset({man.rank})))
+        return sorted(infos, key=lambda i: i.id)
+
+    def _find(self, ckpt_id: CheckpointId) -> tuple[Path, ShardManifest, int]:
+        for meta, man, _, ino in self._sealed():
+            if man is not None and (man.generation, man.step) == (ckpt_id.generation, ckpt_id.step):
+                return meta, man, ino
+        raise FileNotFoundError(f"step {ckpt_id} is not in memory ({self.dir})")
+
+    def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
+        meta, man, _ = self._find(ckpt_id)
+        # A slot holds one rank's shard: the manifest lists just that one.
+        return Manifest(man.step, man.generation, man.world_size,
+                        [ShardRef(man.rank, crc32c_of(man.to_bytes()), man.data_bytes)], created=meta.stat().st_mtime)
+
+    def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
+        meta, man, seal = self._find(ckpt_id)
+        live = None
+        if self.pool is not None:
+            live = next((s.buffer for s in self.pool.slots if s.meta_path == meta and s.buffer is not None), None)
+        return SlotReader(meta, meta.with_suffix(".bin"), man, live, seal=seal)
