@@ -27,8 +27,9 @@ from .errors import BackgroundError, CheckpointError
 from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
+from .ownership import claim, refusal
 from .plan import RestorePlan, ShardNeed
-from .restore import load_plan, restore_agreed
+from .restore import load_plan, open_shard, restore_agreed
 from .state import flatten, load_into
 from .tensor_io import with_checksums
 from .tiers.base import CheckpointId, DurableTier, TierReader
@@ -85,6 +86,7 @@ class CheckpointManager:
             self.object = object_store if isinstance(object_store, DurableTier) else _object_tier(object_store,
                                                                                                   storage_options)
         durable = [t for t in (self.disk, self.object) if t is not None]
+        self._claim(durable)
         # Alone, each tier is one volume: nothing is written to the root to find out.
         mine = [t.volume for t in durable] if self.world_size > 1 else ["local"] * len(durable)
         job, *volumes = zip(*self.coord.gather([uuid.uuid4().hex, *mine]))
@@ -117,6 +119,14 @@ class CheckpointManager:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:
             self.prepare(state)
+
+    def _claim(self, durable: list[DurableTier]) -> None:
+        """Refuse (on every rank alike) a root that belongs to another run, before anything
+        of that run's is swept or pruned."""
+        others = [(t, claim(t, self.run)) for t in durable]
+        if self.coord.any(any(other is not None for _, other in others))[0]:
+            tier, other = next(((t, o) for t, o in others if o is not None), (durable[0], "another run"))
+            raise refusal(tier, self.run, other)
 
     def _remove_leftovers(self, memory_dir: str) -> None:
         """Each volume's leader sweeps its own volume: interrupted writes, and memory slots
@@ -180,7 +190,7 @@ class CheckpointManager:
             slot.idle.set()
             raise
         # every rank must agree: a step is committed only once all shards are up
-        upload = self._offload is not None and self.coord.all(self._offload.wants(urgent))
+        upload = self._offload is not None and self._offload.decide(self.coord, ckpt_id, urgent)
         handle = SaveHandle(ckpt_id.step, ([self.disk.name] if self.disk else []) + ([self.object.name] if upload else []),
                             nbytes=nbytes, observer=self.metrics)
         handle.blocking_s = time.monotonic() - t0
@@ -228,7 +238,9 @@ class CheckpointManager:
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> None:
         """Block until every pending save (or ``step``) is durable in every tier its handle
-        names (disk and, when it was chosen for upload, the object store); raise
+        names: the disk, and the object store for saves chosen for upload (urgent ones, one
+        per ``object_interval_s``, the first after a pending upload ended). A save skipped
+        because an upload was pending goes up later or at ``flush()``, not here. Raise
         BackgroundError, once per failure, if a background write failed."""
         for h in list(self._handles):
             if step is None or h.step == step:
@@ -302,14 +314,25 @@ class CheckpointManager:
 
         return merge_listing(self.tiers)
 
+    def flush(self) -> None:
+        """Every rank, at the same point (the end of training, preemption): finish every
+        drain, upload the newest step if it was skipped for a pending upload, and wait
+        until it is off-node. Then the newest committed step is in every tier (failures
+        surface at the next ``save()``/``wait()``)."""
+        self._drainer.join()
+        if self._offload is not None:
+            source = self.disk or self.memory
+            self._offload.flush(lambda ckpt_id: open_shard(source, ckpt_id, self.rank),
+                                self.disk.name if self.disk is not None else None)
+
     def close(self) -> None:
-        """Finish pending drains, then release shared memory mappings (the slots stay).
+        """``flush()``, then release shared memory mappings (the slots stay).
         Idempotent: a preempted loop closes before exiting, inside ``with manager``."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._drainer.join()
+            self.flush()
         finally:
             self._drainer.close()
             try:

@@ -19,7 +19,7 @@ with CheckpointManager(f"{out}/disk", object_store=url, memory_dir=shm, run="a",
         state["step"] = step
         mgr.save(step, state).wait()
 got = {"w": torch.zeros(1000), "step": None}
-with CheckpointManager(f"{out}/fresh", object_store=url, memory_dir=shm, run="b") as mgr:
+with CheckpointManager(f"{out}/fresh", object_store=url, memory_dir=shm, run="a") as mgr:  # same job, new nodes
     assert mgr.restore(got) == 3
 assert torch.equal(got["w"], torch.full((1000,), rank + 3.0)) and got["step"] == 3, got
 print(f"objstore dist ok rank {rank}", flush=True)

@@ -132,8 +132,8 @@ def test_second_manager_on_the_same_root_and_run_is_refused_while_the_first_live
         try:
             with pytest.raises(CheckpointError, match="in use by another live process"):
                 CheckpointManager(root, memory_dir=shm_dir)
-            with CheckpointManager(root, memory_dir=shm_dir, run="other-job"):
-                pass  # another run id is another job: no conflict
+            with pytest.raises(CheckpointError, match="belongs to run 'default'"):
+                CheckpointManager(root, memory_dir=shm_dir, run="other-job")  # would mix up their checkpoints
         finally:
             with open(events, "a") as f:
                 f.write("probed\n")

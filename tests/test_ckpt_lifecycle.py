@@ -67,7 +67,7 @@ def test_leftovers_of_interrupted_saves_are_removed_at_start_up_and_nothing_else
                                "step-000000000003.g0/rank-00000.bin.tmp4242", "step-000000000004.g1"]
     with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
         assert leftovers(root) == []
-        assert sorted(p.name for p in root.iterdir()) == ["notes.txt", "other", "step-000000000001.g0",
+        assert sorted(p.name for p in root.iterdir()) == [".ckpt-guard-run", "notes.txt", "other", "step-000000000001.g0",
                                                           "step-000000000002.g0", "step-latest"]
         step, state = restored(mgr)
     assert step == 2
@@ -119,7 +119,24 @@ def test_two_managers_on_the_same_root_and_run_are_refused(root: Path, shm_dir: 
     try:
         with pytest.raises(CheckpointError, match="in use by another live process.*own checkpoint root"):
             CheckpointManager(root, memory_dir=shm_dir)
-        CheckpointManager(root, memory_dir=shm_dir, run="second-job").close()
+        with pytest.raises(CheckpointError, match="belongs to run 'default'"):
+            CheckpointManager(root, memory_dir=shm_dir, run="second-job")
     finally:
         first.close()
     CheckpointManager(root, memory_dir=shm_dir).close()  # released by close()
+
+
+def test_another_run_on_the_same_root_is_refused_and_mixes_nothing_up(root: Path, shm_dir: str) -> None:
+    """r2 on r1's root would prune r1's checkpoints and a restarted r1 would restore r2's
+    state; r2 refuses before touching anything, and r1 restarts into its own state."""
+    with CheckpointManager(root, memory_dir=shm_dir, run="r1", keep_last=3) as r1:
+        for step in (1, 2, 3):
+            r1.save(step, step_state(step))
+        r1.wait()
+    with pytest.raises(CheckpointError, match="belongs to run 'r1'.*its own root"):
+        CheckpointManager(root, memory_dir=shm_dir, run="r2", keep_last=1)
+    assert disk_steps(root) == [(0, 1), (0, 2), (0, 3)]
+    with CheckpointManager(root, memory_dir=shm_dir, run="r1") as r1:
+        step, got = restored(r1)
+    assert step == 3
+    assert_same(got, step_state(3))

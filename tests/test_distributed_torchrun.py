@@ -14,6 +14,7 @@ import pytest
 
 from ckpt import CheckpointManager
 from ckpt.errors import CheckpointError
+from ckpt.ownership import owner_run
 from ckpt.tiers.local import LocalDiskTier
 from tests.integration_helpers import REPO, torchrun
 
@@ -75,7 +76,8 @@ def test_urgent_request_on_one_rank_is_saved_by_all(runs: tuple[Path, str]) -> N
 
 
 def test_restore_with_another_world_size_says_why(runs: tuple[Path, str], shm: str) -> None:
-    with CheckpointManager(runs[0] / "clean", memory_dir=shm, run="single") as mgr:
+    clean = runs[0] / "clean"
+    with CheckpointManager(clean, memory_dir=shm, run=owner_run(LocalDiskTier(clean))) as mgr:
         with pytest.raises(CheckpointError, match="saved by 2 ranks; this job has 1"):
             mgr.restore({})
 

@@ -16,6 +16,7 @@ import torch
 
 from ckpt import BackgroundError, CheckpointError, CheckpointManager, DamagedCheckpoint
 from ckpt.locations import tiers_for
+from ckpt.ownership import RUN_MARKER
 from ckpt.retry import RetryPolicy
 from ckpt.verify import verify_shard
 from ckpt.tiers.base import CheckpointId
@@ -47,8 +48,9 @@ def s3_tier(server, bucket: str, prefix: str = "run-42", timeout: float = 10, **
 
 def manager(tmp_path, obj, disk: str | None = "disk", **kw) -> CheckpointManager:
     root = tmp_path / disk if disk else None
-    return CheckpointManager(root, object_store=obj, memory_dir=str(tmp_path / "shm"),
-                             run=uuid.uuid4().hex[:8], **kw)
+    # One job (one run id); each manager gets fresh shared memory, as a new process on a new node would.
+    return CheckpointManager(root, object_store=obj, memory_dir=str(tmp_path / "shm" / uuid.uuid4().hex[:8]),
+                             run="job", **kw)
 
 
 def verify_one(tier, ckpt_id: CheckpointId) -> None:
@@ -154,7 +156,7 @@ def test_retention_deletes_only_whole_old_checkpoints(tmp_path, s3_server, s3_bu
     assert [i.id.step for i in LocalDiskTier(tmp_path / "disk").list()] == [5, 6]
     tier = s3_tier(s3_server, s3_bucket)
     assert verify_all(tier) == [4, 5, 6]
-    left = sorted(p.rsplit("/", 2)[-2] for p in tier.fs.find(tier.root))
+    left = sorted(p.rsplit("/", 2)[-2] for p in tier.fs.find(tier.root) if not p.endswith(RUN_MARKER))
     assert left == sorted([CheckpointId(0, s).name for s in (4, 5, 6)] * 3)  # nothing of 1..3 remains
 
 
@@ -185,7 +187,7 @@ def test_startup_sweeps_unfinished_uploads_and_uncommitted_checkpoints(tmp_path,
         assert mgr.list() == []
     assert unfinished_uploads(tier) == []
     tier.fs.invalidate_cache()
-    assert tier.fs.find(tier.root) == []
+    assert tier.fs.find(tier.root) == [f"{tier.root}/{RUN_MARKER}"]  # only the job's claim on the prefix
 
 
 def test_bad_configuration_fails_fast_with_a_clear_error(tmp_path, s3_server, s3_bucket):
@@ -317,3 +319,50 @@ def test_two_ranks_upload_their_shards_and_a_fresh_node_restores_from_the_store(
     (tier,) = tiers_for(f"file://{tmp_path}/store")
     assert [i.id.step for i in tier.list()] == [2, 3]
     assert all(len(tier.read_manifest(i.id).shards) == 2 for i in tier.list())
+
+
+def test_another_run_on_the_same_prefix_is_refused_before_it_sweeps_anything(tmp_path, s3_server, s3_bucket):
+    """A second job on r1's prefix would abort r1's uploads in its start-up sweep and
+    prune r1's checkpoints; it refuses first, and r1 finds everything as it left it."""
+    st = make_state(1)
+    with CheckpointManager(tmp_path / "r1", object_store=s3_tier(s3_server, s3_bucket), run="r1",
+                           memory_dir=str(tmp_path / "shm1")) as r1:
+        r1.save(1, st).wait()
+        tier = s3_tier(s3_server, s3_bucket)
+        bucket, key, _ = tier.fs.split_path(f"{tier.root}/step-000000000002.g0/rank-00000.bin")
+        pending = tier.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)  # r1's upload in flight
+        with pytest.raises(CheckpointError, match="belongs to run 'r1'"):
+            CheckpointManager(tmp_path / "r2", object_store=s3_tier(s3_server, s3_bucket), run="r2",
+                              memory_dir=str(tmp_path / "shm2"), keep_last=1)
+        assert [u["UploadId"] for u in unfinished_uploads(tier)] == [pending["UploadId"]]
+        tier.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=pending["UploadId"])
+    assert verify_all(s3_tier(s3_server, s3_bucket)) == [1]
+
+
+def test_the_newest_step_reaches_the_store_when_saves_outpace_uploads(tmp_path, s3_server, s3_bucket):
+    """save(10), save(20) while 10 uploads, wait(), close(): 20 used to stay local, and a
+    fresh node restored 10. Now the step skipped for a pending upload goes up at close."""
+    states = {s: make_state(s, mib=32) for s in (10, 20)}
+    with manager(tmp_path, s3_tier(s3_server, s3_bucket)) as mgr:
+        for step, st in states.items():
+            mgr.save(step, st)
+        mgr.wait()
+    assert [i.id.step for i in s3_tier(s3_server, s3_bucket).list()] == [10, 20]
+    with manager(tmp_path, s3_tier(s3_server, s3_bucket), disk="fresh-node") as mgr:
+        got = blank_like(states[20])
+        assert mgr.restore(got) == 20
+        assert_same(got, states[20])
+
+
+def test_close_uploads_the_newest_step_even_between_periodic_uploads(tmp_path, s3_server, s3_bucket):
+    """object_interval_s spaces routine uploads during training; at close the newest step
+    goes up whatever the interval, the ones in between stay local."""
+    with manager(tmp_path, s3_tier(s3_server, s3_bucket), object_interval_s=3600) as mgr:
+        first = mgr.save(10, make_state(10))
+        first.wait("object")
+        for step in (20, 30):
+            handle = mgr.save(step, make_state(step))
+            handle.wait()
+            assert "object" not in handle.durable_s
+        assert [i.id.step for i in s3_tier(s3_server, s3_bucket).list()] == [10]
+    assert [i.id.step for i in s3_tier(s3_server, s3_bucket).list()] == [10, 30]

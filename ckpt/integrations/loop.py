@@ -73,6 +73,7 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | I
                          elevated_every=elevated_every)
     if save_at_end and total > start and not (isinstance(every, int) and total % every == 0):
         mgr.save(total, state)
+    mgr.flush()  # the newest step off-node too, if an upload was pending when it was saved
     mgr.wait()
     if listener is not None:
         listener.close()

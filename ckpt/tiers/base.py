@@ -164,6 +164,14 @@ class DurableTier(TierReader):
         """Manifest first, then the data, so a half-deleted checkpoint is never listed."""
 
     @abstractmethod
+    def read_marker(self, name: str) -> bytes | None:
+        """A small record kept at the tier's top (``name`` has no slash), or None."""
+
+    @abstractmethod
+    def create_marker(self, name: str, data: bytes) -> bool:
+        """Write a small record at the tier's top unless one exists; True when this call wrote it."""
+
+    @abstractmethod
     def cleanup(self, min_age_s: float = 0.0) -> list[str]:
         """Remove leftovers of interrupted writes (no manifest) idle for ``min_age_s``; return what went."""
 

@@ -63,17 +63,30 @@ class LocalDiskTier(DurableTier):
         """A random id kept in the root, created by whichever rank comes first: ranks on one
         node (or on one shared filesystem) read the same id, ranks on other nodes' local
         disks read their own."""
-        path = self.root / VOLUME_FILE
+        self.create_marker(VOLUME_FILE, uuid.uuid4().hex.encode())
+        return (self.read_marker(VOLUME_FILE) or b"").decode(errors="replace").strip()
+
+    def read_marker(self, name: str) -> bytes | None:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            return read_nofollow(self.root / name)
+        except FileNotFoundError:
+            return None
+
+    def create_marker(self, name: str, data: bytes) -> bool:
+        """Written under a temporary name and linked into place: exclusive, and never seen half-written."""
+        path = self.root / name
+        if path.exists():
+            return False
+        tmp = path.with_name(f"{name}.tmp{os.getpid()}")
+        atomic_write(tmp, data)
+        try:
+            os.link(tmp, path)
+            fsync_dir(self.root)
+            return True
         except FileExistsError:
-            return read_nofollow(path).decode().strip()
-        with os.fdopen(fd, "w") as f:
-            f.write(uuid.uuid4().hex)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(self.root)
-        return read_nofollow(path).decode().strip()
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _dir(self, ckpt_id: CheckpointId) -> Path:
         return self.root / ckpt_id.name

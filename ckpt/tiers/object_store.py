@@ -162,6 +162,20 @@ class ObjectStoreTier(DurableTier):
             raise CheckpointError(f"step {ckpt_id} is already committed in {self.url}; refusing to overwrite it")
         self._uploader.put(self._key(ckpt_id, MANIFEST_FILE), manifest.to_bytes())
 
+    def read_marker(self, name: str) -> bytes | None:
+        path = posixpath.join(self.root, name)
+        return self._missing_as_none(lambda: self.fs.cat_file(path), path)
+
+    def create_marker(self, name: str, data: bytes) -> bool:
+        """Check, then write: two jobs starting within one request's time may both write
+        (stores without conditional writes cannot do better); the later one wins."""
+        path = posixpath.join(self.root, name)
+        self.fs.invalidate_cache(self.root)
+        if self.retry.call(lambda: self.fs.exists(path), f"check {self.url_of(path)}"):
+            return False
+        self._uploader.put(path, data)
+        return True
+
     def delete(self, ckpt_id: CheckpointId) -> None:
         man = self._key(ckpt_id, MANIFEST_FILE)
         self.retry.call(lambda: self._rm(man), f"delete {self.url_of(man)}")
