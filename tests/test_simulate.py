@@ -1,19 +1,22 @@
-"""ckpt.simulate: the analytic waste against Young's and Daly's closed forms, the Monte
-Carlo against both, the inputs' scaling, and the ``ckpt simulate`` command."""
+"""ckpt.goodput, the simulator: the analytic waste against Young's and Daly's closed forms,
+the Monte Carlo against both, the inputs' scaling, the ``ckpt simulate`` command, and
+its separation from the engine."""
 from __future__ import annotations
 
 import json
 import math
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from ckpt import simulate_inputs as inputs
 from ckpt.cli import cli
-from ckpt.simulate import Lead, Recovery, Run, Skill, Strategy, _play, analytic, monte_carlo
+from ckpt.goodput import inputs
+from ckpt.goodput.model import Lead, Recovery, Run, Skill, Strategy, _play, analytic, monte_carlo
 from tests.test_policy import daly_exact_wall
 
 DEFAULT_RUN = Run()
@@ -148,3 +151,15 @@ def test_cli_errors(tmp_path: Path) -> None:
     bad.write_text("{}")
     code, out = run_cli("--bench", str(bad))
     assert code == 1 and "unusable input" in out
+
+
+def test_engine_and_cli_never_import_the_simulator() -> None:
+    code = "import sys, ckpt, ckpt.cli, ckpt.policy; print(sorted(m for m in sys.modules if 'goodput' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_packaged_measurements_name_their_source_and_date() -> None:
+    for data in (inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR):
+        assert data["source"] and data["command"] and data["benchmark"]
+        assert data["date"][:4].isdigit()

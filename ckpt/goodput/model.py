@@ -22,7 +22,7 @@ import random
 import statistics
 from dataclasses import asdict, dataclass
 
-from .policy import IntervalPolicy, Predictor
+from ..policy import IntervalPolicy, Predictor
 
 RISK_WINDOW_S = 3600.0  # an alarm's horizon (shared/telemetry/EVAL.md): risk stays elevated this long
 MIN_LEAD_S = 120.0  # a failure counts as caught only with this much lead (EVAL.md)
