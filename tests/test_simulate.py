@@ -163,3 +163,21 @@ def test_packaged_measurements_name_their_source_and_date() -> None:
     for data in (inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR):
         assert data["source"] and data["command"] and data["benchmark"]
         assert data["date"][:4].isdigit()
+
+
+@pytest.mark.parametrize("missing", ["null", "NaN"])
+def test_cli_eval_without_predictable_failures(tmp_path: Path, missing: str) -> None:
+    # what the reference scorer writes for a trace with no predictable failure: no recall of
+    # predictable, no lead; NaN where a rate has nothing to divide by
+    ev = tmp_path / "eval.json"
+    ev.write_text('{"node": {"failures": 3, "predictable_failures": 0, "caught": 0, "recall_of_predictable": %s, '
+                  '"false_alarms_per_1000_node_days": %s, "lead_s_median": null, "lead_s_p10": null}}'
+                  % (missing, missing))
+    code, out = run_cli("--json", "--predictor-eval", str(ev))
+    assert code == 0, out
+    data = json.loads(out)
+    assert any("no predictable failures in this trace" in n for n in data["notes"])
+    b, c = data["analytic"][1], data["analytic"][2]
+    assert c["waste"] == pytest.approx(b["waste"])  # no skill: (c) is (b)
+    code, text = run_cli("--predictor-eval", str(ev))
+    assert code == 0 and "no predictable failures in this trace" in text

@@ -54,6 +54,7 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
         sources = [inputs.load_json(bench, inputs.BENCH), inputs.load_json(objstore_bench, inputs.OBJSTORE),
                    inputs.load_json(predictor_eval, inputs.PREDICTOR)]
         strategies = inputs.strategies(run, *sources, state_gb_per_gpu, objstore_gbps)
+        notes = inputs.eval_notes(sources[2])
     except (OSError, ValueError, KeyError, TypeError) as e:
         click.echo(f"error: unusable input: {e!r}", err=True)
         sys.exit(1)
@@ -63,13 +64,13 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
     payload = {"run": asdict(run), "state_gb_per_gpu": state_gb_per_gpu, "objstore_gbps": objstore_gbps,
                "sources": {k: src["source"] for k, src in zip(("bench", "objstore", "predictor"), sources)},
                "strategies": [asdict(s) | {"policy": s.policy(run).explain()} for s in strategies],
-               "analytic": [o.to_dict() for o in outcomes], "monte_carlo": [o.to_dict() for o in played],
+               "notes": notes, "analytic": [o.to_dict() for o in outcomes], "monte_carlo": [o.to_dict() for o in played],
                "target": {"c_waste_over_a_waste": ratio, "at_most": TARGET, "met": ratio <= TARGET}}
     if as_json:
         click.echo(json.dumps(payload, indent=2))
         return
     lines = [f"{run.gpus} GPUs, {run.days:g} days, {run.failures} failures (MTBF {1 / run.failure_rate / 3600:.2f} h), "
-             f"{state_gb_per_gpu:.3f} GB/GPU, restart {run.restart_s:g} s", "", table(outcomes)]
+             f"{state_gb_per_gpu:.3f} GB/GPU, restart {run.restart_s:g} s", *notes, "", table(outcomes)]
     if played:
         lines += ["", f"Monte Carlo, {plays} runs, seed {seed}:", "", table(played)]
     verdict = "met" if ratio <= TARGET else "NOT met"

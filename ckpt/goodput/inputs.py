@@ -11,6 +11,7 @@ at the per-client throughput measured (it scales out by key prefix).
 from __future__ import annotations
 
 import json
+import math
 from importlib.resources import files
 from pathlib import Path
 
@@ -45,11 +46,38 @@ def _dcp_MBps(objstore: dict, phase: str) -> float:
     return max(objstore["results"][c][phase]["MBps"] for c in ("dcp1", "dcpN") if c in objstore["results"])
 
 
-def skill_of(evaluation: dict) -> Skill:
-    """The node-level scores of ``predictor eval --json``."""
+# metrics the scorer leaves null (or NaN) when the trace has nothing to measure them on:
+# (what, its keys, why it is missing, what the simulator assumes instead)
+_NO_SKILL = "the predictor is taken to catch nothing (no skill)"
+_MISSING = [("recall of predictable failures", ("recall_of_predictable",),
+             "no predictable failures in this trace", _NO_SKILL),
+            ("lead", ("lead_s_median", "lead_s_p10"), "no failure caught in this trace", _NO_SKILL),
+            ("false-alarm rate", ("false_alarms_per_1000_node_days",), "no node-days in this trace",
+             "taken as no false alarms")]
+
+
+def _metric(node: dict, key: str) -> float | None:
+    """A node-level score, or None where the eval could not measure it (null or NaN)."""
+    value = node[key]
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def eval_notes(evaluation: dict) -> list[str]:
+    """What ``skill_of`` had to assume, one sentence per missing metric."""
     node = evaluation["node"]
-    return Skill(node["recall_of_predictable"], node["false_alarms_per_1000_node_days"],
-                 Lead(node["lead_s_median"], node["lead_s_p10"]))
+    return [f"predictor eval: {what} unknown ({why}); {effect}" for what, keys, why, effect in _MISSING
+            if any(_metric(node, k) is None for k in keys)]
+
+
+def skill_of(evaluation: dict) -> Skill:
+    """The node-level scores of ``predictor eval --json``; a predictor whose recall or
+    lead could not be measured is one that catches nothing (``eval_notes`` says why)."""
+    node = evaluation["node"]
+    recall, median, p10, false_alarms = (_metric(node, k) for k in (
+        "recall_of_predictable", "lead_s_median", "lead_s_p10", "false_alarms_per_1000_node_days"))
+    if recall is None or median is None or p10 is None:
+        return Skill(0.0, false_alarms or 0.0, None)
+    return Skill(recall, false_alarms or 0.0, Lead(median, p10))
 
 
 def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb_per_gpu: float,

@@ -104,11 +104,12 @@ class Lead:
 
 @dataclass(frozen=True)
 class Skill:
-    """A predictor as ``predictor eval --json`` scores it (node level)."""
+    """A predictor as ``predictor eval --json`` scores it (node level); no ``lead`` when
+    it caught nothing to measure one on."""
 
     recall_of_predictable: float
     false_alarms_per_1000_node_days: float
-    lead: Lead
+    lead: Lead | None
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class Strategy:
 
     def _predicted(self, run: Run, rec: Recovery) -> float:
         """Caught, with lead enough to make the urgent save durable where the restart reads."""
-        if self.skill is None:
+        if self.skill is None or self.skill.lead is None:
             return 0.0
         return run.precursor_share * self.skill.recall_of_predictable * self.skill.lead.covered(rec.lag_s)
 
@@ -139,8 +140,8 @@ class Strategy:
         predictor = None
         if self.skill:
             recall = sum(share * q for share, _, q in self.classes(run))
-            predictor = Predictor(recall, self.skill.false_alarms_per_1000_node_days * run.nodes / 1000.0,
-                                  self.skill.lead.median_s)
+            lead_s = self.skill.lead.median_s if self.skill.lead else 0.0  # no lead: no caught failure
+            predictor = Predictor(recall, self.skill.false_alarms_per_1000_node_days * run.nodes / 1000.0, lead_s)
         drain = max(self.gpu_only.lag_s, self.host_down.lag_s)
         return IntervalPolicy(self.blocking_s, 1.0 / run.failure_rate, drain, predictor, formula)
 
