@@ -1,4 +1,4 @@
-"""The simulator's inputs: measured costs scaled to a run's checkpoint, and the three
+"""The simulator's inputs: measured costs scaled to a run's checkpoint, and the four
 strategies compared. Defaults are our own measurements, kept as dated data files in
 ``data/`` (each names its source); ``--bench``, ``--objstore-bench`` and
 ``--predictor-eval`` replace them.
@@ -6,7 +6,8 @@ strategies compared. Defaults are our own measurements, kept as dated data files
 Scaling: every node writes its own GPUs' share of the checkpoint at the same time, so a
 node is taken to do on its share what the benchmark machine did on the benchmark's
 bytes (times scale with bytes per node); the object store is taken to serve every node
-at the per-client throughput measured (it scales out by key prefix).
+at the per-client throughput measured (it scales out by key prefix); a peer replica
+travels over a node's front-end NIC, shared by its GPUs.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ PREDICTOR = _packaged("predictor_reference.json")
 # Llama 3 405B: 405e9 parameters x 14 bytes (bf16 weights, fp32 master copy, two fp32
 # Adam moments) over 16,384 GPUs.
 STATE_GB_PER_GPU = round(405e9 * 14 / 16384 / 1e9, 3)
+NIC_GBIT_PER_NODE = 100.0  # the front-end NIC replicas travel over (the GPUs' own fabric is the job's)
 
 
 def load_json(path: str | None, default: dict) -> dict:
@@ -80,9 +82,15 @@ def skill_of(evaluation: dict) -> Skill:
     return Skill(recall, false_alarms or 0.0, Lead(median, p10))
 
 
+def peer_gbps_default(run: Run) -> float:
+    """GB/s per GPU to and from a peer: a 100 Gb/s NIC per node, shared by its GPUs."""
+    return NIC_GBIT_PER_NODE / 8 / run.gpus_per_node
+
+
 def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb_per_gpu: float,
-               objstore_gbps: float | None = None) -> list[Strategy]:
-    """(a) DCP straight to the object store, (b) our tiers, (c) our tiers + the predictor."""
+               objstore_gbps: float | None = None, peer_gbps: float | None = None) -> list[Strategy]:
+    """(a) DCP straight to the object store, (b) our tiers, (c) our tiers + the predictor,
+    (d) our tiers + one peer replica per shard + the predictor."""
     node_bytes = state_gb_per_gpu * 1e9 * run.gpus_per_node
     scale = node_bytes / bench["state_bytes"]
 
@@ -92,12 +100,17 @@ def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb
     # a save through DCP is never faster than DCP's own save to local disk
     dcp_save = max(node_bytes / rate(_dcp_MBps(objstore, "up")), bench["dcp_save_s"] * scale)
     dcp_load = max(node_bytes / rate(_dcp_MBps(objstore, "down")), bench["dcp_load_s"] * scale)
-    dcp = Recovery(dcp_save, dcp_load)
+    dcp = Recovery(dcp_save, dcp_load, "object store (DCP)")
     block = bench["ours_block_s"] * scale
-    memory = Recovery(block, bench["ours_restore_memory_s"] * scale)
+    memory = Recovery(block, bench["ours_restore_memory_s"] * scale, "local memory")
     ours = objstore["results"]["ours"]
     off_node = Recovery(bench["ours_durable_disk_s"] * scale + node_bytes / rate(ours["up"]["MBps"]),
-                        node_bytes / rate(ours["down"]["MBps"]))
-    return [Strategy("a", "(a) DCP to object store, periodic", dcp_save, dcp, dcp),
-            Strategy("b", "(b) ckpt tiers, periodic", block, memory, off_node),
-            Strategy("c", "(c) ckpt tiers + predictor", block, memory, off_node, skill_of(evaluation))]
+                        node_bytes / rate(ours["down"]["MBps"]), "object store")
+    # each GPU's shard goes to (and comes back from) the same local rank on the next node
+    peer_s = state_gb_per_gpu / (peer_gbps or peer_gbps_default(run))
+    peer = Recovery(block + peer_s, peer_s, "peer memory")
+    skill = skill_of(evaluation)
+    return [Strategy("a", "(a) DCP to object store, periodic", dcp_save, dcp, dcp, dcp),
+            Strategy("b", "(b) ckpt tiers, periodic", block, memory, off_node, off_node),
+            Strategy("c", "(c) ckpt tiers + predictor", block, memory, off_node, off_node, skill),
+            Strategy("d", "(d) ckpt tiers + peers + predictor", block, memory, peer, peer, skill)]
