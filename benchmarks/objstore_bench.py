@@ -350,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moto-disk-spool", action="store_true",
                    help="leave moto's default of spooling objects to temporary files (slower, noisier)")
     p.add_argument("--throttle", action="store_true",
-                   help="put the server behind benchmarks/throttle_proxy.py: a per-connection cap, per-response latency")
-    p.add_argument("--throttle-MBps", type=float, default=20.0, help="with --throttle: MB/s per connection (default 20)")
+                   help="run behind benchmarks/throttle_proxy.py: a cap per connection, latency per response")
+    p.add_argument("--throttle-MBps", type=float, default=20.0,
+                   help="with --throttle: MB/s per connection and direction (default 20)")
     p.add_argument("--latency-ms", type=float, default=20.0, help="with --throttle: ms added per response (default 20)")
     p.add_argument("--no-urgent", action="store_true", help="skip the urgent-save measurement")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -162,6 +162,13 @@ def test_cli_defaults_and_json(tmp_path: Path) -> None:
     assert data["strategies"][2]["policy"]["formula"].startswith("Daly")
 
 
+def test_cli_help_through_the_stand_in() -> None:
+    res = CliRunner().invoke(cli, ["--help"])
+    assert res.exit_code == 0 and "simulate" in res.output
+    code, out = run_cli("--help")
+    assert code == 0 and "--peer-gbps" in out and "--gpu-failure-share" in out
+
+
 def test_cli_reads_measurements(tmp_path: Path) -> None:
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps(inputs.BENCH | {"ours_block_s": 2 * inputs.BENCH["ours_block_s"]}))
