@@ -5,7 +5,10 @@ contender. The server: ``--server moto`` (moto's server mode, what the tests use
 Python process, ~11 CPU-s per GB, so it is the bottleneck whatever the client does) or
 ``--server s3rver`` (the npm package s3rver on Node.js, installed on first use into
 ~/.cache/ckpt-guard/s3rver; several times cheaper per byte, so the clients' own
-parallelism shows).
+parallelism shows). ``--throttle`` puts the server behind benchmarks/throttle_proxy.py,
+which caps each connection (``--throttle-MBps``, default 20) and delays each response
+(``--latency-ms``, default 20), as a remote store such as S3 does: on loopback a single
+stream is otherwise as fast as many.
 
 * ours        ObjectStoreTier.write_shard+commit from the disk tier (parallel multipart),
               and restore (parallel ranged GETs, every chunk CRC-checked) into the tensors;
@@ -19,6 +22,7 @@ on a small machine the server's CPU, not the network, is what every contender
 waits for. Not a test: nothing here asserts a speed.
 
     PYTHONPATH=. python benchmarks/objstore_bench.py --gb 1 --repeats 3 [--server s3rver] [--json]
+    PYTHONPATH=. python benchmarks/objstore_bench.py --gb 0.25 --repeats 3 --server s3rver --throttle --no-urgent --json
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import uuid
 from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 
 import torch
 import s3fs
@@ -71,22 +76,53 @@ def s3rver_server(data_dir: str):
     proc = subprocess.Popen([str(exe), "-d", data_dir, "-a", "127.0.0.1", "-p", str(port), "--silent"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"s3rver did not start on port {port}") from None
-                time.sleep(0.1)
+        _wait_listening(port, proc, "s3rver")
         yield S3Server(proc, f"http://127.0.0.1:{port}", key="S3RVER", secret="S3RVER")
+    finally:
+        stop_process(proc)
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 30.0) -> None:
+    """Return once ``proc`` accepts connections on loopback ``port``; raise if it exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start on port {port}") from None
+            time.sleep(0.1)
+
+
+@contextmanager
+def throttled(server: S3Server, MBps: float, latency_ms: float):
+    """``server`` behind benchmarks/throttle_proxy.py (a subprocess): per-connection cap, per-response
+    latency. Yields the proxied server and the proxy's process."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("throttle_proxy.py")), "--port", str(port),
+                             "--upstream", server.endpoint.removeprefix("http://"), "--MBps", str(MBps),
+                             "--latency-ms", str(latency_ms)])
+    try:
+        _wait_listening(port, proc, "throttle proxy")
+        yield S3Server(server.proc, f"http://127.0.0.1:{port}", key=server.key, secret=server.secret), proc
     finally:
         stop_process(proc)
 
 
 @contextmanager
 def start_server(args: argparse.Namespace, shm: str):
+    """The server to run against, and the pids whose CPU is the store's (server, proxy)."""
+    with _start_bare_server(args, shm) as server:
+        if not args.throttle:
+            yield server, [server.proc.pid]
+            return
+        with throttled(server, args.throttle_MBps, args.latency_ms) as (proxied, proxy):
+            yield proxied, [server.proc.pid, proxy.pid]
+
+
+@contextmanager
+def _start_bare_server(args: argparse.Namespace, shm: str):
     if args.server == "s3rver":
         with s3rver_server(tempfile.mkdtemp(prefix="s3rver-", dir=shm)) as server:  # objects in memory, as moto's
             yield server
@@ -112,16 +148,19 @@ def _own_cpu() -> float:
 
 
 class Clock:
-    """Times phases of one run: wall clock, and CPU of the server process and of this one."""
+    """Times phases of one run: wall clock, and CPU of the store's processes and of this one."""
 
-    def __init__(self, server_pid: int) -> None:
-        self.pid, self.samples = server_pid, {}
+    def __init__(self, store_pids: list[int]) -> None:
+        self.pids, self.samples = store_pids, {}
+
+    def _store_cpu(self) -> float:
+        return sum(cpu_seconds(pid) for pid in self.pids)
 
     @contextmanager
     def __call__(self, phase: str):
-        s0, c0, t0 = cpu_seconds(self.pid), _own_cpu(), time.perf_counter()
+        s0, c0, t0 = self._store_cpu(), _own_cpu(), time.perf_counter()
         yield
-        self.samples[phase] = Sample(time.perf_counter() - t0, cpu_seconds(self.pid) - s0, _own_cpu() - c0)
+        self.samples[phase] = Sample(time.perf_counter() - t0, self._store_cpu() - s0, _own_cpu() - c0)
 
 
 def make_state(total: int) -> dict[str, torch.Tensor]:
@@ -180,7 +219,7 @@ class Bench:
             self.fs.put_file(str(self.data_file), key, max_concurrency=concurrency)
         out = self.work / "plain.bin"
         with clock("down"):
-            self.fs.get_file(key, str(out))
+            self.fs.get_file(key, str(out), max_concurrency=concurrency)  # s3fs's default is 10 ranges
         assert out.stat().st_size == self.nbytes
         out.unlink()
         self.fs.rm(key)
@@ -229,7 +268,7 @@ CONTENDERS = {
 }
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
     work = Path(tempfile.mkdtemp(prefix="objstore-bench-"))
     shm = tempfile.mkdtemp(prefix="objstore-bench-", dir="/dev/shm")  # memory slots where they live in training
     chosen = args.only or list(CONTENDERS)
@@ -237,13 +276,13 @@ def run(args: argparse.Namespace) -> dict:
     urgent: list[dict[str, float]] = []
     try:
         state = make_state(int(args.gb * (1 << 30)))
-        with start_server(args, shm) as server:
+        with start_server(args, shm) as (server, store_pids):
             bench = Bench(server, work, shm, state, args.part_mib << 20, args.concurrency)
             total = args.repeats * (len(chosen) + (not args.no_urgent))
             with tqdm(total=total, desc="transfers", unit="run", disable=args.json) as bar:
                 for _ in range(args.repeats):  # round-robin, so drift hits every contender alike
                     for c in chosen:
-                        clock = Clock(server.proc.pid)
+                        clock = Clock(store_pids)
                         CONTENDERS[c][1](bench, clock)
                         runs[c].append(clock.samples)
                         bar.update()
@@ -268,7 +307,13 @@ def run(args: argparse.Namespace) -> dict:
             row[phase]["x_single"] = rows["put1"][phase]["median_s"] / row[phase]["median_s"] if "put1" in rows else None
     server = ("s3rver (Node.js) on loopback, objects in /dev/shm" if args.server == "s3rver" else
               "moto_server on loopback, " + ("objects spooled to disk" if args.moto_disk_spool else "objects in memory"))
-    return {"bytes": bench.nbytes, "repeats": args.repeats, "part_size": args.part_mib << 20,
+    if args.throttle:
+        server += f", behind a proxy capping each connection at {args.throttle_MBps:g} MB/s each way, " \
+                  f"+{args.latency_ms:g} ms per response (server CPU includes the proxy's)"
+    throttle = {"MBps_per_connection": args.throttle_MBps, "latency_ms": args.latency_ms} if args.throttle else None
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": "python benchmarks/objstore_bench.py " + " ".join(argv),
+            "bytes": bench.nbytes, "repeats": args.repeats, "part_size": args.part_mib << 20, "throttle": throttle,
             "concurrency": args.concurrency, "server": server, "cpus": os.cpu_count(),
             "loadavg_after": os.getloadavg(), "results": rows,
             "urgent_save": {k: statistics.median(u[k] for u in urgent) for k in urgent[0]} if urgent else None}
@@ -304,10 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server", choices=["moto", "s3rver"], default="moto", help="the S3 server to start on loopback")
     p.add_argument("--moto-disk-spool", action="store_true",
                    help="leave moto's default of spooling objects to temporary files (slower, noisier)")
+    p.add_argument("--throttle", action="store_true",
+                   help="run behind benchmarks/throttle_proxy.py: a cap per connection, latency per response")
+    p.add_argument("--throttle-MBps", type=float, default=20.0,
+                   help="with --throttle: MB/s per connection and direction (default 20)")
+    p.add_argument("--latency-ms", type=float, default=20.0, help="with --throttle: ms added per response (default 20)")
     p.add_argument("--no-urgent", action="store_true", help="skip the urgent-save measurement")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
-    report = run(args)
+    report = run(args, sys.argv[1:] if argv is None else argv)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

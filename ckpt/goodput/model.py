@@ -6,8 +6,9 @@ Three kinds of waste, as fractions of the wall clock (Young 1974; Daly 2006):
 - **stalls**: the training thread blocked by saves, C per period T = τ + C, plus one
   urgent save per alarm and the tighter saves while an alarm's risk is open;
 - **lost work**: compute since the newest checkpoint the restart can read, on average
-  T/2 plus how long after its save's end a checkpoint becomes durable in the tier that
-  survives the failure (memory for a GPU-only failure, off-node for a host-down one);
+  T/2 plus how long after its save's end a checkpoint becomes durable in the copy that
+  survives the failure (see ``KINDS``: a crashed process leaves its node's memory, a
+  replaced node leaves only copies held elsewhere);
 - **restarts**: the restart overhead R plus reading the checkpoint back, per failure.
 
 ``analytic`` is the first-order model: without a predictor, with no restart cost and a
@@ -22,25 +23,44 @@ import random
 import statistics
 from dataclasses import asdict, dataclass
 
-from .policy import IntervalPolicy, Predictor
+from ..policy import IntervalPolicy, Predictor
 
 RISK_WINDOW_S = 3600.0  # an alarm's horizon (shared/telemetry/EVAL.md): risk stays elevated this long
 MIN_LEAD_S = 120.0  # a failure counts as caught only with this much lead (EVAL.md)
 _N = statistics.NormalDist()
 
+# the kinds of failure, by what the restart still has: a crashed process leaves its node
+# (memory, disk) to the restart; a failed GPU takes its node out of the job (the host is
+# alive, but the job restarts on a replacement whose memory and disk hold nothing); a host
+# down loses the node outright. For the restart the last two read alike.
+KINDS = {"crash": "process crash (node fine)", "gpu": "GPU failure (node replaced, host alive)",
+         "host": "host down"}
+
 
 @dataclass(frozen=True)
 class Run:
     """A training run: defaults are Llama 3 405B's (Dubey et al. 2024, §3.3.4): 16,384
-    GPUs, 54 days, 419 unexpected interruptions; shares are documented in docs/goodput.md."""
+    GPUs, 54 days, 419 unexpected interruptions; shares are documented in docs/goodput.md
+    (the rest of the failures, after host down and GPU, are process crashes)."""
 
     gpus: int = 16384
     days: float = 54.0
     failures: int = 419
     host_down_share: float = 0.21
+    gpu_failure_share: float = 0.64
     precursor_share: float = 0.58
     restart_s: float = 300.0
     gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.host_down_share + self.gpu_failure_share > 1.0 + 1e-9:
+            raise ValueError("host-down and GPU-failure shares add up to more than 1")
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Share of the failures per kind (``KINDS``)."""
+        crash = max(0.0, 1.0 - self.host_down_share - self.gpu_failure_share)
+        return {"crash": crash, "gpu": self.gpu_failure_share, "host": self.host_down_share}
 
     @property
     def wall_s(self) -> float:
@@ -57,11 +77,12 @@ class Run:
 
 @dataclass(frozen=True)
 class Recovery:
-    """How a restart recovers from one kind of failure: ``lag_s`` from a save's start
-    until the checkpoint is durable where the restart reads it, ``restore_s`` to read it."""
+    """How a restart recovers from one kind of failure: it ``reads`` a copy that is durable
+    ``lag_s`` after a save's start, in ``restore_s``."""
 
     lag_s: float
     restore_s: float
+    reads: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,33 +125,37 @@ class Lead:
 
 @dataclass(frozen=True)
 class Skill:
-    """A predictor as ``predictor eval --json`` scores it (node level)."""
+    """A predictor as ``predictor eval --json`` scores it (node level); no ``lead`` when
+    it caught nothing to measure one on."""
 
     recall_of_predictable: float
     false_alarms_per_1000_node_days: float
-    lead: Lead
+    lead: Lead | None
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A checkpointing strategy: its save's blocking cost, how each kind of failure is
-    recovered, and optionally a predictor."""
+    """A checkpointing strategy: its save's blocking cost, how each kind of failure
+    (``KINDS``) is recovered, and optionally a predictor."""
 
     name: str
     label: str
     blocking_s: float
-    gpu_only: Recovery
-    host_down: Recovery
+    crash: Recovery
+    gpu: Recovery
+    host: Recovery
     skill: Skill | None = None
+
+    def recovery(self, kind: str) -> Recovery:
+        return getattr(self, kind)
 
     def classes(self, run: Run) -> list[tuple[float, Recovery, float]]:
         """(share of failures, recovery, share of them predicted in time) per kind of failure."""
-        kinds = ((1.0 - run.host_down_share, self.gpu_only), (run.host_down_share, self.host_down))
-        return [(share, rec, self._predicted(run, rec)) for share, rec in kinds]
+        return [(share, self.recovery(k), self._predicted(run, self.recovery(k))) for k, share in run.shares.items()]
 
     def _predicted(self, run: Run, rec: Recovery) -> float:
         """Caught, with lead enough to make the urgent save durable where the restart reads."""
-        if self.skill is None:
+        if self.skill is None or self.skill.lead is None:
             return 0.0
         return run.precursor_share * self.skill.recall_of_predictable * self.skill.lead.covered(rec.lag_s)
 
@@ -139,9 +164,9 @@ class Strategy:
         predictor = None
         if self.skill:
             recall = sum(share * q for share, _, q in self.classes(run))
-            predictor = Predictor(recall, self.skill.false_alarms_per_1000_node_days * run.nodes / 1000.0,
-                                  self.skill.lead.median_s)
-        drain = max(self.gpu_only.lag_s, self.host_down.lag_s)
+            lead_s = self.skill.lead.median_s if self.skill.lead else 0.0  # no lead: no caught failure
+            predictor = Predictor(recall, self.skill.false_alarms_per_1000_node_days * run.nodes / 1000.0, lead_s)
+        drain = max(self.recovery(k).lag_s for k in KINDS)
         return IntervalPolicy(self.blocking_s, 1.0 / run.failure_rate, drain, predictor, formula)
 
 
@@ -231,7 +256,7 @@ def _events(run: Run, s: Strategy, rng: random.Random, false_rate: float) -> lis
     """Failures (kind 1, with their recovery), their alarms and false alarms (kind 0), in time order."""
     classes, out, t = s.classes(run), [], 0.0
     while (t := t + rng.expovariate(run.failure_rate)) < run.wall_s:
-        share, rec, q = classes[0] if rng.random() < classes[0][0] else classes[1]
+        _, rec, q = rng.choices(classes, weights=[c[0] for c in classes])[0]
         out.append((t, 1, rec))
         if q and rng.random() < q:
             out.append((t - s.skill.lead.sample(rng, rec.lag_s), 0, None))
@@ -312,4 +337,17 @@ def table(outcomes: list[Outcome]) -> str:
         risk = f" ({o.risk_interval_s:.0f} s at risk)" if o.risk_interval_s < o.interval_s else ""
         rows.append(f"| {o.label} | {o.ettr:.2%} | {o.waste:.2%} | {o.stall:.2%} | {o.lost:.2%} | "
                     f"{o.restart:.2%} | {o.interval_s:.0f} s{risk} | {o.blocking_s:.2f} s |")
+    return "\n".join(rows)
+
+
+def reads_table(run: Run, strategies: list[Strategy]) -> str:
+    """A Markdown table: per kind of failure, the copy each strategy's restart reads, how
+    long after a save's start it is durable there, and how long reading it takes."""
+    shares = run.shares
+    rows = ["| policy | " + " | ".join(f"{KINDS[k]}, {shares[k]:.0%}" for k in KINDS) + " |",
+            "|---|" + "---|" * len(KINDS)]
+    for s in strategies:
+        cells = [f"{r.reads}: durable after {r.lag_s:.1f} s, read in {r.restore_s:.1f} s"
+                 for r in map(s.recovery, KINDS)]
+        rows.append(f"| {s.label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
