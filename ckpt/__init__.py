@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, ManifestError
+from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, ManifestError, Preempted
 
 _LAZY = {
     "CheckpointManager": ".manager",
@@ -26,7 +26,8 @@ _LAZY = {
 }
 
 __all__ = ["CheckpointManager", "load", "resumable", "SaveRequests", "RNGState", "ResumableSampler",
-           "ResumableDataLoader", "CheckpointError", "DamagedCheckpoint", "ManifestError", "BackgroundError"]
+           "ResumableDataLoader", "CheckpointError", "DamagedCheckpoint", "ManifestError", "BackgroundError",
+           "Preempted"]
 
 
 def __getattr__(name: str) -> Any:

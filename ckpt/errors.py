@@ -25,3 +25,17 @@ class DamagedCheckpoint(CheckpointError):
 
 class BackgroundError(CheckpointError):
     """A background drain (disk, object store) failed; raised at the next save()/wait()."""
+
+
+class Preempted(SystemExit):
+    """Raised at the step boundary after a preemption notice (SIGTERM), once the urgent
+    checkpoint is durable: training frameworks unwind it like any exception (their
+    teardown runs), and a process that lets it through ends with status 143, as a
+    process killed by SIGTERM would."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(143)
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"preempted: step {self.step} is durable"

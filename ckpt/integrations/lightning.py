@@ -6,8 +6,9 @@
                 ckpt_path=guard.resume_path())
 
 Saving: every ``every`` optimizer steps, at urgent requests and on SIGTERM (agreed
-across ranks; after SIGTERM the save is waited for and the process exits 143; during
-training the callback owns the SIGTERM handler), the
+across ranks; after SIGTERM the save is waited for and ``ckpt.Preempted`` is raised,
+which Lightning unwinds through its teardown: the process ends 143; during training
+the callback owns the SIGTERM handler), the
 callback takes Lightning's own full checkpoint (``dump_checkpoint``: weights,
 optimizers, schedulers, loop progress, callback states, and the position of a
 stateful data loader such as ``ResumableDataLoader``) and hands it to the manager.

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 import threading
 from typing import Any, Callable, Iterator, Mapping
 
 from ..drain import SaveHandle
+from ..errors import Preempted
 from ..manager import CheckpointManager
 from ..policy import IntervalPolicy
 from .risk import RiskListener, read_token
@@ -31,7 +31,8 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
                      listener: RiskListener | None = None, elevated_every: int | None = None) -> bool:
     """Save ``step`` if the periodic policy says so (``elevated_every`` while the predictor
     reports the job's nodes at risk; an ``IntervalPolicy`` decides by the clock) or any
-    rank asked for an urgent save; after a preemption, wait until durable and exit 143.
+    rank asked for an urgent save; after a preemption, wait until durable and raise
+    ``Preempted`` (a SystemExit with status 143) for the framework to unwind.
     Every flag is agreed across ranks in one all-reduce. ``state`` is called only when saving."""
     at_risk = listener is not None and listener.elevated
     due = isinstance(every, IntervalPolicy) and every.should_save(elevated=at_risk)
@@ -47,9 +48,9 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
         threading.Thread(target=_report_durable, args=(handle,), daemon=True).start()
     if preempted:
         handle.wait()
+        mgr.flush()
         log.warning("preempted: step %d is durable; exiting", step)
-        mgr.close()
-        sys.exit(143)
+        raise Preempted(step)
     return True
 
 
