@@ -58,7 +58,9 @@ class CheckpointManager:
     ``storage_options`` go to fsspec (s3fs: endpoint_url, key, secret, …; by default the
     AWS environment and config are used).
 
-    ``metrics_port`` serves Prometheus metrics on 127.0.0.1 (port + rank).
+    ``metrics_port`` serves Prometheus metrics on ``metrics_addr`` (127.0.0.1 by default) at
+    port + local rank: one port range per node (simulated nodes on one host give each
+    node its own base port).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -66,7 +68,7 @@ class CheckpointManager:
                  replicated: Iterable[str] = (), threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  commit_timeout_s: float = 600.0, object_store: str | DurableTier | None = None,
                  storage_options: dict | None = None, object_interval_s: float = 0.0,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1") -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         keep_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
@@ -114,7 +116,7 @@ class CheckpointManager:
         self.stall_s = 0.0  # total time save() waited for a slot still draining
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
-            self.metrics.serve(metrics_port + self.rank)
+            self.metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", "0")), metrics_addr)
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:

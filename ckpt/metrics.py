@@ -21,7 +21,7 @@ class CheckpointMetrics:
                              ["rank"], registry=r).labels(**labels)
         self._lag = Histogram("ckpt_tier_lag_seconds", "From save() to durable in a tier",
                               ["rank", "tier"], buckets=_BUCKETS, registry=r)
-        self._bytes = Counter("ckpt_bytes_written", "Checkpoint bytes made durable, per tier",
+        self._bytes = Counter("ckpt_written_bytes", "Checkpoint bytes made durable, per tier",
                               ["rank", "tier"], registry=r)
         self._last = Gauge("ckpt_last_durable_step", "Newest step durable in a tier", ["rank", "tier"], registry=r)
         self.failures = Counter("ckpt_background_failures", "Background writes that failed",
