@@ -5,6 +5,9 @@
 order plus a JSON-able tree that refers to them by index. Plain values keep their
 types (tuples, big ints, bytes, numpy scalars, torch dtypes) through tagged JSON
 objects, so no pickle is ever needed: decoding only builds the types listed here.
+Nesting is bounded both ways (``manifest.MAX_JSON_DEPTH``): ``flatten`` refuses a
+state deeper than readers accept, and decoding a hostile tree raises ManifestError,
+never RecursionError.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
-from .manifest import DTYPE_NAMES, DTYPES, ManifestError
+from .manifest import DTYPE_NAMES, DTYPES, MAX_JSON_DEPTH, ManifestError
 
 try:  # DTensor (FSDP2, tensor parallel): each rank keeps its local shard
     from torch.distributed.tensor import DTensor
@@ -26,6 +29,7 @@ except ImportError:  # torch built without distributed
 _TAGS = ("__tensor__", "__dtensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__",
          "__device__", "__size__", "__npscalar__")
 _NP_KINDS = set("biufc")
+_DEEPEST_TAG = 3  # {"__npscalar__": ["<c16", [re, im]]}: a value's encoding opens at most 3 levels
 
 
 @dataclass
@@ -48,9 +52,13 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     tensors: list[tuple[str, torch.Tensor]] = []
     seen: dict[tuple, int] = {}  # tied weights (same memory, same view) are stored once
 
-    def enc(obj: Any, path: str) -> Any:
+    def enc(obj: Any, path: str, depth: int) -> Any:
+        """``depth``: the JSON nesting ``obj``'s encoding sits at in the shard manifest."""
+        if depth + _DEEPEST_TAG > MAX_JSON_DEPTH:
+            raise CheckpointError(f"{path}: the state is nested too deeply to checkpoint "
+                                  f"(readers accept {MAX_JSON_DEPTH} levels of JSON)")
         if isinstance(obj, DTensor):
-            return {"__dtensor__": enc(obj.to_local(), path)["__tensor__"]}
+            return {"__dtensor__": enc(obj.to_local(), path, depth)["__tensor__"]}
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
                 raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
@@ -69,7 +77,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))))
             return {"__ndarray__": len(tensors) - 1}
         if is_stateful(obj):
-            return enc(obj.state_dict(), path)
+            return enc(obj.state_dict(), path, depth)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, np.generic):
@@ -87,42 +95,50 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         if isinstance(obj, torch.Size):
             return {"__size__": list(obj)}
         if isinstance(obj, tuple):
-            return {"__tuple__": [enc(v, f"{path}.{i}") for i, v in enumerate(obj)]}
+            return {"__tuple__": [enc(v, f"{path}.{i}", depth + 2) for i, v in enumerate(obj)]}
         if isinstance(obj, list):
-            return [enc(v, f"{path}.{i}") for i, v in enumerate(obj)]
+            return [enc(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
         if isinstance(obj, Mapping):
             if all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in obj):
-                return {k: enc(v, f"{path}.{k}" if path else k) for k, v in obj.items()}
-            return {"__dict__": [[enc(k, f"{path}.<key>"), enc(v, f"{path}.{k}")] for k, v in obj.items()]}
+                return {k: enc(v, f"{path}.{k}" if path else k, depth + 1) for k, v in obj.items()}
+            return {"__dict__": [[enc(k, f"{path}.<key>", depth + 3), enc(v, f"{path}.{k}", depth + 3)]
+                                 for k, v in obj.items()]}
         raise CheckpointError(f"{path or '<root>'}: cannot checkpoint a value of type {type(obj).__name__}")
 
-    tree = enc(dict(state), "")
+    tree = enc(dict(state), "", 1)  # the tree is a member of the shard manifest's top object
     return FlatState(tensors, tree)
 
 
 def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
     """Rebuild plain values from a (possibly hostile) tree; ``tensor(i)`` supplies tensor i."""
+    return _decode(tree, lambda tag, i: tensor(i).numpy() if tag == "__ndarray__" else tensor(i))
 
-    def dec(node: Any) -> Any:
+
+def _decode(tree: Any, leaf: Callable[[str, int], Any]) -> Any:
+    """Decode a tree; ``leaf(tag, i)`` stands for the tensor or array with id ``i``."""
+
+    def dec(node: Any, depth: int) -> Any:
+        if depth > MAX_JSON_DEPTH:
+            raise ManifestError(f"checkpoint tree is nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(node, list):
-            return [dec(v) for v in node]
+            return [dec(v, depth + 1) for v in node]
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
             (tag, val), = node.items()
             if tag in _TAGS:
-                return _decode_tag(tag, val, dec, tensor)
-        return {k: dec(v) for k, v in node.items()}
+                return _decode_tag(tag, val, lambda v: dec(v, depth + 1), leaf)
+        return {k: dec(v, depth + 1) for k, v in node.items()}
 
-    return dec(tree)
+    return dec(tree, 0)
 
 
-def _decode_tag(tag: str, val: Any, dec: Callable[[Any], Any], tensor: Callable[[int], torch.Tensor]) -> Any:
+def _decode_tag(tag: str, val: Any, dec: Callable[[Any], Any], leaf: Callable[[str, int], Any]) -> Any:
     try:
-        if tag in ("__tensor__", "__dtensor__"):
-            return tensor(int(val))
-        if tag == "__ndarray__":
-            return tensor(int(val)).numpy()
+        if tag in ("__tensor__", "__dtensor__", "__ndarray__"):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"tensor id {val!r}")
+            return leaf(tag, val)
         if tag == "__tuple__":
             return tuple(dec(v) for v in val)
         if tag == "__bytes__":
@@ -161,9 +177,11 @@ def tensor_targets(state: Mapping[str, Any], tree: Any) -> dict[int, torch.Tenso
     """
     targets: dict[int, torch.Tensor] = {}
 
-    def walk(target: Any, node: Any) -> None:
+    def walk(target: Any, node: Any, depth: int) -> None:
+        if depth > MAX_JSON_DEPTH:
+            raise ManifestError(f"checkpoint tree is nested deeper than {MAX_JSON_DEPTH} levels")
         if is_stateful(target):
-            walk(target.state_dict(), node)
+            walk(target.state_dict(), node, depth + 1)
         elif isinstance(target, torch.Tensor) and isinstance(node, dict) and len(node) == 1:
             (tag, ref), = node.items()
             if tag == ("__dtensor__" if isinstance(target, DTensor) else "__tensor__") and isinstance(ref, int):
@@ -179,14 +197,14 @@ def tensor_targets(state: Mapping[str, Any], tree: Any) -> dict[int, torch.Tenso
                 node = pairs
             for k, sub in node.items():
                 if k in target:
-                    walk(target[k], sub)
+                    walk(target[k], sub, depth + 1)
         elif isinstance(target, (list, tuple)):
             items = node.get("__tuple__") if isinstance(node, dict) else node
             if isinstance(items, list):
                 for t, n in zip(target, items):
-                    walk(t, n)
+                    walk(t, n, depth + 1)
 
-    walk(state, tree)
+    walk(state, tree, 0)
     return targets
 
 
