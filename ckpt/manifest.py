@@ -20,8 +20,10 @@ checks the first three on the raw bytes, before ``json.loads`` builds anything):
   exhausting the stack of the JSON parser or of the tree decoder;
 * ``MAX_JSON_ITEMS`` (2**23, 8.4 M) array elements plus object members in one
   document: about a GB of Python objects at most, even for distinct values;
-* ``MAX_TENSORS_PER_SHARD`` (2**19, 524 k) tensors per shard manifest, ``MAX_WORLD_SIZE``
-  (2**19) shards per commit (~80 MB of commit);
+* ``MAX_TENSORS_PER_SHARD`` (2**19, 524 k) tensors per shard manifest;
+* ``MAX_WORLD_SIZE`` (2**18, 262 k) shards per commit, whose own limits are tighter
+  since listing reads every commit: ``MAX_COMMIT_BYTES`` (48 MiB, ~115 bytes a
+  shard) and ``MAX_COMMIT_ITEMS`` (2**21, 6 items a shard);
 * ``checksum.MIN_CHUNK_BYTES`` (64 KiB) as the smallest checksum chunk, so
   ``chunk_bytes: 1`` cannot turn a small checkpoint into millions of checksums
   (a tensor smaller than a chunk still has one checksum).
@@ -56,7 +58,9 @@ MAX_MANIFEST_BYTES = 128 << 20
 MAX_JSON_DEPTH = 128
 MAX_JSON_ITEMS = 1 << 23
 MAX_TENSORS_PER_SHARD = 1 << 19
-MAX_WORLD_SIZE = 1 << 19
+MAX_WORLD_SIZE = 1 << 18
+MAX_COMMIT_BYTES = 48 << 20
+MAX_COMMIT_ITEMS = 1 << 21
 
 # Only these dtypes are ever materialised; a manifest naming anything else is refused.
 DTYPES: dict[str, torch.dtype] = {
@@ -112,14 +116,34 @@ def _world_size(doc: dict, what: str) -> int:
     return world
 
 
+_SELF_CRC = re.compile(rb'([,{])"self_crc32c":(\d+)([,}])')
+
+
+def _crc_without_self(data: bytes) -> int | None:
+    """CRC32C of a commit's text without its ``self_crc32c`` member: as the writer computed
+    it over ``dumps`` of the rest, without serialising the parsed document again (slow
+    for a large one). Canonical key order puts that member before ``shards``, so the
+    first match is the top-level one; a text that is not canonical fails the check."""
+    m = _SELF_CRC.search(data)
+    if m is None:
+        return None
+    if m[1] == b",":  # ...,"self_crc32c":N}: drop the comma and the member
+        text = data[:m.start()] + data[m.end() - 1:]
+    elif m[3] == b",":  # {"self_crc32c":N,...: drop the member and its comma
+        text = data[:m.start() + 1] + data[m.end():]
+    else:  # {"self_crc32c":N}
+        text = data[:m.start() + 1] + data[m.end() - 1:]
+    return crc32c_of(text)
+
+
 def dumps(doc: dict) -> bytes:
     """Canonical JSON (sorted keys) so CRCs of re-serialised manifests are stable."""
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def loads(data: bytes, what: str) -> dict:
+def loads(data: bytes, what: str, max_bytes: int = MAX_MANIFEST_BYTES, max_items: int = MAX_JSON_ITEMS) -> dict:
     """A manifest document: bounded JSON (see the module's limits) that must be an object."""
-    doc = loads_bounded(data, what, MAX_JSON_DEPTH, MAX_MANIFEST_BYTES)
+    doc = loads_bounded(data, what, MAX_JSON_DEPTH, max_bytes, max_items)
     if not isinstance(doc, dict):
         raise ManifestError(f"{what} is not a JSON object")
     return doc
@@ -356,12 +380,12 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = MANIFEST_FILE) -> "Manifest":
-        doc = loads(data, what)
+        data = bytes(data)
+        doc = loads(data, what, MAX_COMMIT_BYTES, MAX_COMMIT_ITEMS)
         if doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{what} is not a {FORMAT_NAME} manifest")
         _check_version(doc)
-        claimed = doc.pop("self_crc32c", None)
-        if claimed != crc32c_of(dumps(doc)):
+        if doc.pop("self_crc32c", None) != _crc_without_self(data):
             raise ManifestError(f"{what}: checksum mismatch (the manifest itself is damaged)")
         world = _world_size(doc, what)
         raw = doc.get("shards")

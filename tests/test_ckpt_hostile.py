@@ -21,8 +21,8 @@ import torch
 from ckpt import CheckpointError, CheckpointManager, ManifestError
 from ckpt.checksum import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, check_chunk_bytes, chunk_checksums, crc32c_of
 from ckpt.manifest import (
-    MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_TENSORS_PER_SHARD, MAX_WORLD_SIZE, Manifest,
-    ShardManifest, TensorEntry, dumps, loads_bounded,
+    MAX_COMMIT_BYTES, MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_TENSORS_PER_SHARD, MAX_WORLD_SIZE,
+    Manifest, ShardManifest, ShardRef, TensorEntry, dumps, loads_bounded,
 )
 from ckpt.memory import plan_layout
 from ckpt.state import StateMismatch, check_restorable, flatten, load_into, tensor_targets, unflatten
@@ -173,10 +173,20 @@ def test_oversize_entry_counts_are_refused(saved: Path) -> None:
 
 
 def test_a_manifest_over_the_byte_cap_is_refused_unread() -> None:
+    """A commit's cap is tighter: listing reads every one."""
     huge = b'{"tree":"' + b"a" * MAX_MANIFEST_BYTES + b'"}'
-    for parse in (Manifest.from_bytes, ShardManifest.from_bytes):
-        with pytest.raises(ManifestError, match=f"over the limit of {MAX_MANIFEST_BYTES}"):
+    for parse, cap in ((Manifest.from_bytes, MAX_COMMIT_BYTES), (ShardManifest.from_bytes, MAX_MANIFEST_BYTES)):
+        with pytest.raises(ManifestError, match=f"{len(huge)} bytes, over the limit of {cap}"):
             parse(huge)
+
+
+def test_a_commit_is_checked_against_its_own_text() -> None:
+    """The self-CRC covers the bytes as written (no second serialisation of a large commit)."""
+    raw = Manifest(3, 1, 1, [ShardRef(0, 5, 10)]).to_bytes()
+    assert Manifest.from_bytes(raw).step == 3
+    pretty = json.dumps(json.loads(raw), indent=1).encode()  # the same document, other bytes
+    with pytest.raises(ManifestError, match="checksum mismatch"):
+        Manifest.from_bytes(pretty)
 
 
 @pytest.mark.parametrize("raw, message", [
