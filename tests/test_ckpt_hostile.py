@@ -129,7 +129,7 @@ def test_tree_decoding_is_bounded_on_a_tree_that_never_went_through_json() -> No
 
 
 def test_tiny_chunks_are_refused_on_read_and_on_write(saved: Path, disk_only, caplog: pytest.LogCaptureFixture) -> None:
-    """chunk_bytes 1 would make every byte a checksum: a 3 MB checkpoint, 3 M CRCs."""
+    """chunk_bytes 1 would make every byte a checksum: a 2 MB checkpoint, 2 M CRCs."""
     def tiny(doc: dict) -> None:
         doc["chunk_bytes"] = 1
         for t in doc["tensors"]:
