@@ -9,7 +9,17 @@ from __future__ import annotations
 import crc32c as _crc
 
 DEFAULT_CHUNK_BYTES = 16 << 20
+# Readers refuse smaller chunks: `chunk_bytes: 1` in a hostile manifest would turn a
+# small checkpoint into millions of checksums to parse and verify.
+MIN_CHUNK_BYTES = 64 << 10
 ALGORITHM = "crc32c"
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """``chunk_bytes`` for a writer, refused now if readers would refuse the manifest later."""
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < MIN_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be an integer >= {MIN_CHUNK_BYTES} (64 KiB), got {chunk_bytes!r}")
+    return chunk_bytes
 
 
 def chunk_checksums(buf: memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[int]:

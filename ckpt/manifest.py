@@ -11,6 +11,29 @@ Two levels, so that ranks write independently and one party commits:
 
 Manifests are untrusted input: every name, dtype, offset and size is checked before
 any byte is read, and an unknown major format version is refused.
+
+Limits, so that a hostile manifest costs bounded time and memory (``bounded_json``
+checks size, depth and items on the raw bytes, before ``json.loads`` builds anything):
+
+* ``MAX_MANIFEST_BYTES`` (128 MiB) per manifest file;
+* ``MAX_JSON_DEPTH`` (128) levels of nesting; deeper input is refused instead of
+  exhausting the stack of the JSON parser or of the tree decoder;
+* ``MAX_JSON_ITEMS`` (2**23, 8.4 M) array elements plus object members in one
+  document: about a GB of Python objects at most, even for distinct values;
+* ``MAX_TENSORS_PER_SHARD`` (2**19, 524 k) tensors per shard manifest;
+* ``MAX_WORLD_SIZE`` (2**18, 262 k) shards per commit, whose own limits are tighter
+  since listing reads every commit: ``MAX_COMMIT_BYTES`` (48 MiB, ~115 bytes a
+  shard) and ``MAX_COMMIT_ITEMS`` (2**21, 6 items a shard);
+* ``checksum.MIN_CHUNK_BYTES`` (64 KiB) as the smallest checksum chunk, so
+  ``chunk_bytes: 1`` cannot turn a small checkpoint into millions of checksums
+  (a tensor smaller than a chunk still has one checksum).
+
+A 1-trillion-parameter model fits with room to spare: stored unfused (Kimi K2: 61
+layers x 384 experts, about 72 k parameters; with AdamW's two moments and step about
+290 k tensors), FSDP gives every rank a local shard of each tensor, so one shard
+manifest holds about 290 k entries (~250 bytes each plus its share of the tree:
+about 72 MB, 3.8 M items, depth under 10), at the default 16 MiB chunks; about
+6 s to parse on one slow core, every limit at least 1.7x away.
 """
 from __future__ import annotations
 
@@ -23,14 +46,21 @@ from typing import Any
 
 import torch
 
-from .checksum import ALGORITHM, crc32c_of
-from .errors import ManifestError
+from .bounded_json import check_extent, loads_bounded
+from .checksum import ALGORITHM, MIN_CHUNK_BYTES, crc32c_of
+from .errors import CheckpointError, ManifestError
 
 FORMAT_NAME = "ckpt-guard"
 FORMAT_VERSION = "1.1"  # 1.1: a commit may list a subset of the shards (per-node commits)
 MANIFEST_FILE = "manifest.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
-_MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = 128 << 20
+MAX_JSON_DEPTH = 128
+MAX_JSON_ITEMS = 1 << 23
+MAX_TENSORS_PER_SHARD = 1 << 19
+MAX_WORLD_SIZE = 1 << 18
+MAX_COMMIT_BYTES = 48 << 20
+MAX_COMMIT_ITEMS = 1 << 21
 
 # Only these dtypes are ever materialised; a manifest naming anything else is refused.
 DTYPES: dict[str, torch.dtype] = {
@@ -43,6 +73,7 @@ DTYPES: dict[str, torch.dtype] = {
     if hasattr(torch, name)
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 
 
 def shard_data_file(rank: int) -> str:
@@ -78,18 +109,41 @@ def _int(doc: dict, key: str, lo: int = 0) -> int:
     return value
 
 
+def _world_size(doc: dict, what: str) -> int:
+    world = _int(doc, "world_size", 1)
+    if world > MAX_WORLD_SIZE:
+        raise ManifestError(f"{what}: world size {world} is over the limit of {MAX_WORLD_SIZE}")
+    return world
+
+
+_SELF_CRC = re.compile(rb'([,{])"self_crc32c":(\d+)([,}])')
+
+
+def _crc_without_self(data: bytes) -> int | None:
+    """CRC32C of a commit's text without its ``self_crc32c`` member: as the writer computed
+    it over ``dumps`` of the rest, without serialising the parsed document again (slow
+    for a large one). Canonical key order puts that member before ``shards``, so the
+    first match is the top-level one; a text that is not canonical fails the check."""
+    m = _SELF_CRC.search(data)
+    if m is None:
+        return None
+    if m[1] == b",":  # ...,"self_crc32c":N}: drop the comma and the member
+        text = data[:m.start()] + data[m.end() - 1:]
+    elif m[3] == b",":  # {"self_crc32c":N,...: drop the member and its comma
+        text = data[:m.start() + 1] + data[m.end():]
+    else:  # {"self_crc32c":N}
+        text = data[:m.start() + 1] + data[m.end() - 1:]
+    return crc32c_of(text)
+
+
 def dumps(doc: dict) -> bytes:
     """Canonical JSON (sorted keys) so CRCs of re-serialised manifests are stable."""
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def loads(data: bytes, what: str) -> dict:
-    if len(data) > _MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{what} is {len(data)} bytes; refusing to parse more than {_MAX_MANIFEST_BYTES}")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{what} is not valid JSON: {e}") from None
+def loads(data: bytes, what: str, max_bytes: int = MAX_MANIFEST_BYTES, max_items: int = MAX_JSON_ITEMS) -> dict:
+    """A manifest document: bounded JSON (see the module's limits) that must be an object."""
+    doc = loads_bounded(data, what, MAX_JSON_DEPTH, max_bytes, max_items)
     if not isinstance(doc, dict):
         raise ManifestError(f"{what} is not a JSON object")
     return doc
@@ -131,8 +185,7 @@ class TensorEntry:
         if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
             raise ManifestError(f"tensor {d.get('path')!r}: bad shape {shape!r}")
         offset, nbytes = _int(d, "offset"), _int(d, "nbytes")
-        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        if nbytes != math.prod(shape) * itemsize:
+        if nbytes != math.prod(shape) * _ITEMSIZE[dtype]:
             raise ManifestError(f"tensor {d.get('path')!r}: {nbytes} bytes does not match shape {shape} of {dtype}")
         if offset + nbytes > data_bytes:
             raise ManifestError(f"tensor {d.get('path')!r}: bytes {offset}..{offset + nbytes} lie past the data's end ({data_bytes})")
@@ -172,22 +225,37 @@ class ShardManifest:
         return all(t.checksums is not None for t in self.tensors)
 
     def to_bytes(self) -> bytes:
-        return dumps({
+        """The manifest as written; refuses one that readers would refuse (too large)."""
+        if len(self.tensors) > MAX_TENSORS_PER_SHARD:
+            raise CheckpointError(f"rank {self.rank}: {len(self.tensors)} tensors; a shard holds at most "
+                                  f"{MAX_TENSORS_PER_SHARD}")
+        if self.chunk_bytes < MIN_CHUNK_BYTES:
+            raise CheckpointError(f"rank {self.rank}: chunk_bytes {self.chunk_bytes} is under {MIN_CHUNK_BYTES}")
+        raw = dumps({
             "format_version": self.format_version, "rank": self.rank, "step": self.step,
             "generation": self.generation, "world_size": self.world_size, "data_file": self.data_file,
             "data_bytes": self.data_bytes,
             "chunk_bytes": self.chunk_bytes, "checksum": self.checksum,
             "tensors": [t.to_json() for t in self.tensors], "tree": self.tree,
         })
+        try:
+            check_extent(raw, f"rank {self.rank}'s shard manifest", MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, MAX_JSON_ITEMS)
+        except ManifestError as e:  # the state holds too many (or too deeply nested) plain values
+            raise CheckpointError(f"{e}, which readers refuse") from None
+        return raw
 
     @classmethod
-    def from_bytes(cls, data: bytes, what: str = "shard manifest") -> "ShardManifest":
+    def from_bytes(cls, data: bytes, what: str = "shard manifest", *,
+                   require_checksums: bool = False) -> "ShardManifest":
+        """Parse and check a shard manifest. ``require_checksums``: for a durable copy
+        (disk, object store), where a manifest without checksums is damaged, not
+        "unverified": only a memory slot may be sealed before its checksums exist."""
         doc = loads(data, what)
         _check_version(doc)
         if doc.get("checksum") != ALGORITHM:
             raise ManifestError(f"{what}: unsupported checksum {doc.get('checksum')!r}")
-        rank, data_bytes, chunk = _int(doc, "rank"), _int(doc, "data_bytes"), _int(doc, "chunk_bytes", 1)
-        world = _int(doc, "world_size", 1)
+        rank, data_bytes, chunk = _int(doc, "rank"), _int(doc, "data_bytes"), _int(doc, "chunk_bytes", MIN_CHUNK_BYTES)
+        world = _world_size(doc, what)
         if rank >= world:
             raise ManifestError(f"{what}: rank {rank} outside world size {world}")
         if doc.get("data_file") != shard_data_file(rank):
@@ -195,11 +263,16 @@ class ShardManifest:
         raw = doc.get("tensors")
         if not isinstance(raw, list):
             raise ManifestError(f"{what}: 'tensors' is not a list")
+        if len(raw) > MAX_TENSORS_PER_SHARD:
+            raise ManifestError(f"{what}: {len(raw)} tensors is over the limit of {MAX_TENSORS_PER_SHARD} per shard")
         tensors = [TensorEntry.from_json(t, data_bytes, chunk) for t in raw]
         if sorted(t.id for t in tensors) != list(range(len(tensors))):
             raise ManifestError(f"{what}: tensor ids are not 0..{len(tensors) - 1}")
-        return cls(rank, _int(doc, "step"), _int(doc, "generation"), data_bytes,
-                   sorted(tensors, key=lambda t: t.id), doc.get("tree"), chunk, world, format_version=doc["format_version"])
+        man = cls(rank, _int(doc, "step"), _int(doc, "generation"), data_bytes, sorted(tensors, key=lambda t: t.id),
+                  doc.get("tree"), chunk, world, format_version=doc["format_version"])
+        if require_checksums and not man.has_checksums:
+            raise ManifestError(f"{what}: no checksums recorded (a durable copy must have them)")
+        return man
 
 
 @dataclass(frozen=True)
@@ -246,14 +319,14 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = MANIFEST_FILE) -> "Manifest":
-        doc = loads(data, what)
+        data = bytes(data)
+        doc = loads(data, what, MAX_COMMIT_BYTES, MAX_COMMIT_ITEMS)
         if doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{what} is not a {FORMAT_NAME} manifest")
         _check_version(doc)
-        claimed = doc.pop("self_crc32c", None)
-        if claimed != crc32c_of(dumps(doc)):
+        if doc.pop("self_crc32c", None) != _crc_without_self(data):
             raise ManifestError(f"{what}: checksum mismatch (the manifest itself is damaged)")
-        world = _int(doc, "world_size", 1)
+        world = _world_size(doc, what)
         raw = doc.get("shards")
         if not isinstance(raw, list) or not 1 <= len(raw) <= world:
             raise ManifestError(f"{what}: expected 1 to {world} shards")

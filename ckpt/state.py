@@ -5,18 +5,21 @@
 order plus a JSON-able tree that refers to them by index. Plain values keep their
 types (tuples, big ints, bytes, numpy scalars, torch dtypes) through tagged JSON
 objects, so no pickle is ever needed: decoding only builds the types listed here.
+Nesting is bounded both ways (``manifest.MAX_JSON_DEPTH``): ``flatten`` refuses a
+state deeper than readers accept, and decoding a hostile tree raises ManifestError,
+never RecursionError.
 """
 from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from .errors import CheckpointError
-from .manifest import DTYPE_NAMES, DTYPES, ManifestError
+from .manifest import DTYPE_NAMES, DTYPES, MAX_JSON_DEPTH, ManifestError, TensorEntry
 
 try:  # DTensor (FSDP2, tensor parallel): each rank keeps its local shard
     from torch.distributed.tensor import DTensor
@@ -26,6 +29,7 @@ except ImportError:  # torch built without distributed
 _TAGS = ("__tensor__", "__dtensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__",
          "__device__", "__size__", "__npscalar__")
 _NP_KINDS = set("biufc")
+_DEEPEST_TAG = 3  # {"__npscalar__": ["<c16", [re, im]]}: a value's encoding opens at most 3 levels
 
 
 @dataclass
@@ -48,9 +52,13 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     tensors: list[tuple[str, torch.Tensor]] = []
     seen: dict[tuple, int] = {}  # tied weights (same memory, same view) are stored once
 
-    def enc(obj: Any, path: str) -> Any:
+    def enc(obj: Any, path: str, depth: int) -> Any:
+        """``depth``: the JSON nesting ``obj``'s encoding sits at in the shard manifest."""
+        if depth + _DEEPEST_TAG > MAX_JSON_DEPTH:
+            raise CheckpointError(f"{path}: the state is nested too deeply to checkpoint "
+                                  f"(readers accept {MAX_JSON_DEPTH} levels of JSON)")
         if isinstance(obj, DTensor):
-            return {"__dtensor__": enc(obj.to_local(), path)["__tensor__"]}
+            return {"__dtensor__": enc(obj.to_local(), path, depth)["__tensor__"]}
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
                 raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
@@ -69,7 +77,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))))
             return {"__ndarray__": len(tensors) - 1}
         if is_stateful(obj):
-            return enc(obj.state_dict(), path)
+            return enc(obj.state_dict(), path, depth)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, np.generic):
@@ -87,42 +95,50 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         if isinstance(obj, torch.Size):
             return {"__size__": list(obj)}
         if isinstance(obj, tuple):
-            return {"__tuple__": [enc(v, f"{path}.{i}") for i, v in enumerate(obj)]}
+            return {"__tuple__": [enc(v, f"{path}.{i}", depth + 2) for i, v in enumerate(obj)]}
         if isinstance(obj, list):
-            return [enc(v, f"{path}.{i}") for i, v in enumerate(obj)]
+            return [enc(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
         if isinstance(obj, Mapping):
             if all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in obj):
-                return {k: enc(v, f"{path}.{k}" if path else k) for k, v in obj.items()}
-            return {"__dict__": [[enc(k, f"{path}.<key>"), enc(v, f"{path}.{k}")] for k, v in obj.items()]}
+                return {k: enc(v, f"{path}.{k}" if path else k, depth + 1) for k, v in obj.items()}
+            return {"__dict__": [[enc(k, f"{path}.<key>", depth + 3), enc(v, f"{path}.{k}", depth + 3)]
+                                 for k, v in obj.items()]}
         raise CheckpointError(f"{path or '<root>'}: cannot checkpoint a value of type {type(obj).__name__}")
 
-    tree = enc(dict(state), "")
+    tree = enc(dict(state), "", 1)  # the tree is a member of the shard manifest's top object
     return FlatState(tensors, tree)
 
 
 def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
     """Rebuild plain values from a (possibly hostile) tree; ``tensor(i)`` supplies tensor i."""
+    return _decode(tree, lambda tag, i: tensor(i).numpy() if tag == "__ndarray__" else tensor(i))
 
-    def dec(node: Any) -> Any:
+
+def _decode(tree: Any, leaf: Callable[[str, int], Any]) -> Any:
+    """Decode a tree; ``leaf(tag, i)`` stands for the tensor or array with id ``i``."""
+
+    def dec(node: Any, depth: int) -> Any:
+        if depth > MAX_JSON_DEPTH:
+            raise ManifestError(f"checkpoint tree is nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(node, list):
-            return [dec(v) for v in node]
+            return [dec(v, depth + 1) for v in node]
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
             (tag, val), = node.items()
             if tag in _TAGS:
-                return _decode_tag(tag, val, dec, tensor)
-        return {k: dec(v) for k, v in node.items()}
+                return _decode_tag(tag, val, lambda v: dec(v, depth + 1), leaf)
+        return {k: dec(v, depth + 1) for k, v in node.items()}
 
-    return dec(tree)
+    return dec(tree, 0)
 
 
-def _decode_tag(tag: str, val: Any, dec: Callable[[Any], Any], tensor: Callable[[int], torch.Tensor]) -> Any:
+def _decode_tag(tag: str, val: Any, dec: Callable[[Any], Any], leaf: Callable[[str, int], Any]) -> Any:
     try:
-        if tag in ("__tensor__", "__dtensor__"):
-            return tensor(int(val))
-        if tag == "__ndarray__":
-            return tensor(int(val)).numpy()
+        if tag in ("__tensor__", "__dtensor__", "__ndarray__"):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"tensor id {val!r}")
+            return leaf(tag, val)
         if tag == "__tuple__":
             return tuple(dec(v) for v in val)
         if tag == "__bytes__":
@@ -161,9 +177,11 @@ def tensor_targets(state: Mapping[str, Any], tree: Any) -> dict[int, torch.Tenso
     """
     targets: dict[int, torch.Tensor] = {}
 
-    def walk(target: Any, node: Any) -> None:
+    def walk(target: Any, node: Any, depth: int) -> None:
+        if depth > MAX_JSON_DEPTH:
+            raise ManifestError(f"checkpoint tree is nested deeper than {MAX_JSON_DEPTH} levels")
         if is_stateful(target):
-            walk(target.state_dict(), node)
+            walk(target.state_dict(), node, depth + 1)
         elif isinstance(target, torch.Tensor) and isinstance(node, dict) and len(node) == 1:
             (tag, ref), = node.items()
             if tag == ("__dtensor__" if isinstance(target, DTensor) else "__tensor__") and isinstance(ref, int):
@@ -179,14 +197,14 @@ def tensor_targets(state: Mapping[str, Any], tree: Any) -> dict[int, torch.Tenso
                 node = pairs
             for k, sub in node.items():
                 if k in target:
-                    walk(target[k], sub)
+                    walk(target[k], sub, depth + 1)
         elif isinstance(target, (list, tuple)):
             items = node.get("__tuple__") if isinstance(node, dict) else node
             if isinstance(items, list):
                 for t, n in zip(target, items):
-                    walk(t, n)
+                    walk(t, n, depth + 1)
 
-    walk(state, tree)
+    walk(state, tree, 0)
     return targets
 
 
@@ -194,28 +212,175 @@ def _no_tensor(i: int) -> torch.Tensor:
     raise ValueError("tensor used as a dict key")
 
 
+class StateMismatch(CheckpointError):
+    """The state to restore into does not have the checkpoint's layout (shapes, dtypes,
+    keys): a user error, not damage, so restore must not fall back to an older step."""
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A checkpoint's tensor or array as its manifest entry describes it, before any byte is read."""
+
+    tag: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def check_restorable(state: Mapping[str, Any], tree: Any, tensors: Sequence[TensorEntry]) -> None:
+    """Raise StateMismatch listing every difference between ``state`` and one shard's
+    saved ``tree`` and ``tensors``, before anything is read into ``state``, so that a
+    restore changes everything or nothing. A hostile tree raises ManifestError.
+
+    Refused: a tensor or array of another shape or dtype (a DTensor: its local shard),
+    a DTensor where a plain tensor was saved or the reverse; a module whose keys differ
+    either way (what ``load_state_dict(strict=True)`` refuses, found before the first
+    one is loaded); an optimizer with other parameter groups; a key of a plain dict in
+    ``state`` that the checkpoint lacks (it would be left unrestored). Keys only the
+    checkpoint has are fine: restore adds them to the dict."""
+    by_id = {e.id: e for e in tensors}
+    saved = _decode(tree, lambda tag, i: _Saved(tag, by_id[i].shape, by_id[i].torch_dtype))
+    if not isinstance(saved, dict):
+        raise ManifestError("the checkpoint's top level is not a dict")
+    _raise_mismatches(state, saved)
+
+
 def load_into(state: dict, saved: Mapping[str, Any]) -> None:
     """Load ``saved`` into ``state`` in place: stateful objects via load_state_dict,
-    tensors and arrays by copy, everything else by assignment into the dict."""
+    tensors and arrays by copy, everything else by assignment into the dict. Checked
+    whole first (as ``check_restorable`` does), so a mismatch changes nothing."""
+    _raise_mismatches(state, saved)
     for key, value in saved.items():
-        state[key] = _apply(state.get(key), value, key)
+        state[key] = _apply(state.get(key), value)
 
 
-def _apply(target: Any, value: Any, path: str) -> Any:
+def _apply(target: Any, value: Any) -> Any:
     if is_stateful(target) and isinstance(value, Mapping):
         target.load_state_dict(value)
         return target
     if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-        if target.shape != value.shape:
-            raise CheckpointError(f"{path}: checkpoint has shape {tuple(value.shape)}, target {tuple(target.shape)}")
         with torch.no_grad():
             target.copy_(value)
         return target
-    if isinstance(target, np.ndarray) and isinstance(value, np.ndarray) and target.shape == value.shape:
+    if isinstance(target, np.ndarray) and isinstance(value, np.ndarray):
         target[...] = value
         return target
     if isinstance(target, dict) and isinstance(value, Mapping):
         for k, v in value.items():
-            target[k] = _apply(target.get(k), v, f"{path}.{k}")
+            target[k] = _apply(target.get(k), v)
         return target
     return value
+
+
+_SHOWN = 10
+
+
+def _raise_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    found: list[str] = []
+    _mismatches(state, saved, "", found, strict=True, depth=0)
+    if found:
+        more = f"\n  ... and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+        raise StateMismatch(f"the state does not match the checkpoint ({len(found)} difference"
+                            f"{'s' if len(found) > 1 else ''}; nothing was loaded):\n  "
+                            + "\n  ".join(found[:_SHOWN]) + more)
+
+
+def _mismatches(target: Any, value: Any, path: str, found: list[str], strict: bool, depth: int) -> None:
+    """Append to ``found`` where ``value`` (from the checkpoint) cannot be loaded into
+    ``target``. ``strict``: ``target`` is the user's own container, whose keys must all
+    be in the checkpoint; inside a stateful object's state_dict only what that object's
+    load_state_dict would refuse counts."""
+    if depth > MAX_JSON_DEPTH:
+        return  # the saved side is no deeper than this (decoding bounds it): nothing left to compare
+    mine = _layout(target)
+    if mine is not None:
+        theirs = _layout(value)
+        if theirs is None or not _same_kind(mine[0], theirs[0], exact=isinstance(value, _Saved)):
+            found.append(f"{path}: checkpoint has {_what(value)}, target {_what(target)}")
+        elif theirs[1] != mine[1]:
+            found.append(f"{path}: checkpoint has shape {theirs[1]}, target {mine[1]}")
+        elif theirs[2] != mine[2]:
+            found.append(f"{path}: checkpoint has dtype {theirs[2]}, target {mine[2]}")
+        return
+    if is_stateful(target) or (strict and isinstance(target, Mapping)):
+        if not isinstance(value, Mapping):
+            found.append(f"{path}: checkpoint has {_what(value)}, target {_what(target)}")
+            return
+        if is_stateful(target):
+            if isinstance(target, torch.nn.Module):
+                found += _module_keys(target, value, path)
+            elif isinstance(target, torch.optim.Optimizer):
+                found += _param_groups(target, value, path)
+            target, strict = target.state_dict(), False
+        for k, sub in target.items():
+            if k in value:
+                _mismatches(sub, value[k], _join(path, k), found, strict, depth + 1)
+            elif strict:
+                found.append(f"{_join(path, k)}: in the state but not in the checkpoint")
+    elif isinstance(target, Mapping) and isinstance(value, Mapping):
+        for k, sub in target.items():
+            if k in value:
+                _mismatches(sub, value[k], _join(path, k), found, strict, depth + 1)
+    elif isinstance(target, (list, tuple)) and isinstance(value, (list, tuple)) and len(target) == len(value):
+        for i, (t, v) in enumerate(zip(target, value)):
+            _mismatches(t, v, _join(path, i), found, strict, depth + 1)
+
+
+def _same_kind(mine: str, theirs: str, exact: bool) -> bool:
+    """Once read, a DTensor's shard may come back as a plain tensor: only saved entries tell them apart."""
+    if exact:
+        return mine == theirs
+    return mine.replace("DTensor", "tensor") == theirs.replace("DTensor", "tensor")
+
+
+def _module_keys(module: torch.nn.Module, value: Mapping, path: str) -> list[str]:
+    keys = module.state_dict().keys()
+    return ([f"{_join(path, k)}: in the module but not in the checkpoint" for k in keys if k not in value]
+            + [f"{_join(path, k)}: in the checkpoint but not in the module" for k in value if k not in keys])
+
+
+def _param_groups(optim: torch.optim.Optimizer, value: Mapping, path: str) -> list[str]:
+    groups = value.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optim.param_groups):
+        n = len(groups) if isinstance(groups, list) else "no"
+        return [f"{path}.param_groups: checkpoint has {n} parameter groups, target {len(optim.param_groups)}"]
+    out = []
+    for i, (saved, group) in enumerate(zip(groups, optim.param_groups)):
+        n = len(saved["params"]) if isinstance(saved, Mapping) and isinstance(saved.get("params"), list) else "no"
+        if n != len(group["params"]):
+            out.append(f"{path}.param_groups.{i}: checkpoint has {n} parameters, target {len(group['params'])}")
+    return out
+
+
+def _layout(x: Any) -> tuple[str, tuple[int, ...], str] | None:
+    """(kind, shape, dtype) of a tensor, array or saved entry; None for anything else."""
+    if isinstance(x, _Saved):
+        kind = {"__tensor__": "tensor", "__dtensor__": "DTensor", "__ndarray__": "numpy array"}[x.tag]
+        return kind, x.shape, DTYPE_NAMES.get(x.dtype, str(x.dtype))
+    if isinstance(x, torch.Tensor):
+        local = local_tensor(x)
+        return "DTensor" if isinstance(x, DTensor) else "tensor", tuple(local.shape), DTYPE_NAMES.get(x.dtype, str(x.dtype))
+    if isinstance(x, np.ndarray):
+        return "numpy array", x.shape, _numpy_dtype_name(x.dtype)
+    return None
+
+
+def _numpy_dtype_name(dtype: np.dtype) -> str:
+    """The name the manifest gives an array of ``dtype`` (flatten stores arrays via torch.from_numpy)."""
+    try:
+        return DTYPE_NAMES[torch.from_numpy(np.empty(0, dtype)).dtype]
+    except (TypeError, KeyError):
+        return f"numpy {dtype}"
+
+
+def _what(x: Any) -> str:
+    layout = _layout(x)
+    if layout is not None:
+        return f"a {layout[0]} {layout[1]} of {layout[2]}"
+    if x is None:
+        return "None"
+    name = type(x).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)

@@ -184,6 +184,22 @@ def rewrite_json(path: Path, change: Callable[[dict], None]) -> None:
     rewrite_json(commit, resign)
 
 
+def plant_shard_manifest(path: Path, raw: bytes) -> None:
+    """Replace a shard manifest with ``raw`` (hostile bytes json.dumps cannot even make,
+    e.g. 100,000-deep) and re-sign the commit's CRC of it, so the checks under test
+    are the parser's, not the CRC's."""
+    from ckpt.checksum import crc32c_of
+    from ckpt.manifest import MANIFEST_FILE
+
+    path.write_bytes(raw)
+
+    def resign(m: dict) -> None:
+        for s in m["shards"]:
+            if s["manifest"] == path.name:
+                s["manifest_crc32c"] = crc32c_of(raw)
+    rewrite_json(path.parent / MANIFEST_FILE, resign)
+
+
 # -- a filesystem that fills up -----------------------------------------------------------
 
 
