@@ -3,15 +3,15 @@
 ``json.loads`` recurses once per nesting level and builds every value before a
 caller can look at it: a 100,000-deep document dies with RecursionError, a
 million-element one allocates without limit. Size, depth and item count are
-therefore measured on the raw bytes first (numpy, a few MB at a time), and
-anything over a limit is refused with ManifestError before parsing starts.
+therefore measured on the raw bytes first, and
+anything over a limit is refused with ManifestError before parsing starts
+(regular expressions for small texts, numpy for large ones).
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
-
-import numpy as np
 
 from .errors import ManifestError
 
@@ -46,14 +46,14 @@ def check_extent(data: bytes, what: str, max_depth: int, max_bytes: int, max_ite
 
 
 _SCAN_BYTES = 8 << 20
-_NESTING = np.zeros(256, np.int8)
-_NESTING[[ord("["), ord("{")]] = 1
-_NESTING[[ord("]"), ord("}")]] = -1
+_SMALL = 1 << 20  # below this, regular expressions beat importing numpy (the CLI starts faster)
+_STRING = re.compile(rb'"[^"]*"')
+_BRACKETS = re.compile(rb"[\[\]{}]")
 
 
 def _json_extent(data: bytes, max_depth: int, max_items: int) -> tuple[int, int]:
     """(deepest nesting, items) of a JSON text, counting brackets and commas outside
-    strings with numpy, a few MB at a time; stops early once past either limit.
+    strings; stops early once past either limit.
 
     Items are counted as commas plus opening brackets: never fewer than the array
     elements and object members ``json.loads`` would build. Escaped backslashes and
@@ -61,6 +61,31 @@ def _json_extent(data: bytes, max_depth: int, max_items: int) -> tuple[int, int]
     UTF-8 these bytes never occur inside a multi-byte character)."""
     if b"\\" in data:
         data = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    if len(data) < _SMALL:
+        return _extent_small(data)
+    return _extent_large(data, max_depth, max_items)
+
+
+def _extent_small(data: bytes) -> tuple[int, int]:
+    bare = _STRING.sub(b"", data)  # an unterminated string leaves its quote: json.loads refuses it anyway
+    deepest = depth = opened = 0
+    for bracket in _BRACKETS.findall(bare):
+        if bracket in (b"[", b"{"):
+            depth += 1
+            opened += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest, opened + bare.count(b",")
+
+
+def _extent_large(data: bytes, max_depth: int, max_items: int) -> tuple[int, int]:
+    """The same with numpy, a few MB at a time."""
+    import numpy as np
+
+    nesting_of = np.zeros(256, np.int8)
+    nesting_of[[ord("["), ord("{")]] = 1
+    nesting_of[[ord("]"), ord("}")]] = -1
     buf = np.frombuffer(data, np.uint8)
     deepest = depth = items = quotes = 0
     for lo in range(0, len(buf), _SCAN_BYTES):
@@ -68,7 +93,7 @@ def _json_extent(data: bytes, max_depth: int, max_items: int) -> tuple[int, int]
         q = np.flatnonzero(part == ord('"'))
         commas = np.flatnonzero(part == ord(","))
         items += int(np.count_nonzero((np.searchsorted(q, commas) + quotes) % 2 == 0))
-        nesting = _NESTING[part]
+        nesting = nesting_of[part]
         at = np.flatnonzero(nesting)
         step = nesting[at[(np.searchsorted(q, at) + quotes) % 2 == 0]].astype(np.int64)
         if len(step):

@@ -188,16 +188,27 @@ def _must_exist(root: str) -> None:
 
 
 @cli.command("gc")
-@_root
+@click.argument("root", required=False)
 @click.option("--keep", type=click.IntRange(min=1), default=None, help="Keep only the N newest complete checkpoints.")
 @click.option("--grace", type=float, default=600.0, show_default=True,
               help="Leave unfinished writes younger than this many seconds (a live job may own them).")
+@click.option("--orphans", is_flag=True, help="Instead of one ROOT: every shared-memory namespace of this user whose "
+              "job is gone (root deleted, or steps durable there).")
 @click.option("--force", is_flag=True, help="Also drop orphaned memory slots holding steps not on disk.")
 @_memdir
 @_json
-def gc_cmd(root: str, keep: int | None, grace: float, force: bool, memory_dir: str, as_json: bool) -> None:
+def gc_cmd(root: str | None, keep: int | None, grace: float, orphans: bool, force: bool, memory_dir: str,
+           as_json: bool) -> None:
     """Remove leftovers of interrupted saves, memory slots whose job is gone (once their
-    steps are on disk), and, with --keep, old checkpoints."""
+    steps are on disk), and, with --keep, old checkpoints. With --orphans and no ROOT:
+    reclaim the shared memory of every job of this user that is gone."""
+    if orphans:
+        if root is not None or keep is not None:
+            raise click.UsageError("--orphans takes no ROOT and no --keep")
+        _gc_orphans(memory_dir, force, as_json)
+        return
+    if root is None:
+        raise click.UsageError("give a ROOT, or --orphans")
     _must_exist(root)
     disk = durable_tier_for(root)  # the disk, or the object store at a URL
     removed = disk.cleanup(min_age_s=grace)
@@ -208,6 +219,19 @@ def gc_cmd(root: str, keep: int | None, grace: float, force: bool, memory_dir: s
     out = {"leftovers_removed": removed, "checkpoints_deleted": deleted}
     _emit(as_json, out, f"removed {len(removed)} leftover(s); deleted {len(deleted)} old checkpoint(s)"
           + (f": steps {', '.join(map(str, deleted))}" if deleted else ""))
+
+
+def _gc_orphans(memory_dir: str, force: bool, as_json: bool) -> None:
+    from .sweep import sweep_orphaned_jobs
+
+    removed, kept = sweep_orphaned_jobs(memory_dir, force=force)
+    rows = {"removed": [{"namespace": str(o.namespace), "root": o.root, "bytes": o.bytes, "why": o.reason}
+                        for o in removed],
+            "kept": [{"namespace": str(o.namespace), "root": o.root, "bytes": o.bytes, "why": o.reason} for o in kept]}
+    lines = [f"removed {o.namespace} ({_size(o.bytes)}): {o.reason}" for o in removed]
+    lines += [f"kept {o.namespace} ({_size(o.bytes)}): {o.reason}" for o in kept]
+    lines.append(f"reclaimed {_size(sum(o.bytes for o in removed))} in {len(removed)} orphaned namespace(s)")
+    _emit(as_json, rows, "\n".join(lines))
 
 
 cli.add_command(simulate_cmd)

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .process_group import init_process_group
+
+__all__ = ["Coordinator", "init_process_group", "store_connector"]  # init_process_group: its documented path
 
 
 class Coordinator:
@@ -87,34 +88,3 @@ def store_connector(namespace: str, timeout_s: float) -> Callable[[], "dist.Stor
         return store
 
     return connect
-
-
-def init_process_group(backend: str | None = None, timeout: timedelta = timedelta(minutes=10)) -> None:
-    """``dist.init_process_group`` for torchrun workers that survives restarts.
-
-    torchrun keeps one store across restart attempts; gloo then finds the previous
-    attempt's (dead) peer addresses in it and the first restart fails to connect.
-    Keying the group by the attempt number gives every attempt a clean namespace.
-    """
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"ckpt-guard/attempt-{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
-
-
-def wait_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
-    """Poll ``check`` until it returns something truthy; raise after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise CheckpointError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(poll_s)

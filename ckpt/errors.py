@@ -23,6 +23,11 @@ class DamagedCheckpoint(CheckpointError):
         super().__init__(f"step {step}{where}: {file}: {reason}")
 
 
+class StateMismatch(CheckpointError):
+    """The state to restore into does not have the checkpoint's layout (shapes, dtypes,
+    keys): a user error, not damage, so restore must not fall back to an older step."""
+
+
 class BackgroundError(CheckpointError):
     """A background drain (disk, object store) failed; raised at the next save()/wait()."""
 

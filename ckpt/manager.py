@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .checksum import DEFAULT_CHUNK_BYTES
+from .checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .commit import Committer
 from .distributed import Coordinator, store_connector
 from .drain import Drainer, Lease, SaveHandle
@@ -75,7 +75,7 @@ class CheckpointManager:
         default_keep = keep_last if isinstance(keep_last, int) else 3  # for tiers not named
         if min([default_keep, *keep_by_tier.values()]) < 1:
             raise ValueError("keep_last must be >= 1: the newest complete checkpoint is never deleted")
-        self.threads, self.chunk_bytes = threads, chunk_bytes
+        self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
         self.replicated = frozenset(replicated)
         self.coord = Coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size

@@ -37,18 +37,20 @@ about 72 MB, 3.8 M items, depth under 10), at the default 16 MiB chunks; about
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .bounded_json import check_extent, loads_bounded
 from .checksum import ALGORITHM, MIN_CHUNK_BYTES, crc32c_of
 from .errors import CheckpointError, ManifestError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_NAME = "ckpt-guard"
 FORMAT_VERSION = "1.1"  # 1.1: a commit may list a subset of the shards (per-node commits)
@@ -63,17 +65,28 @@ MAX_COMMIT_BYTES = 48 << 20
 MAX_COMMIT_ITEMS = 1 << 21
 
 # Only these dtypes are ever materialised; a manifest naming anything else is refused.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    )
-    if hasattr(torch, name)
+# Item sizes are written out so that reading a manifest (``ckpt ls``/``verify``) needs
+# no torch; ``DTYPES``/``DTYPE_NAMES`` map to torch dtypes and import torch on first use.
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, "torch.dtype"]:
+    import torch
+
+    return {name: getattr(torch, name) for name in ITEMSIZE if hasattr(torch, name)}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        return _torch_dtypes()
+    if name == "DTYPE_NAMES":
+        return {v: k for k, v in _torch_dtypes().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def shard_data_file(rank: int) -> str:
@@ -163,7 +176,7 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return _torch_dtypes()[self.dtype]
 
     def with_checksums(self, checksums: list[int]) -> "TensorEntry":
         return TensorEntry(self.id, self.path, self.dtype, self.shape, self.offset, self.nbytes, tuple(checksums))
@@ -179,13 +192,13 @@ class TensorEntry:
         if not isinstance(d, dict):
             raise ManifestError("tensor entry is not an object")
         dtype = d.get("dtype")
-        if dtype not in DTYPES:
+        if dtype not in ITEMSIZE:
             raise ManifestError(f"tensor {d.get('path')!r}: unknown dtype {dtype!r}")
         shape = d.get("shape")
         if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
             raise ManifestError(f"tensor {d.get('path')!r}: bad shape {shape!r}")
         offset, nbytes = _int(d, "offset"), _int(d, "nbytes")
-        if nbytes != math.prod(shape) * _ITEMSIZE[dtype]:
+        if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
             raise ManifestError(f"tensor {d.get('path')!r}: {nbytes} bytes does not match shape {shape} of {dtype}")
         if offset + nbytes > data_bytes:
             raise ManifestError(f"tensor {d.get('path')!r}: bytes {offset}..{offset + nbytes} lie past the data's end ({data_bytes})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
-from .errors import CheckpointError, DamagedCheckpoint, ManifestError
+from .errors import CheckpointError, DamagedCheckpoint, ManifestError, StateMismatch
 from .plan import Inventory, Needs, RestorePlan, ShardNeed, ShardPlan, plans
 from .tiers.base import CheckpointId, ShardReader, TierReader
 from .verify import Progress
@@ -67,11 +67,18 @@ def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, 
         chosen = next(p for p in mine if p.ckpt_id == max(common))
         result: T | None = None
         error: str | None = None
+        mismatch: StateMismatch | None = None
         try:
             result = execute(chosen)
+        except StateMismatch as e:  # the job's state is wrong, not the checkpoint: no fallback
+            error, mismatch = str(e), e
         except (CheckpointError, *DAMAGE) as e:
             error = str(e)
-        if coord.all(error is None):
+        failed, mismatched = coord.any(error is not None, mismatch is not None)
+        if mismatched:
+            raise mismatch or StateMismatch(f"step {chosen.ckpt_id.step}: another rank's state does not match "
+                                            "the checkpoint (see its log)")
+        if not failed:
             return chosen, result  # type: ignore[return-value]
         reason = error or "another rank could not read it"
         log.warning("skipping step %d (generation %d): %s", chosen.ckpt_id.step, chosen.ckpt_id.generation, reason)
@@ -134,13 +141,36 @@ def first_sound(shard: ShardPlan, ckpt_id: CheckpointId, read: Callable[[TierRea
 
 def load_plan(plan: RestorePlan, state: Mapping[str, Any] | None, *, threads: int = 4,
               progress: Progress | None = None) -> dict:
-    """Execute ``plan`` into plain values (tensors in ``state``'s own where they fit)."""
+    """Execute ``plan`` into plain values (tensors in ``state``'s own where they fit).
+    With a ``state``, every shard's layout is checked against the part of the state it
+    covers before any byte is read into it: a mismatch changes nothing."""
+    if state is not None:
+        check_plan(plan, state)
     values: dict = {}
     for shard in plan.shards:
         got = first_sound(shard, plan.ckpt_id, lambda tier: read_shard(tier, plan.ckpt_id, shard.rank, state=state,
                                                                         threads=threads, progress=progress))
         values.update(got if shard.keys is None else {k: v for k, v in got.items() if k in shard.keys})
     return values
+
+
+def check_plan(plan: RestorePlan, state: Mapping[str, Any]) -> None:
+    """Raise StateMismatch unless each shard's saved layout fits the state keys it covers
+    (a shard with ``keys`` covers those; the others cover the rest)."""
+    from .state import check_restorable
+
+    elsewhere = set().union(*(s.keys for s in plan.shards if s.keys is not None))
+    for shard in plan.shards:
+        covered = shard.keys if shard.keys is not None else {k for k in state if k not in elsewhere}
+        reader = first_sound(shard, plan.ckpt_id, lambda tier: open_shard(tier, plan.ckpt_id, shard.rank))
+        try:
+            manifest = reader.manifest
+        finally:
+            reader.close()
+        tree = manifest.tree
+        if shard.keys is not None and isinstance(tree, dict):
+            tree = {k: v for k, v in tree.items() if k in shard.keys}
+        check_restorable({k: v for k, v in state.items() if k in covered}, tree, manifest.tensors)
 
 
 def load(location: str, step: int | None = None, *, run: str | None = None) -> dict:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, StateMismatch
 from .manifest import DTYPE_NAMES, DTYPES, MAX_JSON_DEPTH, ManifestError, TensorEntry
 
 try:  # DTensor (FSDP2, tensor parallel): each rank keeps its local shard
@@ -212,9 +212,6 @@ def _no_tensor(i: int) -> torch.Tensor:
     raise ValueError("tensor used as a dict key")
 
 
-class StateMismatch(CheckpointError):
-    """The state to restore into does not have the checkpoint's layout (shapes, dtypes,
-    keys): a user error, not damage, so restore must not fall back to an older step."""
 
 
 @dataclass(frozen=True)

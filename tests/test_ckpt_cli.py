@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -140,3 +141,52 @@ def test_gc_keeps_the_newest_and_removes_stale_leftovers(saved: Path, shm_dir: s
         step, state = restored(mgr)
     assert step == 3
     assert_same(state, step_state(3))
+
+
+def test_listing_and_verifying_a_local_root_never_import_torch(saved: Path, shm_dir: str) -> None:
+    """torch (with torch.distributed.tensor) costs seconds to import; `ckpt --help`, `ls` and
+    `verify` need none of it (timings: benchmarks/cli_startup.py)."""
+    code = ("import sys; from ckpt.cli import cli\n"
+            "for argv in (['--help'], ['ls', sys.argv[1], '--memory-dir', sys.argv[2]],"
+            " ['verify', sys.argv[1], '--memory-dir', sys.argv[2]]):\n"
+            "    try:\n        cli(argv)\n    except SystemExit as e:\n        assert not e.code, e.code\n"
+            "print('heavy:', sorted(m for m in ('torch', 'numpy', 's3fs', 'fsspec') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([PYTHON, "-c", code, str(saved), shm_dir], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "step 3 (memory): ok" in done.stdout and "heavy: []" in done.stdout, done.stdout
+
+
+def test_gc_orphans_reclaims_the_memory_of_jobs_that_are_gone(tmp_path: Path, shm_dir: str) -> None:
+    """Without knowing any root: a job whose root was deleted, and one whose steps are on
+    disk, are swept; one holding steps found nowhere else stays unless --force; a live
+    job is never touched."""
+    def job(name: str, *, drain: bool = True) -> Path:
+        root = tmp_path / name
+        mgr = CheckpointManager(root, memory_dir=shm_dir)
+        mgr.save(1, step_state(1)).wait()
+        if not drain:  # the step stays in memory only: its disk copy is lost
+            shutil.rmtree(root / "step-000000000001.g0")
+        mgr.close()
+        return root
+
+    shutil.rmtree(job("deleted"))
+    job("durable")
+    job("memory-only", drain=False)
+    live = CheckpointManager(tmp_path / "live", memory_dir=shm_dir)
+    try:
+        live.save(1, step_state(1)).wait()
+        done = ckpt("gc", "--orphans", "--memory-dir", shm_dir, "--json")
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        assert sorted(Path(r["root"]).name for r in out["removed"]) == ["deleted", "durable"]
+        assert [Path(r["root"]).name for r in out["kept"]] == ["memory-only"]
+        assert "--force" in out["kept"][0]["why"]
+        forced = json.loads(ckpt("gc", "--orphans", "--force", "--memory-dir", shm_dir, "--json").stdout)
+        assert [Path(r["root"]).name for r in forced["removed"]] == ["memory-only"]
+        assert [r["step"] for r in json.loads(ckpt("ls", tmp_path / "live", "--memory-dir", shm_dir,
+                                                   "--json").stdout)] == [1]
+        assert len(list(Path(shm_dir).glob("ckpt-guard-*"))) == 1  # the live job's
+    finally:
+        live.close()

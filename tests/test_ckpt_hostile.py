@@ -24,7 +24,7 @@ from ckpt.manifest import (
     MAX_COMMIT_BYTES, MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_TENSORS_PER_SHARD, MAX_WORLD_SIZE,
     Manifest, ShardManifest, ShardRef, TensorEntry, dumps, loads_bounded,
 )
-from ckpt.memory import plan_layout
+from ckpt.tiers.memory.copier import plan_layout
 from ckpt.state import StateMismatch, check_restorable, flatten, load_into, tensor_targets, unflatten
 from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
     REPO, assert_same, ckpt_dir, plant_shard_manifest, restored, rewrite_json, root, shm_dir, step_state,
@@ -295,7 +295,6 @@ def test_check_restorable_lists_every_difference_before_anything_is_read(save_on
     assert_unchanged(target, before)
 
 
-@pytest.mark.xfail(reason="needs the lead's restore wiring (check_restorable before tensors are read)", strict=False)
 @pytest.mark.parametrize("case", MISMATCHES, ids=list(MISMATCHES))
 def test_restore_into_a_mismatched_state_changes_nothing(root: Path, shm_dir: str, case: str) -> None:
     make_saved, make_target, differences = MISMATCHES[case]
@@ -377,7 +376,6 @@ def test_a_durable_reader_refuses_a_shard_manifest_without_checksums(saved: Path
     assert ShardManifest.from_bytes(with_sums, require_checksums=True) == ShardManifest.from_bytes(with_sums)
 
 
-@pytest.mark.xfail(reason="needs the lead's wiring: require_checksums=True in tiers.base.check_shard", strict=False)
 def test_a_disk_shard_stripped_of_its_checksums_is_skipped_as_damaged(saved: Path, disk_only,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     plant_shard_manifest(saved / "rank-00000.json", unchecksummed(saved))
@@ -401,8 +399,6 @@ def test_a_shard_without_tensors_is_a_valid_zero_byte_manifest(own_part: dict) -
     check_restorable(own_part, back.tree, back.tensors)
 
 
-@pytest.mark.xfail(reason="needs the lead's fix in ckpt/memory.py: a zero-byte slot dies on `assert buf is not None`",
-                   strict=False)
 def test_a_state_without_tensors_saves_and_restores(root: Path, shm_dir: str, tmp_path: Path) -> None:
     state = {"step": 1, "rng": {"seed": 7}}
     with CheckpointManager(root, memory_dir=shm_dir) as mgr:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import stat
 from pathlib import Path
 from typing import Any
 
+from ...bounded_json import loads_bounded
 from ...errors import CheckpointError, ManifestError
 from ...manifest import ShardManifest
 
@@ -80,9 +80,10 @@ def read_private(path: Path, limit: int) -> bytes:
 
 def read_owner(rdir: Path) -> dict[str, Any] | None:
     """A rank directory's owner record, or None when it is missing, foreign or malformed."""
+    path = rdir / OWNER_FILE
     try:
-        doc = json.loads(read_private(rdir / OWNER_FILE, _MAX_OWNER_BYTES))
-    except (OSError, ValueError, RecursionError):
+        doc = loads_bounded(read_private(path, _MAX_OWNER_BYTES), str(path), 4, _MAX_OWNER_BYTES)
+    except (OSError, ManifestError):
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -1,0 +1,82 @@
+"""Reclaiming the shared memory of jobs that are gone.
+
+A crashed or deleted job leaves its slots in /dev/shm (they are meant to survive the
+trainer). Start-up of the same job, or ``ckpt gc ROOT``, sweeps them once their steps
+are durable; ``ckpt gc --orphans`` sweeps every namespace of this user whose owner
+process is gone, without knowing the roots: those whose root no longer exists, and
+those whose steps are all durable in it; the rest (steps held nowhere else) only
+with ``force``. A live job's slots (its lock is held) are never touched.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .locations import durable_tier_for, is_url
+from .tiers.memory.namespace import DEFAULT_SHM_DIR, rank_dirs, read_owner, sweep_orphans, trusted_namespaces
+
+
+@dataclass
+class Orphan:
+    namespace: Path
+    root: str | None  # the root (path or URL) its owner recorded
+    bytes: int
+    reason: str  # why it can go, or why it stays
+
+
+def _in_use(rdir: Path) -> bool:
+    try:
+        fd = os.open(rdir / "lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def orphans(shm_dir: str = DEFAULT_SHM_DIR) -> list[Orphan]:
+    """Namespaces of this user with no live owner process (none of their ranks' locks held)."""
+    found = []
+    for ns in trusted_namespaces(shm_dir):
+        ranks = rank_dirs(ns)
+        if any(_in_use(d) for d in ranks):
+            continue
+        owner = next((o for d in ranks if (o := read_owner(d)) is not None), None)
+        root = owner.get("root") if owner else None
+        found.append(Orphan(ns, root if isinstance(root, str) else None, _size(ns), ""))
+    return found
+
+
+def sweep_orphaned_jobs(shm_dir: str = DEFAULT_SHM_DIR, *, force: bool = False) -> tuple[list[Orphan], list[Orphan]]:
+    """Remove orphaned namespaces (see the module docstring); returns (removed, kept)."""
+    removed, kept = [], []
+    for orphan in orphans(shm_dir):
+        root = orphan.root
+        if root is None or (not is_url(root) and not os.path.isdir(root)):
+            orphan.reason = "its root is gone" if root else "no owner record"
+            durable: set[tuple[int, int]] | None = None
+        else:
+            try:
+                durable = {(i.id.generation, i.id.step) for i in durable_tier_for(root).list() if i.complete}
+                orphan.reason = f"its steps are durable in {root}"
+            except Exception as e:  # an unreachable store: nothing is known to be safe
+                durable, orphan.reason = set(), f"cannot list {root}: {e}"
+        sweep_orphans([orphan.namespace], durable or set(), force=force or durable is None)
+        if orphan.namespace.exists():
+            orphan.reason = f"holds steps not durable in {root} (use --force)" if durable is not None else \
+                orphan.reason
+            orphan.bytes = _size(orphan.namespace)
+            kept.append(orphan)
+        else:
+            removed.append(orphan)
+    return removed, kept
