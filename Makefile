@@ -6,7 +6,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-tools demo bench clean
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(PY) $(VENV)
@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml scripts/setup.sh
 
 setup: $(STAMP)
 
-test: $(STAMP)
+test-tools:
+	bash scripts/test-tools.sh
+
+test: $(STAMP) test-tools
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)

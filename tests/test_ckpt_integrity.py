@@ -139,7 +139,9 @@ HOSTILE_COMMIT = {
     "unknown-major-version": (_set("format_version", value="2.0"), r"format 2\.0 is not readable.*upgrade"),
     "missing-version": (_set("format_version", value=None), "no valid format_version"),
     "foreign-format": (_set("format", value="pickle"), "not a ckpt-guard manifest"),
-    "more-ranks-than-shards": (_set("world_size", value=2), "expected 2 shards"),
+    # A commit may list a subset of the ranks (each node commits its own), never one twice.
+    "a-shard-listed-twice": (lambda d: (d.update(world_size=2), d["shards"].append(dict(d["shards"][0]))),
+                             "shard ranks must be distinct"),
     "negative-data-bytes": (_set("shards", 0, "data_bytes", value=-1), r"'data_bytes' must be an integer >= 0"),
 }
 
