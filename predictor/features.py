@@ -15,23 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"
-MEMORY_TEMP = "DCGM_FI_DEV_MEMORY_TEMP"
-POWER = "DCGM_FI_DEV_POWER_USAGE"
-SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
-THROTTLE = "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"
-ROW_REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"
-COUNTERS = (
-    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
-    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
-    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
-    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
-)
-GAUGES = (GPU_TEMP, MEMORY_TEMP, POWER, SM_CLOCK)
+from telemetry import schema as S
+
+#: The features' groupings of the contract's fields (the clock is a level here, the remap
+#: failure a flag).
+GAUGES = (S.GPU_TEMP, S.MEMORY_TEMP, S.POWER, S.SM_CLOCK)
+COUNTERS = (S.SBE, S.DBE, S.REMAP_CORR, S.REMAP_UNCORR, S.PCIE_REPLAY, S.NVLINK_CRC)
 #: The metric columns, in the order of `Chunk.values`.
-METRICS = GAUGES + COUNTERS + (THROTTLE, ROW_REMAP_FAILURE)
+METRICS = GAUGES + COUNTERS + (S.THROTTLE, S.REMAP_FAILURE)
 
 GAUGE_TAUS_S = (300.0, 3600.0, 21600.0)      # short / medium / long memory of a level
 RATE_TAUS_S = (600.0, 3600.0, 21600.0)       # counter-rate windows
@@ -51,17 +42,15 @@ RAMP_GAP_S = 3600.0                          # an hour without events ends a cou
 RAMP_BURST_FLOOR = 6.0                       # a sample adds at most FLOOR + FACTOR x the events
 RAMP_BURST_FACTOR = 8.0                      # the last 10 min's rate predicts: a burst is no ramp
 RAMP_NONE_MIN = 1e4                          # "time left" when nothing is ramping (minutes)
-THERMAL_BITS = 0x20 | 0x40                   # SW / HW thermal slowdown
-SLOWDOWN_BITS = 0x08 | 0x80                  # HW slowdown / power brake
-WARNING_XIDS = frozenset({63, 92})
-APPLICATION_XIDS = frozenset({13, 31, 43, 45})
+THERMAL_BITS = S.THROTTLE_SW_THERMAL | S.THROTTLE_HW_THERMAL
+SLOWDOWN_BITS = S.THROTTLE_HW_SLOWDOWN | S.THROTTLE_HW_POWER_BRAKE
 _LOG_GAUGES = (False, False, True, True)     # power and clock compare as ratios (log)
 _NODE_COLS = 2 * len(GAUGES) + 1              # short level and trend per gauge, thermal share
 
 
 def short_name(metric: str) -> str:
     """A DCGM field's name as feature names spell it: DCGM_FI_DEV_GPU_TEMP -> gpu_temp."""
-    return metric.removeprefix("DCGM_FI_DEV_").lower()
+    return metric.removeprefix(S.DCGM_PREFIX).lower()
 
 
 def _feature_names() -> tuple[str, ...]:
@@ -451,9 +440,9 @@ class FleetState:
             ref = t_ms
         self.xid_t[slot] = ref
         weight_w = np.exp(-(ref - t_ms) / 1000.0 / np.asarray(XID_TAUS_S))
-        if xid in WARNING_XIDS:
+        if xid in S.WARNING_XIDS:
             self.warning_xids[slot] += weight_w
-        elif xid in APPLICATION_XIDS:
+        elif xid in S.APPLICATION_XIDS:
             self.application_xids[slot] += weight_w[0]
         if critical and t_ms >= self.critical_t[slot]:
             self.critical_xid[slot] = xid

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 from predictor import rules
 from predictor.features import FEATURE_NAMES, METRICS, Chunk, FleetState
 from predictor.model import Model
+from telemetry.schema import is_critical_xid
 
 
 @dataclass
@@ -150,7 +151,7 @@ class Scorer:
         crit = []
         for i in rows[np.argsort(xids.t_ms[rows], kind="stable")].tolist():
             code, slot, te = int(xids.codes[i]), int(x_slots[i]), int(xids.t_ms[i])
-            is_crit = rules.is_critical(code)
+            is_crit = is_critical_xid(code)
             self.state.add_xid(slot, te, code, is_crit)
             if is_crit:
                 crit.append((slot, te, rules.critical_reason(code)))

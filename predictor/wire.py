@@ -6,18 +6,15 @@ nothing is half-accepted: a batch either validates completely or is refused.
 from __future__ import annotations
 
 import json
-import zlib
 from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from predictor.features import METRICS
+from telemetry import wire as contract
+from telemetry.schema import METRICS
+from telemetry.wire import ARROW_STREAM, NDJSON, TELEMETRY_KEYS, XID_KEYS
 
-ARROW_STREAM = "application/vnd.apache.arrow.stream"
-NDJSON = "application/x-ndjson"
-TELEMETRY_KEYS = ("timestamp", "node", "gpu")
-XID_KEYS = ("timestamp", "node", "gpu", "xid")
 MAX_GPU_INDEX = 1023
 
 
@@ -38,16 +35,12 @@ def decompress(body: bytes, encoding: str | None, cap: int) -> bytes:
         return body
     if enc not in ("gzip", "x-gzip"):
         raise BadBatch(f"unsupported Content-Encoding {encoding!r} (gzip or none)")
-    d = zlib.decompressobj(wbits=31)
     try:
-        out = d.decompress(body, cap + 1)
-    except zlib.error as e:
-        raise BadBatch(f"gzip body does not decompress: {e}") from None
-    if len(out) > cap or d.unconsumed_tail:
-        raise TooLarge(f"body inflates past the {cap}-byte cap")
-    if not d.eof:
-        raise BadBatch("gzip body is truncated")
-    return out
+        return contract.inflate(body, cap)
+    except contract.OverCap as e:
+        raise TooLarge(str(e)) from None
+    except contract.Corrupt as e:
+        raise BadBatch(str(e)) from None
 
 
 def decode(body: bytes, content_type: str | None, keys: tuple[str, ...]) -> pa.Table:

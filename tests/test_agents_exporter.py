@@ -9,11 +9,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents import schema as S
 from agents.exporter import DCGM_METRICS, Exporter
 from agents.fleetsim import FleetConfig
 from agents.sources.sim import SimSource
 from agents.stats import AgentStats
+from telemetry import schema as S
 from tests.procs import free_port
 
 DCGM_LABELS = {"gpu", "UUID", "device", "modelName", "Hostname"}
