@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from predictor.ramps import Ramps
 from telemetry import schema as S
 
 #: The features' groupings of the contract's fields (the clock is a level here, the remap
@@ -32,16 +33,6 @@ INTERVAL_TAU_S = 3600.0                      # memory of a GPU's usual sample in
 NULL_TAU_S = 1800.0
 ACTIVE_EVENTS = 1.0                          # a counter is "active" at >= 1 event in its 1 h window
 NODE_STALE_S = 600.0                         # a sibling silent this long is not a reference
-#: A precursor's event rate grows like exp(RAMP_GROWTH * progress) over its duration D, so the
-#: events seen so far date the ramp: their mean age against the time since the first one gives
-#: the progress, hence D and the time left. Measured on the shared sample (per failure, from its
-#: events and labelled duration): median 4.0 (HBM), 4.3 (PCIe), 4.7 (NVLink); 3.5-4.4 on the
-#: long ramps, where the estimate is tight.
-RAMP_GROWTH = 4.0
-RAMP_GAP_S = 3600.0                          # an hour without events ends a counter's ramp
-RAMP_BURST_FLOOR = 6.0                       # a sample adds at most FLOOR + FACTOR x the events
-RAMP_BURST_FACTOR = 8.0                      # the last 10 min's rate predicts: a burst is no ramp
-RAMP_NONE_MIN = 1e4                          # "time left" when nothing is ramping (minutes)
 THERMAL_BITS = S.THROTTLE_SW_THERMAL | S.THROTTLE_HW_THERMAL
 SLOWDOWN_BITS = S.THROTTLE_HW_SLOWDOWN | S.THROTTLE_HW_POWER_BRAKE
 _LOG_GAUGES = (False, False, True, True)     # power and clock compare as ratios (log)
@@ -94,28 +85,6 @@ def _nanmedian_of_peers(peers: np.ndarray) -> np.ndarray:
         return (lo + hi) / 2 + 0.0                            # + 0.0: a zero median is +0, as nanmedian's
 
 
-def _ramp_x_table() -> tuple[np.ndarray, np.ndarray]:
-    """x = growth x elapsed against q = mean event age / elapsed, for a rate ∝ exp(growth * age):
-    q(x) = 1/x - 1/(e^x - 1) falls from 1/2 (flat) towards 0 (steep)."""
-    x = np.geomspace(1e-4, 200.0, 4000)
-    return -(1 / x - 1 / np.expm1(x)), x          # negated: increasing, for np.interp
-
-
-_RAMP_NEG_Q, _RAMP_X = _ramp_x_table()
-
-
-def ramp_left_min(elapsed_s: np.ndarray, mean_age_s: np.ndarray) -> np.ndarray:
-    """Minutes left on an exponential ramp whose events since `elapsed_s` ago have that mean age.
-
-    The ramp's duration is RAMP_GROWTH / growth and `elapsed_s` of it has passed; a flat or
-    falling rate (mean age >= half the elapsed time) has no end in sight (RAMP_NONE_MIN)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(elapsed_s > 0, mean_age_s / elapsed_s, 0.5)
-        x = np.interp(-np.minimum(q, 0.5), _RAMP_NEG_Q, _RAMP_X)
-        left = elapsed_s * (RAMP_GROWTH / x - 1.0) / 60.0
-    return np.clip(np.nan_to_num(left, nan=RAMP_NONE_MIN), 0.0, RAMP_NONE_MIN)
-
-
 def _decay(dt_s: np.ndarray, taus: tuple[float, ...]) -> np.ndarray:
     return np.exp(-np.maximum(dt_s, 0.0)[:, None] / np.asarray(taus)[None, :])
 
@@ -123,7 +92,9 @@ def _decay(dt_s: np.ndarray, taus: tuple[float, ...]) -> np.ndarray:
 class FleetState:
     """Per-GPU decayed statistics for a whole fleet, in flat numpy arrays."""
 
-    def __init__(self, capacity: int = 1024):
+    def __init__(self, capacity: int = 1024, ramps: Ramps | None = None):
+        """`ramps`: where counters' ramps are dated (a subclass may record them, see benchmarks/)."""
+        self.ramps = ramps or Ramps(len(COUNTERS))
         self.slot_of: dict[tuple[str, int], int] = {}
         self.node_of: dict[str, int] = {}
         self.node_names: list[str] = []
@@ -192,10 +163,6 @@ class FleetState:
         grow("active_since", (nk,), -1, np.int64)
         grow("onset_events", (nk,), 0.0)
         grow("largest_jump", (nk,), 0.0)
-        grow("ramp_first_t", (nk,), -1, np.int64)
-        grow("ramp_last_t", (nk,), -1, np.int64)
-        grow("ramp_events", (nk,), 0.0)
-        grow("ramp_moment", (nk,), 0.0)
         grow("throttle", (2, len(THROTTLE_TAUS_S)), 0.0)
         grow("null_share", (), 0.0)
         grow("remap_failure", (), 0.0)
@@ -205,6 +172,7 @@ class FleetState:
         grow("critical_xid", (), 0, np.int64)
         grow("critical_t", (), -1, np.int64)
         grow("uuid", (), None, object)
+        self.ramps.grow(cap)
         self._cap = cap
 
     def _grow_nodes(self, node_cap: int, gpu_cap: int) -> None:
@@ -231,10 +199,7 @@ class FleetState:
         self.active_since[slots] = -1
         self.onset_events[slots] = 0.0
         self.largest_jump[slots] = 0.0
-        self.ramp_first_t[slots] = -1
-        self.ramp_last_t[slots] = -1
-        self.ramp_events[slots] = 0.0
-        self.ramp_moment[slots] = 0.0
+        self.ramps.reset(slots)
         self.throttle[slots] = 0.0
         self.null_share[slots] = 0.0
         self.remap_failure[slots] = 0.0
@@ -268,22 +233,29 @@ class FleetState:
         self.start_t[s] = np.where(first, t, self.start_t[s])
         self.last_t[s] = t
         ng, nk = len(GAUGES), len(COUNTERS)
+        gap_ratio = self._fold_interval(s, dt, first)
+        nulls = np.isnan(v).mean(axis=1)
+        a_null = 1.0 - np.exp(-dt / NULL_TAU_S)
+        self.null_share[s] = np.where(first, nulls, self.null_share[s] + a_null * (nulls - self.null_share[s]))
+        self._fold_levels(s, v[:, :ng], dt)
+        self._fold_counters(s, t, v[:, ng: ng + nk])
+        self._fold_throttle(s, v[:, ng + nk], dt, first)
+        rf = v[:, ng + nk + 1]
+        self.remap_failure[s] = np.where(np.isnan(rf), self.remap_failure[s], rf)
+        return self._feature_matrix(s, t, self._vs_node(s, t), gap_ratio)
 
-        # usual interval, for the gap ratio
+    def _fold_interval(self, s: np.ndarray, dt: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """Update the usual sample interval; return this sample's gap against it (log ratio)."""
         prev_iv = self.interval_s[s]
         a_iv = 1.0 - np.exp(-dt / INTERVAL_TAU_S)
         iv = np.where(np.isnan(prev_iv), dt, prev_iv + a_iv * (dt - prev_iv))
         self.interval_s[s] = np.where(first, np.nan, iv)
-        gap_ratio = np.where(first | np.isnan(prev_iv), 0.0,
-                             np.log(np.maximum(dt, 1e-3) / np.maximum(np.nan_to_num(prev_iv, nan=1.0), 1e-3)))
+        return np.where(first | np.isnan(prev_iv), 0.0,
+                        np.log(np.maximum(dt, 1e-3) / np.maximum(np.nan_to_num(prev_iv, nan=1.0), 1e-3)))
 
-        # missing fields
-        nulls = np.isnan(v).mean(axis=1)
-        a_null = 1.0 - np.exp(-dt / NULL_TAU_S)
-        self.null_share[s] = np.where(first, nulls, self.null_share[s] + a_null * (nulls - self.null_share[s]))
-
-        # gauges: levels at three memories (log for power/clock so comparisons are ratios)
-        g = v[:, :ng].copy()
+    def _fold_levels(self, s: np.ndarray, gauges: np.ndarray, dt: np.ndarray) -> None:
+        """Gauge levels at three memories (log for power/clock, so comparisons are ratios)."""
+        g = gauges.copy()
         for j, is_log in enumerate(_LOG_GAUGES):
             if is_log:
                 g[:, j] = np.log(np.maximum(g[:, j], 1.0))
@@ -294,8 +266,8 @@ class FleetState:
         upd = np.where(np.isnan(g)[:, :, None], lv, upd)     # missing keeps the old level
         self.level[s] = upd
 
-        # counters: decayed event counts -> rates; a missing read keeps the baseline
-        c = v[:, ng: ng + nk]
+    def _fold_counters(self, s: np.ndarray, t: np.ndarray, c: np.ndarray) -> None:
+        """Decayed event counts (→ rates), onset, largest jump and ramp; a missing read keeps the baseline."""
         last = self.counter_last[s]
         cdt = np.where(self.counter_t[s] < 0, 0.0, (t[:, None] - self.counter_t[s]) / 1000.0)
         delta = np.where(np.isnan(c) | np.isnan(last), 0.0, np.maximum(c - last, 0.0))
@@ -318,34 +290,21 @@ class FleetState:
         self.active_since[s] = np.where(quiet, -1, since)
         ev = np.where(onset, hour, self.onset_events[s] + delta)
         self.onset_events[s] = np.where(quiet, 0.0, ev)
-        # the current ramp: events since the counter woke from RAMP_GAP_S of silence, and
-        # their summed age from the first one (so their mean age needs no per-event memory);
-        # a one-off burst of replays is capped to what the 10 min rate makes plausible
-        expected = cnt[:, :, 0] * dec[:, :, 0] / RATE_TAUS_S[0] * cdt
-        counted = np.minimum(delta, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * expected)
-        hit = ok & (counted > 0)
-        tt = t[:, None]
-        woke = hit & ((self.ramp_last_t[s] < 0) | (tt - self.ramp_last_t[s] > RAMP_GAP_S * 1000))
-        r_first = np.where(woke, tt, self.ramp_first_t[s])
-        self.ramp_first_t[s] = r_first
-        self.ramp_events[s] = np.where(woke, 0.0, self.ramp_events[s]) + np.where(hit, counted, 0.0)
-        self.ramp_moment[s] = np.where(woke, 0.0, self.ramp_moment[s]) + \
-            np.where(hit, counted * (tt - r_first) / 1000.0, 0.0)
-        self.ramp_last_t[s] = np.where(hit, tt, self.ramp_last_t[s])
+        # the events the 10 min rate predicts for this sample bound what a ramp may count
+        self.ramps.update(s, t, ok, delta, cnt[:, :, 0] * dec[:, :, 0] / RATE_TAUS_S[0] * cdt)
         self.counter_last[s] = np.where(ok, c, last)
         self.counter_t[s] = np.where(ok, t[:, None], self.counter_t[s])
 
-        # throttle reasons
-        bits = np.nan_to_num(v[:, ng + nk], nan=0.0).astype(np.int64)
+    def _fold_throttle(self, s: np.ndarray, reasons: np.ndarray, dt: np.ndarray, first: np.ndarray) -> None:
+        bits = np.nan_to_num(reasons, nan=0.0).astype(np.int64)
         hits = np.stack([(bits & THERMAL_BITS) != 0, (bits & SLOWDOWN_BITS) != 0], axis=1).astype(float)
         a_th = 1.0 - _decay(dt, THROTTLE_TAUS_S)
         th = self.throttle[s]
         self.throttle[s] = np.where(first[:, None, None], hits[:, :, None],
                                     th + a_th[:, None, :] * (hits[:, :, None] - th))
-        rf = v[:, ng + nk + 1]
-        self.remap_failure[s] = np.where(np.isnan(rf), self.remap_failure[s], rf)
 
-        # node-relative: publish this GPU's short level and trend, compare to the node median
+    def _vs_node(self, s: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Publish each GPU's short level and trend; return them against the node's median."""
         lv = self.level[s]
         trend = lv[:, :, 0] - lv[:, :, 1]
         pub = np.concatenate([lv[:, :, 0], trend, self.throttle[s][:, 0, :1]], axis=1)
@@ -357,8 +316,12 @@ class FleetState:
         peers = self.node_vals[nids]                         # [nodes, G, cols], a copy
         stale = (t[first_row, None] - self.node_t[nids]) > NODE_STALE_S * 1000
         peers[stale | (self.node_t[nids] < 0)] = np.nan
-        vs_node = np.nan_to_num(pub - _nanmedian_of_peers(peers)[row_node], nan=0.0)
+        return np.nan_to_num(pub - _nanmedian_of_peers(peers)[row_node], nan=0.0)
 
+    def _feature_matrix(self, s: np.ndarray, t: np.ndarray, vs_node: np.ndarray,
+                        gap_ratio: np.ndarray) -> np.ndarray:
+        ng, nk = len(GAUGES), len(COUNTERS)
+        lv = self.level[s]
         feats = np.empty((len(s), len(FEATURE_NAMES)))
         col = 0
         for j in range(ng):
@@ -381,7 +344,7 @@ class FleetState:
             per_h = ev / np.maximum((t - since) / 3.6e6 + 1.0, 1.0)
             feats[:, col + 7] = np.where(active, np.log((rates[:, k, 0] + 0.1) / (per_h + 0.1)), 0.0)
             feats[:, col + 8] = np.log((self.counted[s, k, 0] + 1.0) / (self.largest_jump[s, k] + 1.0))
-            feats[:, col + 9: col + 12] = self._ramp(s, t, k)
+            feats[:, col + 9: col + 12] = self.ramps.features(s, t, k)
             col += 12
         th = self.throttle[s]
         feats[:, col: col + 2] = th[:, 1]
@@ -395,30 +358,6 @@ class FleetState:
         feats[:, col + 9] = np.log1p(app)
         feats[~np.isfinite(feats)] = 0.0                       # NaN and ±inf: 0
         return feats
-
-    def ramp_window(self, s: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Counter k's current ramp at times t: live mask, events in it, seconds since its first
-        event (0 where no ramp is live)."""
-        n = self.ramp_events[s, k]
-        elapsed = (t - self.ramp_first_t[s, k]) / 1000.0
-        # a ramp is dated once it spans time: events in one sample say nothing of their trend
-        live = (self.ramp_last_t[s, k] >= 0) & (t - self.ramp_last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
-            & (elapsed > 0)
-        return live, n, np.where(live, elapsed, 0.0)
-
-    def _ramp(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
-        """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
-        upper bound (few events date a ramp loosely), and log events in it."""
-        live, n, elapsed = self.ramp_window(s, t, k)
-        n1 = np.maximum(n, 1.0)
-        age = elapsed - self.ramp_moment[s, k] / n1
-        # the mean of n ages spread over [0, elapsed] is uncertain by about elapsed / sqrt(12 n)
-        age_hi = age + elapsed / np.sqrt(12.0 * n1)
-        out = np.empty((len(s), 3))
-        out[:, 0] = np.log1p(np.where(live, ramp_left_min(elapsed, age), RAMP_NONE_MIN))
-        out[:, 1] = np.log1p(np.where(live, ramp_left_min(elapsed, age_hi), RAMP_NONE_MIN))
-        out[:, 2] = np.log1p(np.where(live, n, 0.0))
-        return out
 
     # ------------------------------------------------------------ XIDs
     def xid_counts_at(self, slots: np.ndarray, t_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
