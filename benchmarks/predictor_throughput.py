@@ -188,7 +188,7 @@ def _component_costs(model_path: str | None, nodes: int, shape: Shape) -> dict:
 
     from predictor import model as model_io, wire
     from predictor.scoring import Scorer
-    from predictor.server import _concat
+    from predictor.scoring_queue import _concat
     rng = np.random.default_rng(1)
     scorer = Scorer(model_io.load(model_path))
     names = [f"node{i:05d}" for i in range(nodes)]

@@ -1,6 +1,7 @@
 """`predictor train / score / eval / serve`."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 from pathlib import Path
@@ -128,13 +129,27 @@ def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path 
 def serve(model_path: str | None, host: str, port: int, tokens_path: str | None, no_auth: bool,
           alertmanager_url: str | None, webhook_url: str | None, max_body: int) -> None:
     """Run the HTTP service: ingest, risk, jobs + checkpoint stream, /metrics, alerts."""
+    if no_auth and not _is_loopback(host):
+        raise click.UsageError(f"--no-auth serves anyone who can reach {host}: use it with a loopback --host only")
     from predictor import auth, server
     try:
         tokens = None if no_auth else auth.load_tokens(tokens_path)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
-               alertmanager_url=alertmanager_url, webhook_url=webhook_url)
+    try:
+        server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
+                   alertmanager_url=alertmanager_url, webhook_url=webhook_url)
+    except server.CannotListen as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from predictor import score_alarms
-from predictor.scoring import timestamps_ms
+from predictor.wire import timestamps_ms
 
 HORIZON_S = 3600.0
 MIN_LEAD_S = 120.0

@@ -37,6 +37,9 @@ THERMAL_BITS = S.THROTTLE_SW_THERMAL | S.THROTTLE_HW_THERMAL
 SLOWDOWN_BITS = S.THROTTLE_HW_SLOWDOWN | S.THROTTLE_HW_POWER_BRAKE
 _LOG_GAUGES = (False, False, True, True)     # power and clock compare as ratios (log)
 _NODE_COLS = 2 * len(GAUGES) + 1              # short level and trend per gauge, thermal share
+#: GPU indices per node are 0..MAX_GPUS_PER_NODE-1 (the service refuses others): the index
+#: look-up table grows with the widest index, so one bad index must not size it for a thousand.
+MAX_GPUS_PER_NODE = 64
 
 
 def short_name(metric: str) -> str:
@@ -103,8 +106,9 @@ class FleetState:
         self._cap = 0
         self._node_cap = 0
         self._gpu_cap = 8
+        self._width = 8                              # most GPUs registered on one node
         self._grow(capacity)
-        self._grow_nodes(64, self._gpu_cap)
+        self._grow_nodes(64, self._gpu_cap, self._width)
 
     # ------------------------------------------------------------ registry
     def slots_for(self, nodes: list[str], gpus: np.ndarray, codes: np.ndarray | None = None) -> np.ndarray:
@@ -124,6 +128,8 @@ class FleetState:
 
     def _register(self, key: tuple[str, int]) -> int:
         node, gpu = key
+        if not 0 <= gpu < MAX_GPUS_PER_NODE:
+            raise ValueError(f"GPU index {gpu} on {node}: at most {MAX_GPUS_PER_NODE} GPUs per node")
         if node not in self.node_of:
             self.node_of[node] = len(self.node_names)
             self.node_names.append(node)
@@ -132,11 +138,13 @@ class FleetState:
         if slot >= self._cap:
             self._grow(2 * self._cap)
         nid = self.node_of[node]
-        if nid >= self._node_cap or gpu >= self._gpu_cap:
-            self._grow_nodes(max(2 * self._node_cap, nid + 1) if nid >= self._node_cap
-                             else self._node_cap, max(self._gpu_cap, gpu + 1))
+        member = len(self.node_slots[nid])
+        if nid >= self._node_cap or gpu >= self._gpu_cap or member >= self._width:
+            self._grow_nodes(max(2 * self._node_cap, nid + 1) if nid >= self._node_cap else self._node_cap,
+                             max(self._gpu_cap, gpu + 1), max(self._width, member + 1))
         self.slot_of[key] = slot
         self.slot_at[nid, gpu] = slot
+        self.members[nid, member] = slot
         self.slot_key.append(key)
         self.node_slots[nid].append(slot)
         self.node_idx[slot] = nid
@@ -172,19 +180,21 @@ class FleetState:
         grow("critical_xid", (), 0, np.int64)
         grow("critical_t", (), -1, np.int64)
         grow("uuid", (), None, object)
+        grow("published", (_NODE_COLS,), np.nan)      # short level and trend, as the node's peers see them
+        grow("published_t", (), -1, np.int64)
         self.ramps.grow(cap)
         self._cap = cap
 
-    def _grow_nodes(self, node_cap: int, gpu_cap: int) -> None:
-        vals = np.full((node_cap, gpu_cap, _NODE_COLS), np.nan)
-        ts = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
+    def _grow_nodes(self, node_cap: int, gpu_cap: int, width: int) -> None:
+        """Per node: slot by GPU index (int64, at most MAX_GPUS_PER_NODE wide) and its GPUs' slots
+        (as wide as the most GPUs on one node), the two tables whose size grows with nodes."""
         slot_at = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
+        members = np.full((node_cap, width), -1, dtype=np.int64)
         if self._node_cap:
-            vals[: self._node_cap, : self._gpu_cap] = self.node_vals
-            ts[: self._node_cap, : self._gpu_cap] = self.node_t
             slot_at[: self._node_cap, : self._gpu_cap] = self.slot_at
-        self.node_vals, self.node_t, self.slot_at = vals, ts, slot_at
-        self._node_cap, self._gpu_cap = node_cap, gpu_cap
+            members[: self._node_cap, : self._width] = self.members
+        self.slot_at, self.members = slot_at, members
+        self._node_cap, self._gpu_cap, self._width = node_cap, gpu_cap, width
 
     # ------------------------------------------------------------ updates
     def reset(self, slots: np.ndarray) -> None:
@@ -208,8 +218,8 @@ class FleetState:
         self.application_xids[slots] = 0.0
         self.critical_xid[slots] = 0
         self.critical_t[slots] = -1
-        self.node_vals[self.node_idx[slots], self.gpu_idx[slots]] = np.nan
-        self.node_t[self.node_idx[slots], self.gpu_idx[slots]] = -1
+        self.published[slots] = np.nan
+        self.published_t[slots] = -1
 
     def replaced(self, chunk: Chunk) -> np.ndarray:
         """Mask of chunk rows whose GPU is a new board: a new UUID or a counter that went back."""
@@ -308,14 +318,15 @@ class FleetState:
         lv = self.level[s]
         trend = lv[:, :, 0] - lv[:, :, 1]
         pub = np.concatenate([lv[:, :, 0], trend, self.throttle[s][:, 0, :1]], axis=1)
-        ni, gi = self.node_idx[s], self.gpu_idx[s]
-        self.node_vals[ni, gi] = pub
-        self.node_t[ni, gi] = t
+        self.published[s] = pub
+        self.published_t[s] = t
         # one timestamp per node in a chunk: a node's rows share their peers, so once per node
-        nids, first_row, row_node = np.unique(ni, return_index=True, return_inverse=True)
-        peers = self.node_vals[nids]                         # [nodes, G, cols], a copy
-        stale = (t[first_row, None] - self.node_t[nids]) > NODE_STALE_S * 1000
-        peers[stale | (self.node_t[nids] < 0)] = np.nan
+        nids, first_row, row_node = np.unique(self.node_idx[s], return_index=True, return_inverse=True)
+        members = self.members[nids]                         # [nodes, width], -1 past a node's GPUs
+        peers = self.published[members]                      # [nodes, width, cols], a copy
+        peer_t = np.where(members < 0, -1, self.published_t[members])
+        stale = (t[first_row, None] - peer_t) > NODE_STALE_S * 1000
+        peers[stale | (peer_t < 0)] = np.nan
         return np.nan_to_num(pub - _nanmedian_of_peers(peers)[row_node], nan=0.0)
 
     def _feature_matrix(self, s: np.ndarray, t: np.ndarray, vs_node: np.ndarray,

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 from predictor import rules
 from predictor.features import FEATURE_NAMES, METRICS, Chunk, FleetState
 from predictor.model import Model
+from predictor.wire import timestamps_ms
 from telemetry.schema import is_critical_xid
 
 
@@ -50,13 +51,6 @@ class Xids:
 
     def __len__(self) -> int:
         return len(self.t_ms)
-
-
-def timestamps_ms(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Epoch milliseconds from any Arrow timestamp unit (or plain integers, taken as ms)."""
-    if pa.types.is_timestamp(col.type):
-        col = pc.cast(col, pa.timestamp("ms", tz=col.type.tz), safe=False)
-    return np.asarray(pc.cast(col, pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def _strings(col: pa.ChunkedArray | pa.Array) -> list[str]:

@@ -6,16 +6,21 @@ nothing is half-accepted: a batch either validates completely or is refused.
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timezone
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from predictor.features import MAX_GPUS_PER_NODE
 from telemetry import wire as contract
 from telemetry.schema import METRICS
-from telemetry.wire import ARROW_STREAM, NDJSON, TELEMETRY_KEYS, XID_KEYS
+from telemetry.wire import ARROW_STREAM, NDJSON, TELEMETRY_KEYS
 
-MAX_GPU_INDEX = 1023
+MAX_GPU_INDEX = MAX_GPUS_PER_NODE - 1
+#: Samples and XIDs stamped further ahead of this server's clock are refused: a GPU's state
+#: only moves forward in time, so one far-future sample would hide all of its later ones.
+MAX_AHEAD_S = 300.0
 
 
 class BadBatch(ValueError):
@@ -24,6 +29,21 @@ class BadBatch(ValueError):
 
 class TooLarge(ValueError):
     """The batch is over the size cap: split and resend."""
+
+
+def timestamps_ms(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Epoch milliseconds from any Arrow timestamp unit (or plain integers, taken as ms)."""
+    if pa.types.is_timestamp(col.type):
+        col = pc.cast(col, pa.timestamp("ms", tz=col.type.tz), safe=False)
+    return np.asarray(pc.cast(col, pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def check_not_ahead(table: pa.Table, now_ms: int, ahead_s: float = MAX_AHEAD_S) -> None:
+    """BadBatch if any row is stamped more than `ahead_s` after `now_ms` (clocks drift; a year does not)."""
+    latest = int(timestamps_ms(table.column("timestamp")).max())
+    if latest > now_ms + ahead_s * 1000:
+        raise BadBatch(f"timestamp {datetime.fromtimestamp(latest / 1000, timezone.utc).isoformat()} is "
+                       f"{(latest - now_ms) / 1000:.0f} s ahead of this server's clock (at most {ahead_s:.0f} s)")
 
 
 def decompress(body: bytes, encoding: str | None, cap: int) -> bytes:
@@ -133,7 +153,7 @@ def _validated(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
             raise BadBatch(f"{k} is null in {col.null_count} row(s)")
     gpu = cols["gpu"].to_numpy()
     if gpu.min() < 0 or gpu.max() > MAX_GPU_INDEX:
-        raise BadBatch(f"gpu index out of range 0..{MAX_GPU_INDEX}")
+        raise BadBatch(f"gpu index out of range 0..{MAX_GPU_INDEX} (at most {MAX_GPUS_PER_NODE} GPUs per node)")
     node = cols["node"] if not pa.types.is_dictionary(node_t) else pc.cast(cols["node"], pa.string())
     if pc.min(pc.binary_length(node)).as_py() == 0:
         raise BadBatch("empty node name")

@@ -13,7 +13,8 @@ from predictor import evaluation, training
 from predictor import model as model_io
 from predictor.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState, _nanmedian_of_peers
 from predictor.replay import score_trace
-from predictor.scoring import Scorer, Xids, timestamps_ms
+from predictor.scoring import Scorer, Xids
+from predictor.wire import timestamps_ms
 from tests.predictor_fixtures import run_cli, small_trace, trained_model  # noqa: F401 (fixtures)
 
 SHARED_SCORER = Path("/work/shared/telemetry/score_alarms.py")
