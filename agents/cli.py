@@ -80,7 +80,7 @@ def fleet_config(*, nodes: int, days: float | None, interval: float, node_names=
         raise click.UsageError(str(e)) from None
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """ckpt-guard node agents: GPU telemetry to the predictor and to Prometheus."""
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
+
 # scikit-learn, skops and pyarrow are imported inside the commands: `--help` and usage
 # errors answer at once.
 
@@ -36,7 +38,7 @@ _threshold_opt = click.option("--threshold", default="sensitive", show_default=T
                               help="sensitive, strict, or a risk between 0 and 1")
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Predict GPU failures from fleet telemetry."""
 
@@ -120,8 +122,8 @@ def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path 
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=9410, show_default=True)
 @click.option("--tokens", "tokens_path", type=click.Path(exists=True, dir_okay=False),
-              help="token file: one 'ROLE TOKEN' per line, ROLE agent|job|admin "
-                   "(default: $PREDICTOR_TOKENS_FILE, or $PREDICTOR_AGENT_TOKEN / $PREDICTOR_JOB_TOKEN)")
+              help=f"token file: one 'ROLE TOKEN' per line, ROLE {'|'.join(ROLES)} (default: ${ENV_FILE}, "
+                   f"or {', '.join('$' + v for v in ENV_TOKENS.values())})")
 @click.option("--no-auth", is_flag=True, help="accept requests without a token (loopback testing only)")
 @click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL, e.g. http://127.0.0.1:9093")
 @click.option("--webhook", "webhook_url", help="generic webhook URL for strict-threshold alerts")

@@ -64,7 +64,7 @@ class LiveServer:
         self.log = open(tmp / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "predictor.cli", "serve", "--port", str(self.port), *args], cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "PREDICTOR_TOKENS_FILE": str(tokens)},
+            env={**os.environ, "PYTHONPATH": str(ROOT), "CKPT_GUARD_TOKENS_FILE": str(tokens)},
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
