@@ -108,13 +108,16 @@ def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path 
         pq.write_table(alarms, alarms_out)
     res = evaluation.report(alarms, evaluation.load_truth(trace))
     if as_json:
-        click.echo(json.dumps(res, indent=1, default=evaluation.plain))
+        click.echo(json.dumps(res, indent=1, allow_nan=False))
         return
     for lvl, r in res.items():
-        click.echo(f"[{lvl}] recall {r['recall']} ({r['caught']}/{r['failures']}), of predictable "
-                   f"{r['recall_of_predictable']}, false alarms {r['false_alarms_per_1000_node_days']}/1000 "
-                   f"node-days, lead median {r['lead_s_median']} s, precision at real failure rate "
-                   f"{r['precision_at_real_failure_rate']}, by mode {r['recall_by_mode']}")
+        def v(metric: str, r: dict = r) -> str:
+            why = r.get("why_missing", {})
+            return f"n/a ({why[metric]})" if metric in why else str(r[metric])
+        click.echo(f"[{lvl}] recall {v('recall')} ({r['caught']}/{r['failures']}), of predictable "
+                   f"{v('recall_of_predictable')}, false alarms {v('false_alarms_per_1000_node_days')}/1000 "
+                   f"node-days, lead median {v('lead_s_median')} s, precision at real failure rate "
+                   f"{v('precision_at_real_failure_rate')}, by mode {r['recall_by_mode']}")
 
 
 @main.command()
