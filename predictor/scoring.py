@@ -187,6 +187,10 @@ class Scorer:
             for i in hot[crit[hot]].tolist():
                 reasons[i] = rules.critical_reason(self.state.critical_xid[slots[i]])
         self._remember(slots, t, risk, reasons)
+        for slot, te, why in events:        # news whatever the GPU's newest sample: risk 1 now
+            self.risk[slot] = 1.0
+            self.risk_t[slot] = max(int(self.risk_t[slot]), te)
+            self.reason[slot] = why
         return Scored(slots, t, risk, feats, crit, reasons)
 
     def _remember(self, slots: np.ndarray, t: np.ndarray, risk: np.ndarray, reasons: list[str]) -> None:

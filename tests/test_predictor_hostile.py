@@ -97,11 +97,13 @@ def test_a_far_future_sample_is_refused_and_blinds_nothing(shared_server):
     xid = json.dumps({"timestamp": 7_258_118_400_000, "node": "ff", "gpu": 3, "xid": 79}).encode()
     assert post(srv, "xid", xid, ctype=NDJSON).status_code == 400
     assert post(srv, "telemetry", arrow_body(node_rows("ff", now))).status_code == 202
+    # a sample a little ahead (within the allowed skew) does not hide a critical XID logged before it
+    assert post(srv, "telemetry", arrow_body(node_rows("ff", now + 200_000))).status_code == 202
     xid = json.dumps({"timestamp": now + 1000, "node": "ff", "gpu": 3, "xid": 79}).encode()
     assert post(srv, "xid", xid, ctype=NDJSON).status_code == 202
     risk = requests.get(f"{srv.url}/v1/risk", params={"node": "ff"}, headers=srv.headers("operator"),
                         timeout=5).json()
-    assert {g["gpu"]: g["risk"] for g in risk["gpus"]}[3] == 1.0
+    assert {g["gpu"]: g["risk"] for g in risk["gpus"]}[3] == 1.0 and risk["reason"] == "critical XID 79"
 
 
 def test_gpu_indices_are_capped_per_node(shared_server):
