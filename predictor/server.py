@@ -14,6 +14,7 @@ import socket
 import time
 
 import numpy as np
+import pyarrow as pa
 from aiohttp import web
 
 from predictor import wire
@@ -108,7 +109,7 @@ class Service:
             raise _unavailable() from None
         return web.json_response({"accepted": table.num_rows}, status=202)
 
-    async def _batch(self, request: web.Request, kind: str):
+    async def _batch(self, request: web.Request, kind: str) -> pa.Table:
         """The request's whole body as a validated table, or an HTTP error that says why."""
         keys = TELEMETRY_KEYS if kind == "telemetry" else XID_KEYS
         if request.content_length is not None and request.content_length > self.max_body:

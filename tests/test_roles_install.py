@@ -10,11 +10,11 @@ of downloads, so they are described in docs/agents.md rather than run here.
 import ast
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
+tomllib = pytest.importorskip("tomllib")     # Python >= 3.11 (pyproject is read, not installed)
 ROOT = Path(__file__).resolve().parents[1]
 #: import name -> distribution name, for the third-party modules the roles use
 DISTRIBUTIONS = {"numpy": "numpy", "click": "click", "tqdm": "tqdm", "pyarrow": "pyarrow",
