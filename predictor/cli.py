@@ -131,8 +131,11 @@ def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path 
 @click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL, e.g. http://127.0.0.1:9093")
 @click.option("--webhook", "webhook_url", help="generic webhook URL for strict-threshold alerts")
 @click.option("--max-body", default=16 * 2**20, show_default=True, help="batch size cap in bytes, decompressed")
+@click.option("--max-ahead", "max_ahead_s", type=click.FloatRange(min=0), default=300.0, show_default=True,  # wire.MAX_AHEAD_S
+              help="refuse samples stamped more than this many seconds ahead of this machine's clock "
+                   "(a simulated clock that runs faster, as in the demo, needs more)")
 def serve(model_path: str | None, host: str, port: int, tokens_path: str | None, no_auth: bool,
-          alertmanager_url: str | None, webhook_url: str | None, max_body: int) -> None:
+          alertmanager_url: str | None, webhook_url: str | None, max_body: int, max_ahead_s: float) -> None:
     """Run the HTTP service: ingest, risk, jobs + checkpoint stream, /metrics, alerts."""
     if no_auth and not _is_loopback(host):
         raise click.UsageError(f"--no-auth serves anyone who can reach {host}: use it with a loopback --host only")
@@ -143,7 +146,7 @@ def serve(model_path: str | None, host: str, port: int, tokens_path: str | None,
         raise click.ClickException(str(e)) from e
     try:
         server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
-                   alertmanager_url=alertmanager_url, webhook_url=webhook_url)
+                   alertmanager_url=alertmanager_url, webhook_url=webhook_url, max_ahead_s=max_ahead_s)
     except server.CannotListen as e:
         raise click.ClickException(str(e)) from None
 

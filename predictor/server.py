@@ -42,10 +42,11 @@ class Service:
     """The state behind the HTTP app: scorer, queue, jobs, alerts, metrics."""
 
     def __init__(self, model: Model, tokens: Tokens | None, max_body: int = 16 * 2**20,
-                 alerts: StrictAlerts | None = None):
+                 alerts: StrictAlerts | None = None, max_ahead_s: float = wire.MAX_AHEAD_S):
         self.scorer = Scorer(model)
         self.tokens = tokens
         self.max_body = max_body
+        self.max_ahead_s = max_ahead_s
         self.jobs = JobRegistry()
         self.metrics = ServiceMetrics(self)
         self.alerts = alerts or StrictAlerts(None, None)
@@ -120,7 +121,7 @@ class Service:
             body = await _read_body(request, self.max_body)
             table = wire.decode(wire.decompress(body, request.headers.get("Content-Encoding"), self.max_body),
                                 request.headers.get("Content-Type"), keys)
-            wire.check_not_ahead(table, int(time.time() * 1000))
+            wire.check_not_ahead(table, int(time.time() * 1000), self.max_ahead_s)
         except wire.TooLarge as e:
             self.metrics.batch(kind, "too_large")
             raise _json_error(web.HTTPRequestEntityTooLarge, str(e)) from None
@@ -300,7 +301,7 @@ class CannotListen(RuntimeError):
 
 def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens | None = None,
         max_body: int = 16 * 2**20, alertmanager_url: str | None = None, webhook_url: str | None = None,
-        resend_s: float = 60.0) -> None:
+        resend_s: float = 60.0, max_ahead_s: float = wire.MAX_AHEAD_S) -> None:
     """Serve until interrupted."""
     try:
         sock = socket.create_server((host, port))
@@ -308,7 +309,7 @@ def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens 
         raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     alerts = StrictAlerts(alertmanager_url, webhook_url, resend_s)
-    service = Service(model, tokens, max_body, alerts)
+    service = Service(model, tokens, max_body, alerts, max_ahead_s)
     # auto_decompress off: wire.decompress inflates gzip itself, under the size cap
     web.run_app(make_app(service), sock=sock, access_log=None, auto_decompress=False,
                 print=lambda msg: log.info("listening on http://%s:%d (auth %s)", host, port,

@@ -43,7 +43,8 @@ def check_not_ahead(table: pa.Table, now_ms: int, ahead_s: float = MAX_AHEAD_S) 
     latest = int(timestamps_ms(table.column("timestamp")).max())
     if latest > now_ms + ahead_s * 1000:
         raise BadBatch(f"timestamp {datetime.fromtimestamp(latest / 1000, timezone.utc).isoformat()} is "
-                       f"{(latest - now_ms) / 1000:.0f} s ahead of this server's clock (at most {ahead_s:.0f} s)")
+                       f"{(latest - now_ms) / 1000:.0f} s ahead of this server's clock (at most {ahead_s:.0f} s, "
+                       "serve --max-ahead)")
 
 
 def decompress(body: bytes, encoding: str | None, cap: int) -> bytes:
