@@ -80,7 +80,7 @@ def fleet_config(*, nodes: int, days: float | None, interval: float, node_names=
         raise click.UsageError(str(e)) from None
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """ckpt-guard node agents: GPU telemetry to the predictor and to Prometheus."""
 
@@ -115,6 +115,9 @@ def default_node_name() -> str:
 
 
 TOKEN_ENV = "CKPT_GUARD_AGENT_TOKEN"
+#: /metrics port: not dcgm-exporter's 9400 (both run on GPU-Operator nodes), nor node_exporter's
+#: 9100 or the predictor's 9410.
+DEFAULT_METRICS_PORT = 9412
 
 
 def _read_token(token_file: str | None) -> str:
@@ -170,7 +173,8 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
               help=f"File holding the agent token (or set ${TOKEN_ENV}).")
 @click.option("--token", "token_argv", hidden=True, help="Refused: a token on the command line is visible to every user.")
 @click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds between samples.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9400, show_default=True, help="Port of /metrics; 0 turns it off.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=DEFAULT_METRICS_PORT, show_default=True,
+              help="Port of /metrics (not dcgm-exporter's 9400); 0 turns it off.")
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address /metrics binds (0.0.0.0 for a remote Prometheus).")
 @click.option("--node-name", default=None, help="Node name to report (default: this host's short name).")
 @click.option("--spool-dir", type=click.Path(file_okay=False), default=None, help="Spool directory (default under $XDG_STATE_HOME).")

@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agents import schema as S
 from agents.spool import Spool
 from agents.stats import AgentStats
+from telemetry import schema as S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -38,7 +38,6 @@ DCGM_METRICS = {
     S.REMAP_FAILURE: ("gauge", "Whether remapping of rows has failed."),
     S.NVLINK_CRC: ("counter", "Total number of NVLink flow-control CRC errors."),
 }
-XID_METRIC = "DCGM_FI_DEV_XID_ERRORS"
 
 COUNTER_HELP = {
     "samples_collected": "GPU samples read from the source.",
@@ -117,9 +116,9 @@ class Exporter:
             for key, (_, row) in latest:
                 if row.get(name) is not None:  # a blank field is left out, as dcgm-exporter does
                     lines.append(f"{name}{{{labels[key]}}} {_number(row[name])}")
-        lines += [f"# HELP {XID_METRIC} Value of the last XID error encountered.", f"# TYPE {XID_METRIC} gauge"]
+        lines += [f"# HELP {S.XID_ERRORS} Value of the last XID error encountered.", f"# TYPE {S.XID_ERRORS} gauge"]
         for key, _ in latest:
-            lines.append(f"{XID_METRIC}{{{labels[key]}}} {xids.get(key, 0)}")
+            lines.append(f"{S.XID_ERRORS}{{{labels[key]}}} {xids.get(key, 0)}")
         return ("\n".join(lines) + "\n").encode() + generate_latest(self._registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:

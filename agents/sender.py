@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from agents import wire
 from agents.spool import Entry, Spool
 from agents.stats import AgentStats
+from telemetry.wire import ARROW_STREAM, ENDPOINTS
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +154,10 @@ class Sender:
                         self.spool.max_bytes, len(dropped), sum(e.rows for e in dropped))
 
     def _send(self, entry: Entry) -> None:
-        headers = {"Content-Type": wire.CONTENT_TYPE, "Content-Encoding": "gzip",
+        headers = {"Content-Type": ARROW_STREAM, "Content-Encoding": "gzip",
                    "Authorization": f"Bearer {self._token}", "X-Batch-Id": entry.batch_id}
         try:
-            status, text, resp_headers = self._http.post(wire.ENDPOINTS[entry.kind], entry.read(), headers)
+            status, text, resp_headers = self._http.post(ENDPOINTS[entry.kind], entry.read(), headers)
         except FileNotFoundError:  # dropped from the spool while we looked at it
             return
         except (OSError, http.client.HTTPException) as e:

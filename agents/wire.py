@@ -6,14 +6,12 @@ stream is several times smaller and needs no parsing on the predictor.
 from __future__ import annotations
 
 import gzip
-import zlib
 
 import pyarrow as pa
 
-from agents import schema as S
+from telemetry import schema as S
+from telemetry.wire import GZIP_MAGIC, inflate
 
-CONTENT_TYPE = "application/vnd.apache.arrow.stream"
-ENDPOINTS = {"telemetry": "/v1/telemetry", "xid": "/v1/xid"}
 SCHEMAS = {"telemetry": S.TELEMETRY_SCHEMA, "xid": S.XID_SCHEMA}
 
 
@@ -31,11 +29,8 @@ def encode(table: pa.Table, level: int = 1) -> bytes:
 
 
 def decode(body: bytes, max_bytes: int | None = None) -> pa.Table:
-    """Inverse of ``encode``; refuses bodies that inflate past ``max_bytes``."""
-    raw = body
-    if body[:2] == b"\x1f\x8b":
-        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        raw = inflater.decompress(body, 0 if max_bytes is None else max_bytes + 1)
+    """Inverse of ``encode``; refuses bodies that inflate past ``max_bytes`` (ValueError)."""
+    raw = inflate(body, max_bytes) if body[:2] == GZIP_MAGIC else body
     if max_bytes is not None and len(raw) > max_bytes:
         raise ValueError(f"batch is over the {max_bytes}-byte cap after decompression")
     return pa.ipc.open_stream(raw).read_all()

@@ -188,7 +188,7 @@ def _component_costs(model_path: str | None, nodes: int, shape: Shape) -> dict:
 
     from predictor import model as model_io, wire
     from predictor.scoring import Scorer
-    from predictor.server import _concat
+    from predictor.scoring_queue import _concat
     rng = np.random.default_rng(1)
     scorer = Scorer(model_io.load(model_path))
     names = [f"node{i:05d}" for i in range(nodes)]
@@ -265,7 +265,7 @@ def main() -> int:
     costs = _component_costs(a.model, min(a.nodes, 2000), shape)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREDICTOR_OPERATOR_TOKEN": TOKEN}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CKPT_GUARD_OPERATOR_TOKEN": TOKEN}
     cmd = [sys.executable, "-m", "predictor.cli", "serve", "--port", str(port)] + (["--model", a.model] if a.model else [])
     server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

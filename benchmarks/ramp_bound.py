@@ -35,6 +35,7 @@ from scipy.special import digamma, gammaln, polygamma
 
 from predictor import evaluation
 from predictor.features import COUNTERS, FleetState
+from predictor.ramps import Ramps
 from predictor.replay import replay
 from predictor.scoring import Scorer
 from predictor.training import _Sweep
@@ -50,29 +51,30 @@ LOG_PRIOR_STEADY = 5.0              # prior log-odds of a steady look-alike agai
 LEVELS = (0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.997, 0.999, 0.9999)
 
 
-class RampRecorder(FleetState):
-    """FleetState that also keeps, per scored row, each counter's ramp statistics."""
+class RampRecorder(Ramps):
+    """Ramps that also keep, per scored row, each counter's ramp statistics."""
 
-    def __init__(self, capacity: int = 1024):
-        super().__init__(capacity)
-        self.calls: list[np.ndarray] = []     # per _ramp call: [rows, 3] of n, elapsed s, moment
+    def __init__(self, counters: int):
+        super().__init__(counters)
+        self.calls: list[np.ndarray] = []     # per features() call: [rows, 3] of n, elapsed s, moment
 
-    def _ramp(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
-        live, n, elapsed = self.ramp_window(s, t, k)
-        self.calls.append(np.stack([np.where(live, n, 0.0), elapsed, self.ramp_moment[s, k]], 1))
-        return super()._ramp(s, t, k)
+    def features(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
+        live, n, elapsed = self.window(s, t, k)
+        self.calls.append(np.stack([np.where(live, n, 0.0), elapsed, self.moment[s, k]], 1))
+        return super().features(s, t, k)
 
 
 def record(trace: Path) -> dict[str, np.ndarray]:
     """Per scored row: slot, time, critical flag, and n / elapsed (min) / summed age (min) per counter."""
     scorer = Scorer(None)
-    scorer.state = RampRecorder()
+    recorder = RampRecorder(len(COUNTERS))
+    scorer.state = FleetState(ramps=recorder)
     rows: dict[str, list] = {"slot": [], "t": [], "crit": [], "n": [], "el": [], "sa": []}
     nk = len(COUNTERS)
 
     def on(scored) -> None:
-        calls, scorer.state.calls = scorer.state.calls, []
-        # _ramp runs once per counter for each chunk of samples, counters in order
+        calls, recorder.calls = recorder.calls, []
+        # features() runs once per counter for each chunk of samples, counters in order
         stats = np.concatenate([np.stack(calls[i:i + nk], 1) for i in range(0, len(calls), nk)]) \
             if calls else np.empty((0, nk, 3))
         n, el, mom = stats[:, :, 0], stats[:, :, 1], stats[:, :, 2]

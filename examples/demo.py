@@ -129,8 +129,10 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
             (run.dir / "agent.token").write_text(agent_tok)
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            run.start("predictor", [PY, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(tokens)],
-                      {"PYTHONPATH": str(REPO)})
+            # the agent's model clock runs --time-scale times faster than the wall clock: its
+            # samples are hours ahead by the end, which serve refuses beyond --max-ahead
+            run.start("predictor", [PY, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(tokens),
+                                    "--max-ahead", str(7 * 86400)], {"PYTHONPATH": str(REPO)})
             say(f"{name}: predictor serving on {url}")
             run.start("agent", [PY, "-m", "agents.cli", "run", "--source", "sim", "--predictor", url,
                                 "--token-file", str(run.dir / "agent.token"), "--node-name", node,

@@ -53,7 +53,7 @@ class StrictAlerts:
         self.webhook_url = webhook_url
         self.resend_s = resend_s
         self.firing: dict[tuple[str, int], Alert] = {}
-        self._on_delivery = on_delivery or (lambda target, ok: None)
+        self.on_delivery = on_delivery or (lambda target, ok: None)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
 
@@ -110,7 +110,7 @@ class StrictAlerts:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             ok = False
             log.warning("%s unreachable: %s", target, e)
-        self._on_delivery(target, ok)
+        self.on_delivery(target, ok)
 
     async def _resend_loop(self) -> None:
         while True:

@@ -1,17 +1,33 @@
 """Bearer tokens and their roles, read from a file or the environment (never argv).
 
 Roles: `agent` may post telemetry and XIDs; `job` may register jobs and listen to
-their stream; `operator` may do everything, including reading risk.
+their stream; `operator` may do everything, including reading risk. Variables share
+the project's CKPT_GUARD_ prefix (the agent reads the same CKPT_GUARD_AGENT_TOKEN);
+the former PREDICTOR_ names still work, with a deprecation warning.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 ROLES = ("agent", "job", "operator")
-ENV_FILE = "PREDICTOR_TOKENS_FILE"
-ENV_TOKENS = {role: f"PREDICTOR_{role.upper()}_TOKEN" for role in ROLES}
+ENV_FILE = "CKPT_GUARD_TOKENS_FILE"
+ENV_TOKENS = {role: f"CKPT_GUARD_{role.upper()}_TOKEN" for role in ROLES}
+_FORMER_PREFIX = "PREDICTOR_"
+
+
+def _env(name: str) -> str | None:
+    """$name, else its former PREDICTOR_ spelling (deprecated, warned once per read)."""
+    value = os.environ.get(name)
+    if value:
+        return value
+    former = _FORMER_PREFIX + name.removeprefix("CKPT_GUARD_")
+    value = os.environ.get(former)
+    if value:
+        warnings.warn(f"${former} is deprecated: set ${name}", FutureWarning, stacklevel=3)
+    return value or None
 
 
 def _digest(token: str) -> bytes:
@@ -54,11 +70,11 @@ def parse_token_file(text: str) -> list[tuple[str, str]]:
 
 
 def load_tokens(path: str | None = None) -> Tokens:
-    """From `path`, else $PREDICTOR_TOKENS_FILE, else $PREDICTOR_{AGENT,JOB,OPERATOR}_TOKEN."""
-    path = path or os.environ.get(ENV_FILE)
+    """From `path`, else $CKPT_GUARD_TOKENS_FILE, else $CKPT_GUARD_{AGENT,JOB,OPERATOR}_TOKEN."""
+    path = path or _env(ENV_FILE)
     if path:
         return Tokens(parse_token_file(Path(path).read_text()))
-    pairs = [(role, os.environ[var]) for role, var in ENV_TOKENS.items() if os.environ.get(var)]
+    pairs = [(role, token) for role, var in ENV_TOKENS.items() if (token := _env(var))]
     if not pairs:
         raise ValueError(f"no tokens: pass --tokens FILE or set {ENV_FILE} or {', '.join(ENV_TOKENS.values())}"
                          " (or --no-auth for a loopback test)")

@@ -1,11 +1,14 @@
 """`predictor train / score / eval / serve`."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 from pathlib import Path
 
 import click
+
+from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
 
 # scikit-learn, skops and pyarrow are imported inside the commands: `--help` and usage
 # errors answer at once.
@@ -35,7 +38,7 @@ _threshold_opt = click.option("--threshold", default="sensitive", show_default=T
                               help="sensitive, strict, or a risk between 0 and 1")
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Predict GPU failures from fleet telemetry."""
 
@@ -105,13 +108,16 @@ def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path 
         pq.write_table(alarms, alarms_out)
     res = evaluation.report(alarms, evaluation.load_truth(trace))
     if as_json:
-        click.echo(json.dumps(res, indent=1, default=evaluation.plain))
+        click.echo(json.dumps(res, indent=1, allow_nan=False))
         return
     for lvl, r in res.items():
-        click.echo(f"[{lvl}] recall {r['recall']} ({r['caught']}/{r['failures']}), of predictable "
-                   f"{r['recall_of_predictable']}, false alarms {r['false_alarms_per_1000_node_days']}/1000 "
-                   f"node-days, lead median {r['lead_s_median']} s, precision at real failure rate "
-                   f"{r['precision_at_real_failure_rate']}, by mode {r['recall_by_mode']}")
+        def v(metric: str, r: dict = r) -> str:
+            why = r.get("why_missing", {})
+            return f"n/a ({why[metric]})" if metric in why else str(r[metric])
+        click.echo(f"[{lvl}] recall {v('recall')} ({r['caught']}/{r['failures']}), of predictable "
+                   f"{v('recall_of_predictable')}, false alarms {v('false_alarms_per_1000_node_days')}/1000 "
+                   f"node-days, lead median {v('lead_s_median')} s, precision at real failure rate "
+                   f"{v('precision_at_real_failure_rate')}, by mode {r['recall_by_mode']}")
 
 
 @main.command()
@@ -119,22 +125,39 @@ def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path 
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=9410, show_default=True)
 @click.option("--tokens", "tokens_path", type=click.Path(exists=True, dir_okay=False),
-              help="token file: one 'ROLE TOKEN' per line, ROLE agent|job|admin "
-                   "(default: $PREDICTOR_TOKENS_FILE, or $PREDICTOR_AGENT_TOKEN / $PREDICTOR_JOB_TOKEN)")
+              help=f"token file: one 'ROLE TOKEN' per line, ROLE {'|'.join(ROLES)} (default: ${ENV_FILE}, "
+                   f"or {', '.join('$' + v for v in ENV_TOKENS.values())})")
 @click.option("--no-auth", is_flag=True, help="accept requests without a token (loopback testing only)")
 @click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL, e.g. http://127.0.0.1:9093")
 @click.option("--webhook", "webhook_url", help="generic webhook URL for strict-threshold alerts")
 @click.option("--max-body", default=16 * 2**20, show_default=True, help="batch size cap in bytes, decompressed")
+@click.option("--max-ahead", "max_ahead_s", type=click.FloatRange(min=0), default=300.0, show_default=True,  # wire.MAX_AHEAD_S
+              help="refuse samples stamped more than this many seconds ahead of this machine's clock "
+                   "(a simulated clock that runs faster, as in the demo, needs more)")
 def serve(model_path: str | None, host: str, port: int, tokens_path: str | None, no_auth: bool,
-          alertmanager_url: str | None, webhook_url: str | None, max_body: int) -> None:
+          alertmanager_url: str | None, webhook_url: str | None, max_body: int, max_ahead_s: float) -> None:
     """Run the HTTP service: ingest, risk, jobs + checkpoint stream, /metrics, alerts."""
+    if no_auth and not _is_loopback(host):
+        raise click.UsageError(f"--no-auth serves anyone who can reach {host}: use it with a loopback --host only")
     from predictor import auth, server
     try:
         tokens = None if no_auth else auth.load_tokens(tokens_path)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
-               alertmanager_url=alertmanager_url, webhook_url=webhook_url)
+    try:
+        server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
+                   alertmanager_url=alertmanager_url, webhook_url=webhook_url, max_ahead_s=max_ahead_s)
+    except server.CannotListen as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from predictor import score_alarms
-from predictor.scoring import timestamps_ms
+from predictor.wire import timestamps_ms
 
 HORIZON_S = 3600.0
 MIN_LEAD_S = 120.0
@@ -57,13 +58,31 @@ def score(alarms: pa.Table, truth: Truth, level: str = "node") -> dict:
                               HORIZON_S, MIN_LEAD_S, level)
 
 
-def plain(value):
-    """JSON for the numpy scalars the reference scorer's counts can be."""
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+def _why_missing(metric: str, r: dict) -> str:
+    """In words, why the reference scorer has no value for `metric` (it writes NaN or None)."""
+    if not r["failures"]:
+        return "no failures in this trace"
+    if metric == "recall_of_predictable":
+        return "no predictable failures in this trace"
+    if metric == "false_alarms_per_1000_node_days":
+        return "no node-days in this trace"
+    if metric.startswith("lead_s"):
+        return "no failure was caught"
+    return "no failure was caught and no alarm was false"
+
+
+def _explained(r: dict) -> dict:
+    """The reference metrics with null (never NaN, which is not JSON) where a value is missing,
+    and `why_missing` saying why for each."""
+    out, why = dict(r), {}
+    for k, v in r.items():
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            out[k], why[k] = None, _why_missing(k, r)
+    if why:
+        out["why_missing"] = why
+    return out
 
 
 def report(alarms: pa.Table, truth: Truth) -> dict:
-    """Node and GPU level, as the reference scorer prints them."""
-    return {level: score(alarms, truth, level) for level in ("node", "gpu")}
+    """Node and GPU level, as the reference scorer prints them (JSON-safe, see _explained)."""
+    return {level: _explained(score(alarms, truth, level)) for level in ("node", "gpu")}

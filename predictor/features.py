@@ -15,23 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"
-MEMORY_TEMP = "DCGM_FI_DEV_MEMORY_TEMP"
-POWER = "DCGM_FI_DEV_POWER_USAGE"
-SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
-THROTTLE = "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"
-ROW_REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"
-COUNTERS = (
-    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
-    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
-    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
-    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
-)
-GAUGES = (GPU_TEMP, MEMORY_TEMP, POWER, SM_CLOCK)
+from predictor.ramps import Ramps
+from telemetry import schema as S
+
+#: The features' groupings of the contract's fields (the clock is a level here, the remap
+#: failure a flag).
+GAUGES = (S.GPU_TEMP, S.MEMORY_TEMP, S.POWER, S.SM_CLOCK)
+COUNTERS = (S.SBE, S.DBE, S.REMAP_CORR, S.REMAP_UNCORR, S.PCIE_REPLAY, S.NVLINK_CRC)
 #: The metric columns, in the order of `Chunk.values`.
-METRICS = GAUGES + COUNTERS + (THROTTLE, ROW_REMAP_FAILURE)
+METRICS = GAUGES + COUNTERS + (S.THROTTLE, S.REMAP_FAILURE)
 
 GAUGE_TAUS_S = (300.0, 3600.0, 21600.0)      # short / medium / long memory of a level
 RATE_TAUS_S = (600.0, 3600.0, 21600.0)       # counter-rate windows
@@ -41,27 +33,18 @@ INTERVAL_TAU_S = 3600.0                      # memory of a GPU's usual sample in
 NULL_TAU_S = 1800.0
 ACTIVE_EVENTS = 1.0                          # a counter is "active" at >= 1 event in its 1 h window
 NODE_STALE_S = 600.0                         # a sibling silent this long is not a reference
-#: A precursor's event rate grows like exp(RAMP_GROWTH * progress) over its duration D, so the
-#: events seen so far date the ramp: their mean age against the time since the first one gives
-#: the progress, hence D and the time left. Measured on the shared sample (per failure, from its
-#: events and labelled duration): median 4.0 (HBM), 4.3 (PCIe), 4.7 (NVLink); 3.5-4.4 on the
-#: long ramps, where the estimate is tight.
-RAMP_GROWTH = 4.0
-RAMP_GAP_S = 3600.0                          # an hour without events ends a counter's ramp
-RAMP_BURST_FLOOR = 6.0                       # a sample adds at most FLOOR + FACTOR x the events
-RAMP_BURST_FACTOR = 8.0                      # the last 10 min's rate predicts: a burst is no ramp
-RAMP_NONE_MIN = 1e4                          # "time left" when nothing is ramping (minutes)
-THERMAL_BITS = 0x20 | 0x40                   # SW / HW thermal slowdown
-SLOWDOWN_BITS = 0x08 | 0x80                  # HW slowdown / power brake
-WARNING_XIDS = frozenset({63, 92})
-APPLICATION_XIDS = frozenset({13, 31, 43, 45})
+THERMAL_BITS = S.THROTTLE_SW_THERMAL | S.THROTTLE_HW_THERMAL
+SLOWDOWN_BITS = S.THROTTLE_HW_SLOWDOWN | S.THROTTLE_HW_POWER_BRAKE
 _LOG_GAUGES = (False, False, True, True)     # power and clock compare as ratios (log)
 _NODE_COLS = 2 * len(GAUGES) + 1              # short level and trend per gauge, thermal share
+#: GPU indices per node are 0..MAX_GPUS_PER_NODE-1 (the service refuses others): the index
+#: look-up table grows with the widest index, so one bad index must not size it for a thousand.
+MAX_GPUS_PER_NODE = 64
 
 
 def short_name(metric: str) -> str:
     """A DCGM field's name as feature names spell it: DCGM_FI_DEV_GPU_TEMP -> gpu_temp."""
-    return metric.removeprefix("DCGM_FI_DEV_").lower()
+    return metric.removeprefix(S.DCGM_PREFIX).lower()
 
 
 def _feature_names() -> tuple[str, ...]:
@@ -105,28 +88,6 @@ def _nanmedian_of_peers(peers: np.ndarray) -> np.ndarray:
         return (lo + hi) / 2 + 0.0                            # + 0.0: a zero median is +0, as nanmedian's
 
 
-def _ramp_x_table() -> tuple[np.ndarray, np.ndarray]:
-    """x = growth x elapsed against q = mean event age / elapsed, for a rate ∝ exp(growth * age):
-    q(x) = 1/x - 1/(e^x - 1) falls from 1/2 (flat) towards 0 (steep)."""
-    x = np.geomspace(1e-4, 200.0, 4000)
-    return -(1 / x - 1 / np.expm1(x)), x          # negated: increasing, for np.interp
-
-
-_RAMP_NEG_Q, _RAMP_X = _ramp_x_table()
-
-
-def ramp_left_min(elapsed_s: np.ndarray, mean_age_s: np.ndarray) -> np.ndarray:
-    """Minutes left on an exponential ramp whose events since `elapsed_s` ago have that mean age.
-
-    The ramp's duration is RAMP_GROWTH / growth and `elapsed_s` of it has passed; a flat or
-    falling rate (mean age >= half the elapsed time) has no end in sight (RAMP_NONE_MIN)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(elapsed_s > 0, mean_age_s / elapsed_s, 0.5)
-        x = np.interp(-np.minimum(q, 0.5), _RAMP_NEG_Q, _RAMP_X)
-        left = elapsed_s * (RAMP_GROWTH / x - 1.0) / 60.0
-    return np.clip(np.nan_to_num(left, nan=RAMP_NONE_MIN), 0.0, RAMP_NONE_MIN)
-
-
 def _decay(dt_s: np.ndarray, taus: tuple[float, ...]) -> np.ndarray:
     return np.exp(-np.maximum(dt_s, 0.0)[:, None] / np.asarray(taus)[None, :])
 
@@ -134,7 +95,9 @@ def _decay(dt_s: np.ndarray, taus: tuple[float, ...]) -> np.ndarray:
 class FleetState:
     """Per-GPU decayed statistics for a whole fleet, in flat numpy arrays."""
 
-    def __init__(self, capacity: int = 1024):
+    def __init__(self, capacity: int = 1024, ramps: Ramps | None = None):
+        """`ramps`: where counters' ramps are dated (a subclass may record them, see benchmarks/)."""
+        self.ramps = ramps or Ramps(len(COUNTERS))
         self.slot_of: dict[tuple[str, int], int] = {}
         self.node_of: dict[str, int] = {}
         self.node_names: list[str] = []
@@ -143,8 +106,9 @@ class FleetState:
         self._cap = 0
         self._node_cap = 0
         self._gpu_cap = 8
+        self._width = 8                              # most GPUs registered on one node
         self._grow(capacity)
-        self._grow_nodes(64, self._gpu_cap)
+        self._grow_nodes(64, self._gpu_cap, self._width)
 
     # ------------------------------------------------------------ registry
     def slots_for(self, nodes: list[str], gpus: np.ndarray, codes: np.ndarray | None = None) -> np.ndarray:
@@ -164,6 +128,8 @@ class FleetState:
 
     def _register(self, key: tuple[str, int]) -> int:
         node, gpu = key
+        if not 0 <= gpu < MAX_GPUS_PER_NODE:
+            raise ValueError(f"GPU index {gpu} on {node}: at most {MAX_GPUS_PER_NODE} GPUs per node")
         if node not in self.node_of:
             self.node_of[node] = len(self.node_names)
             self.node_names.append(node)
@@ -172,11 +138,13 @@ class FleetState:
         if slot >= self._cap:
             self._grow(2 * self._cap)
         nid = self.node_of[node]
-        if nid >= self._node_cap or gpu >= self._gpu_cap:
-            self._grow_nodes(max(2 * self._node_cap, nid + 1) if nid >= self._node_cap
-                             else self._node_cap, max(self._gpu_cap, gpu + 1))
+        member = len(self.node_slots[nid])
+        if nid >= self._node_cap or gpu >= self._gpu_cap or member >= self._width:
+            self._grow_nodes(max(2 * self._node_cap, nid + 1) if nid >= self._node_cap else self._node_cap,
+                             max(self._gpu_cap, gpu + 1), max(self._width, member + 1))
         self.slot_of[key] = slot
         self.slot_at[nid, gpu] = slot
+        self.members[nid, member] = slot
         self.slot_key.append(key)
         self.node_slots[nid].append(slot)
         self.node_idx[slot] = nid
@@ -203,10 +171,6 @@ class FleetState:
         grow("active_since", (nk,), -1, np.int64)
         grow("onset_events", (nk,), 0.0)
         grow("largest_jump", (nk,), 0.0)
-        grow("ramp_first_t", (nk,), -1, np.int64)
-        grow("ramp_last_t", (nk,), -1, np.int64)
-        grow("ramp_events", (nk,), 0.0)
-        grow("ramp_moment", (nk,), 0.0)
         grow("throttle", (2, len(THROTTLE_TAUS_S)), 0.0)
         grow("null_share", (), 0.0)
         grow("remap_failure", (), 0.0)
@@ -216,18 +180,21 @@ class FleetState:
         grow("critical_xid", (), 0, np.int64)
         grow("critical_t", (), -1, np.int64)
         grow("uuid", (), None, object)
+        grow("published", (_NODE_COLS,), np.nan)      # short level and trend, as the node's peers see them
+        grow("published_t", (), -1, np.int64)
+        self.ramps.grow(cap)
         self._cap = cap
 
-    def _grow_nodes(self, node_cap: int, gpu_cap: int) -> None:
-        vals = np.full((node_cap, gpu_cap, _NODE_COLS), np.nan)
-        ts = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
+    def _grow_nodes(self, node_cap: int, gpu_cap: int, width: int) -> None:
+        """Per node: slot by GPU index (int64, at most MAX_GPUS_PER_NODE wide) and its GPUs' slots
+        (as wide as the most GPUs on one node), the two tables whose size grows with nodes."""
         slot_at = np.full((node_cap, gpu_cap), -1, dtype=np.int64)
+        members = np.full((node_cap, width), -1, dtype=np.int64)
         if self._node_cap:
-            vals[: self._node_cap, : self._gpu_cap] = self.node_vals
-            ts[: self._node_cap, : self._gpu_cap] = self.node_t
             slot_at[: self._node_cap, : self._gpu_cap] = self.slot_at
-        self.node_vals, self.node_t, self.slot_at = vals, ts, slot_at
-        self._node_cap, self._gpu_cap = node_cap, gpu_cap
+            members[: self._node_cap, : self._width] = self.members
+        self.slot_at, self.members = slot_at, members
+        self._node_cap, self._gpu_cap, self._width = node_cap, gpu_cap, width
 
     # ------------------------------------------------------------ updates
     def reset(self, slots: np.ndarray) -> None:
@@ -242,10 +209,7 @@ class FleetState:
         self.active_since[slots] = -1
         self.onset_events[slots] = 0.0
         self.largest_jump[slots] = 0.0
-        self.ramp_first_t[slots] = -1
-        self.ramp_last_t[slots] = -1
-        self.ramp_events[slots] = 0.0
-        self.ramp_moment[slots] = 0.0
+        self.ramps.reset(slots)
         self.throttle[slots] = 0.0
         self.null_share[slots] = 0.0
         self.remap_failure[slots] = 0.0
@@ -254,8 +218,8 @@ class FleetState:
         self.application_xids[slots] = 0.0
         self.critical_xid[slots] = 0
         self.critical_t[slots] = -1
-        self.node_vals[self.node_idx[slots], self.gpu_idx[slots]] = np.nan
-        self.node_t[self.node_idx[slots], self.gpu_idx[slots]] = -1
+        self.published[slots] = np.nan
+        self.published_t[slots] = -1
 
     def replaced(self, chunk: Chunk) -> np.ndarray:
         """Mask of chunk rows whose GPU is a new board: a new UUID or a counter that went back."""
@@ -279,22 +243,29 @@ class FleetState:
         self.start_t[s] = np.where(first, t, self.start_t[s])
         self.last_t[s] = t
         ng, nk = len(GAUGES), len(COUNTERS)
+        gap_ratio = self._fold_interval(s, dt, first)
+        nulls = np.isnan(v).mean(axis=1)
+        a_null = 1.0 - np.exp(-dt / NULL_TAU_S)
+        self.null_share[s] = np.where(first, nulls, self.null_share[s] + a_null * (nulls - self.null_share[s]))
+        self._fold_levels(s, v[:, :ng], dt)
+        self._fold_counters(s, t, v[:, ng: ng + nk])
+        self._fold_throttle(s, v[:, ng + nk], dt, first)
+        rf = v[:, ng + nk + 1]
+        self.remap_failure[s] = np.where(np.isnan(rf), self.remap_failure[s], rf)
+        return self._feature_matrix(s, t, self._vs_node(s, t), gap_ratio)
 
-        # usual interval, for the gap ratio
+    def _fold_interval(self, s: np.ndarray, dt: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """Update the usual sample interval; return this sample's gap against it (log ratio)."""
         prev_iv = self.interval_s[s]
         a_iv = 1.0 - np.exp(-dt / INTERVAL_TAU_S)
         iv = np.where(np.isnan(prev_iv), dt, prev_iv + a_iv * (dt - prev_iv))
         self.interval_s[s] = np.where(first, np.nan, iv)
-        gap_ratio = np.where(first | np.isnan(prev_iv), 0.0,
-                             np.log(np.maximum(dt, 1e-3) / np.maximum(np.nan_to_num(prev_iv, nan=1.0), 1e-3)))
+        return np.where(first | np.isnan(prev_iv), 0.0,
+                        np.log(np.maximum(dt, 1e-3) / np.maximum(np.nan_to_num(prev_iv, nan=1.0), 1e-3)))
 
-        # missing fields
-        nulls = np.isnan(v).mean(axis=1)
-        a_null = 1.0 - np.exp(-dt / NULL_TAU_S)
-        self.null_share[s] = np.where(first, nulls, self.null_share[s] + a_null * (nulls - self.null_share[s]))
-
-        # gauges: levels at three memories (log for power/clock so comparisons are ratios)
-        g = v[:, :ng].copy()
+    def _fold_levels(self, s: np.ndarray, gauges: np.ndarray, dt: np.ndarray) -> None:
+        """Gauge levels at three memories (log for power/clock, so comparisons are ratios)."""
+        g = gauges.copy()
         for j, is_log in enumerate(_LOG_GAUGES):
             if is_log:
                 g[:, j] = np.log(np.maximum(g[:, j], 1.0))
@@ -305,8 +276,8 @@ class FleetState:
         upd = np.where(np.isnan(g)[:, :, None], lv, upd)     # missing keeps the old level
         self.level[s] = upd
 
-        # counters: decayed event counts -> rates; a missing read keeps the baseline
-        c = v[:, ng: ng + nk]
+    def _fold_counters(self, s: np.ndarray, t: np.ndarray, c: np.ndarray) -> None:
+        """Decayed event counts (→ rates), onset, largest jump and ramp; a missing read keeps the baseline."""
         last = self.counter_last[s]
         cdt = np.where(self.counter_t[s] < 0, 0.0, (t[:, None] - self.counter_t[s]) / 1000.0)
         delta = np.where(np.isnan(c) | np.isnan(last), 0.0, np.maximum(c - last, 0.0))
@@ -329,47 +300,39 @@ class FleetState:
         self.active_since[s] = np.where(quiet, -1, since)
         ev = np.where(onset, hour, self.onset_events[s] + delta)
         self.onset_events[s] = np.where(quiet, 0.0, ev)
-        # the current ramp: events since the counter woke from RAMP_GAP_S of silence, and
-        # their summed age from the first one (so their mean age needs no per-event memory);
-        # a one-off burst of replays is capped to what the 10 min rate makes plausible
-        expected = cnt[:, :, 0] * dec[:, :, 0] / RATE_TAUS_S[0] * cdt
-        counted = np.minimum(delta, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * expected)
-        hit = ok & (counted > 0)
-        tt = t[:, None]
-        woke = hit & ((self.ramp_last_t[s] < 0) | (tt - self.ramp_last_t[s] > RAMP_GAP_S * 1000))
-        r_first = np.where(woke, tt, self.ramp_first_t[s])
-        self.ramp_first_t[s] = r_first
-        self.ramp_events[s] = np.where(woke, 0.0, self.ramp_events[s]) + np.where(hit, counted, 0.0)
-        self.ramp_moment[s] = np.where(woke, 0.0, self.ramp_moment[s]) + \
-            np.where(hit, counted * (tt - r_first) / 1000.0, 0.0)
-        self.ramp_last_t[s] = np.where(hit, tt, self.ramp_last_t[s])
+        # the events the 10 min rate predicts for this sample bound what a ramp may count
+        self.ramps.update(s, t, ok, delta, cnt[:, :, 0] * dec[:, :, 0] / RATE_TAUS_S[0] * cdt)
         self.counter_last[s] = np.where(ok, c, last)
         self.counter_t[s] = np.where(ok, t[:, None], self.counter_t[s])
 
-        # throttle reasons
-        bits = np.nan_to_num(v[:, ng + nk], nan=0.0).astype(np.int64)
+    def _fold_throttle(self, s: np.ndarray, reasons: np.ndarray, dt: np.ndarray, first: np.ndarray) -> None:
+        bits = np.nan_to_num(reasons, nan=0.0).astype(np.int64)
         hits = np.stack([(bits & THERMAL_BITS) != 0, (bits & SLOWDOWN_BITS) != 0], axis=1).astype(float)
         a_th = 1.0 - _decay(dt, THROTTLE_TAUS_S)
         th = self.throttle[s]
         self.throttle[s] = np.where(first[:, None, None], hits[:, :, None],
                                     th + a_th[:, None, :] * (hits[:, :, None] - th))
-        rf = v[:, ng + nk + 1]
-        self.remap_failure[s] = np.where(np.isnan(rf), self.remap_failure[s], rf)
 
-        # node-relative: publish this GPU's short level and trend, compare to the node median
+    def _vs_node(self, s: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Publish each GPU's short level and trend; return them against the node's median."""
         lv = self.level[s]
         trend = lv[:, :, 0] - lv[:, :, 1]
         pub = np.concatenate([lv[:, :, 0], trend, self.throttle[s][:, 0, :1]], axis=1)
-        ni, gi = self.node_idx[s], self.gpu_idx[s]
-        self.node_vals[ni, gi] = pub
-        self.node_t[ni, gi] = t
+        self.published[s] = pub
+        self.published_t[s] = t
         # one timestamp per node in a chunk: a node's rows share their peers, so once per node
-        nids, first_row, row_node = np.unique(ni, return_index=True, return_inverse=True)
-        peers = self.node_vals[nids]                         # [nodes, G, cols], a copy
-        stale = (t[first_row, None] - self.node_t[nids]) > NODE_STALE_S * 1000
-        peers[stale | (self.node_t[nids] < 0)] = np.nan
-        vs_node = np.nan_to_num(pub - _nanmedian_of_peers(peers)[row_node], nan=0.0)
+        nids, first_row, row_node = np.unique(self.node_idx[s], return_index=True, return_inverse=True)
+        members = self.members[nids]                         # [nodes, width], -1 past a node's GPUs
+        peers = self.published[members]                      # [nodes, width, cols], a copy
+        peer_t = np.where(members < 0, -1, self.published_t[members])
+        stale = (t[first_row, None] - peer_t) > NODE_STALE_S * 1000
+        peers[stale | (peer_t < 0)] = np.nan
+        return np.nan_to_num(pub - _nanmedian_of_peers(peers)[row_node], nan=0.0)
 
+    def _feature_matrix(self, s: np.ndarray, t: np.ndarray, vs_node: np.ndarray,
+                        gap_ratio: np.ndarray) -> np.ndarray:
+        ng, nk = len(GAUGES), len(COUNTERS)
+        lv = self.level[s]
         feats = np.empty((len(s), len(FEATURE_NAMES)))
         col = 0
         for j in range(ng):
@@ -392,7 +355,7 @@ class FleetState:
             per_h = ev / np.maximum((t - since) / 3.6e6 + 1.0, 1.0)
             feats[:, col + 7] = np.where(active, np.log((rates[:, k, 0] + 0.1) / (per_h + 0.1)), 0.0)
             feats[:, col + 8] = np.log((self.counted[s, k, 0] + 1.0) / (self.largest_jump[s, k] + 1.0))
-            feats[:, col + 9: col + 12] = self._ramp(s, t, k)
+            feats[:, col + 9: col + 12] = self.ramps.features(s, t, k)
             col += 12
         th = self.throttle[s]
         feats[:, col: col + 2] = th[:, 1]
@@ -406,30 +369,6 @@ class FleetState:
         feats[:, col + 9] = np.log1p(app)
         feats[~np.isfinite(feats)] = 0.0                       # NaN and ±inf: 0
         return feats
-
-    def ramp_window(self, s: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Counter k's current ramp at times t: live mask, events in it, seconds since its first
-        event (0 where no ramp is live)."""
-        n = self.ramp_events[s, k]
-        elapsed = (t - self.ramp_first_t[s, k]) / 1000.0
-        # a ramp is dated once it spans time: events in one sample say nothing of their trend
-        live = (self.ramp_last_t[s, k] >= 0) & (t - self.ramp_last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
-            & (elapsed > 0)
-        return live, n, np.where(live, elapsed, 0.0)
-
-    def _ramp(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
-        """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
-        upper bound (few events date a ramp loosely), and log events in it."""
-        live, n, elapsed = self.ramp_window(s, t, k)
-        n1 = np.maximum(n, 1.0)
-        age = elapsed - self.ramp_moment[s, k] / n1
-        # the mean of n ages spread over [0, elapsed] is uncertain by about elapsed / sqrt(12 n)
-        age_hi = age + elapsed / np.sqrt(12.0 * n1)
-        out = np.empty((len(s), 3))
-        out[:, 0] = np.log1p(np.where(live, ramp_left_min(elapsed, age), RAMP_NONE_MIN))
-        out[:, 1] = np.log1p(np.where(live, ramp_left_min(elapsed, age_hi), RAMP_NONE_MIN))
-        out[:, 2] = np.log1p(np.where(live, n, 0.0))
-        return out
 
     # ------------------------------------------------------------ XIDs
     def xid_counts_at(self, slots: np.ndarray, t_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -451,9 +390,9 @@ class FleetState:
             ref = t_ms
         self.xid_t[slot] = ref
         weight_w = np.exp(-(ref - t_ms) / 1000.0 / np.asarray(XID_TAUS_S))
-        if xid in WARNING_XIDS:
+        if xid in S.WARNING_XIDS:
             self.warning_xids[slot] += weight_w
-        elif xid in APPLICATION_XIDS:
+        elif xid in S.APPLICATION_XIDS:
             self.application_xids[slot] += weight_w[0]
         if critical and t_ms >= self.critical_t[slot]:
             self.critical_xid[slot] = xid

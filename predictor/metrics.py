@@ -49,7 +49,7 @@ class _RiskCollector:
         yield above
         yield thr
         yield GaugeMetricFamily("predictor_pending_samples", "Samples accepted but not yet scored",
-                                value=self.service._pending_rows)
+                                value=self.service.queue.pending_rows)
         yield GaugeMetricFamily("predictor_jobs", "Registered training jobs", value=len(self.service.jobs.jobs))
         yield GaugeMetricFamily("predictor_alerts_firing", "GPUs over the strict threshold, paged",
                                 value=len(self.service.alerts.firing))

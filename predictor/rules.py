@@ -6,7 +6,7 @@ replaced or reset (new UUID / counters restarted) or the hold time passes withou
 another critical XID.
 
 A precursor ramp that its own events date to end within half an hour (at the upper
-end of their uncertainty, see features.ramp_left_min) also sets risk to 1: alone, it
+end of their uncertainty, see ramps.ramp_left_min) also sets risk to 1: alone, it
 catches 0.57 of the shared sample's predictable failures with one false alarm in 256
 node-days (docs/predictor.md), about what the model reaches at no false alarm.
 """
@@ -16,14 +16,8 @@ import numpy as np
 
 from predictor.features import COUNTERS, FEATURE_NAMES, short_name
 
-CRITICAL_XIDS = frozenset({48, 62, 64, 74, 79, 94, 95, 119, 120})
 #: How long a critical XID keeps a GPU at risk 1 when no replacement is seen.
 CRITICAL_HOLD_S = 3600.0
-
-
-def is_critical(xid: int) -> bool:
-    """Whether this XID code means the GPU is lost (reset or drain)."""
-    return int(xid) in CRITICAL_XIDS
 
 
 def critical_mask(critical_t: np.ndarray, t_ms: np.ndarray) -> np.ndarray:

@@ -69,10 +69,10 @@ def score(alarms, fails, n_days, horizon_s=3600, min_lead_s=120, level="node"):
         mode = str(fails["mode"][i])
         pm = per_mode.setdefault(mode, [0, 0]); pm[1] += 1
         is_predictable = fails["precursor_s"][i] * 1000 >= L
-        predictable += is_predictable
+        predictable += int(is_predictable)
         if len(win):
             caught += 1; pm[0] += 1; leads.append((T - win.min()) / 1000)
-            caught_predictable += is_predictable
+            caught_predictable += int(is_predictable)
     false_eps = 0; episodes = 0
     for k, a in by_key.items():
         f = np.sort(np.asarray(fails_by_key.get(k, []), dtype=np.int64))
@@ -92,9 +92,9 @@ def score(alarms, fails, n_days, horizon_s=3600, min_lead_s=120, level="node"):
     rho = REAL_FAILURES_PER_NODE_DAY
     fa_per_node_day = false_eps / n_days if n_days else float("nan")
     prec_real = rec * rho / (rec * rho + fa_per_node_day) if (rec * rho + fa_per_node_day) > 0 else float("nan")
-    return {"level": level, "failures": n, "predictable_failures": predictable, "caught": caught,
+    return {"level": level, "failures": int(n), "predictable_failures": int(predictable), "caught": int(caught),
             "recall": round(rec, 4), "recall_of_predictable": round(caught_predictable / predictable, 4) if predictable else None,
-            "alarm_episodes": episodes, "false_alarms": false_eps, "node_days": round(n_days, 2),
+            "alarm_episodes": int(episodes), "false_alarms": int(false_eps), "node_days": round(float(n_days), 2),
             "false_alarms_per_1000_node_days": round(fa_rate, 3),
             "lead_s_median": round(float(np.median(leads)), 1) if leads else None,
             "lead_s_p10": round(float(np.percentile(leads, 10)), 1) if leads else None,

@@ -17,6 +17,8 @@ import pyarrow.compute as pc
 from predictor import rules
 from predictor.features import FEATURE_NAMES, METRICS, Chunk, FleetState
 from predictor.model import Model
+from predictor.wire import timestamps_ms
+from telemetry.schema import is_critical_xid
 
 
 @dataclass
@@ -49,13 +51,6 @@ class Xids:
 
     def __len__(self) -> int:
         return len(self.t_ms)
-
-
-def timestamps_ms(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Epoch milliseconds from any Arrow timestamp unit (or plain integers, taken as ms)."""
-    if pa.types.is_timestamp(col.type):
-        col = pc.cast(col, pa.timestamp("ms", tz=col.type.tz), safe=False)
-    return np.asarray(pc.cast(col, pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def _strings(col: pa.ChunkedArray | pa.Array) -> list[str]:
@@ -150,7 +145,7 @@ class Scorer:
         crit = []
         for i in rows[np.argsort(xids.t_ms[rows], kind="stable")].tolist():
             code, slot, te = int(xids.codes[i]), int(x_slots[i]), int(xids.t_ms[i])
-            is_crit = rules.is_critical(code)
+            is_crit = is_critical_xid(code)
             self.state.add_xid(slot, te, code, is_crit)
             if is_crit:
                 crit.append((slot, te, rules.critical_reason(code)))
@@ -192,6 +187,10 @@ class Scorer:
             for i in hot[crit[hot]].tolist():
                 reasons[i] = rules.critical_reason(self.state.critical_xid[slots[i]])
         self._remember(slots, t, risk, reasons)
+        for slot, te, why in events:        # news whatever the GPU's newest sample: risk 1 now
+            self.risk[slot] = 1.0
+            self.risk_t[slot] = max(int(self.risk_t[slot]), te)
+            self.reason[slot] = why
         return Scored(slots, t, risk, feats, crit, reasons)
 
     def _remember(self, slots: np.ndarray, t: np.ndarray, risk: np.ndarray, reasons: list[str]) -> None:

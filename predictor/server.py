@@ -1,43 +1,35 @@
 """`predictor serve`: ingest, risk, jobs and their "checkpoint now" stream, /metrics.
 
-aiohttp on one event loop: handlers only decode and validate (cheap, Arrow), then
-queue the batch and wait; one scoring task drains everything queued into the scorer
-in a worker thread, so the batches that arrive while one pass runs become the next
-vectorised pass (the busier the service, the larger and cheaper per sample the
-passes). Each request is answered once its rows are scored: a sender's requests in
-flight bound the queue, and the answer means the risk is current. The pass's results
-fan out to job streams (SSE) and to the strict-threshold alerts.
+aiohttp on one event loop: handlers only read, decode and validate a batch (cheap,
+Arrow), then hand it to the scoring queue (scoring_queue.py) and answer once its
+rows are scored. Each pass's results fan out here to job streams (SSE) and to the
+strict-threshold alerts.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import socket
 import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from aiohttp import web
-from threadpoolctl import threadpool_limits
 
 from predictor import wire
 from predictor.alerts import StrictAlerts
 from predictor.auth import Tokens
-from predictor.jobs import DEFAULT_MIN_INTERVAL_S, MAX_NODES_PER_JOB, LISTENER_QUEUE, JobRegistry
+from predictor.batch_ids import BatchIds
+from predictor.jobs import DEFAULT_MIN_INTERVAL_S, LISTENER_QUEUE, MAX_NODES_PER_JOB, JobRegistry
 from predictor.metrics import ServiceMetrics
 from predictor.model import Model
-from predictor.scoring import Scored, Scorer, Xids, timestamps_ms
+from predictor.scoring import Scored, Scorer
+from predictor.scoring_queue import ScoringQueue, Stopping
+from telemetry.wire import TELEMETRY_KEYS, XID_KEYS
 
 log = logging.getLogger(__name__)
-SEEN_BATCH_IDS = 200_000             # X-Batch-Id memory: far more than any retry window
 MAX_PENDING_SAMPLES = 2_000_000      # beyond this, ask senders to back off (429)
-#: One scoring pass takes queued batches up to this many samples (at least one batch):
-#: it bounds the pass's memory and the wait of the batches behind it.
-MAX_PASS_SAMPLES = 100_000
 KEEPALIVE_S = 15.0
 ROUTE_ROLES = {                      # who may call what (the invariant in ARCHITECTURE.md)
     "ingest": {"agent", "operator"},
@@ -46,54 +38,32 @@ ROUTE_ROLES = {                      # who may call what (the invariant in ARCHI
 }
 
 
-class _Stopping(Exception):
-    """The service stopped before a queued batch was scored."""
-
-
-@dataclass
-class _Pending:
-    kind: str                        # "telemetry" | "xid"
-    table: pa.Table
-    received: float                  # time.perf_counter() at receipt
-    scored: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
 class Service:
     """The state behind the HTTP app: scorer, queue, jobs, alerts, metrics."""
 
     def __init__(self, model: Model, tokens: Tokens | None, max_body: int = 16 * 2**20,
-                 alerts: StrictAlerts | None = None):
+                 alerts: StrictAlerts | None = None, max_ahead_s: float = wire.MAX_AHEAD_S):
         self.scorer = Scorer(model)
         self.tokens = tokens
         self.max_body = max_body
+        self.max_ahead_s = max_ahead_s
         self.jobs = JobRegistry()
         self.metrics = ServiceMetrics(self)
         self.alerts = alerts or StrictAlerts(None, None)
-        self.alerts._on_delivery = self.metrics.alert_delivered
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._pending: list[_Pending] = []
-        self._pending_rows = 0
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="scorer", initializer=_one_native_thread)
-        self._task: asyncio.Task | None = None
-        self._stopping = False
+        self.alerts.on_delivery = self.metrics.alert_delivered
+        self.batch_ids = BatchIds()
+        self.queue = ScoringQueue(self.scorer, self.metrics, self._publish)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, _app=None) -> None:
-        self._task = asyncio.create_task(self._score_loop())
+        self.queue.start()
         await self.alerts.start()
 
     async def stop(self, _app=None) -> None:
-        if self._task:
-            self._task.cancel()
-        self._stopping = True
-        for it in self._pending:                   # never to be scored: their senders retry (503)
-            if not it.scored.done():
-                it.scored.set_exception(_Stopping())
+        self.queue.stop()
         for job_id in list(self.jobs.jobs):
             self.jobs.remove(job_id)
         await self.alerts.stop()
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ auth
     def _require(self, request: web.Request, route: str) -> None:
@@ -111,97 +81,54 @@ class Service:
     # ------------------------------------------------------------ ingest
     async def ingest(self, request: web.Request) -> web.Response:
         kind = request.match_info["kind"]
-        keys = wire.TELEMETRY_KEYS if kind == "telemetry" else wire.XID_KEYS
         self._require(request, "ingest")
         batch_id = request.headers.get("X-Batch-Id", "").strip()
         if not batch_id or len(batch_id) > 128:
             self.metrics.batch(kind, "malformed")
             raise _json_error(web.HTTPBadRequest, "X-Batch-Id header missing (or longer than 128 characters)")
-        if batch_id in self._seen:
+        if not await self.batch_ids.claim(batch_id):
             self.metrics.batch(kind, "duplicate")
             return web.json_response({"accepted": 0, "duplicate": True})
+        taken = False
+        try:
+            table = await self._batch(request, kind)
+            if self.queue.pending_rows + table.num_rows > MAX_PENDING_SAMPLES:
+                self.metrics.batch(kind, "throttled")
+                raise _json_error(web.HTTPTooManyRequests, "scoring is behind; retry later",
+                                  headers={"Retry-After": "1"})
+            try:
+                scored = self.queue.submit(kind, table)
+            except Stopping:                       # queued now, it would never be scored
+                raise _unavailable() from None
+            taken = True
+        finally:
+            self.batch_ids.settle(batch_id, taken)
+        self.metrics.batch(kind, "accepted", table.num_rows)
+        try:
+            await scored
+        except Stopping:
+            raise _unavailable() from None
+        return web.json_response({"accepted": table.num_rows}, status=202)
+
+    async def _batch(self, request: web.Request, kind: str) -> pa.Table:
+        """The request's whole body as a validated table, or an HTTP error that says why."""
+        keys = TELEMETRY_KEYS if kind == "telemetry" else XID_KEYS
         if request.content_length is not None and request.content_length > self.max_body:
             self.metrics.batch(kind, "too_large")
             raise _json_error(web.HTTPRequestEntityTooLarge,
                               f"body of {request.content_length} bytes is over the {self.max_body}-byte cap; split it")
         try:
-            body = await request.content.read(self.max_body + 1)
-            if len(body) > self.max_body:
-                raise wire.TooLarge(f"body is over the {self.max_body}-byte cap; split it")
+            body = await _read_body(request, self.max_body)
             table = wire.decode(wire.decompress(body, request.headers.get("Content-Encoding"), self.max_body),
                                 request.headers.get("Content-Type"), keys)
+            wire.check_not_ahead(table, int(time.time() * 1000), self.max_ahead_s)
         except wire.TooLarge as e:
             self.metrics.batch(kind, "too_large")
             raise _json_error(web.HTTPRequestEntityTooLarge, str(e)) from None
         except wire.BadBatch as e:
             self.metrics.batch(kind, "malformed")
             raise _json_error(web.HTTPBadRequest, str(e)) from None
-        if self._pending_rows + table.num_rows > MAX_PENDING_SAMPLES:
-            self.metrics.batch(kind, "throttled")
-            raise _json_error(web.HTTPTooManyRequests, "scoring is behind; retry later", headers={"Retry-After": "1"})
-        if self._stopping:                         # queued now, it would never be scored
-            raise _unavailable()
-        self._remember(batch_id)
-        item = _Pending(kind, table, time.perf_counter())
-        self._pending.append(item)
-        self._pending_rows += table.num_rows
-        self._wake.set()
-        self.metrics.batch(kind, "accepted", table.num_rows)
-        try:
-            await item.scored
-        except _Stopping:
-            raise _unavailable() from None
-        return web.json_response({"accepted": table.num_rows}, status=202)
-
-    def _remember(self, batch_id: str) -> None:
-        self._seen[batch_id] = None
-        if len(self._seen) > SEEN_BATCH_IDS:
-            self._seen.popitem(last=False)
-
-    # ------------------------------------------------------------ scoring
-    async def _score_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            items = self._take()
-            if not items:
-                continue
-            try:
-                before = self.scorer.risk.copy()
-                started = time.perf_counter()
-                scored = await loop.run_in_executor(self._executor, self._score, items)
-                self.metrics.scoring_cycle(time.perf_counter() - started)
-                await self._publish(before, scored)
-            except Exception:                       # a bug must not stop scoring for good
-                log.exception("scoring cycle failed")
-            finally:                                # answered even when stopped mid-pass
-                done = time.perf_counter()
-                for it in items:
-                    self.metrics.latency(done - it.received)
-                    if not it.scored.done():
-                        it.scored.set_result(None)
-
-    def _take(self) -> list[_Pending]:
-        """The oldest queued batches, up to MAX_PASS_SAMPLES (at least one); wake again if some remain."""
-        rows, n = 0, 0
-        while n < len(self._pending) and (n == 0 or rows + self._pending[n].table.num_rows <= MAX_PASS_SAMPLES):
-            rows += self._pending[n].table.num_rows
-            n += 1
-        items, self._pending = self._pending[:n], self._pending[n:]
-        self._pending_rows -= rows
-        if not self._pending:
-            self._wake.clear()
-        return items
-
-    def _score(self, items: list[_Pending]) -> Scored:
-        """Runs in the scorer thread: the batches taken become one scoring pass."""
-        tel = [it.table for it in items if it.kind == "telemetry"]
-        xid = [it.table for it in items if it.kind == "xid"]
-        xids = Xids.from_table(_concat([t.select(list(wire.XID_KEYS)) for t in xid])) if xid else None
-        samples_before = self.scorer.samples
-        scored = self.scorer.score_table(_concat(tel), xids) if tel else self.scorer.add_xids(xids)
-        self.metrics.scored(self.scorer.samples - samples_before, scored.dropped)
-        return scored
+        return table
 
     async def _publish(self, before: np.ndarray, scored: Scored) -> None:
         """Crossings of the sensitive threshold → job streams; strict threshold → alerts."""
@@ -320,49 +247,20 @@ class Service:
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "gpus": len(self.scorer.state.slot_key),
-                                  "pending_samples": self._pending_rows})
+                                  "pending_samples": self.queue.pending_rows})
 
 
-def _one_native_thread() -> None:
-    """The scorer thread runs the model's OpenMP loops on itself alone: the other core is
-    the event loop's, and on a busy machine OpenMP threads waiting on each other cost
-    many times the work (measured: 12x the CPU per prediction on 2 shared cores)."""
-    threadpool_limits(1, user_api="openmp")
-
-
-def _concat(tables: list[pa.Table]) -> pa.Table:
-    """One table from many senders' batches, in arrival order; their column sets and types may differ.
-
-    Runs of batches with one schema (the common case: agents share theirs) are joined
-    first without type promotion, which costs a tenth as much per batch."""
-    runs: list[list[pa.Table]] = []
-    for t in tables:
-        if runs and t.schema.equals(runs[-1][0].schema):
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-    parts = [pa.concat_tables(run) for run in runs]
-    if len(parts) == 1:
-        return parts[0]
-    try:
-        return pa.concat_tables(parts, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return pa.concat_tables([_plain(t) for t in parts], promote_options="permissive")
-
-
-def _plain(table: pa.Table) -> pa.Table:
-    """Dictionary node names as strings, numbers as float64/int64: the common denominator."""
-    cols = {}
-    for name, col in zip(table.column_names, table.columns):
-        if name == "timestamp":
-            cols[name] = pa.array(timestamps_ms(col), pa.timestamp("ms", tz="UTC"))
-        elif name in ("node", "uuid"):
-            cols[name] = pc.cast(col, pa.string())
-        elif pa.types.is_integer(col.type):
-            cols[name] = pc.cast(col, pa.int64())
-        elif pa.types.is_floating(col.type) or pa.types.is_null(col.type):
-            cols[name] = pc.cast(col, pa.float64())
-    return pa.table(cols)
+async def _read_body(request: web.Request, cap: int) -> bytes:
+    """All of the body, however many TCP reads it arrives in, or TooLarge past `cap` bytes
+    (`content.read(n)` alone answers with what is buffered, not the whole body)."""
+    body = bytearray()
+    while True:
+        part = await request.content.read(cap + 1 - len(body))
+        if not part:
+            return bytes(body)
+        body += part
+        if len(body) > cap:
+            raise wire.TooLarge(f"body is over the {cap}-byte cap; split it")
 
 
 def _sse(event: str, data: dict, event_id: int | None = None) -> bytes:
@@ -397,14 +295,22 @@ def make_app(service: Service) -> web.Application:
     return app
 
 
+class CannotListen(RuntimeError):
+    """The address is taken or not this machine's: said in one line, not a traceback."""
+
+
 def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens | None = None,
         max_body: int = 16 * 2**20, alertmanager_url: str | None = None, webhook_url: str | None = None,
-        resend_s: float = 60.0) -> None:
+        resend_s: float = 60.0, max_ahead_s: float = wire.MAX_AHEAD_S) -> None:
     """Serve until interrupted."""
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as e:
+        raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     alerts = StrictAlerts(alertmanager_url, webhook_url, resend_s)
-    service = Service(model, tokens, max_body, alerts)
+    service = Service(model, tokens, max_body, alerts, max_ahead_s)
     # auto_decompress off: wire.decompress inflates gzip itself, under the size cap
-    web.run_app(make_app(service), host=host, port=port, access_log=None, auto_decompress=False,
+    web.run_app(make_app(service), sock=sock, access_log=None, auto_decompress=False,
                 print=lambda msg: log.info("listening on http://%s:%d (auth %s)", host, port,
                                            "on" if tokens else "OFF"))

@@ -23,7 +23,8 @@ from predictor import evaluation
 from predictor.features import FEATURE_NAMES
 from predictor.model import Model, fit_estimator
 from predictor.replay import replay, score_trace
-from predictor.scoring import Scored, Scorer, timestamps_ms
+from predictor.scoring import Scored, Scorer
+from predictor.wire import timestamps_ms
 
 HORIZON_S = evaluation.HORIZON_S
 MIN_LEAD_S = evaluation.MIN_LEAD_S

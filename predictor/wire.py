@@ -6,19 +6,21 @@ nothing is half-accepted: a batch either validates completely or is refused.
 from __future__ import annotations
 
 import json
-import zlib
-from datetime import datetime
+from datetime import datetime, timezone
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from predictor.features import METRICS
+from predictor.features import MAX_GPUS_PER_NODE
+from telemetry import wire as contract
+from telemetry.schema import METRICS
+from telemetry.wire import ARROW_STREAM, NDJSON, TELEMETRY_KEYS
 
-ARROW_STREAM = "application/vnd.apache.arrow.stream"
-NDJSON = "application/x-ndjson"
-TELEMETRY_KEYS = ("timestamp", "node", "gpu")
-XID_KEYS = ("timestamp", "node", "gpu", "xid")
-MAX_GPU_INDEX = 1023
+MAX_GPU_INDEX = MAX_GPUS_PER_NODE - 1
+#: Samples and XIDs stamped further ahead of this server's clock are refused: a GPU's state
+#: only moves forward in time, so one far-future sample would hide all of its later ones.
+MAX_AHEAD_S = 300.0
 
 
 class BadBatch(ValueError):
@@ -27,6 +29,22 @@ class BadBatch(ValueError):
 
 class TooLarge(ValueError):
     """The batch is over the size cap: split and resend."""
+
+
+def timestamps_ms(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Epoch milliseconds from any Arrow timestamp unit (or plain integers, taken as ms)."""
+    if pa.types.is_timestamp(col.type):
+        col = pc.cast(col, pa.timestamp("ms", tz=col.type.tz), safe=False)
+    return np.asarray(pc.cast(col, pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def check_not_ahead(table: pa.Table, now_ms: int, ahead_s: float = MAX_AHEAD_S) -> None:
+    """BadBatch if any row is stamped more than `ahead_s` after `now_ms` (clocks drift; a year does not)."""
+    latest = int(timestamps_ms(table.column("timestamp")).max())
+    if latest > now_ms + ahead_s * 1000:
+        raise BadBatch(f"timestamp {datetime.fromtimestamp(latest / 1000, timezone.utc).isoformat()} is "
+                       f"{(latest - now_ms) / 1000:.0f} s ahead of this server's clock (at most {ahead_s:.0f} s, "
+                       "serve --max-ahead)")
 
 
 def decompress(body: bytes, encoding: str | None, cap: int) -> bytes:
@@ -38,16 +56,12 @@ def decompress(body: bytes, encoding: str | None, cap: int) -> bytes:
         return body
     if enc not in ("gzip", "x-gzip"):
         raise BadBatch(f"unsupported Content-Encoding {encoding!r} (gzip or none)")
-    d = zlib.decompressobj(wbits=31)
     try:
-        out = d.decompress(body, cap + 1)
-    except zlib.error as e:
-        raise BadBatch(f"gzip body does not decompress: {e}") from None
-    if len(out) > cap or d.unconsumed_tail:
-        raise TooLarge(f"body inflates past the {cap}-byte cap")
-    if not d.eof:
-        raise BadBatch("gzip body is truncated")
-    return out
+        return contract.inflate(body, cap)
+    except contract.OverCap as e:
+        raise TooLarge(str(e)) from None
+    except contract.Corrupt as e:
+        raise BadBatch(str(e)) from None
 
 
 def decode(body: bytes, content_type: str | None, keys: tuple[str, ...]) -> pa.Table:
@@ -140,7 +154,7 @@ def _validated(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
             raise BadBatch(f"{k} is null in {col.null_count} row(s)")
     gpu = cols["gpu"].to_numpy()
     if gpu.min() < 0 or gpu.max() > MAX_GPU_INDEX:
-        raise BadBatch(f"gpu index out of range 0..{MAX_GPU_INDEX}")
+        raise BadBatch(f"gpu index out of range 0..{MAX_GPU_INDEX} (at most {MAX_GPUS_PER_NODE} GPUs per node)")
     node = cols["node"] if not pa.types.is_dictionary(node_t) else pc.cast(cols["node"], pa.string())
     if pc.min(pc.binary_length(node)).as_py() == 0:
         raise BadBatch("empty node name")

@@ -9,8 +9,10 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import requests
 
@@ -62,7 +64,7 @@ class LiveServer:
         self.log = open(tmp / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "predictor.cli", "serve", "--port", str(self.port), *args], cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "PREDICTOR_TOKENS_FILE": str(tokens)},
+            env={**os.environ, "PYTHONPATH": str(ROOT), "CKPT_GUARD_TOKENS_FILE": str(tokens)},
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -109,3 +111,29 @@ def shared_server(tmp_path_factory):
     srv = LiveServer(tmp_path_factory.mktemp("serve"), "--max-body", "20000")
     yield srv
     srv.stop()
+
+
+# ------------------------------------------------------------ requests to a live server
+T0 = 1_780_000_000_000
+
+
+def arrow_body(rows: list[dict]) -> bytes:
+    table = pa.Table.from_pylist(rows)
+    table = table.set_column(0, "timestamp", table.column("timestamp").cast(pa.timestamp("ms", tz="UTC")))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def node_rows(node: str, t_ms: int, uuid_prefix: str = "GPU", gpus: int = 8) -> list[dict]:
+    return [{"timestamp": t_ms, "node": node, "gpu": g, "uuid": f"{uuid_prefix}-{node}-{g}",
+             "DCGM_FI_DEV_GPU_TEMP": 65.0 + g, "DCGM_FI_DEV_MEMORY_TEMP": 70.0, "DCGM_FI_DEV_POWER_USAGE": 550.0,
+             "DCGM_FI_DEV_SM_CLOCK": 1980.0, "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": 0.0,
+             "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": 0.0, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 0.0} for g in range(gpus)]
+
+
+def post(srv, kind: str, body: bytes, role: str = "agent", ctype: str = "application/vnd.apache.arrow.stream",
+         batch_id: str | None = None, **headers) -> requests.Response:
+    h = srv.headers(role, **{"Content-Type": ctype, "X-Batch-Id": batch_id or str(uuid.uuid4()), **headers})
+    return requests.post(f"{srv.url}/v1/{kind}", data=body, headers=h, timeout=10)

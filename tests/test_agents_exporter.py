@@ -9,11 +9,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents import schema as S
 from agents.exporter import DCGM_METRICS, Exporter
 from agents.fleetsim import FleetConfig
 from agents.sources.sim import SimSource
 from agents.stats import AgentStats
+from telemetry import schema as S
 from tests.procs import free_port
 
 DCGM_LABELS = {"gpu", "UUID", "device", "modelName", "Hostname"}
@@ -98,3 +98,17 @@ def test_a_real_prometheus_scrapes_it(tmp_path):
         proc.terminate()
         proc.wait(timeout=10)
         exp.close()
+
+
+def test_default_metrics_port_is_not_dcgm_exporters():
+    """dcgm-exporter serves 9400 on the same GPU nodes (GPU Operator): the agent's default and
+    the deploy files must use another port, the same one."""
+    from pathlib import Path
+
+    from agents.cli import DEFAULT_METRICS_PORT, run
+    assert next(p for p in run.params if p.name == "metrics_port").default == DEFAULT_METRICS_PORT
+    assert DEFAULT_METRICS_PORT not in (9100, 9400, 9410)
+    deploy = Path(__file__).resolve().parents[1] / "deploy" / "agents"
+    for name in ("ckpt-guard-agent.service", "prometheus-scrape.yml", "alerts_test.yml"):
+        text = (deploy / name).read_text()
+        assert str(DEFAULT_METRICS_PORT) in text and "9400" not in text, name

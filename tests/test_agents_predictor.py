@@ -43,7 +43,9 @@ def predictor(tmp_path_factory):
     (d / "tokens").write_text(f"agent {TOKEN}\n")
     (d / "agent.token").write_text(TOKEN)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(d / "tokens")],
+    # --max-ahead as the demo sets it: a --model-clock agent stamps samples ahead of the wall clock
+    proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(d / "tokens"),
+                             "--max-ahead", "86400"],
                             cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -91,6 +93,16 @@ def test_predictor_counts_every_sample_and_xid(predictor, tmp_path):
     assert counters["samples_sent"] == counters["samples_collected"] > 50
     assert after["telemetry"] - before.get("telemetry", 0) == counters["samples_sent"]
     assert after.get("xid", 0) - before.get("xid", 0) == counters["xid_events_sent"] >= 1
+    assert counters["samples_rejected"] == counters["send_errors"] == 0
+
+
+def test_a_model_clock_agent_is_accepted_with_the_demos_max_ahead(predictor, tmp_path):
+    """The demo's agent runs its clock --time-scale times faster (here 30 min ahead by the end):
+    a server started as the demo starts it takes every sample."""
+    url, token_file = predictor
+    counters = agents_run(url, token_file, tmp_path, "--node-name", "mc01", "--duration", "3", "--time-scale", "600",
+                          "--model-clock")
+    assert counters["samples_sent"] == counters["samples_collected"] > 50
     assert counters["samples_rejected"] == counters["send_errors"] == 0
 
 

@@ -5,13 +5,13 @@ import time
 import pyarrow.compute as pc
 import pytest
 
-from agents import schema as S
 from agents.fleetsim import FleetConfig
 from agents.sampler import Sampler
 from agents.sender import Sender
 from agents.sources.sim import SimSource
 from agents.spool import Spool
 from agents.stats import AgentStats
+from telemetry import schema as S
 from tests.agents_fixtures import TOKEN, receiver  # noqa: F401  (fixture)
 from tests.procs import wait_for
 

@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from agents import schema as S
 from agents.cli import main
 from agents.fleetsim import FleetConfig
+from telemetry import schema as S
 
 SHARED_SAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "fleet-sample")
 

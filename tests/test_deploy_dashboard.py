@@ -14,7 +14,8 @@ _FUNCS = {"histogram_quantile", "sum", "rate", "increase", "max", "topk", "by", 
 def exported_names() -> set[str]:
     """Metric names as the code declares them (counters gain _total, histograms _bucket)."""
     names = set()
-    for py in [*(REPO / "ckpt").rglob("*.py"), *(REPO / "agents").rglob("*.py"), *(REPO / "predictor").rglob("*.py")]:
+    for py in [*(REPO / "ckpt").rglob("*.py"), *(REPO / "agents").rglob("*.py"), *(REPO / "predictor").rglob("*.py"),
+               *(REPO / "telemetry").rglob("*.py")]:
         for name in re.findall(r'"((?:ckpt|predictor|DCGM_FI|ckpt_guard_agent)_[A-Za-z_]+)"', py.read_text()):
             names |= {name, f"{name}_total", f"{name}_bucket"}
     names |= {f"ckpt_guard_agent_{k}_total" for k in ("samples_sent", "samples_dropped")}

@@ -13,10 +13,12 @@ from predictor import evaluation, training
 from predictor import model as model_io
 from predictor.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState, _nanmedian_of_peers
 from predictor.replay import score_trace
-from predictor.scoring import Scorer, Xids, timestamps_ms
+from predictor.scoring import Scorer, Xids
+from predictor.wire import timestamps_ms
 from tests.predictor_fixtures import run_cli, small_trace, trained_model  # noqa: F401 (fixtures)
 
-SHARED_SCORER = Path("/work/shared/telemetry/score_alarms.py")
+#: The shared telemetry contract sits beside the repository (REPO/../shared), wherever it is cloned.
+SHARED_SCORER = Path(__file__).resolve().parents[2] / "shared" / "telemetry" / "score_alarms.py"
 
 
 def _cut(trace: Path, out: Path, until_ms: int) -> Path:
@@ -231,3 +233,25 @@ def test_usage_errors_exit_2_and_failures_exit_1(tmp_path):
     assert run_cli("predictor.cli", "eval", "--threshold", check=False).returncode == 2
     res = run_cli("predictor.cli", "train", "--trace", str(tmp_path), "--out", str(tmp_path / "m"), check=False)
     assert res.returncode == 1 and "failures.parquet" in res.stderr
+
+
+def test_eval_json_says_in_words_why_a_metric_is_missing():
+    """No NaN (not JSON) in `predictor eval --json`: null, and a reason per missing metric."""
+    alarms = pa.table({"timestamp": pa.array([], pa.timestamp("ms", tz="UTC")), "node": pa.array([], pa.string()),
+                       "gpu": pa.array([], pa.int16())})
+
+    def failures(precursor_s: list[float]) -> dict:
+        n = len(precursor_s)
+        return {"timestamp": np.full(n, 1_780_000_000_000, np.int64), "node": np.array(["n0"] * n, object),
+                "gpu": np.zeros(n, np.int64), "mode": np.array(["sudden"] * n, object),
+                "precursor_s": np.asarray(precursor_s, float)}
+
+    none = evaluation.report(alarms, evaluation.Truth(failures([]), 10.0))
+    json.dumps(none, allow_nan=False)
+    assert none["node"]["recall"] is None and none["node"]["why_missing"]["recall"] == "no failures in this trace"
+    sudden = evaluation.report(alarms, evaluation.Truth(failures([0.0]), 10.0))["gpu"]
+    json.dumps(sudden, allow_nan=False)
+    assert sudden["recall"] == 0.0 and sudden["recall_of_predictable"] is None
+    assert sudden["why_missing"] == {"recall_of_predictable": "no predictable failures in this trace",
+                                     "lead_s_median": "no failure was caught", "lead_s_p10": "no failure was caught",
+                                     "precision_at_real_failure_rate": "no failure was caught and no alarm was false"}

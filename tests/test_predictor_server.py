@@ -5,7 +5,6 @@ import json
 import re
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -14,33 +13,10 @@ import requests
 from aiohttp import web
 
 from predictor import model as model_io
-from predictor.server import Service, _concat, make_app
-from tests.predictor_fixtures import shared_server  # noqa: F401 (fixture)
+from predictor.scoring_queue import _concat
+from predictor.server import Service, make_app
+from tests.predictor_fixtures import T0, arrow_body, node_rows, post, shared_server  # noqa: F401 (fixture)
 from tests.procs import free_port, wait_for
-
-T0 = 1_780_000_000_000
-
-
-def arrow_body(rows: list[dict]) -> bytes:
-    table = pa.Table.from_pylist(rows)
-    table = table.set_column(0, "timestamp", table.column("timestamp").cast(pa.timestamp("ms", tz="UTC")))
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def node_rows(node: str, t_ms: int, uuid_prefix: str = "GPU", gpus: int = 8) -> list[dict]:
-    return [{"timestamp": t_ms, "node": node, "gpu": g, "uuid": f"{uuid_prefix}-{node}-{g}",
-             "DCGM_FI_DEV_GPU_TEMP": 65.0 + g, "DCGM_FI_DEV_MEMORY_TEMP": 70.0, "DCGM_FI_DEV_POWER_USAGE": 550.0,
-             "DCGM_FI_DEV_SM_CLOCK": 1980.0, "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": 0.0,
-             "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": 0.0, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": 0.0} for g in range(gpus)]
-
-
-def post(srv, kind: str, body: bytes, role: str = "agent", ctype: str = "application/vnd.apache.arrow.stream",
-         batch_id: str | None = None, **headers) -> requests.Response:
-    h = srv.headers(role, **{"Content-Type": ctype, "X-Batch-Id": batch_id or str(uuid.uuid4()), **headers})
-    return requests.post(f"{srv.url}/v1/{kind}", data=body, headers=h, timeout=10)
 
 
 def test_tokens_and_roles(shared_server):
@@ -210,7 +186,7 @@ def test_stopping_answers_every_queued_batch():
         await web.TCPSite(runner, "127.0.0.1", port).start()
         url = f"http://127.0.0.1:{port}/v1/telemetry"
         gate = threading.Event()
-        service._executor.submit(gate.wait)             # the scorer thread is busy: nothing gets scored
+        service.queue._executor.submit(gate.wait)             # the scorer thread is busy: nothing gets scored
 
         async def send(session: aiohttp.ClientSession, node: str) -> int:
             headers = {"Content-Type": "application/vnd.apache.arrow.stream", "X-Batch-Id": node}

@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from agents.schema import FAILURE_MODES
+from telemetry.schema import FAILURE_MODES
 
 
 @dataclass(frozen=True)

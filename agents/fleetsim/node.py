@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agents import schema as S
 from agents.fleetsim.config import FleetConfig
 from agents.fleetsim.plan import NodePlan
+from telemetry import schema as S
 
 THERMAL_TAU_S = 100.0
 LAG_BLOCK = 64

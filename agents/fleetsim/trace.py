@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from agents import schema as S
 from agents.fleetsim.config import FleetConfig
 from agents.fleetsim.node import NodeSim
+from telemetry import schema as S
 
 CHUNK_S = 6 * 3600.0  # wall seconds drawn per node per row group
 

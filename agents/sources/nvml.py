@@ -12,8 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from agents import schema as S
 from agents.sources.base import Source
+from telemetry import schema as S
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from agents import schema as S
 from agents.sources.base import Source
+from telemetry import schema as S
 
 
 def _load(path: str, schema: pa.Schema, nodes: list[str] | None) -> pa.Table:

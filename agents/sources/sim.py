@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from agents import schema as S
 from agents.fleetsim import FleetConfig, NodeSim
 from agents.sources.base import Source
+from telemetry import schema as S
 
 
 class SimSource(Source):

@@ -1,12 +1,15 @@
-"""The trace and wire layout of ../shared/telemetry/SCHEMA.md, in one place.
+"""The trace layout of ../shared/telemetry/SCHEMA.md, in one place.
 
-Sources, the simulator, the sender and the exporter all name columns through
-this module, so a field added to the contract is added once.
+Agents (sources, simulator, sender, exporter) and the predictor (features, wire
+validation, XID rules) name DCGM fields and classify XIDs through this module, so
+a field or an XID class added to the contract is added once.
 """
 from __future__ import annotations
 
 import pyarrow as pa
 
+#: What every dcgm-exporter device field name starts with.
+DCGM_PREFIX = "DCGM_FI_DEV_"
 GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"
 MEMORY_TEMP = "DCGM_FI_DEV_MEMORY_TEMP"
 POWER = "DCGM_FI_DEV_POWER_USAGE"
@@ -19,6 +22,8 @@ REMAP_UNCORR = "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"
 REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"
 PCIE_REPLAY = "DCGM_FI_DEV_PCIE_REPLAY_COUNTER"
 NVLINK_CRC = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"
+#: dcgm-exporter's gauge of a GPU's last XID (the agents' exporter mirrors it).
+XID_ERRORS = "DCGM_FI_DEV_XID_ERRORS"
 
 #: Gauges (float32 in traces, as in the shared sample).
 GAUGES = (GPU_TEMP, MEMORY_TEMP, POWER)
@@ -40,6 +45,11 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45})
 CRITICAL_XIDS = frozenset({48, 62, 64, 74, 79, 94, 95, 119, 120})
 #: Warnings: a row remap was recorded (63), high single-bit ECC rate (92).
 WARNING_XIDS = frozenset({63, 92})
+
+
+def is_critical_xid(xid: int) -> bool:
+    """Whether this XID code means the GPU is lost (reset or drain)."""
+    return int(xid) in CRITICAL_XIDS
 
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
 

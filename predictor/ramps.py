@@ -1,0 +1,107 @@
+"""Dating a counter's precursor ramp from its own events (the ramp rule's input).
+
+A precursor's event rate grows like exp(RAMP_GROWTH * progress) over its duration D, so
+the events seen so far date the ramp: their mean age against the time since the first
+one gives the progress, hence D and the time left. Per GPU and counter this needs four
+numbers (first and last event time, events, their summed age), never a list of events.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: Measured on the shared sample (per failure, from its events and labelled duration):
+#: median 4.0 (HBM), 4.3 (PCIe), 4.7 (NVLink); 3.5-4.4 on the long ramps, where the
+#: estimate is tight.
+RAMP_GROWTH = 4.0
+RAMP_GAP_S = 3600.0                          # an hour without events ends a counter's ramp
+RAMP_BURST_FLOOR = 6.0                       # a sample adds at most FLOOR + FACTOR x the events
+RAMP_BURST_FACTOR = 8.0                      # the last 10 min's rate predicts: a burst is no ramp
+RAMP_NONE_MIN = 1e4                          # "time left" when nothing is ramping (minutes)
+
+
+def _ramp_x_table() -> tuple[np.ndarray, np.ndarray]:
+    """x = growth x elapsed against q = mean event age / elapsed, for a rate ∝ exp(growth * age):
+    q(x) = 1/x - 1/(e^x - 1) falls from 1/2 (flat) towards 0 (steep)."""
+    x = np.geomspace(1e-4, 200.0, 4000)
+    return -(1 / x - 1 / np.expm1(x)), x          # negated: increasing, for np.interp
+
+
+_RAMP_NEG_Q, _RAMP_X = _ramp_x_table()
+
+
+def ramp_left_min(elapsed_s: np.ndarray, mean_age_s: np.ndarray) -> np.ndarray:
+    """Minutes left on an exponential ramp whose events since `elapsed_s` ago have that mean age.
+
+    The ramp's duration is RAMP_GROWTH / growth and `elapsed_s` of it has passed; a flat or
+    falling rate (mean age >= half the elapsed time) has no end in sight (RAMP_NONE_MIN)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(elapsed_s > 0, mean_age_s / elapsed_s, 0.5)
+        x = np.interp(-np.minimum(q, 0.5), _RAMP_NEG_Q, _RAMP_X)
+        left = elapsed_s * (RAMP_GROWTH / x - 1.0) / 60.0
+    return np.clip(np.nan_to_num(left, nan=RAMP_NONE_MIN), 0.0, RAMP_NONE_MIN)
+
+
+class Ramps:
+    """Per GPU slot and counter: the current ramp's first/last event time, events, summed age."""
+
+    def __init__(self, counters: int):
+        self.counters = counters
+        self.first_t = np.empty((0, counters), np.int64)
+        self.last_t = np.empty((0, counters), np.int64)
+        self.events = np.empty((0, counters))
+        self.moment = np.empty((0, counters))       # events' summed age from the first one (s)
+
+    def grow(self, cap: int) -> None:
+        """Room for `cap` slots; new slots have no ramp."""
+        def grown(old: np.ndarray, fill) -> np.ndarray:
+            new = np.full((cap, self.counters), fill, dtype=old.dtype)
+            new[: len(old)] = old
+            return new
+        self.first_t, self.last_t = grown(self.first_t, -1), grown(self.last_t, -1)
+        self.events, self.moment = grown(self.events, 0.0), grown(self.moment, 0.0)
+
+    def reset(self, slots: np.ndarray) -> None:
+        self.first_t[slots] = -1
+        self.last_t[slots] = -1
+        self.events[slots] = 0.0
+        self.moment[slots] = 0.0
+
+    def update(self, s: np.ndarray, t: np.ndarray, ok: np.ndarray, delta: np.ndarray,
+               expected: np.ndarray) -> None:
+        """Fold new events in: `delta` per counter at `t` (read where `ok`), of which at most what
+        `expected` (events the 10 min rate predicts for this sample) makes plausible count, so a
+        one-off burst of replays is no ramp. Events after RAMP_GAP_S of silence start a new ramp."""
+        counted = np.minimum(delta, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * expected)
+        hit = ok & (counted > 0)
+        tt = t[:, None]
+        woke = hit & ((self.last_t[s] < 0) | (tt - self.last_t[s] > RAMP_GAP_S * 1000))
+        r_first = np.where(woke, tt, self.first_t[s])
+        self.first_t[s] = r_first
+        self.events[s] = np.where(woke, 0.0, self.events[s]) + np.where(hit, counted, 0.0)
+        self.moment[s] = np.where(woke, 0.0, self.moment[s]) + \
+            np.where(hit, counted * (tt - r_first) / 1000.0, 0.0)
+        self.last_t[s] = np.where(hit, tt, self.last_t[s])
+
+    def window(self, s: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Counter k's current ramp at times t: live mask, events in it, seconds since its first
+        event (0 where no ramp is live)."""
+        n = self.events[s, k]
+        elapsed = (t - self.first_t[s, k]) / 1000.0
+        # a ramp is dated once it spans time: events in one sample say nothing of their trend
+        live = (self.last_t[s, k] >= 0) & (t - self.last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
+            & (elapsed > 0)
+        return live, n, np.where(live, elapsed, 0.0)
+
+    def features(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
+        """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
+        upper bound (few events date a ramp loosely), and log events in it."""
+        live, n, elapsed = self.window(s, t, k)
+        n1 = np.maximum(n, 1.0)
+        age = elapsed - self.moment[s, k] / n1
+        # the mean of n ages spread over [0, elapsed] is uncertain by about elapsed / sqrt(12 n)
+        age_hi = age + elapsed / np.sqrt(12.0 * n1)
+        out = np.empty((len(s), 3))
+        out[:, 0] = np.log1p(np.where(live, ramp_left_min(elapsed, age), RAMP_NONE_MIN))
+        out[:, 1] = np.log1p(np.where(live, ramp_left_min(elapsed, age_hi), RAMP_NONE_MIN))
+        out[:, 2] = np.log1p(np.where(live, n, 0.0))
+        return out

@@ -1,0 +1,43 @@
+"""The predictor's and agents' command lines: -h everywhere, help that matches the code, one env prefix."""
+import warnings
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from agents.cli import main as agents_main
+from predictor import auth
+from predictor.cli import main as predictor_main
+from predictor.server import ROUTE_ROLES
+
+
+def _commands(group: click.Group) -> list[list[str]]:
+    return [[]] + [[name] for name in group.commands]
+
+
+@pytest.mark.parametrize("group", [predictor_main, agents_main], ids=["predictor", "agents"])
+def test_dash_h_is_help_for_every_command(group):
+    for args in _commands(group):
+        res = CliRunner().invoke(group, [*args, "-h"])
+        assert res.exit_code == 0 and res.output.startswith("Usage:"), (args, res.output)
+
+
+def test_serve_help_names_the_roles_the_server_knows():
+    roles = set().union(*ROUTE_ROLES.values())
+    assert roles == set(auth.ROLES)
+    text = " ".join(CliRunner().invoke(predictor_main, ["serve", "-h"]).output.split())
+    assert "|".join(auth.ROLES) in text and "admin" not in text
+
+
+def test_tokens_come_from_the_projects_env_prefix(monkeypatch):
+    for var in [*auth.ENV_TOKENS.values(), auth.ENV_FILE]:
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.replace("CKPT_GUARD_", "PREDICTOR_"), raising=False)
+    monkeypatch.setenv("CKPT_GUARD_AGENT_TOKEN", "agent-token-0123456789")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert auth.load_tokens().role_of("Bearer agent-token-0123456789") == "agent"
+    monkeypatch.setenv("PREDICTOR_JOB_TOKEN", "job-token-0123456789ab")
+    with pytest.warns(FutureWarning, match=r"\$PREDICTOR_JOB_TOKEN is deprecated: set \$CKPT_GUARD_JOB_TOKEN"):
+        tokens = auth.load_tokens()
+    assert tokens.role_of("Bearer job-token-0123456789ab") == "job"

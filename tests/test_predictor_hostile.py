@@ -1,0 +1,159 @@
+"""`predictor serve` against careless and hostile senders (issue 15, points 10-15).
+
+Bodies are written to raw sockets where the point is how they arrive (in two TCP
+writes, two requests interleaved), so nothing between the test and the server merges them.
+"""
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import requests
+
+from predictor.features import MAX_GPUS_PER_NODE, FleetState
+from tests.predictor_fixtures import ROOT, T0, TOKENS, LiveServer, arrow_body, node_rows, post, shared_server  # noqa: F401
+from tests.procs import free_port
+
+ARROW = "application/vnd.apache.arrow.stream"
+NDJSON = "application/x-ndjson"
+
+
+def _open(srv, body_len: int, batch_id: str, ctype: str, **headers: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    head = {"Host": "127.0.0.1", "Authorization": f"Bearer {TOKENS['agent']}", "Content-Type": ctype,
+            "X-Batch-Id": batch_id, "Content-Length": str(body_len), "Connection": "close", **headers}
+    sock.sendall(("POST /v1/telemetry HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+                  + "\r\n").encode())
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _in_two_writes(srv, body: bytes, ctype: str, **headers: str) -> tuple[int, dict]:
+    sock = _open(srv, len(body), f"split-{time.monotonic_ns()}", ctype, **headers)
+    half = len(body) // 2
+    sock.sendall(body[:half])
+    time.sleep(0.3)                                 # the server reads what has arrived so far
+    sock.sendall(body[half:])
+    return _answer(sock)
+
+
+def _ndjson(node: str, samples: int) -> bytes:
+    rows = [row for t in range(samples // 8) for row in node_rows(node, T0 + t * 30_000)]
+    return "\n".join(json.dumps(r) for r in rows).encode()
+
+
+@pytest.fixture(scope="module")
+def big_server(tmp_path_factory):
+    """`predictor serve` with the default 16 MiB cap."""
+    srv = LiveServer(tmp_path_factory.mktemp("serve-big"))
+    yield srv
+    srv.stop()
+
+
+def test_a_body_in_two_writes_is_read_whole(big_server):
+    status, answer = _in_two_writes(big_server, _ndjson("split-nd", 1000), NDJSON)
+    assert (status, answer) == (202, {"accepted": 1000})
+    rows = [row for t in range(50) for row in node_rows("split-arrow", T0 + t * 30_000)]
+    status, answer = _in_two_writes(big_server, gzip.compress(arrow_body(rows), 1), ARROW,
+                                    **{"Content-Encoding": "gzip"})
+    assert (status, answer) == (202, {"accepted": 400})
+
+
+def test_a_large_body_in_one_send_is_read_whole(big_server):
+    body = _ndjson("big", 4800)
+    assert len(body) > 1.4 * 2**20
+    r = post(big_server, "telemetry", body, ctype=NDJSON)
+    assert r.status_code == 202 and r.json() == {"accepted": 4800}
+
+
+def test_a_chunked_body_over_the_cap_is_refused_whole(shared_server):
+    """No Content-Length to refuse early on: the body is read up to the cap, then refused."""
+    body = _ndjson("over", 200)                     # the shared server's cap is 20,000 bytes
+    h = shared_server.headers("agent", **{"Content-Type": NDJSON, "X-Batch-Id": "over-1"})
+    r = requests.post(f"{shared_server.url}/v1/telemetry", data=iter([body[:15_000], body[15_000:]]), headers=h,
+                      timeout=10)
+    assert r.status_code == 413 and "cap" in r.json()["error"]
+
+
+def test_a_far_future_sample_is_refused_and_blinds_nothing(shared_server):
+    srv = shared_server
+    now = int(time.time() * 1000)
+    future = [{**row, "timestamp": 7_258_118_400_000} for row in node_rows("ff", now)]   # year 2200
+    r = post(srv, "telemetry", arrow_body(future))
+    assert r.status_code == 400 and "ahead of this server's clock" in r.json()["error"]
+    xid = json.dumps({"timestamp": 7_258_118_400_000, "node": "ff", "gpu": 3, "xid": 79}).encode()
+    assert post(srv, "xid", xid, ctype=NDJSON).status_code == 400
+    assert post(srv, "telemetry", arrow_body(node_rows("ff", now))).status_code == 202
+    # a sample a little ahead (within the allowed skew) does not hide a critical XID logged before it
+    assert post(srv, "telemetry", arrow_body(node_rows("ff", now + 200_000))).status_code == 202
+    xid = json.dumps({"timestamp": now + 1000, "node": "ff", "gpu": 3, "xid": 79}).encode()
+    assert post(srv, "xid", xid, ctype=NDJSON).status_code == 202
+    risk = requests.get(f"{srv.url}/v1/risk", params={"node": "ff"}, headers=srv.headers("operator"),
+                        timeout=5).json()
+    assert {g["gpu"]: g["risk"] for g in risk["gpus"]}[3] == 1.0 and risk["reason"] == "critical XID 79"
+
+
+def test_gpu_indices_are_capped_per_node(shared_server):
+    r = post(shared_server, "telemetry", arrow_body([{**node_rows("wide", T0)[0], "gpu": 1023}]))
+    assert r.status_code == 400 and f"at most {MAX_GPUS_PER_NODE} GPUs per node" in r.json()["error"]
+
+
+def test_per_node_tables_do_not_grow_with_one_wide_gpu_index():
+    """Registering GPU 63 on one node of a thousand costs its index table, not a copy of
+    every node's statistics that wide."""
+    state = FleetState()
+    nodes = [f"n{i}" for i in range(1000)]
+    state.slots_for(nodes * 8, np.repeat(np.arange(8), 1000))
+
+    def table_bytes() -> int:
+        return sum(v.nbytes for v in vars(state).values() if isinstance(v, np.ndarray))
+    before = table_bytes()
+    state.slots_for(["n0"], np.array([MAX_GPUS_PER_NODE - 1]))
+    assert table_bytes() - before < 2**20
+    with pytest.raises(ValueError, match="GPUs per node"):
+        state.slots_for(["n0"], np.array([MAX_GPUS_PER_NODE]))
+
+
+def test_the_same_batch_id_at_once_is_counted_once(shared_server):
+    body = arrow_body(node_rows("dup-race", T0))
+    first = _open(shared_server, len(body), "race-1", ARROW)
+    second = _open(shared_server, len(body), "race-1", ARROW)
+    first.sendall(body[:100])
+    second.sendall(body[:100])                      # both are past the id check, reading their bodies
+    time.sleep(0.3)
+    first.sendall(body[100:])
+    second.sendall(body[100:])
+    answers = sorted([_answer(first), _answer(second)], key=lambda a: a[0])
+    assert answers == [(200, {"accepted": 0, "duplicate": True}), (202, {"accepted": 8})]
+
+
+def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "predictor.cli", "serve", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def test_no_auth_is_refused_on_a_reachable_address():
+    res = _serve("--no-auth", "--host", "0.0.0.0", "--port", str(free_port()))
+    assert res.returncode == 2 and "--no-auth" in res.stderr and "loopback" in res.stderr
+
+
+def test_a_taken_port_is_said_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        res = _serve("--no-auth", "--port", str(taken.getsockname()[1]))
+    assert res.returncode == 1
+    assert res.stderr.strip().count("\n") == 0 and "cannot listen on 127.0.0.1:" in res.stderr, res.stderr
