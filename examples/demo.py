@@ -142,7 +142,7 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
             say(f"{name}: node agent simulating {node}'s 8 GPUs; a PCIe link failure of gpu2 is due in {args.fail_after:.0f} s "
                 f"(precursors {args.time_scale:g}x faster than real)")
             extra = ["--predictor", url, "--elevated-every", str(max(1, args.every // 4))]
-            env = {"CKPT_PREDICTOR_TOKEN": job_tok}
+            env = {"CKPT_GUARD_JOB_TOKEN": job_tok}
         run.events["start"] = t0
         torchrun(run, args, run.dir / "node-a", memory_dir, *extra, env=env)
         say(f"{name}: training started (2 ranks, a step every {args.step_time:g} s, periodic checkpoint every "

@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--memory-dir", default="/dev/shm")
     ap.add_argument("--out", default=None, help="rank 0 writes the final weights digest and timings here (JSON)")
     ap.add_argument("--predictor", default=None,
-                    help="predictor URL: take urgent checkpoints on its alarms (job token in $CKPT_PREDICTOR_TOKEN)")
+                    help="predictor URL: take urgent checkpoints on its alarms (job token in $CKPT_GUARD_JOB_TOKEN)")
     ap.add_argument("--elevated-every", type=int, default=None, help="checkpoint interval while a node is at risk")
     ap.add_argument("--step-time", type=float, default=0.0, help="pad each step to this many seconds (demos)")
     ap.add_argument("--timeline", default=None, help="rank 0 appends one JSON line per completed step here")

@@ -16,19 +16,24 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 from typing import Iterator
 
 from .urgency import SaveRequests
 
 log = logging.getLogger(__name__)
-TOKEN_ENV = "CKPT_PREDICTOR_TOKEN"
+TOKEN_ENV = "CKPT_GUARD_JOB_TOKEN"  # the predictor server reads the same name
+_OLD_TOKEN_ENV = "CKPT_PREDICTOR_TOKEN"  # before one prefix: still read, with a warning
 
 
 def read_token(token_file: str | os.PathLike | None = None) -> str | None:
-    """The job token: from a file, else from $CKPT_PREDICTOR_TOKEN (never from argv)."""
+    """The job token: from a file, else from $CKPT_GUARD_JOB_TOKEN (never from argv)."""
     if token_file is not None:
         return Path(token_file).read_text().strip()
+    if TOKEN_ENV not in os.environ and _OLD_TOKEN_ENV in os.environ:
+        warnings.warn(f"${_OLD_TOKEN_ENV} is deprecated: use ${TOKEN_ENV}", FutureWarning, stacklevel=2)
+        return os.environ[_OLD_TOKEN_ENV]
     return os.environ.get(TOKEN_ENV)
 
 
