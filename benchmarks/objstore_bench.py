@@ -38,13 +38,13 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
-import torch
 import s3fs
+import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -35,6 +35,7 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.procs import cpu_seconds, free_port  # noqa: E402
+
 TOKEN = "bench-operator-token-0123456789"
 ARROW = "application/vnd.apache.arrow.stream"
 T0 = 1_780_000_000_000
@@ -186,7 +187,8 @@ def _component_costs(model_path: str | None, nodes: int, shape: Shape) -> dict:
     (in one pass over `nodes` nodes, on one native thread as in the server)."""
     from threadpoolctl import threadpool_limits
 
-    from predictor import model as model_io, wire
+    from predictor import model as model_io
+    from predictor import wire
     from predictor.scoring import Scorer
     from predictor.scoring_queue import _concat
     rng = np.random.default_rng(1)

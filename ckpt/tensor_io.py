@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
 from .checksum import chunk_checksums, crc32c_of
 from .manifest import ShardManifest, TensorEntry
 from .plan import ReadItem, read_items
-from .verify import DEFAULT_THREADS, Progress, mismatch, run_parallel
 from .state import local_tensor
 from .tiers.base import ShardReader
-
+from .verify import DEFAULT_THREADS, Progress, mismatch, run_parallel
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

@@ -22,8 +22,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
 from ckpt.integrations.huggingface import HFCheckpoint  # noqa: E402
-from examples.harness import Faults, parse_args, world_size  # noqa: E402
 from examples.gpt import GPTConfig  # noqa: E402
+from examples.harness import Faults, parse_args, world_size  # noqa: E402
 from examples.train_torchrun import synthetic_corpus, weights_digest  # noqa: E402
 
 

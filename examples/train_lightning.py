@@ -23,8 +23,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
 from ckpt.integrations.lightning import LightningCheckpoint  # noqa: E402
-from examples.harness import Faults, parse_args, world_size  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.harness import Faults, parse_args, world_size  # noqa: E402
 from examples.train_torchrun import synthetic_corpus, weights_digest  # noqa: E402
 
 

@@ -12,7 +12,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow as pa
-import pytest
 
 TOKEN = "agent-test-token"
 
@@ -120,10 +119,3 @@ def _handler(rx: Receiver):
             self._answer(200, "ok")
 
     return Handler
-
-
-@pytest.fixture
-def receiver():
-    rx = Receiver()
-    yield rx
-    rx.stop()

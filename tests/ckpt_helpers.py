@@ -17,10 +17,8 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -31,25 +29,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-
-# -- fixtures (import them into a test module by name) --------------------------------
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A private memory_dir under /dev/shm, so no test touches another run's slots."""
-    path = tempfile.mkdtemp(dir="/dev/shm", prefix="ckpt-test-")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    """The local-disk tier root of the run under test."""
-    return tmp_path / "ckpt"
-
+SAVED_NEWEST = 3  # the ``saved`` fixture (conftest.py) holds steps 1..SAVED_NEWEST
 
 # -- deterministic states ---------------------------------------------------------------
 
@@ -287,16 +267,6 @@ class CrashServer:
                 self.proc.kill()
                 self.proc.wait()
         self._stderr.close()
-
-
-@pytest.fixture(scope="module")
-def crash_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrashServer]:
-    """One zygote per test module (its start-up is one torch import)."""
-    server = CrashServer(tmp_path_factory.mktemp("crash"))
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def steps_logged(events: list[str], what: str) -> list[int]:

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.ckpt_helpers import REPO, shm_dir  # noqa: F401  (a fixture for the test modules)
+from tests.ckpt_helpers import REPO
 from tests.procs import free_port, stop_process
 
 FAULTS = "6:kill,10:term,14:kill"  # mid-epoch SIGKILL, preemption notice, SIGKILL after an epoch-end save

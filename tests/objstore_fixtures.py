@@ -13,7 +13,6 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import pytest
 import s3fs
 
 from .procs import free_port, stop_process
@@ -84,15 +83,3 @@ def create_bucket(server: S3Server, name: str | None = None) -> str:
     name = name or f"ckpt-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(skip_instance_cache=True, **server.options()).call_s3("create_bucket", Bucket=name)
     return name
-
-
-@pytest.fixture(scope="session")
-def s3_server():
-    with moto_server() as server:
-        yield server
-
-
-@pytest.fixture
-def s3_bucket(s3_server):
-    """A fresh, empty bucket; returns its name."""
-    return create_bucket(s3_server)

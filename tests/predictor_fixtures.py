@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
-import pytest
 import requests
 
 from .procs import free_port, stop_process
@@ -36,19 +35,6 @@ def run_cli(module: str, *args: str, check: bool = True, env: dict | None = None
 def simulate(out: Path, nodes: int, days: float, interval: int, seed: int, *extra: str) -> Path:
     run_cli("agents.cli", "simulate", "--nodes", str(nodes), "--days", str(days), "--interval", str(interval),
             "--seed", str(seed), "--out", str(out), *extra)
-    return out
-
-
-@pytest.fixture(scope="session")
-def small_trace(tmp_path_factory) -> Path:
-    """10 nodes x 1.5 days at 60 s with failures enriched 6x (about 30 failures)."""
-    return simulate(tmp_path_factory.mktemp("trace") / "small", 10, 1.5, 60, 5, "--failure-rate", "0.3")
-
-
-@pytest.fixture(scope="session")
-def trained_model(small_trace, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "small.skops"
-    run_cli("predictor.cli", "train", "--trace", str(small_trace), "--out", str(out), "--json")
     return out
 
 
@@ -89,28 +75,6 @@ class LiveServer:
     def stop(self) -> None:
         stop_process(self.proc)
         self.log.close()
-
-
-@pytest.fixture
-def live_server(tmp_path):
-    """Factory: start `predictor serve ARGS`; every server started is stopped afterwards."""
-    servers = []
-
-    def start(*args: str) -> LiveServer:
-        servers.append(LiveServer(tmp_path, *args))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def shared_server(tmp_path_factory):
-    """One `predictor serve --max-body 20000` for a module's tests (each uses its own node names)."""
-    srv = LiveServer(tmp_path_factory.mktemp("serve"), "--max-body", "20000")
-    yield srv
-    srv.stop()
 
 
 # ------------------------------------------------------------ requests to a live server

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from agents.cli import main
 from agents.sources.nvml import NvmlSource, NvmlUnavailable
 from agents.sources.replay import ReplaySource
-from tests.agents_fixtures import TOKEN, receiver  # noqa: F401  (fixture)
+from tests.agents_fixtures import TOKEN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

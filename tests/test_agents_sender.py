@@ -12,7 +12,7 @@ from agents.sources.sim import SimSource
 from agents.spool import Spool
 from agents.stats import AgentStats
 from telemetry import schema as S
-from tests.agents_fixtures import TOKEN, receiver  # noqa: F401  (fixture)
+from tests.agents_fixtures import TOKEN
 from tests.procs import wait_for
 
 

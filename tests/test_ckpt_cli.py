@@ -14,8 +14,16 @@ from pathlib import Path
 import pytest
 
 from ckpt import CheckpointManager
-from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
-    PYTHON, REPO, assert_same, ckpt_dir, disk_steps, flip_byte, restored, root, shm_dir, step_state, truncate,
+from tests.ckpt_helpers import (
+    PYTHON,
+    REPO,
+    assert_same,
+    ckpt_dir,
+    disk_steps,
+    flip_byte,
+    restored,
+    step_state,
+    truncate,
 )
 
 

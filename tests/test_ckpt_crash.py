@@ -18,9 +18,7 @@ from ckpt import CheckpointManager
 from ckpt.errors import CheckpointError, DamagedCheckpoint
 from ckpt.restore import read_shard
 from ckpt.tiers.memory import MemoryTier, memory_namespace
-from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
-    CrashServer, assert_same, crash_server, disk_steps, leftovers, restored, root, shm_dir, step_state, steps_logged,
-)
+from tests.ckpt_helpers import CrashServer, assert_same, disk_steps, leftovers, restored, step_state, steps_logged
 
 # Where a trainer is killed, by the point of the save it is in.
 FAULT_POINTS = {

@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckpt import BackgroundError, CheckpointError, CheckpointManager
-from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
-    assert_same, ckpt_dir, disk_steps, restored, shm_dir, small_tmpfs, step_state, writes_denied,
-)
+from tests.ckpt_helpers import assert_same, ckpt_dir, disk_steps, restored, small_tmpfs, step_state, writes_denied
 
 STATE_MIB = 2.2  # size of one step_state() checkpoint
 

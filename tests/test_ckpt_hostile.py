@@ -21,15 +21,23 @@ import torch
 from ckpt import CheckpointError, CheckpointManager, ManifestError
 from ckpt.checksum import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, check_chunk_bytes, chunk_checksums, crc32c_of
 from ckpt.manifest import (
-    MAX_COMMIT_BYTES, MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_TENSORS_PER_SHARD, MAX_WORLD_SIZE,
-    Manifest, ShardManifest, ShardRef, TensorEntry, dumps, loads_bounded,
+    MAX_COMMIT_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_JSON_ITEMS,
+    MAX_MANIFEST_BYTES,
+    MAX_TENSORS_PER_SHARD,
+    MAX_WORLD_SIZE,
+    Manifest,
+    ShardManifest,
+    ShardRef,
+    TensorEntry,
+    dumps,
+    loads_bounded,
 )
-from ckpt.tiers.memory.copier import plan_layout
 from ckpt.state import StateMismatch, check_restorable, flatten, load_into, tensor_targets, unflatten
-from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
-    REPO, assert_same, ckpt_dir, plant_shard_manifest, restored, rewrite_json, root, shm_dir, step_state,
-)
-from tests.test_ckpt_integrity import NEWEST, disk_only, saved  # noqa: F401  (fixtures: steps 1..3 on disk)
+from ckpt.tiers.memory.copier import plan_layout
+from tests.ckpt_helpers import REPO, assert_same, ckpt_dir, plant_shard_manifest, restored, rewrite_json, step_state
+from tests.ckpt_helpers import SAVED_NEWEST as NEWEST
 from tests.test_ckpt_roundtrip import as_saved
 
 DEEP = 100_000

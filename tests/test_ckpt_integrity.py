@@ -12,29 +12,18 @@ import pytest
 
 from ckpt import CheckpointError, CheckpointManager, ManifestError
 from ckpt.manifest import Manifest, ShardManifest
-from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
-    assert_same, ckpt_dir, flip_byte, restored, rewrite_json, root, shm_dir, step_state, truncate,
+from tests.ckpt_helpers import (
+    SAVED_NEWEST,
+    assert_same,
+    ckpt_dir,
+    flip_byte,
+    restored,
+    rewrite_json,
+    step_state,
+    truncate,
 )
 
-NEWEST = 3
-
-
-@pytest.fixture
-def saved(root: Path, shm_dir: str) -> Path:
-    """Steps 1..3 durable on disk (and in the memory slots: 2 and 3)."""
-    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
-        for step in range(1, NEWEST + 1):
-            mgr.save(step, step_state(step))
-        mgr.wait()
-    return ckpt_dir(root, NEWEST)
-
-
-@pytest.fixture
-def disk_only(root: Path, tmp_path: Path) -> Callable[[], CheckpointManager]:
-    """A manager that sees the disk tier only (its memory_dir holds no slots)."""
-    empty = tmp_path / "no-slots"
-    empty.mkdir()
-    return lambda: CheckpointManager(root, memory_dir=str(empty))
+NEWEST = SAVED_NEWEST
 
 
 def skip_reasons(mgr: CheckpointManager, caplog: pytest.LogCaptureFixture, step: int) -> str:

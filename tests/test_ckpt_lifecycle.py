@@ -6,9 +6,7 @@ from pathlib import Path
 import pytest
 
 from ckpt import CheckpointError, CheckpointManager
-from tests.ckpt_helpers import (  # noqa: F401  (fixtures)
-    assert_same, ckpt_dir, disk_steps, eventually, flip_byte, leftovers, restored, root, shm_dir, step_state,
-)
+from tests.ckpt_helpers import assert_same, ckpt_dir, disk_steps, eventually, flip_byte, leftovers, restored, step_state
 
 
 def save_steps(mgr: CheckpointManager, steps, salt: int = 0) -> None:

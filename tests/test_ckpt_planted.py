@@ -17,7 +17,7 @@ import torch
 import ckpt
 from ckpt import CheckpointManager
 from ckpt.tiers.memory import memory_namespace
-from tests.ckpt_helpers import assert_same, restored, root, shm_dir, step_state  # noqa: F401  (fixtures)
+from tests.ckpt_helpers import assert_same, restored, step_state
 from tests.test_ckpt_cli import ckpt as ckpt_cli
 
 NOBODY = 65534

@@ -14,7 +14,7 @@ import torch
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.manifest import DTYPES
 from ckpt.state import is_stateful
-from tests.ckpt_helpers import assert_same, ckpt_dir, flip_byte, restored, root, shm_dir  # noqa: F401  (fixtures)
+from tests.ckpt_helpers import assert_same, ckpt_dir, flip_byte, restored
 
 
 def make_model(seed: int) -> torch.nn.Module:

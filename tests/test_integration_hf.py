@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.integration_helpers import assert_ddp_resumes_exactly, assert_resumes_exactly, shm_dir  # noqa: F401
+from tests.integration_helpers import assert_ddp_resumes_exactly, assert_resumes_exactly
 
 
 def test_interrupted_hf_run_resumes_exactly(tmp_path: Path, shm_dir: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import ckpt
-from tests.integration_helpers import assert_ddp_resumes_exactly, assert_resumes_exactly, shm_dir  # noqa: F401
+from tests.integration_helpers import assert_ddp_resumes_exactly, assert_resumes_exactly
 
 
 def test_interrupted_lightning_run_resumes_exactly(tmp_path: Path, shm_dir: str) -> None:

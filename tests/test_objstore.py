@@ -18,11 +18,10 @@ from ckpt import BackgroundError, CheckpointError, CheckpointManager, DamagedChe
 from ckpt.locations import tiers_for
 from ckpt.ownership import RUN_MARKER
 from ckpt.retry import RetryPolicy
-from ckpt.verify import verify_shard
 from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.local import LocalDiskTier
 from ckpt.tiers.object_store import ObjectStoreTier
-from tests.objstore_fixtures import s3_bucket, s3_server  # noqa: F401  (fixtures)
+from ckpt.verify import verify_shard
 
 PART = 5 << 20  # S3's smallest part, so small tensors already take the multipart path
 

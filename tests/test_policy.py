@@ -12,7 +12,6 @@ import torch
 import ckpt
 from ckpt import CheckpointManager
 from ckpt.policy import IntervalPolicy, Predictor, daly_interval, young_interval
-from tests.ckpt_helpers import root, shm_dir  # noqa: F401  (fixtures)
 
 
 def daly_exact_wall(tau: float, cost: float, mtbf: float, restart: float = 0.0) -> float:

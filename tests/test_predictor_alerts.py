@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from tests.predictor_fixtures import ROOT, live_server  # noqa: F401 (fixture)
+from tests.predictor_fixtures import ROOT
 from tests.procs import free_port, stop_process, wait_for
 from tests.test_predictor_server import T0, arrow_body, node_rows, post
 

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from predictor.features import MAX_GPUS_PER_NODE, FleetState
-from tests.predictor_fixtures import ROOT, T0, TOKENS, LiveServer, arrow_body, node_rows, post, shared_server  # noqa: F401
+from tests.predictor_fixtures import ROOT, T0, TOKENS, LiveServer, arrow_body, node_rows, post
 from tests.procs import free_port
 
 ARROW = "application/vnd.apache.arrow.stream"

@@ -15,7 +15,7 @@ from predictor.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetSta
 from predictor.replay import score_trace
 from predictor.scoring import Scorer, Xids
 from predictor.wire import timestamps_ms
-from tests.predictor_fixtures import run_cli, small_trace, trained_model  # noqa: F401 (fixtures)
+from tests.predictor_fixtures import run_cli
 
 #: The shared telemetry contract sits beside the repository (REPO/../shared), wherever it is cloned.
 SHARED_SCORER = Path(__file__).resolve().parents[2] / "shared" / "telemetry" / "score_alarms.py"

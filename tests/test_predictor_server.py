@@ -15,7 +15,7 @@ from aiohttp import web
 from predictor import model as model_io
 from predictor.scoring_queue import _concat
 from predictor.server import Service, make_app
-from tests.predictor_fixtures import T0, arrow_body, node_rows, post, shared_server  # noqa: F401 (fixture)
+from tests.predictor_fixtures import T0, arrow_body, node_rows, post
 from tests.procs import free_port, wait_for
 
 

@@ -13,7 +13,7 @@ import requests
 from ckpt.integrations.risk import RiskListener
 from ckpt.integrations.urgency import SaveRequests
 
-from .predictor_fixtures import TOKENS, live_server  # noqa: F401  (fixture)
+from .predictor_fixtures import TOKENS
 from .procs import wait_for
 
 

@@ -82,7 +82,7 @@ After a failure the node's job dies (the other GPUs idle for a while); the GPU
 is absent 0.5-24 h, then comes back reset (same UUID, volatile counters at
 zero, remapped rows kept) or replaced (new UUID, all counters at zero).
 """
-from agents.fleetsim.config import FleetConfig, GpuProfile, ScheduledFailure, PROFILES
+from agents.fleetsim.config import PROFILES, FleetConfig, GpuProfile, ScheduledFailure
 from agents.fleetsim.node import NodeSim
 from agents.fleetsim.trace import write_trace
 

@@ -42,8 +42,8 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
 from .loop import save_at_boundary
-from .urgency import SaveRequests
 from .rng import RNGState
+from .urgency import SaveRequests
 
 _LOADED_AT_TRAIN_BEGIN = ("optimizer", "scheduler", "scaler")
 

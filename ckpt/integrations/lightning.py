@@ -37,8 +37,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
 from .loop import save_at_boundary
-from .urgency import SaveRequests
 from .rng import RNGState
+from .urgency import SaveRequests
 
 RESUME = "ckpt-guard:newest"
 _HPARAM_KEYS = tuple(getattr(cls, attr) for cls in (pl.LightningModule, pl.LightningDataModule)

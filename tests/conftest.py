@@ -1,0 +1,114 @@
+"""The fixtures every test module may ask for by name; the helpers they use live in the
+``*_helpers``/``*_fixtures`` modules beside this file."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from ckpt import CheckpointManager
+from tests.agents_fixtures import Receiver
+from tests.ckpt_helpers import SAVED_NEWEST, CrashServer, ckpt_dir, step_state
+from tests.objstore_fixtures import create_bucket, moto_server
+from tests.predictor_fixtures import LiveServer, run_cli, simulate
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A private memory_dir under /dev/shm, so no test touches another run's slots."""
+    path = tempfile.mkdtemp(dir="/dev/shm", prefix="ckpt-test-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """The local-disk tier root of the run under test."""
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def crash_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrashServer]:
+    """One zygote per test module (its start-up is one torch import)."""
+    server = CrashServer(tmp_path_factory.mktemp("crash"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    with moto_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, empty bucket; returns its name."""
+    return create_bucket(s3_server)
+
+
+@pytest.fixture(scope="session")
+def small_trace(tmp_path_factory) -> Path:
+    """10 nodes x 1.5 days at 60 s with failures enriched 6x (about 30 failures)."""
+    return simulate(tmp_path_factory.mktemp("trace") / "small", 10, 1.5, 60, 5, "--failure-rate", "0.3")
+
+
+@pytest.fixture(scope="session")
+def trained_model(small_trace, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "small.skops"
+    run_cli("predictor.cli", "train", "--trace", str(small_trace), "--out", str(out), "--json")
+    return out
+
+
+@pytest.fixture
+def live_server(tmp_path):
+    """Factory: start `predictor serve ARGS`; every server started is stopped afterwards."""
+    servers = []
+
+    def start(*args: str) -> LiveServer:
+        servers.append(LiveServer(tmp_path, *args))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One `predictor serve --max-body 20000` for a module's tests (each uses its own node names)."""
+    srv = LiveServer(tmp_path_factory.mktemp("serve"), "--max-body", "20000")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def receiver():
+    rx = Receiver()
+    yield rx
+    rx.stop()
+
+
+@pytest.fixture
+def saved(root: Path, shm_dir: str) -> Path:
+    """Steps 1..3 durable on disk (and in the memory slots: 2 and 3); the newest's directory."""
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
+        for step in range(1, SAVED_NEWEST + 1):
+            mgr.save(step, step_state(step))
+        mgr.wait()
+    return ckpt_dir(root, SAVED_NEWEST)
+
+
+@pytest.fixture
+def disk_only(root: Path, tmp_path: Path) -> Callable[[], CheckpointManager]:
+    """A manager that sees the disk tier only (its memory_dir holds no slots)."""
+    empty = tmp_path / "no-slots"
+    empty.mkdir()
+    return lambda: CheckpointManager(root, memory_dir=str(empty))
