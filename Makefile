@@ -6,7 +6,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test test-tools demo bench clean
+.PHONY: setup lint test test-tools demo bench clean
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(PY) $(VENV)
@@ -17,7 +17,10 @@ setup: $(STAMP)
 test-tools:
 	bash scripts/test-tools.sh
 
-test: $(STAMP) test-tools
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) test-tools lint
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
