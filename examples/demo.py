@@ -151,6 +151,8 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
         last = -1
         while time.time() < t_fail:
             time.sleep(0.5)
+            for event, text in collect_alarm(run):  # as they happen, not only in the summary
+                say(f"{name}: {text} ({run.events[event] - t0:.1f} s)")
             done = steps_done(run.dir / "timeline.jsonl")
             if done and done[-1]["step"] // 25 != last // 25:
                 last = done[-1]["step"]
@@ -197,15 +199,22 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
         shutil.rmtree(memory_dir, ignore_errors=True)
 
 
-def collect_alarm(run: Run) -> None:
-    """Alarm and urgent-save times from the training log (the job's own record)."""
+def collect_alarm(run: Run) -> list[tuple[str, str]]:
+    """Alarm and urgent-save times from the training log (the job's own record); returns
+    the events seen for the first time, with a line to print for each."""
     log = run.log("train")
     stamp = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) rank0 "
-    if m := re.search(stamp + r"predictor: node (\S+) at risk", log):
+    new = []
+    if "alarm" not in run.events and (m := re.search(stamp + r"predictor: node (\S+) at risk", log)):
         run.events["alarm"] = _t(m.group(1))
-    if m := re.search(stamp + r"urgent checkpoint of step (\d+) durable in every tier ([\d.]+) s", log):
+        new.append(("alarm", f"PREDICTOR ALARM: GPU failure predicted on node {m.group(2)}"))
+    if "urgent_durable" not in run.events and (
+            m := re.search(stamp + r"urgent checkpoint of step (\d+) durable in every tier ([\d.]+) s", log)):
         run.events["urgent_durable"] = _t(m.group(1))
         run.events["urgent_step"] = int(m.group(2))
+        new.append(("urgent_durable", f"urgent checkpoint of step {m.group(2)} durable off-node "
+                                      f"{float(m.group(3)):.1f} s after save()"))
+    return new
 
 
 def _t(stamp: str) -> float:
