@@ -141,14 +141,20 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
                 target.delete(plan.ckpt_id)  # the uncommitted part copy
             raise
 
+    skipped: list[dict] = []
+
+    def skip(ckpt_id: CheckpointId, reason: str) -> None:
+        skipped.append({"step": ckpt_id.step, "generation": ckpt_id.generation, "reason": reason})
+        click.echo(f"skipping step {ckpt_id.step}: {reason}", err=True)
+
     found = restore_agreed(LOCAL, tiers_for(root, run=run, memory_dir=memory_dir),
-                           lambda world: [ShardNeed(r) for r in range(world)], copy, step=step)
+                           lambda world: [ShardNeed(r) for r in range(world)], copy, step=step, on_skip=skip)
     if found is None:
         _emit(as_json, {"error": "no checkpoint"}, f"no checkpoint{'' if step is None else f' for step {step}'} in {root}")
         sys.exit(1)
     plan = found[0]
     out = {"step": plan.ckpt_id.step, "generation": plan.ckpt_id.generation,
-           "from": sorted({s.sources[0].name for s in plan.shards}), "to": str(target.root)}
+           "from": sorted({s.sources[0].name for s in plan.shards}), "to": str(target.root), "skipped": skipped}
     _emit(as_json, out, f"restored step {out['step']} from {', '.join(out['from'])} into {out['to']}")
 
 

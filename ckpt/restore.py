@@ -52,10 +52,12 @@ LOCAL: Agreement = _Alone()
 
 
 def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, execute: Callable[[RestorePlan], T],
-                   *, step: int | None = None) -> tuple[RestorePlan, T] | None:
+                   *, step: int | None = None,
+                   on_skip: Callable[[CheckpointId, str], None] | None = None) -> tuple[RestorePlan, T] | None:
     """Run ``execute`` on the newest plan that succeeds on every rank; None when no
-    checkpoint is there. Raises CheckpointError when checkpoints exist but none can be
-    read by this job (every one damaged, or saved by another world size)."""
+    checkpoint is there. Each checkpoint skipped is logged with its reason (and passed to
+    ``on_skip``). Raises CheckpointError when checkpoints exist but none can be read by
+    this job (every one damaged, or saved by another world size)."""
     inventory = Inventory(tiers)
     rejected: dict[CheckpointId, str] = {}
     while True:
@@ -82,6 +84,8 @@ def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, 
             return chosen, result  # type: ignore[return-value]
         reason = error or "another rank could not read it"
         log.warning("skipping step %d (generation %d): %s", chosen.ckpt_id.step, chosen.ckpt_id.generation, reason)
+        if on_skip is not None:
+            on_skip(chosen.ckpt_id, reason)
         rejected[chosen.ckpt_id] = reason
 
 

@@ -121,7 +121,10 @@ def test_restore_skips_a_damaged_newest_checkpoint(saved: Path, tmp_path: Path, 
     dest = tmp_path / "restored"
     r = ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads(r.stdout)["step"] == 2 and "rank-00000.bin" in r.stderr
+    out = json.loads(r.stdout)
+    assert out["step"] == 2 and "rank-00000.bin" in r.stderr
+    assert "skipping step 3: " in r.stderr and [s["step"] for s in out["skipped"]] == [3]  # never silent
+    assert "checksum mismatch" in out["skipped"][0]["reason"]
     assert not ckpt_dir(dest, 3).exists()  # the damaged copy was checked before its commit, and removed
     with CheckpointManager(dest, memory_dir=str(no_slots)) as mgr:
         step, state = restored(mgr)
