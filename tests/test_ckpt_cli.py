@@ -201,3 +201,20 @@ def test_gc_orphans_reclaims_the_memory_of_jobs_that_are_gone(tmp_path: Path, sh
         assert len(list(Path(shm_dir).glob("ckpt-guard-*"))) == 1  # the live job's
     finally:
         live.close()
+
+
+def test_a_root_that_does_not_exist_is_an_error_not_an_empty_list(tmp_path: Path, no_slots: Path) -> None:
+    for cmd in ("ls", "verify", "gc"):
+        r = ckpt(cmd, tmp_path / "typo", "--memory-dir", no_slots)
+        assert r.returncode == 2 and "no such directory" in r.stderr, (cmd, r.stdout + r.stderr)
+
+
+def test_restore_into_a_directory_holding_checkpoints_needs_force(saved: Path, tmp_path: Path,
+                                                                   no_slots: Path) -> None:
+    dest = tmp_path / "dest"
+    assert ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--step", "2").returncode == 0
+    r = ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots)
+    assert r.returncode == 2 and "--force" in r.stderr, r.stdout + r.stderr
+    assert [row["step"] for row in json.loads(ckpt("ls", dest, "--memory-dir", no_slots, "--json").stdout)] == [2]
+    assert ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--force").returncode == 0
+    assert [row["step"] for row in json.loads(ckpt("ls", dest, "--memory-dir", no_slots, "--json").stdout)] == [2, 3]

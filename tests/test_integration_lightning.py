@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import ckpt
@@ -48,3 +49,17 @@ def test_data_loader_position_is_the_batches_delivered() -> None:
     assert seen + batches(resumed) == epochs[1]
     assert resumed.state_dict() == {"epoch": 1, "consumed": 40}
     assert batches(resumed) == epochs[2]
+
+
+def test_an_object_store_only_manager_works_with_the_lightning_io(tmp_path: Path, shm_dir: str) -> None:
+    """root=None (no disk tier): the integration names the store when there is nothing to
+    resume from (it used to die on mgr.disk.root), and resumes from the store when there is."""
+    from ckpt.integrations.lightning import RESUME, LightningCheckpoint  # Lightning: imported by this test only
+
+    url = f"file://{tmp_path}/store"
+    with ckpt.CheckpointManager(None, object_store=url, memory_dir=shm_dir) as mgr:
+        guard = LightningCheckpoint(mgr)
+        with pytest.raises(ckpt.CheckpointError, match="store"):
+            guard.io.load_checkpoint(RESUME)
+        mgr.save(7, {"global_step": 7, "w": torch.ones(3)}, urgent=True).wait()
+        assert guard.io.load_checkpoint(RESUME)["global_step"] == 7
