@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from agents.shm import orphaned
 from agents.spool import Spool
 from agents.stats import AgentStats
 from telemetry import schema as S
@@ -63,8 +64,8 @@ def _number(v: float) -> str:
 
 
 class _AgentCollector:
-    def __init__(self, stats: AgentStats, spool: Spool | None):
-        self.stats, self.spool = stats, spool
+    def __init__(self, stats: AgentStats, spool: Spool | None, shm_dir: str | None):
+        self.stats, self.spool, self.shm_dir = stats, spool, shm_dir
 
     def collect(self):
         for name, value in self.stats.snapshot().items():
@@ -74,19 +75,28 @@ class _AgentCollector:
         if self.spool is not None:
             yield GaugeMetricFamily("ckpt_guard_agent_spool_bytes", "Bytes of batches waiting in the spool.", value=self.spool.bytes)
             yield GaugeMetricFamily("ckpt_guard_agent_spool_batches", "Batches waiting in the spool.", value=len(self.spool))
+        if self.shm_dir is not None:
+            count, size = orphaned(self.shm_dir)
+            yield GaugeMetricFamily("ckpt_guard_node_orphaned_shm_bytes",
+                                    "Shared memory held by checkpoint jobs that are gone (ckpt gc --orphans frees it).",
+                                    value=size)
+            yield GaugeMetricFamily("ckpt_guard_node_orphaned_shm_namespaces",
+                                    "Checkpoint shared-memory namespaces whose job is gone.", value=count)
 
 
 class Exporter:
     """Keeps each GPU's latest sample and serves it; ``observe`` is a sampler sink."""
 
     def __init__(self, stats: AgentStats, spool: Spool | None = None,
-                 model_name: Callable[[str, int], str] = lambda node, gpu: "unknown", stale_s: float = 60.0):
+                 model_name: Callable[[str, int], str] = lambda node, gpu: "unknown", stale_s: float = 60.0,
+                 shm_dir: str | None = "/dev/shm"):
+        """``shm_dir``: where checkpoint jobs keep their shared memory (None: do not report it)."""
         self._model_name, self.stale_s = model_name, stale_s
         self._latest: dict[tuple[str, int], tuple[float, dict]] = {}
         self._last_xid: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
         self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_AgentCollector(stats, spool))
+        self._registry.register(_AgentCollector(stats, spool, shm_dir))
         ProcessCollector(registry=self._registry)
         self._server: ThreadingHTTPServer | None = None
 

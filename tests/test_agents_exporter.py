@@ -112,3 +112,25 @@ def test_default_metrics_port_is_not_dcgm_exporters():
     for name in ("ckpt-guard-agent.service", "prometheus-scrape.yml", "alerts_test.yml"):
         text = (deploy / name).read_text()
         assert str(DEFAULT_METRICS_PORT) in text and "9400" not in text, name
+
+
+def test_orphaned_checkpoint_shared_memory_is_reported(tmp_path, shm_dir):
+    """A job that is gone leaves its slots in /dev/shm; a live job's are not orphans. The
+    agent reads the locks from /proc/locks, never takes them."""
+    import torch
+
+    from ckpt import CheckpointManager
+
+    with CheckpointManager(tmp_path / "gone", memory_dir=shm_dir) as mgr:
+        mgr.save(1, {"w": torch.ones(1 << 16)}).wait()
+    live = CheckpointManager(tmp_path / "live", memory_dir=shm_dir)
+    try:
+        live.save(1, {"w": torch.ones(1 << 16)}).wait()
+        exp = Exporter(AgentStats(), shm_dir=shm_dir)
+        fams = families(exp.render().decode())
+        assert fams["ckpt_guard_node_orphaned_shm_namespaces"].samples[0].value == 1
+        assert 4 * (1 << 16) <= fams["ckpt_guard_node_orphaned_shm_bytes"].samples[0].value < 1 << 22  # one slot
+    finally:
+        live.close()
+    fams = families(Exporter(AgentStats(), shm_dir=shm_dir).render().decode())
+    assert fams["ckpt_guard_node_orphaned_shm_namespaces"].samples[0].value == 2
