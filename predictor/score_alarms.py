@@ -10,11 +10,7 @@ ALARMS.parquet needs columns timestamp, node, gpu. TRACE_DIR holds failures.parq
 and telemetry.parquet (or trace.json with nodes and days) of the same trace.
 Needs only pyarrow and numpy.
 """
-import argparse
-import json
-import os
-import sys
-
+import argparse, json, os, sys
 import numpy as np
 import pyarrow.parquet as pq
 
