@@ -25,7 +25,8 @@ def _parse_mode_weights(text: str | None) -> dict[str, float] | None:
     try:
         return {k.strip(): float(v) for k, v in (kv.split("=") for kv in text.split(","))}
     except ValueError:
-        raise click.BadParameter(f"{text!r}: expected e.g. hbm=0.45,nvlink=0.2,pcie=0.2,thermal=0.15", param_hint="--mode-weights") from None
+        raise click.BadParameter(f"{text!r}: expected e.g. hbm=0.45,nvlink=0.2,pcie=0.2,thermal=0.15",
+                                 param_hint="--mode-weights") from None
 
 
 def _parse_start(text: str | None) -> datetime | None:
@@ -50,12 +51,14 @@ def fleet_options(f):
                      help="GPU failures per GPU-day (enriched; a real fleet is ~100x lower)."),
         click.option("--sudden-share", type=click.FloatRange(0, 1), default=1 / 3, show_default="1/3",
                      help="Share of failures with no precursor."),
-        click.option("--mode-weights", default=None, help="Mix of precursor modes, e.g. hbm=0.45,nvlink=0.2,pcie=0.2,thermal=0.15."),
+        click.option("--mode-weights", default=None,
+                     help="Mix of precursor modes, e.g. hbm=0.45,nvlink=0.2,pcie=0.2,thermal=0.15."),
         click.option("--fail", "fail", multiple=True, metavar="NODE/gpuN/MODE@+OFFSET",
                      help="Schedule a failure, e.g. node0003/gpu2/hbm@+10m (repeatable)."),
         click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
                      help="Run the fleet's processes this many times faster than the clock."),
-        click.option("--start", default=None, help="Trace start time, ISO 8601, UTC if no zone (a live run starts now)."),
+        click.option("--start", default=None,
+                     help="Trace start time, ISO 8601, UTC if no zone (a live run starts now)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -168,33 +171,44 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
 
 @main.command()
 @click.option("--source", type=click.Choice(["nvml", "sim", "replay"]), default="nvml", show_default=True)
-@click.option("--predictor", default=None, metavar="URL", help="Predictor base URL; without it only /metrics is served.")
+@click.option("--predictor", default=None, metavar="URL",
+              help="Predictor base URL; without it only /metrics is served.")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help=f"File holding the agent token (or set ${TOKEN_ENV}).")
-@click.option("--token", "token_argv", hidden=True, help="Refused: a token on the command line is visible to every user.")
-@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Seconds between samples.")
+@click.option("--token", "token_argv", hidden=True,
+              help="Refused: a token on the command line is visible to every user.")
+@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds between samples.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=DEFAULT_METRICS_PORT, show_default=True,
               help="Port of /metrics (not dcgm-exporter's 9400); 0 turns it off.")
-@click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address /metrics binds (0.0.0.0 for a remote Prometheus).")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True,
+              help="Address /metrics binds (0.0.0.0 for a remote Prometheus).")
 @click.option("--node-name", default=None, help="Node name to report (default: this host's short name).")
-@click.option("--spool-dir", type=click.Path(file_okay=False), default=None, help="Spool directory (default under $XDG_STATE_HOME).")
+@click.option("--spool-dir", type=click.Path(file_okay=False), default=None,
+              help="Spool directory (default under $XDG_STATE_HOME).")
 @click.option("--spool-max-mb", type=click.FloatRange(min=0, min_open=True), default=256.0, show_default=True)
-@click.option("--batch-seconds", type=click.FloatRange(min=0), default=10.0, show_default=True, help="Samples per batch, in seconds.")
-@click.option("--trace", type=click.Path(exists=True, file_okay=False), default=None, help="Replay: the trace directory.")
-@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, help="Replay: N x recorded pace.")
+@click.option("--batch-seconds", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Samples per batch, in seconds.")
+@click.option("--trace", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Replay: the trace directory.")
+@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Replay: N x recorded pace.")
 @click.option("--replay-node", "replay_nodes", multiple=True, help="Replay: only this node (repeatable).")
 @click.option("--retime", is_flag=True, help="Replay: stamp samples with the wall clock instead of the recorded time.")
-@click.option("--model-clock", is_flag=True, help="Sim: stamp samples with the simulated clock, --time-scale times faster "
+@click.option("--model-clock", is_flag=True,
+              help="Sim: stamp samples with the simulated clock, --time-scale times faster "
               "than the wall clock, so a predictor sees sped-up precursors at their natural pace (demos).")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None, help="Stop after this many seconds.")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop after this many seconds.")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="At exit, how long to keep sending the spool.")
 @click.option("--json", "as_json", is_flag=True, help="Print the agent's counters as JSON at exit.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
 @fleet_options
-def run(source, predictor, token_file, token_argv, interval, metrics_port, metrics_addr, node_name, spool_dir, spool_max_mb,
-        batch_seconds, trace, speed, replay_nodes, retime, model_clock, duration, drain_seconds, as_json, log_level,
-        **fleet) -> None:
+def run(source, predictor, token_file, token_argv, interval, metrics_port, metrics_addr, node_name, spool_dir,
+        spool_max_mb, batch_seconds, trace, speed, replay_nodes, retime, model_clock, duration, drain_seconds, as_json,
+        log_level, **fleet) -> None:
     """Run the node agent: sample GPUs, stream to the predictor, serve /metrics."""
     import logging
     import signal
@@ -225,7 +239,8 @@ def run(source, predictor, token_file, token_argv, interval, metrics_port, metri
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())
     log = logging.getLogger("agents")
-    log.info("agent for node %s: %s source every %gs%s", node, source, interval, f" to {predictor}" if predictor else "")
+    log.info("agent for node %s: %s source every %gs%s", node, source, interval,
+             f" to {predictor}" if predictor else "")
     if agent.metrics_port:
         log.info("serving /metrics on http://%s:%d/metrics", metrics_addr, agent.metrics_port)
     counters = agent.run(duration, drain_seconds)

@@ -73,8 +73,10 @@ class _AgentCollector:
             c.add_metric([], value)
             yield c
         if self.spool is not None:
-            yield GaugeMetricFamily("ckpt_guard_agent_spool_bytes", "Bytes of batches waiting in the spool.", value=self.spool.bytes)
-            yield GaugeMetricFamily("ckpt_guard_agent_spool_batches", "Batches waiting in the spool.", value=len(self.spool))
+            yield GaugeMetricFamily("ckpt_guard_agent_spool_bytes", "Bytes of batches waiting in the spool.",
+                                    value=self.spool.bytes)
+            yield GaugeMetricFamily("ckpt_guard_agent_spool_batches", "Batches waiting in the spool.",
+                                    value=len(self.spool))
         if self.shm_dir is not None:
             count, size = orphaned(self.shm_dir)
             yield GaugeMetricFamily("ckpt_guard_node_orphaned_shm_bytes",
@@ -152,7 +154,8 @@ class Exporter:
 
         self._server = ThreadingHTTPServer((addr, port), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 1.0}, name="agents-metrics", daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 1.0}, name="agents-metrics",
+                         daemon=True).start()
         return self._server.server_address[1]
 
     def close(self) -> None:

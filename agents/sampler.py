@@ -27,13 +27,15 @@ class Sampler:
     critical XID reaches the predictor within about a second, not an interval.
     """
 
-    def __init__(self, source: Source, sinks: list[Sink], interval_s: float, stats: AgentStats, xid_poll_s: float = 1.0):
+    def __init__(self, source: Source, sinks: list[Sink], interval_s: float, stats: AgentStats,
+                 xid_poll_s: float = 1.0):
         self.source, self.sinks, self.interval_s, self.stats = source, sinks, interval_s, stats
         self._sched = BackgroundScheduler(
             timezone=timezone.utc,
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": max(1, int(interval_s))},
         )
-        self._sched.add_job(self.tick, "interval", seconds=interval_s, next_run_time=datetime.now(timezone.utc), id="sample")
+        self._sched.add_job(self.tick, "interval", seconds=interval_s, next_run_time=datetime.now(timezone.utc),
+                            id="sample")
         if xid_poll_s < interval_s:
             self._sched.add_job(self.poll_xids, "interval", seconds=xid_poll_s, id="xid")
 

@@ -167,10 +167,12 @@ class Sender:
             self.spool.pop(entry)
             self.stats.add(**{_counter(entry.kind, "sent"): entry.rows, "batches_sent": 1})
             if self._failures:
-                log.warning("predictor answers again after %d failed attempts; %d batches spooled", self._failures, len(self.spool))
+                log.warning("predictor answers again after %d failed attempts; %d batches spooled",
+                            self._failures, len(self.spool))
             self._failures = 0
         elif status == 400:
-            log.error("predictor refused a %s batch of %d rows as malformed (set aside): %s", entry.kind, entry.rows, text.strip())
+            log.error("predictor refused a %s batch of %d rows as malformed (set aside): %s",
+                      entry.kind, entry.rows, text.strip())
             self.spool.set_aside(entry)
             self.stats.add(**{_counter(entry.kind, "rejected"): entry.rows})
         elif status == 413 and entry.rows > 1:
@@ -200,7 +202,8 @@ class Sender:
         self._failures += 1
         loud = self._failures <= 3 or self._failures % 100 == 0
         (log.warning if loud else log.debug)(
-            "sending %s batch %s failed (%s); %d batches spooled, retry in %.1fs", entry.kind, entry.batch_id, why, len(self.spool), delay)
+            "sending %s batch %s failed (%s); %d batches spooled, retry in %.1fs",
+            entry.kind, entry.batch_id, why, len(self.spool), delay)
         with self._cond:
             self._retry_at = time.monotonic() + delay
 

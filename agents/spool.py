@@ -60,7 +60,8 @@ class Spool:
         for name in os.listdir(directory):  # a crash between write and rename leaves these
             if name.endswith(".tmp"):
                 os.unlink(os.path.join(directory, name))
-        self._entries = sorted(filter(None, (_parse(directory, n) for n in os.listdir(directory))), key=lambda e: e.order)
+        self._entries = sorted(filter(None, (_parse(directory, n) for n in os.listdir(directory))),
+                               key=lambda e: e.order)
         self._bytes = sum(e.size for e in self._entries)
         last = self._entries[-1].order if self._entries else "0"
         self._seq = int(last.rstrip("ab") or 0) + 1

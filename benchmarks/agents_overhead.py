@@ -105,11 +105,13 @@ def main(argv=None) -> int:
                     if now - last_scrape >= SCRAPE_S:
                         urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).read()
                         last_scrape = now
-                    time.sleep(max(0.0, min(w_end, last_scrape + SCRAPE_S) - time.monotonic()))  # few wake-ups: they count too
+                    # few wake-ups: they count too
+                    time.sleep(max(0.0, min(w_end, last_scrape + SCRAPE_S) - time.monotonic()))
                 ticks = (agent.stats.snapshot()["samples_collected"] - n0) / a.gpus
                 if ticks:
                     total = time.process_time() - cpu0
-                    windows.append({"ticks": ticks, "agent_cpu_s": total - (src.cpu_s - src0), "source_cpu_s": src.cpu_s - src0})
+                    windows.append({"ticks": ticks, "agent_cpu_s": total - (src.cpu_s - src0),
+                                    "source_cpu_s": src.cpu_s - src0})
             agent.stop()
             runner.join()
             counters = agent.stats.snapshot()
@@ -136,8 +138,11 @@ def main(argv=None) -> int:
     else:
         print(f"agent CPU per tick ({a.gpus} GPUs): median {res['agent_cpu_ms_per_tick_median']} ms "
               f"(max {res['agent_cpu_ms_per_tick_max']} ms) = {res['agent_core_share_pct_median']}% of one core "
-              f"at {a.interval:g} s (target <= 1%); simulated source apart: {res['sim_source_cpu_ms_per_tick_median']} ms/tick; "
-              f"RSS {res['rss_mib']} MiB (peak {res['peak_rss_mib']} MiB, {res['rss_before_agent_mib']} MiB before the agent started); sent {res['samples_sent']}/{res['samples_collected']}")
+              f"at {a.interval:g} s (target <= 1%); "
+              f"simulated source apart: {res['sim_source_cpu_ms_per_tick_median']} ms/tick; "
+              f"RSS {res['rss_mib']} MiB (peak {res['peak_rss_mib']} MiB, "
+              f"{res['rss_before_agent_mib']} MiB before the agent started); "
+              f"sent {res['samples_sent']}/{res['samples_collected']}")
     return 0
 
 

@@ -42,7 +42,8 @@ class Results(dict):
 
     def __setitem__(self, key: str, value: object) -> None:
         super().__setitem__(key, value)
-        print(f"  {key} = {value:.3f}" if isinstance(value, float) else f"  {key} = {value}", file=sys.stderr, flush=True)
+        print(f"  {key} = {value:.3f}" if isinstance(value, float) else f"  {key} = {value}",
+              file=sys.stderr, flush=True)
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -158,7 +159,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=["medium", "tiny"], default="medium")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="Directory on the disk to measure (default: a temp dir under /var/tmp).")
+    ap.add_argument("--dir", default=None,
+                    help="Directory on the disk to measure (default: a temp dir under /var/tmp).")
     ap.add_argument("--json", default=None, help="Also write the results as JSON to this path ('-' for stdout).")
     ap.add_argument("--device", default="cpu", help="Where the training state lives: cpu or cuda.")
     args = ap.parse_args()
@@ -274,17 +276,21 @@ def report(r: dict) -> None:
     cuda = r.get("device", "cpu") != "cpu"
     rows = [
         ("memcpy floor (device→pinned host)" if cuda else "memcpy floor (warm memory)", m, "1.00x memcpy"),
-        ("memcpy floor back (pinned host→device)" if cuda else "memcpy floor back (warm memory)", mb, "1.00x memcpy back"),
+        ("memcpy floor back (pinned host→device)" if cuda else "memcpy floor back (warm memory)", mb,
+         "1.00x memcpy back"),
         ("disk floor: sequential write + fsync", w, "1.00x disk write"),
         ("disk floor: sequential cold read", rd, "1.00x disk read"),
-        ("ours: save() blocking, first (slots prepared)", r["ours_first_block_s"], f"{r['ours_first_block_s'] / m:.2f}x memcpy"),
+        ("ours: save() blocking, first (slots prepared)", r["ours_first_block_s"],
+         f"{r['ours_first_block_s'] / m:.2f}x memcpy"),
         ("ours: save() blocking, later (median)", r["ours_block_s"], f"{r['ours_block_s'] / m:.2f}x memcpy"),
-        ("ours: save() → durable on disk", r["ours_durable_disk_s"], f"{w / r['ours_durable_disk_s']:.2f}x disk-floor throughput"),
+        ("ours: save() → durable on disk", r["ours_durable_disk_s"],
+         f"{w / r['ours_durable_disk_s']:.2f}x disk-floor throughput"),
         ("torch.save (+fsync)", r["torch_save_s"], f"{r['torch_save_s'] / m:.1f}x memcpy (all blocking)"),
         ("dcp.save", r["dcp_save_s"], f"{r['dcp_save_s'] / m:.1f}x memcpy (all blocking)"),
         ("dcp.async_save: blocking", r["dcp_async_block_s"], f"{r['dcp_async_block_s'] / m:.1f}x memcpy"),
         ("dcp.async_save: total", r["dcp_async_total_s"], ""),
-        ("ours: restore from memory", r["ours_restore_memory_s"], f"{r['ours_restore_memory_s'] / mb:.2f}x memcpy back"),
+        ("ours: restore from memory", r["ours_restore_memory_s"],
+         f"{r['ours_restore_memory_s'] / mb:.2f}x memcpy back"),
         ("ours: restore from disk (cold)", r["ours_restore_disk_s"], f"{r['ours_restore_disk_s'] / rd:.2f}x disk read"),
         ("torch.load (cold)", r["torch_load_s"], f"{r['torch_load_s'] / rd:.2f}x disk read"),
         ("dcp.load (cold)", r["dcp_load_s"], f"{r['dcp_load_s'] / rd:.2f}x disk read"),

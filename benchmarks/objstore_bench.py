@@ -297,16 +297,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     for c, samples in runs.items():
         row: dict = {"what": CONTENDERS[c][0]}
         for phase in ("up", "down"):
-            med = {k: statistics.median(getattr(s[phase], k) for s in samples) for k in ("wall_s", "server_cpu_s", "client_cpu_s")}
+            med = {k: statistics.median(getattr(s[phase], k) for s in samples)
+                   for k in ("wall_s", "server_cpu_s", "client_cpu_s")}
             row[phase] = {"MBps": bench.nbytes / 1e6 / med["wall_s"], "median_s": med["wall_s"],
-                          "server_cpu_s_per_GB": med["server_cpu_s"] / gb, "client_cpu_s_per_GB": med["client_cpu_s"] / gb,
+                          "server_cpu_s_per_GB": med["server_cpu_s"] / gb,
+                          "client_cpu_s_per_GB": med["client_cpu_s"] / gb,
                           "runs": [asdict(s[phase]) for s in samples]}
         rows[c] = row
     for row in rows.values():
         for phase in ("up", "down"):
-            row[phase]["x_single"] = rows["put1"][phase]["median_s"] / row[phase]["median_s"] if "put1" in rows else None
+            row[phase]["x_single"] = (rows["put1"][phase]["median_s"] / row[phase]["median_s"]
+                                      if "put1" in rows else None)
     server = ("s3rver (Node.js) on loopback, objects in /dev/shm" if args.server == "s3rver" else
-              "moto_server on loopback, " + ("objects spooled to disk" if args.moto_disk_spool else "objects in memory"))
+              "moto_server on loopback, "
+              + ("objects spooled to disk" if args.moto_disk_spool else "objects in memory"))
     if args.throttle:
         server += f", behind a proxy capping each connection at {args.throttle_MBps:g} MB/s each way, " \
                   f"+{args.latency_ms:g} ms per response (server CPU includes the proxy's)"

@@ -268,7 +268,8 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CKPT_GUARD_OPERATOR_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "predictor.cli", "serve", "--port", str(port)] + (["--model", a.model] if a.model else [])
+    cmd = ([sys.executable, "-m", "predictor.cli", "serve", "--port", str(port)]
+           + (["--model", a.model] if a.model else []))
     server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(300):
@@ -305,7 +306,8 @@ def main() -> int:
               f"{m['server_cpu_s_per_1000_samples']:.4f} s per 1000 samples ({m['server_cores_used']} cores used); "
               f"POST -> checkpoint now p50 {m['checkpoint_latency_s_p50'] * 1000:.1f} ms, "
               f"p99 {m['checkpoint_latency_s_p99'] * 1000:.1f} ms; CPU without HTTP: decode+validate "
-              f"{costs['decode_validate_us_per_request']} us/request, scoring {costs['scoring_us_per_sample']} us/sample")
+              f"{costs['decode_validate_us_per_request']} us/request, "
+              f"scoring {costs['scoring_us_per_sample']} us/sample")
     return 0
 
 

@@ -79,7 +79,9 @@ def record(trace: Path) -> dict[str, np.ndarray]:
             if calls else np.empty((0, nk, 3))
         n, el, mom = stats[:, :, 0], stats[:, :, 1], stats[:, :, 2]
         ns = len(n)
-        rows["slot"].append(scored.slots); rows["t"].append(scored.t_ms); rows["crit"].append(scored.critical)
+        rows["slot"].append(scored.slots)
+        rows["t"].append(scored.t_ms)
+        rows["crit"].append(scored.critical)
         pad = np.zeros((len(scored.slots) - ns, nk))          # XID-only rows after the samples
         rows["n"].append(np.r_[n, pad])
         rows["el"].append(np.r_[el, pad] / 60.0)
@@ -98,7 +100,8 @@ def fit_priors(trace: Path) -> dict[str, tuple[float, float, float, float]]:
     f = pq.read_table(trace / "failures.parquet")
     ft = pc.cast(f["timestamp"], pa.int64()).to_numpy()
     fkey = np.char.add(np.array(f["node"].to_pylist(), str), np.char.mod("/%d", f["gpu"].to_numpy()))
-    fmode = np.array(f["mode"].to_pylist()); dur = f["precursor_s"].to_numpy() / 60.0
+    fmode = np.array(f["mode"].to_pylist())
+    dur = f["precursor_s"].to_numpy() / 60.0
     tel = pq.read_table(trace / "telemetry.parquet", columns=["timestamp", "node", "gpu", *MODE_OF])
     tt = pc.cast(tel["timestamp"], pa.int64()).to_numpy()
     tkey = np.char.add(pc.cast(tel["node"], pa.string()).to_numpy(zero_copy_only=False).astype(str),

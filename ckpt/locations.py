@@ -45,5 +45,6 @@ def tiers_for(location: str | os.PathLike, storage_options: dict | None = None, 
     if run is not None:
         spaces = [memory_namespace(location, run, memory_dir)]
     else:
-        spaces = namespaces_of_root(os.path.realpath(location), memory_dir) or [memory_namespace(location, None, memory_dir)]
+        spaces = (namespaces_of_root(os.path.realpath(location), memory_dir)
+                  or [memory_namespace(location, None, memory_dir)])
     return [*(MemoryTier(ns, rank) for ns in spaces), durable]

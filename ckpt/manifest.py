@@ -195,13 +195,15 @@ class TensorEntry:
         if dtype not in ITEMSIZE:
             raise ManifestError(f"tensor {d.get('path')!r}: unknown dtype {dtype!r}")
         shape = d.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                  for s in shape):
             raise ManifestError(f"tensor {d.get('path')!r}: bad shape {shape!r}")
         offset, nbytes = _int(d, "offset"), _int(d, "nbytes")
         if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
             raise ManifestError(f"tensor {d.get('path')!r}: {nbytes} bytes does not match shape {shape} of {dtype}")
         if offset + nbytes > data_bytes:
-            raise ManifestError(f"tensor {d.get('path')!r}: bytes {offset}..{offset + nbytes} lie past the data's end ({data_bytes})")
+            raise ManifestError(f"tensor {d.get('path')!r}: bytes {offset}..{offset + nbytes} "
+                                f"lie past the data's end ({data_bytes})")
         sums = d.get("checksums")
         if sums is not None:
             want = max(1, math.ceil(nbytes / chunk_bytes))

@@ -83,7 +83,8 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         if isinstance(obj, np.generic):
             if obj.dtype.kind not in _NP_KINDS:
                 raise CheckpointError(f"{path}: numpy scalar of dtype {obj.dtype} is not supported")
-            return {"__npscalar__": [obj.dtype.str, obj.item() if obj.dtype.kind != "c" else [obj.real.item(), obj.imag.item()]]}
+            return {"__npscalar__": [obj.dtype.str,
+                                     obj.item() if obj.dtype.kind != "c" else [obj.real.item(), obj.imag.item()]]}
         if isinstance(obj, (int, float)):
             return obj
         if isinstance(obj, bytes):
@@ -355,7 +356,8 @@ def _layout(x: Any) -> tuple[str, tuple[int, ...], str] | None:
         return kind, x.shape, DTYPE_NAMES.get(x.dtype, str(x.dtype))
     if isinstance(x, torch.Tensor):
         local = local_tensor(x)
-        return "DTensor" if isinstance(x, DTensor) else "tensor", tuple(local.shape), DTYPE_NAMES.get(x.dtype, str(x.dtype))
+        return ("DTensor" if isinstance(x, DTensor) else "tensor", tuple(local.shape),
+                DTYPE_NAMES.get(x.dtype, str(x.dtype)))
     if isinstance(x, np.ndarray):
         return "numpy array", x.shape, _numpy_dtype_name(x.dtype)
     return None

@@ -28,7 +28,8 @@ def parse_args(doc: str) -> argparse.Namespace:
     ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '6:kill,10:term'")
     ap.add_argument("--out", default=None, help="write the final weights digest here (JSON)")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(name)s %(message)s")
     torch.set_num_threads(1)
     return args
 

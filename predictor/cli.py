@@ -131,7 +131,8 @@ def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path 
 @click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL, e.g. http://127.0.0.1:9093")
 @click.option("--webhook", "webhook_url", help="generic webhook URL for strict-threshold alerts")
 @click.option("--max-body", default=16 * 2**20, show_default=True, help="batch size cap in bytes, decompressed")
-@click.option("--max-ahead", "max_ahead_s", type=click.FloatRange(min=0), default=300.0, show_default=True,  # wire.MAX_AHEAD_S
+@click.option("--max-ahead", "max_ahead_s", type=click.FloatRange(min=0),
+              default=300.0, show_default=True,  # wire.MAX_AHEAD_S
               help="refuse samples stamped more than this many seconds ahead of this machine's clock "
                    "(a simulated clock that runs faster, as in the demo, needs more)")
 def serve(model_path: str | None, host: str, port: int, tokens_path: str | None, no_auth: bool,

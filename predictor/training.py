@@ -4,8 +4,8 @@ Labels: a sample is positive when a failure with a visible precursor follows on 
 same GPU within half the horizon and the precursor has begun; the rest of the
 horizon, and samples before a failure whose signs are not (yet) visible, are left
 out rather than called healthy. An alarm more than the horizon early is a false alarm (EVAL.md), so the
-hours before the horizon are kept in full as negatives. Validation holds out whole nodes: the model is fitted on the others,
-calibrated on the held-out ones, and the thresholds are picked by replaying the
+hours before the horizon are kept in full as negatives. Validation holds out whole nodes: the model is
+fitted on the others, calibrated on the held-out ones, and the thresholds are picked by replaying the
 held-out nodes through the online scorer and scoring alarms as EVAL.md does.
 """
 from __future__ import annotations

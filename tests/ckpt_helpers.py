@@ -64,7 +64,8 @@ def assert_same(actual: Any, expected: Any, path: str = "state") -> None:
         assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), f"{path}: dtype/shape differ"
         assert actual.tobytes() == expected.tobytes(), f"{path}: array bytes differ"
     elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and set(actual) == set(expected), f"{path}: keys {set(actual)} != {set(expected)}"
+        assert isinstance(actual, dict) and set(actual) == set(expected), \
+            f"{path}: keys {set(actual)} != {set(expected)}"
         for k in expected:
             assert_same(actual[k], expected[k], f"{path}[{k!r}]")
     elif isinstance(expected, (list, tuple)):

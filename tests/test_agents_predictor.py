@@ -29,7 +29,8 @@ def _packaged_model() -> bool:
     return os.path.isdir(models) and any(not n.startswith((".", "__")) for n in os.listdir(models))
 
 
-pytestmark = pytest.mark.skipif(not _packaged_model(), reason="predictor service with a packaged model not in this tree")
+pytestmark = pytest.mark.skipif(not _packaged_model(),
+                                reason="predictor service with a packaged model not in this tree")
 
 
 def _env():
@@ -44,8 +45,8 @@ def predictor(tmp_path_factory):
     (d / "agent.token").write_text(TOKEN)
     port = free_port()
     # --max-ahead as the demo sets it: a --model-clock agent stamps samples ahead of the wall clock
-    proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(d / "tokens"),
-                             "--max-ahead", "86400"],
+    proc = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--port", str(port),
+                             "--tokens", str(d / "tokens"), "--max-ahead", "86400"],
                             cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -76,8 +77,8 @@ def ingested(url: str) -> dict[str, float]:
 
 def agents_run(url, token_file, tmp_path, *args):
     res = subprocess.run([sys.executable, "-m", "agents.cli", "run", "--source", "sim", "--predictor", url,
-                          "--token-file", token_file, "--interval", "0.2", "--batch-seconds", "0.5", "--metrics-port", "0",
-                          "--spool-dir", str(tmp_path / "spool"), "--json", *args],
+                          "--token-file", token_file, "--interval", "0.2", "--batch-seconds", "0.5",
+                          "--metrics-port", "0", "--spool-dir", str(tmp_path / "spool"), "--json", *args],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)

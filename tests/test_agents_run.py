@@ -31,9 +31,10 @@ def token_file(tmp_path):
 
 
 def test_sim_agent_streams_every_sample_and_the_scheduled_failure(receiver, token_file, tmp_path):
-    res = agents("run", "--source", "sim", "--node-name", "demo01", "--predictor", receiver.url, "--token-file", token_file,
-                 "--interval", "0.2", "--duration", "3", "--batch-seconds", "0.5", "--metrics-port", "0",
-                 "--spool-dir", str(tmp_path / "spool"), "--time-scale", "60", "--fail", "demo01/gpu4/sudden@+1s", "--json")
+    res = agents("run", "--source", "sim", "--node-name", "demo01", "--predictor", receiver.url,
+                 "--token-file", token_file, "--interval", "0.2", "--duration", "3", "--batch-seconds", "0.5",
+                 "--metrics-port", "0", "--spool-dir", str(tmp_path / "spool"), "--time-scale", "60",
+                 "--fail", "demo01/gpu4/sudden@+1s", "--json")
     assert res.returncode == 0, res.stderr
     counters = json.loads(res.stdout)
     assert counters["samples_collected"] == counters["samples_sent"] == receiver.count() > 50
@@ -45,8 +46,8 @@ def test_sim_agent_streams_every_sample_and_the_scheduled_failure(receiver, toke
 
 def test_replay_streams_a_recorded_trace_and_stops_at_its_end(receiver, token_file, tmp_path):
     trace = tmp_path / "trace"
-    res = CliRunner().invoke(main, ["simulate", "--nodes", "2", "--days", "0.25", "--interval", "60", "--out", str(trace),
-                                    "--failure-rate", "1"])
+    res = CliRunner().invoke(main, ["simulate", "--nodes", "2", "--days", "0.25", "--interval", "60",
+                                    "--out", str(trace), "--failure-rate", "1"])
     assert res.exit_code == 0, res.output
     rows = pq.read_metadata(trace / "telemetry.parquet").num_rows
     xids = pq.read_metadata(trace / "xid.parquet").num_rows
@@ -130,7 +131,8 @@ def test_replay_reads_traces_without_uuid_and_with_extra_columns(tmp_path):
 
     n = 6
     table = pa.table({
-        "timestamp": pa.array([1_700_000_000_000_123 + 60_000_000 * (i // 2) for i in range(n)], pa.int64()).cast(pa.timestamp("us")),
+        "timestamp": pa.array([1_700_000_000_000_123 + 60_000_000 * (i // 2) for i in range(n)],
+                              pa.int64()).cast(pa.timestamp("us")),
         "node": pa.array(["a", "b"] * 3).dictionary_encode(),
         "gpu": pa.array([0] * n, pa.int16()),
         "DCGM_FI_DEV_GPU_TEMP": pa.array([50.0] * n, pa.float32()),

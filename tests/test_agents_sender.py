@@ -58,7 +58,8 @@ def test_malformed_batch_is_set_aside_and_does_not_block(receiver, tmp_path):
     receiver.forced.append(400)
     sender.put(make_rows(8), [])
     assert wait_for(lambda: stats.snapshot()["samples_rejected"] == 8, 30.0), "timed out"
-    sender.put(make_rows(16, t0=1_800_000_000_000), [{"timestamp": 1_800_000_000_000, "node": "n0", "gpu": 3, "xid": 79}])
+    sender.put(make_rows(16, t0=1_800_000_000_000),
+               [{"timestamp": 1_800_000_000_000, "node": "n0", "gpu": 3, "xid": 79}])
     sender.close()
     assert receiver.count() == 16 and receiver.count("/v1/xid") == 1
     assert receiver.rows("/v1/xid").column("xid").to_pylist() == [79]

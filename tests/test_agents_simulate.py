@@ -46,7 +46,8 @@ def test_files_follow_the_schema(trace):
 @pytest.mark.skipif(not os.path.isdir(SHARED_SAMPLE), reason="shared fleet sample not present")
 def test_same_column_types_as_the_shared_sample(trace):
     out, _, _ = trace
-    ours, theirs = pq.read_schema(out / "telemetry.parquet"), pq.read_schema(os.path.join(SHARED_SAMPLE, "telemetry.parquet"))
+    ours = pq.read_schema(out / "telemetry.parquet")
+    theirs = pq.read_schema(os.path.join(SHARED_SAMPLE, "telemetry.parquet"))
     for field in theirs:
         assert ours.field(field.name).type == field.type, field.name
 
@@ -67,7 +68,8 @@ def test_labels_agree_with_the_telemetry(trace):
         before = tel[(tel.node == f.node) & (tel.gpu == f.gpu) & (tel.timestamp <= f.timestamp)]
         if not after.empty and not before.empty:
             # back reset or replaced: volatile counters restart from zero
-            assert after[S.SBE].dropna().iloc[0] <= before[S.SBE].dropna().iloc[-1] or before[S.SBE].dropna().iloc[-1] == 0
+            assert (after[S.SBE].dropna().iloc[0] <= before[S.SBE].dropna().iloc[-1]
+                    or before[S.SBE].dropna().iloc[-1] == 0)
 
 
 def test_scheduled_failure_has_a_visible_precursor(trace):
@@ -96,12 +98,13 @@ def test_healthy_variation_is_present(trace):
 def test_same_seed_same_trace_and_warmer_fleet(tmp_path):
     a = simulate(tmp_path / "a", "--nodes", "2", "--days", "0.5", "--seed", "3")
     b = simulate(tmp_path / "b", "--nodes", "2", "--days", "0.5", "--seed", "3")
-    c = simulate(tmp_path / "c", "--nodes", "2", "--days", "0.5", "--seed", "3", "--temp-offset", "4")
+    simulate(tmp_path / "c", "--nodes", "2", "--days", "0.5", "--seed", "3", "--temp-offset", "4")
     assert a == {**b}
     ta, tb = (pq.read_table(tmp_path / d / "telemetry.parquet") for d in "ab")
     assert ta.equals(tb)
     tc = pq.read_table(tmp_path / "c" / "telemetry.parquet")
-    diff = np.nanmean(tc[S.GPU_TEMP].to_numpy(zero_copy_only=False)) - np.nanmean(ta[S.GPU_TEMP].to_numpy(zero_copy_only=False))
+    diff = (np.nanmean(tc[S.GPU_TEMP].to_numpy(zero_copy_only=False))
+            - np.nanmean(ta[S.GPU_TEMP].to_numpy(zero_copy_only=False)))
     assert 3.5 < diff < 4.5
 
 

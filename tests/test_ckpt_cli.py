@@ -83,8 +83,8 @@ def test_verify_names_each_damaged_file_and_exits_1(root: Path, shm_dir: str, no
     damaged = {int(line.split()[1]): line for line in r.stdout.splitlines() if "damaged" in line}
     assert sorted(damaged) == [1, 2, 3, 4], r.stdout  # step 5, and the memory copies of 4 and 5, are fine
     for step, (what, name, _) in damage.items():
-        assert str(ckpt_dir(root, step) / name) in damaged[step] or (what == "flipped commit" and name in damaged[step]), \
-            f"{what}: {damaged[step]}"
+        assert (str(ckpt_dir(root, step) / name) in damaged[step]
+                or (what == "flipped commit" and name in damaged[step])), f"{what}: {damaged[step]}"
     # --step looks at that step only: the intact newest one passes.
     r = ckpt("verify", root, "--step", "5", "--memory-dir", no_slots, "--json")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -64,7 +64,8 @@ def falls_back_past_newest(disk_only: Callable[[], CheckpointManager], caplog: p
     with disk_only() as mgr:
         listed = [json.dumps(r["damaged"]) for r in mgr.list() if r["step"] == NEWEST and r["damaged"]]
         step, state = restored(mgr)
-    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and f"step {NEWEST}" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.WARNING and f"step {NEWEST}" in r.getMessage()]
     assert any(reason in why for why in listed + warned), listed + warned
     assert step == NEWEST - 1
     assert_same(state, step_state(step))
@@ -157,8 +158,8 @@ def test_tiny_chunks_are_refused_on_read_and_on_write(saved: Path, disk_only, ca
 def test_a_tensor_smaller_than_a_chunk_has_one_checksum() -> None:
     t = torch.arange(10, dtype=torch.int32)
     sums = chunk_checksums(memoryview(t.numpy()).cast("B"), MIN_CHUNK_BYTES)
-    man = ShardManifest(0, 1, 0, 40, [TensorEntry(0, "t", "int32", (10,), 0, 40, tuple(sums))], {"t": {"__tensor__": 0}},
-                        MIN_CHUNK_BYTES)
+    man = ShardManifest(0, 1, 0, 40, [TensorEntry(0, "t", "int32", (10,), 0, 40, tuple(sums))],
+                        {"t": {"__tensor__": 0}}, MIN_CHUNK_BYTES)
     assert ShardManifest.from_bytes(man.to_bytes()) == man and len(sums) == 1
 
 

@@ -29,7 +29,8 @@ NEWEST = SAVED_NEWEST
 def skip_reasons(mgr: CheckpointManager, caplog: pytest.LogCaptureFixture, step: int) -> str:
     """Why ``step`` was not restored: its damaged listing plus restore's warnings about it."""
     listed = [json.dumps(r["damaged"]) for r in mgr.list() if r["step"] == step and r["damaged"]]
-    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and f"step {step}" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.WARNING and f"step {step}" in r.getMessage()]
     return "\n".join(listed + warned)
 
 

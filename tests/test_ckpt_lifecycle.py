@@ -22,7 +22,7 @@ def test_keep_last_keeps_exactly_the_newest_complete_checkpoints(root: Path, shm
     with CheckpointManager(root, memory_dir=shm_dir, keep_last=2) as mgr:
         for step in range(1, 6):
             save_steps(mgr, [step])
-            eventually(lambda: disk_steps(root) == [(0, s) for s in range(max(1, step - 1), step + 1)])
+            eventually(lambda step=step: disk_steps(root) == [(0, s) for s in range(max(1, step - 1), step + 1)])
         assert [(r["step"], r["tiers"]) for r in mgr.list()] == [(4, ["memory", "disk"]), (5, ["memory", "disk"])]
 
 
@@ -65,8 +65,9 @@ def test_leftovers_of_interrupted_saves_are_removed_at_start_up_and_nothing_else
                                "step-000000000003.g0/rank-00000.bin.tmp4242", "step-000000000004.g1"]
     with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
         assert leftovers(root) == []
-        assert sorted(p.name for p in root.iterdir()) == [".ckpt-guard-run", "notes.txt", "other", "step-000000000001.g0",
-                                                          "step-000000000002.g0", "step-latest"]
+        assert sorted(p.name for p in root.iterdir()) == [".ckpt-guard-run", "notes.txt", "other",
+                                                          "step-000000000001.g0", "step-000000000002.g0",
+                                                          "step-latest"]
         step, state = restored(mgr)
     assert step == 2
     assert_same(state, step_state(2))

@@ -19,7 +19,8 @@ from tests.ckpt_helpers import assert_same, ckpt_dir, flip_byte, restored
 
 def make_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 4))
 
 
 def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
@@ -113,7 +114,8 @@ def tier(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def save_then_reopen(root: Path, shm_dir: str, tier: str, state: dict, tmp_path: Path, step: int = 7) -> CheckpointManager:
+def save_then_reopen(root: Path, shm_dir: str, tier: str, state: dict, tmp_path: Path,
+                     step: int = 7) -> CheckpointManager:
     """Save ``state``, close, and reopen so that only ``tier`` holds the checkpoint."""
     with CheckpointManager(root, memory_dir=shm_dir) as mgr:
         mgr.save(step, state)

@@ -47,7 +47,8 @@ def test_killed_workers_resume_exactly(runs: tuple[Path, str]) -> None:
     tmp_path, faulty = runs
     ref, got = json.loads((tmp_path / "clean.json").read_text()), json.loads((tmp_path / "faulty.json").read_text())
 
-    kills = [(int(s), float(t)) for s, t in re.findall(r"fault injector: SIGKILL rank 1 at step (\d+).*?\(([\d.]+)\)", faulty)]
+    kills = [(int(s), float(t))
+             for s, t in re.findall(r"fault injector: SIGKILL rank 1 at step (\d+).*?\(([\d.]+)\)", faulty)]
     firsts = [(int(s), float(t)) for s, t in re.findall(r"rank0 incarnation \d+: first step (\d+) at ([\d.]+)", faulty)]
     assert [s for s, _ in kills] == [13, 25], faulty[-3000:]
     for step, t_kill in kills:

@@ -103,7 +103,7 @@ def test_resumable_saves_on_the_policy(root: Path, shm_dir: str) -> None:
     pol = IntervalPolicy(blocking_s=1.0, mtbf_s=50.0, formula="young", clock=lambda: now[0])  # τ = 10 s, then less
     state = {"w": torch.zeros(8), "n": 0}
     with CheckpointManager(root, memory_dir=shm_dir, keep_last=20) as mgr:
-        for step in ckpt.resumable(mgr, state, total=12, every=pol, preemption=False):
+        for _step in ckpt.resumable(mgr, state, total=12, every=pol, preemption=False):
             state["w"] += 1
             now[0] += 3.0  # each step takes 3 s of the policy's clock
         steps = [row["step"] for row in mgr.list()]

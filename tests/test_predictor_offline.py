@@ -174,7 +174,10 @@ def test_ramp_features_date_an_exponential_precursor(interval_s):
     duration = 180
     runs = [_ramp_left_over_time(lambda m: 3.0 * np.exp(4.0 * (m / duration - 1.0)), duration, interval_s, seed)
             for seed in range(6)]
-    at = lambda m: np.median([r[int(m * 60 / interval_s)] for r in runs])
+
+    def at(m: float) -> float:
+        return np.median([r[int(m * 60 / interval_s)] for r in runs])
+
     assert at(90) > 90 and 15 <= at(150) <= 90 and at(170) < 50     # 90, 30 and 10 min left
     steady = _ramp_left_over_time(lambda m: np.full_like(m, 0.5), 600, interval_s, 0)
     assert np.median(steady[len(steady) // 2:]) > 600

@@ -8,7 +8,8 @@ import pytest
 from ckpt.retry import RetryPolicy, is_transient
 
 
-@pytest.mark.parametrize("exc", [ConnectionResetError(), TimeoutError(), OSError(errno.EIO, "I/O"), RuntimeError("5xx")])
+@pytest.mark.parametrize("exc", [ConnectionResetError(), TimeoutError(), OSError(errno.EIO, "I/O"),
+                                 RuntimeError("5xx")])
 def test_transient_errors_are_retried(exc: Exception) -> None:
     assert is_transient(exc)
 

@@ -70,7 +70,10 @@ class NodeSim:
         self.mem_offset = rng.normal(4.0, 1.2, g)
         self.r_th = self.prof.r_th * rng.normal(1, 0.02, g)
         self.eff = rng.normal(1, 0.04, g)
-        noisy = lambda lo, hi: np.where(rng.random(g) < cfg.noisy_gpu_share, np.exp(rng.uniform(np.log(lo), np.log(hi), g)), 0.0)
+
+        def noisy(lo: float, hi: float) -> np.ndarray:
+            return np.where(rng.random(g) < cfg.noisy_gpu_share, np.exp(rng.uniform(np.log(lo), np.log(hi), g)), 0.0)
+
         self.base_rate = {  # events per model second; look-alike rates as in the shared sample
             S.SBE: noisy(3 / 3600, 13 / 3600) + rng.exponential(0.004 / 3600, g),
             S.PCIE_REPLAY: noisy(0.8 / 3600, 4.5 / 3600),
@@ -183,13 +186,15 @@ class NodeSim:
         sw_hot, hw_hot = temp >= prof.slowdown_c, temp >= prof.hw_slowdown_c
         clock = np.where(sw_hot, clock * np.clip(1 - 0.04 * (temp - prof.slowdown_c), 0.55, 1), clock)
         clock = np.where(hw_hot, clock * 0.5, clock)
-        throttle += np.where(sw_hot, S.THROTTLE_SW_THERMAL, 0) + np.where(hw_hot, S.THROTTLE_HW_THERMAL | S.THROTTLE_HW_SLOWDOWN, 0)
+        throttle += (np.where(sw_hot, S.THROTTLE_SW_THERMAL, 0)
+                     + np.where(hw_hot, S.THROTTLE_HW_THERMAL | S.THROTTLE_HW_SLOWDOWN, 0))
         brake = _in_windows(t, self.plan.brakes)[None, :] & ~idle
         clock = np.where(brake, clock * 0.45, clock)
         throttle += np.where(brake, S.THROTTLE_HW_POWER_BRAKE, 0)
         clock = np.where(idle, prof.idle_sm_mhz, np.round(clock / 15) * 15)
         throttle += np.where(idle, S.THROTTLE_IDLE, 0)
-        power = np.minimum(demand, prof.tdp_w * rng.uniform(0.97, 1.0, (g, n))) * (clock / prof.max_sm_mhz) ** np.where(idle, 0, 1.3)
+        power = (np.minimum(demand, prof.tdp_w * rng.uniform(0.97, 1.0, (g, n)))
+                 * (clock / prof.max_sm_mhz) ** np.where(idle, 0, 1.3))
         power = np.maximum(power, prof.idle_w * 0.8)
         mem_temp = temp + self.mem_offset[:, None] + 5 * util + rng.normal(0, 0.4, (g, n))
         return {S.GPU_TEMP: np.round(temp, 1), S.MEMORY_TEMP: np.round(mem_temp, 1), S.POWER: np.round(power, 1),
@@ -261,7 +266,8 @@ class NodeSim:
     def _counters(self, t, inc, metrics, uuid) -> None:
         """Cumulative counters with restarts at reboots (volatile) and repairs."""
         n = len(t)
-        resets: list[tuple[float, int | None, bool]] = [(r, None, False) for r in self.plan.reboots if t[0] - self.dt < r <= t[-1]]
+        resets: list[tuple[float, int | None, bool]] = [(r, None, False) for r in self.plan.reboots
+                                                        if t[0] - self.dt < r <= t[-1]]
         resets += [(o.end, o.gpu, o.replace) for o in self.plan.outages if t[0] - self.dt < o.end <= t[-1]]
         cums = {m: np.cumsum(inc[m], axis=1) for m in inc}
         base = {m: np.broadcast_to(self.totals[m][:, None], cums[m].shape).copy() for m in inc}

@@ -17,7 +17,8 @@ from telemetry import schema as S
 CHUNK_S = 6 * 3600.0  # wall seconds drawn per node per row group
 
 _TELEMETRY_FILE_SCHEMA = pa.schema(
-    [f.with_type(pa.dictionary(pa.int32(), pa.string())) if f.name in ("node", "uuid") else f for f in S.TELEMETRY_SCHEMA]
+    [f.with_type(pa.dictionary(pa.int32(), pa.string())) if f.name in ("node", "uuid") else f
+     for f in S.TELEMETRY_SCHEMA]
 )
 
 

@@ -41,13 +41,15 @@ class NvmlSource(Source):
         try:
             nv.nvmlInit()
         except nv.NVMLError as e:
-            raise NvmlUnavailable(f"NVML is not available on this host ({e}): no NVIDIA driver loaded? {NO_DRIVER_HINT}") from None
+            raise NvmlUnavailable(f"NVML is not available on this host ({e}): no NVIDIA driver loaded? "
+                                  f"{NO_DRIVER_HINT}") from None
         self.node = node or socket.gethostname().split(".")[0]
         self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
         self._uuid = [self._get(nv.nvmlDeviceGetUUID, h) for h in self._handles]
         self._name = [self._get(nv.nvmlDeviceGetName, h) or "unknown" for h in self._handles]
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch_xids, args=(xid_wait_ms,), name="agents-nvml-xid", daemon=True)
+        self._thread = threading.Thread(target=self._watch_xids, args=(xid_wait_ms,), name="agents-nvml-xid",
+                                        daemon=True)
         self._thread.start()
 
     def _get(self, fn: Callable, *args):
@@ -86,10 +88,14 @@ class NvmlSource(Source):
         for i, h in enumerate(self._handles):
             fields = self._fields(h)
             power_mw = self._get(nv.nvmlDeviceGetPowerUsage, h)
-            reasons = self._get(getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", nv.nvmlDeviceGetCurrentClocksThrottleReasons), h)
+            reasons = self._get(getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons",
+                                        nv.nvmlDeviceGetCurrentClocksThrottleReasons), h)
             remap = self._get(nv.nvmlDeviceGetRemappedRows, h)  # (correctable, uncorrectable, pending, failed)
             nvlink = fields[nv.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL]
-            ecc = lambda kind: self._get(nv.nvmlDeviceGetTotalEccErrors, h, kind, nv.NVML_VOLATILE_ECC)  # noqa: E731
+
+            def ecc(kind: int, h=h):
+                return self._get(nv.nvmlDeviceGetTotalEccErrors, h, kind, nv.NVML_VOLATILE_ECC)
+
             values = {
                 S.GPU_TEMP: self._get(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
                 S.MEMORY_TEMP: fields[nv.NVML_FI_DEV_MEMORY_TEMP],

@@ -179,7 +179,8 @@ class ObjectStoreTier(DurableTier):
     def delete(self, ckpt_id: CheckpointId) -> None:
         man = self._key(ckpt_id, MANIFEST_FILE)
         self.retry.call(lambda: self._rm(man), f"delete {self.url_of(man)}")
-        self.retry.call(lambda: self._rm(self._key(ckpt_id), recursive=True), f"delete {self.url_of(self._key(ckpt_id))}")
+        self.retry.call(lambda: self._rm(self._key(ckpt_id), recursive=True),
+                        f"delete {self.url_of(self._key(ckpt_id))}")
 
     def _rm(self, path: str, recursive: bool = False) -> None:
         try:

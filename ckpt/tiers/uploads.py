@@ -216,8 +216,9 @@ class S3MultipartUploader(Uploader):
         marker: dict = {}
         while True:
             try:
-                page = self.retry.call(lambda: self._call("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix,
-                                                          **marker), f"list unfinished uploads under {prefix}")
+                page = self.retry.call(lambda marker=marker: self._call("list_multipart_uploads", Bucket=bucket,
+                                                                        Prefix=key_prefix, **marker),
+                                       f"list unfinished uploads under {prefix}")
             except OSError as e:
                 if e.errno not in UNSUPPORTED_ERRNO:
                     raise

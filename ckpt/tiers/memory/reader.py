@@ -81,4 +81,5 @@ class SlotReader(ShardReader):
                 pass
             self._mmap = None
         if not still:
-            raise DamagedCheckpoint(self.manifest.step, str(self._meta_path), "slot was overwritten while being read", "memory")
+            raise DamagedCheckpoint(self.manifest.step, str(self._meta_path), "slot was overwritten while being read",
+                                    "memory")
