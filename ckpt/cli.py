@@ -103,7 +103,8 @@ def verify_cmd(root: str, step: int | None, run: str | None, memory_dir: str, as
                     row.update(status="damaged", file=tier.location, reason=str(e))
             results.append(row)
     damaged = [r for r in results if r["status"] == "damaged"]
-    lines = [f"step {r['step']} ({r['tier']}): {r['status']}" + (f": {r['file']}: {r['reason']}" if r["status"] == "damaged" else "")
+    lines = [f"step {r['step']} ({r['tier']}): {r['status']}"
+             + (f": {r['file']}: {r['reason']}" if r["status"] == "damaged" else "")
              for r in sorted(results, key=lambda r: (r["generation"], r["step"]))]
     if not results:
         lines = [f"no checkpoints{'' if step is None else f' for step {step}'} in {root}"]
@@ -150,7 +151,8 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
     found = restore_agreed(LOCAL, tiers_for(root, run=run, memory_dir=memory_dir),
                            lambda world: [ShardNeed(r) for r in range(world)], copy, step=step, on_skip=skip)
     if found is None:
-        _emit(as_json, {"error": "no checkpoint"}, f"no checkpoint{'' if step is None else f' for step {step}'} in {root}")
+        what = "" if step is None else f" for step {step}"
+        _emit(as_json, {"error": "no checkpoint"}, f"no checkpoint{what} in {root}")
         sys.exit(1)
     plan = found[0]
     out = {"step": plan.ckpt_id.step, "generation": plan.ckpt_id.generation,

@@ -9,6 +9,7 @@ with a plan differs (load into a state, or copy into another tier).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from .errors import CheckpointError, DamagedCheckpoint, ManifestError, StateMismatch
@@ -92,11 +93,13 @@ def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, 
 def _nothing_left(coord: Agreement, inventory: Inventory, needs: Needs, step: int | None,
                   rejected: dict[CheckpointId, str]) -> None:
     """After the last candidate: raise (on every rank alike) if checkpoints were there."""
-    other_world = sorted({inventory.world_size(i) for i in inventory.ids(step) if needs(inventory.world_size(i)) is None})
+    worlds = {inventory.world_size(i) for i in inventory.ids(step)}
+    other_world = sorted(w for w in worlds if needs(w) is None)
     damaged, resized = coord.any(bool(rejected), bool(other_world))
     what = "" if step is None else f" for step {step}"
     if damaged:
-        lines = [f"step {i.step} (generation {i.generation}): {why}" for i, why in sorted(rejected.items(), reverse=True)]
+        lines = [f"step {i.step} (generation {i.generation}): {why}"
+                 for i, why in sorted(rejected.items(), reverse=True)]
         raise CheckpointError(f"no valid checkpoint{what}; every candidate is damaged:\n  " + "\n  ".join(lines or
                               ["(on another rank)"]))
     if resized:
@@ -152,8 +155,8 @@ def load_plan(plan: RestorePlan, state: Mapping[str, Any] | None, *, threads: in
         check_plan(plan, state)
     values: dict = {}
     for shard in plan.shards:
-        got = first_sound(shard, plan.ckpt_id, lambda tier: read_shard(tier, plan.ckpt_id, shard.rank, state=state,
-                                                                        threads=threads, progress=progress))
+        got = first_sound(shard, plan.ckpt_id, partial(read_shard, ckpt_id=plan.ckpt_id, rank=shard.rank, state=state,
+                                                       threads=threads, progress=progress))
         values.update(got if shard.keys is None else {k: v for k, v in got.items() if k in shard.keys})
     return values
 
@@ -166,7 +169,7 @@ def check_plan(plan: RestorePlan, state: Mapping[str, Any]) -> None:
     elsewhere = set().union(*(s.keys for s in plan.shards if s.keys is not None))
     for shard in plan.shards:
         covered = shard.keys if shard.keys is not None else {k for k in state if k not in elsewhere}
-        reader = first_sound(shard, plan.ckpt_id, lambda tier: open_shard(tier, plan.ckpt_id, shard.rank))
+        reader = first_sound(shard, plan.ckpt_id, partial(open_shard, ckpt_id=plan.ckpt_id, rank=shard.rank))
         try:
             manifest = reader.manifest
         finally:

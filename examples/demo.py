@@ -106,10 +106,12 @@ def torchrun(run: Run, args: argparse.Namespace, root: Path, memory_dir: Path, *
              tag: str = "train") -> subprocess.Popen:
     cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0",
            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-           str(REPO / "examples" / "train_torchrun.py"), "--root", str(root), "--object-store", args.object_store_for(run),
+           str(REPO / "examples" / "train_torchrun.py"), "--root", str(root),
+           "--object-store", args.object_store_for(run),
            "--memory-dir", str(memory_dir), "--steps", str(args.steps), "--every", str(args.every),
            "--step-time", str(args.step_time), "--timeline", str(run.dir / "timeline.jsonl"), *extra]
-    return run.start(tag, cmd, {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})})
+    return run.start(tag, cmd, {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+                                **(env or {})})
 
 
 def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
@@ -139,7 +141,8 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
                                 "--interval", str(args.interval), "--time-scale", str(args.time_scale), "--model-clock",
                                 "--fail", f"{node}/gpu2/pcie@+{args.fail_after}s", "--metrics-port", "0",
                                 "--spool-dir", str(run.dir / "spool")], {"PYTHONPATH": str(REPO)})
-            say(f"{name}: node agent simulating {node}'s 8 GPUs; a PCIe link failure of gpu2 is due in {args.fail_after:.0f} s "
+            say(f"{name}: node agent simulating {node}'s 8 GPUs; a PCIe link failure of gpu2 is due in "
+                f"{args.fail_after:.0f} s "
                 f"(precursors {args.time_scale:g}x faster than real)")
             extra = ["--predictor", url, "--elevated-every", str(max(1, args.every // 4))]
             env = {"CKPT_GUARD_JOB_TOKEN": job_tok}
@@ -226,7 +229,8 @@ def report(runs: list[Run], args: argparse.Namespace) -> dict:
     print()
     for run in runs:
         e = run.events
-        rel = lambda k: f"{e[k] - e['start']:7.1f} s" if k in e else "      —  "
+        def rel(k: str, e: dict = e) -> str:
+            return f"{e[k] - e['start']:7.1f} s" if k in e else "      —  "
         lost = e["last_step"] - e["restored_step"]
         print(f"== {run.name}")
         print(f"  {rel('alarm')}  predictor alarm: GPU failure predicted on this node")
@@ -256,7 +260,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the timelines as JSON here")
     args = ap.parse_args()
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="ckpt-guard-demo-", dir="/var/tmp")
-    args.object_store_for = lambda run: f"{(args.object_store or 'file://' + args.workdir).rstrip('/')}/{run.name}/objstore"
+    store = (args.object_store or "file://" + args.workdir).rstrip("/")
+    args.object_store_for = lambda run: f"{store}/{run.name}/objstore"
     say(f"work directory {args.workdir}")
     runs = []
     if args.only != "periodic":

@@ -9,8 +9,9 @@ Saving: the model, optimizer, LR scheduler, grad scaler, RNG states and the Trai
 state (global step, epoch, log history, callback states; the global step is the data
 position) go to the manager every ``every`` optimizer steps, at urgent requests and on
 SIGTERM (agreed across ranks; then the save is waited for and ``ckpt.Preempted`` is
-raised for the Trainer to unwind: the process ends 143), and at the end. A step is saved when the next one begins, after the Trainer fetched
-that step's batches and before it trains on them: that is where a resumed Trainer
+raised for the Trainer to unwind: the process ends 143), and at the end. A step is
+saved when the next one begins, after the Trainer fetched that step's batches and
+before it trains on them: that is where a resumed Trainer
 stands when it has skipped the consumed batches, so the RNG states put back there are
 the ones the uninterrupted run had.
 
