@@ -195,6 +195,42 @@ def _must_exist(root: str) -> None:
         raise click.UsageError(f"{root}: no such directory")
 
 
+@cli.command("export")
+@_root
+@click.option("--step", type=int, default=None, help="Export this step (default: newest valid).")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "dcp"]), required=True,
+              help="safetensors: the model's weights, unsharded; dcp: the whole state for torch.distributed.checkpoint.")
+@click.option("--to", "dest", required=True, type=click.Path(file_okay=False), help="Directory to write into.")
+@click.option("--key", default=None, help="safetensors: the state key holding the model (default: model, state_dict).")
+@click.option("--max-shard-size", type=int, default=5 * 10**9, show_default=True,
+              help="safetensors: bytes per file; larger models get numbered shards and an index.")
+@click.option("--force", is_flag=True, help="Write into DEST even if it is not empty.")
+@_run
+@_json
+def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None, max_shard_size: int, force: bool,
+               run: str | None, as_json: bool) -> None:
+    """Write a checkpoint for other tools: safetensors weights (inference, Hugging Face) or a DCP directory."""
+    from pathlib import Path
+
+    from . import export
+
+    _must_exist(root)
+    out = Path(dest)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise click.UsageError(f"{dest} is not empty; pass --force to write into it")
+    ckpt_id, values, tree = export.read(root, step, run=run)
+    if fmt == "dcp":
+        export.write_dcp(values, out)
+        files = sorted(str(p) for p in out.iterdir())
+    else:
+        weights = export.model_weights(values, tree, key)
+        meta = {"ckpt_guard_step": str(ckpt_id.step), "ckpt_guard_generation": str(ckpt_id.generation)}
+        files = [str(p) for p in export.write_safetensors(weights, out, max_shard_bytes=max_shard_size,
+                                                          metadata=meta)]
+    result = {"step": ckpt_id.step, "generation": ckpt_id.generation, "format": fmt, "files": files}
+    _emit(as_json, result, f"exported step {ckpt_id.step} as {fmt} into {dest} ({len(files)} file(s))")
+
+
 @cli.command("gc")
 @click.argument("root", required=False)
 @click.option("--keep", type=click.IntRange(min=1), default=None, help="Keep only the N newest complete checkpoints.")

@@ -1,0 +1,84 @@
+"""`ckpt export`: a checkpoint as safetensors weights (what inference and the HF example
+load) or as a torch.distributed.checkpoint directory (what `dcp.load` reads)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from ckpt import CheckpointError, CheckpointManager
+from ckpt.export import model_weights
+from tests.test_ckpt_cli import ckpt
+
+
+class Tied(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight  # tied, as language models do
+
+
+@pytest.fixture
+def saved_model(root: Path, shm_dir: str) -> tuple[Path, torch.nn.Module]:
+    model = Tied(1)
+    optim = torch.optim.AdamW(model.parameters())
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        mgr.save(4, {"model": model, "optim": optim, "epoch": 2}).wait()
+    return root, model
+
+
+def test_safetensors_export_loads_into_a_fresh_model(saved_model, tmp_path: Path, shm_dir: str) -> None:
+    root, model = saved_model
+    r = ckpt("export", root, "--format", "safetensors", "--to", tmp_path / "st", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [Path(f).name for f in json.loads(r.stdout)["files"]] == ["model.safetensors"]
+    weights = load_file(str(tmp_path / "st" / "model.safetensors"))
+    fresh = Tied(2)
+    fresh.load_state_dict(weights, strict=True)
+    for name, t in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name
+
+
+def test_a_large_model_is_written_in_shards_with_an_index(saved_model, tmp_path: Path) -> None:
+    root, model = saved_model
+    assert ckpt("export", root, "--format", "safetensors", "--to", tmp_path / "st", "--max-shard-size",
+                "4000").returncode == 0
+    index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    merged = {k: v for f in files for k, v in load_file(str(tmp_path / "st" / f)).items()}
+    assert merged.keys() == model.state_dict().keys()
+    assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+
+
+def test_dcp_export_is_read_by_dcp_load(saved_model, tmp_path: Path) -> None:
+    root, model = saved_model
+    assert ckpt("export", root, "--format", "dcp", "--to", tmp_path / "dcp").returncode == 0
+    fresh = Tied(3)
+    target = {"model": fresh.state_dict(), "epoch": 0}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    assert target["epoch"] == 2
+    assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())
+
+
+def test_ddp_prefixes_are_dropped_and_sharded_dtensors_refused() -> None:
+    w = torch.ones(2)
+    got = model_weights({"model": {"module.fc.weight": w}}, {"model": {"module.fc.weight": {"__tensor__": 0}}})
+    assert list(got) == ["fc.weight"]
+    with pytest.raises(CheckpointError, match="sharded DTensors"):
+        model_weights({"model": {"w": w}}, {"model": {"w": {"__dtensor__": 0}}})
+
+
+def test_export_refuses_a_non_empty_destination(saved_model, tmp_path: Path) -> None:
+    root, _ = saved_model
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("mine")
+    r = ckpt("export", root, "--format", "safetensors", "--to", tmp_path / "busy")
+    assert r.returncode == 2 and "--force" in r.stderr
