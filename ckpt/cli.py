@@ -199,7 +199,8 @@ def _must_exist(root: str) -> None:
 @_root
 @click.option("--step", type=int, default=None, help="Export this step (default: newest valid).")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "dcp"]), required=True,
-              help="safetensors: the model's weights, unsharded; dcp: the whole state for torch.distributed.checkpoint.")
+              help="safetensors: the model's weights, unsharded; dcp: the whole state for "
+                   "torch.distributed.checkpoint.")
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False), help="Directory to write into.")
 @click.option("--key", default=None, help="safetensors: the state key holding the model (default: model, state_dict).")
 @click.option("--max-shard-size", type=int, default=5 * 10**9, show_default=True,
