@@ -24,6 +24,7 @@ from .errors import CheckpointError
 from .locations import tiers_for
 from .plan import RestorePlan, ShardNeed
 from .restore import LOCAL, load_plan, open_shard, restore_agreed
+from .state import tree_holds
 from .tiers.base import CheckpointId
 
 MODEL_KEYS = ("model", "state_dict")  # ckpt.resumable and the HF callback; Lightning
@@ -60,23 +61,10 @@ def model_key(values: Mapping[str, Any], key: str | None = None) -> str:
     return found
 
 
-def _holds_dtensor(node: Any) -> bool:
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, dict):
-            if "__dtensor__" in n and len(n) == 1:
-                return True
-            stack.extend(n.values())
-        elif isinstance(n, list):
-            stack.extend(n)
-    return False
-
-
 def model_weights(values: Mapping[str, Any], tree: Any, key: str | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors by their state-dict names, whole, contiguous, on the CPU."""
     key = model_key(values, key)
-    if isinstance(tree, dict) and _holds_dtensor(tree.get(key)):
+    if isinstance(tree, dict) and tree_holds(tree.get(key), "__dtensor__"):
         raise CheckpointError(f"{key!r} holds sharded DTensors (FSDP2 / tensor parallel): exporting them whole needs "
                               "the global layout that restore at another world size records; not supported yet")
     out: dict[str, torch.Tensor] = {}

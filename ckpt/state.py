@@ -383,3 +383,17 @@ def _what(x: Any) -> str:
 
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+def tree_holds(tree: Any, tag: str) -> bool:
+    """Whether a saved tree holds a value tagged ``tag`` (e.g. ``__dtensor__``), without recursion."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if len(node) == 1 and tag in node:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False

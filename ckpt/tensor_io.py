@@ -7,6 +7,7 @@ copies all release the GIL).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -36,18 +37,24 @@ def read_tensors(
     tier: str = "",
     threads: int = DEFAULT_THREADS,
     progress: Progress | None = None,
-) -> list[torch.Tensor]:
-    """Read every tensor of the shard into ``targets[id]`` (its local shard, for a
-    DTensor) where it fits, else into a new tensor; verify each piece's CRC when the
-    manifest has them. Returns the targets used and the new tensors, by id.
+    only: Collection[int] | None = None,
+) -> list[torch.Tensor | None]:
+    """Read every tensor of the shard (or those whose ids are in ``only``; the others are
+    None) into ``targets[id]`` (its local shard, for a DTensor) where it fits, else into
+    a new tensor; verify each piece's CRC when the manifest has them. Returns the
+    targets used and the new tensors, by id.
 
     A target on a GPU is filled piece by piece: each piece is verified in host memory
     (the slot itself for the memory tier) and copied to the device once."""
     man = reader.manifest
     targets = targets or {}
-    out: list[torch.Tensor] = []
-    dests: list[memoryview | torch.Tensor] = []  # host bytes, or a device tensor's bytes
+    out: list[torch.Tensor | None] = []
+    dests: list[memoryview | torch.Tensor | None] = []  # host bytes, or a device tensor's bytes
     for e in man.tensors:
+        if only is not None and e.id not in only:
+            out.append(None)
+            dests.append(None)
+            continue
         t = targets.get(e.id)
         local = local_tensor(t) if t is not None else None
         if (local is None or local.device.type not in ("cpu", "cuda") or local.dtype != e.torch_dtype
@@ -68,7 +75,7 @@ def read_tensors(
         if progress:
             progress(hi - lo)
 
-    run_parallel(one, read_items(man), threads)
+    run_parallel(one, [i for i in read_items(man) if only is None or i.tensor.id in only], threads)
     return out
 
 

@@ -9,9 +9,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import CheckpointError, CheckpointManager
+from ckpt.dcp_reader import CheckpointReader
 from ckpt.export import model_weights
+from tests.ckpt_helpers import flip_byte
 from tests.test_ckpt_cli import ckpt
 
 
@@ -24,11 +27,16 @@ class Tied(torch.nn.Module):
         self.head = torch.nn.Linear(16, 50, bias=False)
         self.head.weight = self.emb.weight  # tied, as language models do
 
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(ids)))
+
 
 @pytest.fixture
 def saved_model(root: Path, shm_dir: str) -> tuple[Path, torch.nn.Module]:
     model = Tied(1)
     optim = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([3, 4])).sum().backward()
+    optim.step()
     with CheckpointManager(root, memory_dir=shm_dir) as mgr:
         mgr.save(4, {"model": model, "optim": optim, "epoch": 2}).wait()
     return root, model
@@ -82,3 +90,26 @@ def test_export_refuses_a_non_empty_destination(saved_model, tmp_path: Path) -> 
     (tmp_path / "busy" / "x").write_text("mine")
     r = ckpt("export", root, "--format", "safetensors", "--to", tmp_path / "busy")
     assert r.returncode == 2 and "--force" in r.stderr
+
+
+def test_dcp_load_reads_our_checkpoint_directly_with_its_own_planner(saved_model, tmp_path: Path) -> None:
+    root, model = saved_model
+    fresh = Tied(5)
+    optim = torch.optim.AdamW(fresh.parameters())
+    fresh(torch.tensor([1, 2])).sum().backward()
+    optim.step()  # so the target has optimizer state to load into
+    target = {"model": fresh.state_dict(), "optim": optim.state_dict(), "epoch": 0}
+    dcp.load(target, storage_reader=CheckpointReader(root))
+    assert target["epoch"] == 2
+    assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())
+    assert target["optim"]["param_groups"][0]["lr"] == 1e-3
+
+
+def test_a_damaged_chunk_fails_the_dcp_load(saved_model, tmp_path: Path) -> None:
+    root, _ = saved_model
+    no_slots_dir = tmp_path / "no-slots"
+    no_slots_dir.mkdir()
+    flip_byte(next(root.glob("step-*/rank-00000.bin")), 100)
+    target = {"model": Tied(6).state_dict()}
+    with pytest.raises(CheckpointException, match="checksum mismatch"):  # DCP wraps what readers raise
+        dcp.load(target, storage_reader=CheckpointReader(root, memory_dir=str(no_slots_dir)))
