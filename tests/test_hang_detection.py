@@ -1,0 +1,107 @@
+"""Hang detection (ckpt/watchdog.py) with real processes: torchrun (gloo, CPU, 2 ranks)
+trains the example GPT; the fault injector SIGSTOPs rank 1 (alive and silent, as a rank
+on a dead GPU is); the watchdog names it, kills it, ends the job with EXIT_HUNG,
+torchrun restarts, and the final weights are bitwise equal to an uninterrupted run's.
+A slow first step never trips it. Timings: benchmarks/recovery_bench.py."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tempfile
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ckpt.watchdog import EXIT_HUNG, HangDetection, Watchdog
+from tests.integration_helpers import REPO, torchrun
+from tests.procs import wait_for
+
+STEPS, EVERY = 30, 5
+DEADLINE = ["--hang-deadline", "3"]
+
+
+def train(base: Path, name: str, memory_dir: str, *extra: str, restarts: int = 0) -> str:
+    log = torchrun(REPO / "examples" / "train_torchrun.py", "--root", str(base / name), "--steps", str(STEPS),
+                   "--every", str(EVERY), "--memory-dir", memory_dir, "--out", str(base / f"{name}.json"), *extra,
+                   restarts=restarts)
+    (base / f"{name}.log").write_text(log)
+    return log
+
+
+@pytest.fixture(scope="module")
+def shm():
+    d = tempfile.mkdtemp(prefix="ckpt-test-", dir="/dev/shm")
+    yield d
+    subprocess.run(["rm", "-rf", d])
+
+
+@pytest.fixture(scope="module")
+def slow_start(tmp_path_factory: pytest.TempPathFactory, shm: str) -> tuple[Path, str]:
+    """An uninterrupted run whose rank 1 spends 8 s in its first step (deadline 3 s)."""
+    base = tmp_path_factory.mktemp("hang")
+    return base, train(base, "slow", shm, "--slow-first-step", "8", *DEADLINE)
+
+
+def test_slow_first_step_does_not_trip_the_detector(slow_start: tuple[Path, str]) -> None:
+    base, log = slow_start
+    assert "hang detected" not in log, log[-3000:]
+    assert json.loads((base / "slow.json").read_text())["incarnation"] == 0
+
+
+def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tuple[Path, str], shm: str) -> None:
+    base, _ = slow_start
+    log = train(base, "hung", shm, "--faults", "12:stop", *DEADLINE, restarts=1)
+    assert "fault injector: SIGSTOP rank 1 at step 12" in log, log[-3000:]
+    assert re.search(r"rank0 hang detected by rank 0: no step boundary for [\d.]+ s \(deadline 3\.0 s.*"
+                     r"frozen .*rank 1 on node \S+ \(pid \d+\); exiting with code 86", log), log[-4000:]
+    assert f"exitcode: {EXIT_HUNG}" in log, log[-4000:]
+    assert re.search(r'File ".*train_torchrun\.py", line \d+ in main', log), "no stack dump of the hung rank"
+    assert re.search(r"rank0 incarnation 1: first step 10\b", log), log[-3000:]
+    assert json.loads((base / "hung.json").read_text())["digest"] == \
+        json.loads((base / "slow.json").read_text())["digest"], "the resumed run diverged from the uninterrupted one"
+
+
+def test_deadline_follows_the_measured_steps() -> None:
+    opts = HangDetection(floor_s=30.0, factor=5.0, warmup_steps=3, first_steps_s=600.0)
+    assert opts.deadline([]) == opts.deadline([20.0, 20.0]) == 600.0  # warming up: compile, data loading
+    assert opts.deadline([1.0, 1.0, 1.0]) == 30.0  # the floor
+    assert opts.deadline([10.0, 12.0, 500.0]) == 60.0  # 5x the median: one slow step moves it little
+    assert HangDetection(deadline_s=4.0).deadline([1.0] * 5) == 4.0
+    with pytest.raises(ValueError, match="deadline_s"):
+        HangDetection(deadline_s=0)
+
+
+def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixture) -> None:
+    """Two watchdogs on one TCPStore, both alive; rank 1 stopped two boundaries earlier:
+    rank 0 names it as behind and exits with EXIT_HUNG (exit is a stub here)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+    local = threading.local()
+
+    def client() -> dist.Store:  # one connection per thread, as distributed.store_connector gives
+        if not hasattr(local, "store"):
+            local.store = dist.PrefixStore("t", dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                              timeout=timedelta(seconds=10)))
+        return local.store
+
+    exits: list[int] = []
+    opts = HangDetection(deadline_s=1.0, warmup_steps=0, interval_s=0.1)
+    dogs = [Watchdog(client, rank, 2, opts, exit=exits.append) for rank in (0, 1)]
+    dogs[1]._exit = lambda code: None  # rank 1 is the culprit; only rank 0's verdict is checked
+    for dog in dogs:
+        dog.start()
+    try:
+        for _ in range(3):
+            dogs[0].boundary()
+        dogs[1].boundary()
+        with caplog.at_level("CRITICAL", logger="ckpt.watchdog"):
+            assert wait_for(lambda: exits, timeout=10), "rank 0 never declared the hang"
+        assert exits == [EXIT_HUNG]
+        assert any("behind (at boundary 1, others further): rank 1 on node" in r.message for r in caplog.records)
+    finally:
+        for dog in dogs:
+            dog.close()
