@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_HUNG = 86  # this rank ended the job: some rank stopped reaching step boundaries
+EXIT_NODE_FAILED = 87  # this rank ended the job: a node of the job failed (the predictor said so)
+_FAILED = "failed"  # the store key that stops every rank of the job (its value: why)
 _DUMP_SIGNAL = signal.SIGUSR2  # faulthandler dumps the Python stacks of a rank on it
 _OBSERVE_INTERVALS = 4  # start reading peers' beats this many intervals before the deadline
 _FROZEN_POLLS = 3  # a beat unchanged over this many polls: that rank's process is not running
@@ -67,18 +69,21 @@ class HangDetection:
     warmup_steps: int = 3
     first_steps_s: float = 600.0
     interval_s: float = 1.0
+    poll_s: float = 0.25  # how often each rank looks for a "job failed" key (node_failed)
     kill_grace_s: float = 1.0  # time the culprit gets to dump its stacks before SIGKILL
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.factor <= 0 or self.floor_s < 0 or self.warmup_steps < 0:
+        if self.interval_s <= 0 or self.poll_s <= 0 or self.factor <= 0 or self.floor_s < 0 or self.warmup_steps < 0:
             raise ValueError(f"invalid hang detection settings: {self}")
         if self.deadline_s is not None and self.deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
 
     def deadline(self, step_times: list[float]) -> float:
-        """Seconds a rank may spend between two boundaries, given the step times measured."""
+        """Seconds a rank may spend between two boundaries, given the step times measured;
+        never under ``_OBSERVE_INTERVALS`` beats, the time it takes to tell a frozen rank."""
         steady = self.deadline_s if self.deadline_s is not None else max(
             self.floor_s, self.factor * statistics.median(step_times) if step_times else 0.0)
+        steady = max(steady, _OBSERVE_INTERVALS * self.interval_s)
         return steady if len(step_times) >= self.warmup_steps else max(steady, self.first_steps_s)
 
 
@@ -151,7 +156,7 @@ class Watchdog:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=self.options.interval_s + 5.0)
         try:
             self._store().set(f"beat/{self.rank}", "done")
         except (RuntimeError, OSError) as e:  # the store may be gone at the end of a job
@@ -160,26 +165,42 @@ class Watchdog:
     def deadline(self) -> float:
         return self.options.deadline(list(self._step_times))
 
+    def fail(self, reason: str) -> None:
+        """Stop the whole job now (a node failed): every rank's watchdog sees the key within
+        ``poll_s`` and exits with EXIT_NODE_FAILED. Any thread may call it."""
+        self._store().set(_FAILED, reason)
+
     def _run(self) -> None:
-        beat, interval = 0, self.options.interval_s
-        woke = time.monotonic()
-        while not self._stop.wait(interval):
-            beat += 1
-            woke, gap = time.monotonic(), time.monotonic() - woke
-            if gap > _FROZEN_POLLS * interval:
-                self._frozen_s = gap
+        beat, interval, tick = 0, self.options.interval_s, min(self.options.interval_s, self.options.poll_s)
+        woke = next_beat = time.monotonic()
+        unreachable = False
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            if now - woke > 2 * interval:  # this thread did not run: the whole process was stopped
+                self._frozen_s = now - woke
+            woke = now
             try:
                 store = self._store()
-                store.set(f"beat/{self.rank}", f"{self._boundaries} {beat}")
-                stalled, deadline = time.monotonic() - self._last, self.deadline()
-                if stalled < deadline - _OBSERVE_INTERVALS * interval:
-                    self._seen.clear()
-                    continue
-                self._observe(store)
-                if stalled >= deadline and not self._stop.is_set():
-                    self._declare(store, stalled, deadline)
+                if store.check([_FAILED]):
+                    self._leave(EXIT_NODE_FAILED, "rank %d: job stopped: %s", self.rank, store.get(_FAILED).decode())
+                if now >= next_beat:
+                    next_beat, beat = now + interval, beat + 1
+                    self._beat(store, beat)
+                unreachable = False
             except (RuntimeError, OSError) as e:  # the store unreachable: the job is ending anyway
-                log.warning("watchdog: job store unreachable (%s); hang detection paused", e)
+                if not unreachable:
+                    log.warning("watchdog: job store unreachable (%s); hang detection paused", e)
+                unreachable = True
+
+    def _beat(self, store: object, beat: int) -> None:
+        store.set(f"beat/{self.rank}", f"{self._boundaries} {beat}")
+        stalled, deadline, interval = time.monotonic() - self._last, self.deadline(), self.options.interval_s
+        if stalled < deadline - _OBSERVE_INTERVALS * interval:
+            self._seen.clear()
+            return
+        self._observe(store)
+        if stalled >= deadline and not self._stop.is_set():
+            self._declare(store, stalled, deadline)
 
     def _observe(self, store: object) -> None:
         """Read every rank's beat; count the polls each has stayed unchanged."""
@@ -226,9 +247,15 @@ class Watchdog:
         for r in culprits:
             if r in who and who[r].pid != self.me.pid and who[r].host == self.me.host:
                 self._kill(who[r])
+        self._leave(EXIT_HUNG)
+
+    def _leave(self, code: int, *message: object) -> None:
+        """Exit at once (unwinding could block in a collective or a teardown barrier)."""
+        if message:
+            log.critical(f"{message[0]}; exiting with code {code}", *message[1:])
         _flush_logs()
         self._stop.set()
-        self._exit(EXIT_HUNG)
+        self._exit(code)
 
     def _kill(self, target: Identity) -> None:
         """SIGKILL a hung rank of this host, after asking its faulthandler for its stacks."""
@@ -261,6 +288,20 @@ def start_watchdog(mgr: "CheckpointManager", options: HangDetection | None) -> W
     incarnation = mgr.coord.gather(uuid.uuid4().hex)[0]
     store = store_connector(f"{mgr.run}/{incarnation}/watchdog", timeout_s=30.0)
     return Watchdog(store, mgr.rank, mgr.world_size, options).start()
+
+
+def on_node_failed(watchdog: Watchdog | None) -> Callable[[dict], None]:
+    """What a "node_failed" event from the predictor does: stop every rank of the job
+    (through the watchdogs' store key), or this lone process at once."""
+    def stop(event: dict) -> None:
+        reason = f"the predictor reports node {event.get('node')} failed ({event.get('reason')})"
+        if watchdog is not None:
+            watchdog.fail(reason)
+        else:
+            log.critical("%s; exiting with code %d", reason, EXIT_NODE_FAILED)
+            _flush_logs()
+            os._exit(EXIT_NODE_FAILED)
+    return stop
 
 
 def _identities(store: object, ranks: list[int]) -> dict[int, Identity]:
