@@ -20,7 +20,7 @@ from ..drain import SaveHandle
 from ..errors import Preempted
 from ..manager import CheckpointManager
 from ..policy import IntervalPolicy
-from ..watchdog import HangDetection, Watchdog, start_watchdog
+from ..watchdog import HangDetection, Watchdog, on_node_failed, start_watchdog
 from .risk import RiskListener, read_token
 from .urgency import SaveRequests
 
@@ -78,6 +78,8 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | I
     start = restored or 0
     log.info("training from step %d%s", start, " (restored)" if restored is not None else "")
     watchdog = start_watchdog(mgr, hang)
+    if listener is not None:
+        listener.on_node_failed = on_node_failed(watchdog)
     try:
         for step in range(start, total):
             yield step
