@@ -18,10 +18,12 @@ rank runs a ``Watchdog`` thread that talks through the job's key-value store onl
   read every rank's key, once per interval, to name the culprit: a rank whose beat
   stopped changing is *frozen* (stopped, or wedged with its interpreter); else the
   ranks with fewest boundaries are *behind*; else no single rank is to blame (a hang
-  inside a collective) and each rank dumps its own Python stacks.
+  inside a collective or a kernel). A live culprit, or every rank when none is named,
+  dumps its own Python stacks.
 * **Exit**: the detecting rank logs rank, node and silence, SIGKILLs every culprit
-  that runs on its own host (published pid, checked against the process start time,
-  after SIGUSR2 + SIGCONT for the culprit's faulthandler stack dump), and
+  that runs on its own host (published pid, checked against the process start time;
+  a frozen one that is not stopped is asked for its stacks first with SIGUSR2, which
+  faulthandler answers without the interpreter; a stopped one cannot answer), and
   ``os._exit(EXIT_HUNG)``: unwinding could block in teardown barriers. A culprit
   alone on its host is not killed here: its agent stops it after its shutdown grace
   (torchrun ``--shutdown-timeout``, 30 s by default).
@@ -39,9 +41,10 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .distributed import store_connector
 
@@ -101,14 +104,14 @@ class Identity:
         return "\t".join(map(str, (self.rank, self.node, self.host, self.pid, self.started)))
 
     @classmethod
-    def decode(cls, text: str) -> "Identity":
+    def decode(cls, text: str) -> Identity:
         rank, node, host, pid, started = text.split("\t")
         return cls(int(rank), node, host, int(pid), started)
 
 
 def this_process(rank: int) -> Identity:
     node = os.environ.get("CKPT_GUARD_NODE") or socket.gethostname().split(".")[0]
-    return Identity(rank, node, _host_key(), os.getpid(), _start_time(os.getpid()))
+    return Identity(rank, node, _host_key(), os.getpid(), "".join(_proc_stat(os.getpid())[19:20]))
 
 
 class Watchdog:
@@ -129,7 +132,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckpt-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if signal.getsignal(_DUMP_SIGNAL) == signal.SIG_DFL:  # never take a handler the program set
             faulthandler.register(_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
         self._store().set(f"who/{self.rank}", self.me.encode())
@@ -228,25 +231,23 @@ class Watchdog:
 
     def _declare(self, store: object, stalled: float, deadline: float) -> None:
         why, culprits = self._culprits()
-        if self._frozen_s:  # resumed after being stopped (a peer's SIGCONT asks for stacks, then kills)
+        if self._frozen_s:  # this process was stopped, then continued (by hand, or a debugger)
             why, culprits = f"this rank's own process did not run for {self._frozen_s:.1f} s", [self.rank]
         who = _identities(store, culprits)
         median = statistics.median(self._step_times) if self._step_times else float("nan")
-        if culprits:
-            names = ", ".join(f"rank {r} on node {who[r].node} (pid {who[r].pid})" if r in who else f"rank {r}"
-                              for r in culprits)
-            log.critical("hang detected by rank %d: no step boundary for %.1f s (deadline %.1f s, median step "
-                         "%.3f s); %s: %s; exiting with code %d", self.rank, stalled, deadline, median, why, names,
-                         EXIT_HUNG)
-        else:
-            log.critical("hang detected by rank %d: no step boundary for %.1f s (deadline %.1f s, median step "
-                         "%.3f s); every rank is alive at the same boundary (a hang inside a collective or a "
-                         "kernel); this rank's stacks follow; exiting with code %d", self.rank, stalled, deadline,
-                         median, EXIT_HUNG)
+        names = ", ".join(f"rank {r} on node {who[r].node} (pid {who[r].pid})" if r in who else f"rank {r}"
+                          for r in culprits)
+        log.critical("hang detected by rank %d: no step boundary for %.1f s (deadline %.1f s, median step %.3f s); "
+                     "%s; exiting with code %d", self.rank, stalled, deadline, median,
+                     f"{why}: {names}" if culprits else "every rank is alive at the same boundary (a hang inside "
+                     "a collective or a kernel)", EXIT_HUNG)
+        if self.rank in culprits or not culprits:
+            log.critical("rank %d: this rank's Python stacks follow", self.rank)
+            _flush_logs()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         for r in culprits:
             if r in who and who[r].pid != self.me.pid and who[r].host == self.me.host:
-                self._kill(who[r])
+                self._kill(who[r], ask_stacks=why.startswith("frozen"))
         self._leave(EXIT_HUNG)
 
     def _leave(self, code: int, *message: object) -> None:
@@ -257,19 +258,26 @@ class Watchdog:
         self._stop.set()
         self._exit(code)
 
-    def _kill(self, target: Identity) -> None:
-        """SIGKILL a hung rank of this host, after asking its faulthandler for its stacks."""
-        if not target.started or _start_time(target.pid) != target.started:
+    def _kill(self, target: Identity, *, ask_stacks: bool) -> None:
+        """SIGKILL a hung rank of this host. A frozen one that is not stopped is asked for
+        its stacks first (faulthandler's handler runs without the interpreter's lock); a
+        live one dumps its own; a stopped one can give none without running again."""
+        if not target.started or _proc_stat(target.pid)[19:20] != [target.started]:
             log.warning("watchdog: rank %d (pid %d) is gone already, or its start time is unknown: not killed",
                         target.rank, target.pid)
             return
+        stopped = _proc_stat(target.pid)[:1] in (["T"], ["t"])
         try:
-            os.kill(target.pid, _DUMP_SIGNAL)
-            os.kill(target.pid, signal.SIGCONT)  # a stopped process handles nothing, not even SIGKILL's peers
-            deadline = time.monotonic() + self.options.kill_grace_s
-            while time.monotonic() < deadline and _start_time(target.pid) == target.started:
-                time.sleep(0.05)
-            if _start_time(target.pid) == target.started:
+            if stopped:
+                log.critical("watchdog: rank %d (pid %d) is stopped (SIGSTOP or a debugger): no stack dump",
+                             target.rank, target.pid)
+            else:
+                if ask_stacks:
+                    os.kill(target.pid, _DUMP_SIGNAL)
+                deadline = time.monotonic() + self.options.kill_grace_s
+                while time.monotonic() < deadline and _proc_stat(target.pid)[19:20] == [target.started]:
+                    time.sleep(0.05)
+            if _proc_stat(target.pid)[19:20] == [target.started]:
                 os.kill(target.pid, signal.SIGKILL)
                 log.critical("watchdog: SIGKILLed hung rank %d (pid %d on node %s)", target.rank, target.pid,
                              target.node)
@@ -279,7 +287,7 @@ class Watchdog:
             log.error("watchdog: cannot kill hung rank %d (pid %d): %s", target.rank, target.pid, e)
 
 
-def start_watchdog(mgr: "CheckpointManager", options: HangDetection | None) -> Watchdog | None:
+def start_watchdog(mgr: CheckpointManager, options: HangDetection | None) -> Watchdog | None:
     """Every rank's watchdog for ``mgr``'s job (call at the same point on every rank: one
     all-gather agrees on a namespace for this incarnation); None when alone or disabled."""
     options = options or HangDetection()
@@ -328,10 +336,11 @@ def _host_key() -> str:
     return f"{socket.gethostname()}/{boot}/{ns}"
 
 
-def _start_time(pid: int) -> str:
-    """The start time of ``pid`` in clock ticks since boot ('' when unknown or gone)."""
+def _proc_stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: [0] the state, [19] the start time in
+    clock ticks since boot ([] when unknown or gone)."""
     stat = _read(f"/proc/{pid}/stat")
-    return stat.rsplit(")", 1)[1].split()[19] if stat else ""
+    return stat.rsplit(")", 1)[1].split() if stat else []
 
 
 def _read(path: str) -> str:

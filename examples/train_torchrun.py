@@ -7,8 +7,9 @@ newest step all ranks hold (from shared memory when it survived), and training g
 on exactly where it was. ``--faults 13,25:save`` makes rank 1 SIGKILL itself the
 first time it completes step 13, and the moment its snapshot of step 25 is sealed in
 memory, while that checkpoint drains to disk; ``--faults 12:stop`` SIGSTOPs rank 1
-as it begins step 12, a hung rank for the hang detector (the fault injector the tests
-use; each fault fires once, remembered by a marker file in the root).
+as it begins step 12 and ``12:hang`` makes it sleep there for ever (alive, as in a
+stuck kernel): hung ranks for the hang detector (the fault injector the tests use; each
+fault fires once, remembered by a marker file in the root).
 """
 from __future__ import annotations
 
@@ -50,12 +51,12 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-FAULT_KINDS = ("kill", "save", "stop")
+FAULT_KINDS = ("kill", "save", "stop", "hang")
 
 
 def parse_faults(spec: str) -> dict[int, str]:
     """'13,25:save,30:stop' -> {13: "kill", 25: "save", 30: "stop"}: step -> SIGKILL after it,
-    SIGKILL during its save, SIGSTOP as it begins."""
+    SIGKILL during its save, SIGSTOP as it begins, sleep for ever as it begins ("hang")."""
     faults = {}
     for f in filter(None, spec.split(",")):
         step, _, kind = f.partition(":")
@@ -138,10 +139,14 @@ def main() -> None:
             logging.info("incarnation %d: first step %d at %.3f", incarnation, step, time.time())
             if rank == args.fault_rank:
                 time.sleep(args.slow_first_step)
-        if faults.get(step) == "stop" and not (marker := Path(args.root) / f"fault-{step}.fired").exists():
+        if faults.get(step) in ("stop", "hang") and not (marker := Path(args.root) / f"fault-{step}.fired").exists():
             marker.touch()
-            logging.info("fault injector: SIGSTOP rank %d at step %d (%.3f)", rank, step, time.time())
-            os.kill(os.getpid(), signal.SIGSTOP)
+            logging.info("fault injector: %s rank %d at step %d (%.3f)", "SIGSTOP" if faults[step] == "stop" else
+                         "hang", rank, step, time.time())
+            if faults[step] == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            while faults[step] == "hang":
+                time.sleep(60)
         try:
             x, y = next(batches)
         except StopIteration:

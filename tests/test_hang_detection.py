@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
+import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,33 +34,31 @@ def train(base: Path, name: str, memory_dir: str, *extra: str, restarts: int = 0
 
 
 @pytest.fixture(scope="module")
-def shm():
-    d = tempfile.mkdtemp(prefix="ckpt-test-", dir="/dev/shm")
-    yield d
-    subprocess.run(["rm", "-rf", d])
+def slow_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, str]]:
+    """An uninterrupted run whose rank 1 spends 8 s in its first step (deadline 3 s): its
+    directory, its memory dir (kept for the module) and its log."""
+    base, memory_dir = tmp_path_factory.mktemp("hang"), tempfile.mkdtemp(prefix="ckpt-test-", dir="/dev/shm")
+    try:
+        yield base, memory_dir, train(base, "slow", memory_dir, "--slow-first-step", "8", *DEADLINE)
+    finally:
+        shutil.rmtree(memory_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def slow_start(tmp_path_factory: pytest.TempPathFactory, shm: str) -> tuple[Path, str]:
-    """An uninterrupted run whose rank 1 spends 8 s in its first step (deadline 3 s)."""
-    base = tmp_path_factory.mktemp("hang")
-    return base, train(base, "slow", shm, "--slow-first-step", "8", *DEADLINE)
-
-
-def test_slow_first_step_does_not_trip_the_detector(slow_start: tuple[Path, str]) -> None:
-    base, log = slow_start
+def test_slow_first_step_does_not_trip_the_detector(slow_start: tuple[Path, str, str]) -> None:
+    base, _, log = slow_start
     assert "hang detected" not in log, log[-3000:]
     assert json.loads((base / "slow.json").read_text())["incarnation"] == 0
 
 
-def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tuple[Path, str], shm: str) -> None:
-    base, _ = slow_start
-    log = train(base, "hung", shm, "--faults", "12:stop", *DEADLINE, restarts=1)
+def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tuple[Path, str, str]) -> None:
+    base, memory_dir, _ = slow_start
+    log = train(base, "hung", memory_dir, "--faults", "12:stop", *DEADLINE, restarts=1)
     assert "fault injector: SIGSTOP rank 1 at step 12" in log, log[-3000:]
     assert re.search(r"rank0 hang detected by rank 0: no step boundary for [\d.]+ s \(deadline 4\.0 s.*"
                      r"frozen .*rank 1 on node \S+ \(pid \d+\); exiting with code 86", log), log[-4000:]
     assert f"exitcode: {EXIT_HUNG}" in log, log[-4000:]
-    assert re.search(r'File ".*train_torchrun\.py", line \d+ in main', log), "no stack dump of the hung rank"
+    assert "watchdog: rank 1 (pid" in log and "is stopped (SIGSTOP or a debugger): no stack dump" in log, log[-4000:]
+    assert "watchdog: SIGKILLed hung rank 1" in log, log[-4000:]
     assert re.search(r"rank0 incarnation 1: first step 10\b", log), log[-3000:]
     assert json.loads((base / "hung.json").read_text())["digest"] == \
         json.loads((base / "slow.json").read_text())["digest"], "the resumed run diverged from the uninterrupted one"
@@ -106,3 +105,15 @@ def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixt
     finally:
         for dog in dogs:
             dog.close()
+
+
+def test_rank_asleep_in_a_call_dumps_its_stacks(slow_start: tuple[Path, str, str]) -> None:
+    """Rank 1 alive but stuck (as in a kernel): it is named as behind (or, had its peer
+    not got further, nobody is), and it dumps its own stacks, which show where it sleeps."""
+    base, memory_dir, _ = slow_start
+    log = train(base, "asleep", memory_dir, "--faults", "12:hang", *DEADLINE, restarts=1)
+    assert re.search(r"rank1 hang detected by rank 1: .*(behind .*: rank 1 on node|every rank is alive)", log), \
+        log[-4000:]
+    assert "rank1 rank 1: this rank's Python stacks follow" in log, log[-4000:]
+    assert re.search(r'File ".*train_torchrun\.py", line \d+ in main', log), "no stack dump"
+    assert f"exitcode: {EXIT_HUNG}" in log and re.search(r"rank0 incarnation 1: first step 10\b", log), log[-4000:]
