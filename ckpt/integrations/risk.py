@@ -52,7 +52,7 @@ class RiskListener:
         self.url, self.nodes, self.requests, self.name = url.rstrip("/"), sorted(set(nodes)), requests, name
         self.token, self.elevated_s, self.timeout_s = token, elevated_s, timeout_s
         self.job_id: str | None = None
-        self.events: list[dict] = []  # "checkpoint" and "node_failed" events received, for timelines
+        self.events: list[dict] = []  # "checkpoint" events received, for timelines
         self.on_node_failed: Callable[[dict], None] | None = None  # the job's reaction (loop.resumable sets it)
         self._last_risk = float("-inf")
         self._stop = threading.Event()
@@ -124,7 +124,6 @@ class RiskListener:
         elif event == "node_failed":
             log.critical("predictor: node %s failed (%s, sent %s ms ago); stopping the job", data.get("node"),
                          data.get("reason"), _age_ms(data))
-            self.events.append({**data, "received": time.time()})
             if self.on_node_failed is not None:
                 self.on_node_failed(data)
         elif event == "closed":
