@@ -111,7 +111,7 @@ class Identity:
 
 def this_process(rank: int) -> Identity:
     node = os.environ.get("CKPT_GUARD_NODE") or socket.gethostname().split(".")[0]
-    return Identity(rank, node, _host_key(), os.getpid(), "".join(_proc_stat(os.getpid())[19:20]))
+    return Identity(rank, node, _host_key(), os.getpid(), _started(os.getpid()))
 
 
 class Watchdog:
@@ -262,7 +262,7 @@ class Watchdog:
         """SIGKILL a hung rank of this host. A frozen one that is not stopped is asked for
         its stacks first (faulthandler's handler runs without the interpreter's lock); a
         live one dumps its own; a stopped one can give none without running again."""
-        if not target.started or _proc_stat(target.pid)[19:20] != [target.started]:
+        if not target.started or _started(target.pid) != target.started:
             log.warning("watchdog: rank %d (pid %d) is gone already, or its start time is unknown: not killed",
                         target.rank, target.pid)
             return
@@ -275,9 +275,9 @@ class Watchdog:
                 if ask_stacks:
                     os.kill(target.pid, _DUMP_SIGNAL)
                 deadline = time.monotonic() + self.options.kill_grace_s
-                while time.monotonic() < deadline and _proc_stat(target.pid)[19:20] == [target.started]:
+                while time.monotonic() < deadline and _started(target.pid) == target.started:
                     time.sleep(0.05)
-            if _proc_stat(target.pid)[19:20] == [target.started]:
+            if _started(target.pid) == target.started:
                 os.kill(target.pid, signal.SIGKILL)
                 log.critical("watchdog: SIGKILLed hung rank %d (pid %d on node %s)", target.rank, target.pid,
                              target.node)
@@ -341,6 +341,11 @@ def _proc_stat(pid: int) -> list[str]:
     clock ticks since boot ([] when unknown or gone)."""
     stat = _read(f"/proc/{pid}/stat")
     return stat.rsplit(")", 1)[1].split() if stat else []
+
+
+def _started(pid: int) -> str:
+    """When ``pid`` started ('' when unknown or gone): with the pid, names one process."""
+    return "".join(_proc_stat(pid)[19:20])
 
 
 def _read(path: str) -> str:
