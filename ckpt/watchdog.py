@@ -127,6 +127,7 @@ class Watchdog:
         self._last = time.monotonic()  # the last boundary (or start) on the training thread
         self._paused = False  # something else than a step ran since the last boundary
         self._frozen_s = 0.0  # how long this process itself did not run, seen by the watchdog thread
+        self._warned = 0.0  # the boundary (its time) after which a stall was last announced
         self._step_times: deque[float] = deque(maxlen=64)
         self._seen: dict[int, tuple[bytes, int]] = {}  # rank -> (its last value, polls unchanged)
         self._stop = threading.Event()
@@ -197,7 +198,11 @@ class Watchdog:
 
     def _beat(self, store: object, beat: int) -> None:
         store.set(f"beat/{self.rank}", f"{self._boundaries} {beat}")
-        stalled, deadline, interval = time.monotonic() - self._last, self.deadline(), self.options.interval_s
+        last = self._last
+        stalled, deadline, interval = time.monotonic() - last, self.deadline(), self.options.interval_s
+        if stalled >= deadline / 2 and self._warned != last:  # never wait silently
+            self._warned = last
+            log.warning("rank %d: no step boundary for %.1f s; declared hung at %.1f s", self.rank, stalled, deadline)
         if stalled < deadline - _OBSERVE_INTERVALS * interval:
             self._seen.clear()
             return
