@@ -6,7 +6,9 @@ Kill any worker at any moment: torchrun restarts the group, every rank restores 
 newest step all ranks hold (from shared memory when it survived), and training goes
 on exactly where it was. ``--faults 13,25:save`` makes rank 1 SIGKILL itself the
 first time it completes step 13, and the moment its snapshot of step 25 is sealed in
-memory, while that checkpoint drains to disk (the fault injector the tests use; each
+memory, while that checkpoint drains to disk; ``--faults 12:stop`` SIGSTOPs rank 1
+as it begins step 12 and ``12:hang`` makes it sleep there for ever (alive, as in a
+stuck kernel): hung ranks for the hang detector (the fault injector the tests use; each
 fault fires once, remembered by a marker file in the root).
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
 from ckpt.distributed import init_process_group  # noqa: E402
+from ckpt.watchdog import HangDetection  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -47,9 +51,19 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def parse_faults(spec: str) -> dict[int, bool]:
-    """'13,25:save' -> {13: False, 25: True}: step -> kill during that step's save."""
-    return {int(f.split(":")[0]): f.endswith(":save") for f in spec.split(",") if f}
+FAULT_KINDS = ("kill", "save", "stop", "hang")
+
+
+def parse_faults(spec: str) -> dict[int, str]:
+    """'13,25:save,30:stop' -> {13: "kill", 25: "save", 30: "stop"}: step -> SIGKILL after it,
+    SIGKILL during its save, SIGSTOP as it begins, sleep for ever as it begins ("hang")."""
+    faults = {}
+    for f in filter(None, spec.split(",")):
+        step, _, kind = f.partition(":")
+        if (kind or "kill") not in FAULT_KINDS:
+            raise SystemExit(f"--faults: unknown kind {kind!r} in {f!r} (one of {', '.join(FAULT_KINDS)})")
+        faults[int(step)] = kind or "kill"
+    return faults
 
 
 def kill_when_sealed(mgr: ckpt.CheckpointManager, step: int) -> None:
@@ -83,10 +97,16 @@ def main() -> None:
     ap.add_argument("--elevated-every", type=int, default=None, help="checkpoint interval while a node is at risk")
     ap.add_argument("--step-time", type=float, default=0.0, help="pad each step to this many seconds (demos)")
     ap.add_argument("--timeline", default=None, help="rank 0 appends one JSON line per completed step here")
+    ap.add_argument("--hang-deadline", type=float, default=None,
+                    help="declare a rank hung after this many seconds without a step boundary (default: derived)")
+    ap.add_argument("--no-hang-detection", action="store_true", help="today's behaviour: wait for the timeouts")
+    ap.add_argument("--pg-timeout", type=float, default=600.0, help="the training process group's timeout, s")
+    ap.add_argument("--slow-first-step", type=float, default=0.0,
+                    help="the fault rank's first step of every incarnation takes this many seconds longer")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s")
-    init_process_group()  # restart-safe under torchrun
+    init_process_group(timeout=timedelta(seconds=args.pg_timeout))  # restart-safe under torchrun
     rank, incarnation = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(args.seed)
@@ -110,12 +130,23 @@ def main() -> None:
     first = None
     requests = ckpt.SaveRequests()
     timeline = open(args.timeline, "a", buffering=1) if args.timeline and rank == 0 else None
+    hang = HangDetection(enabled=not args.no_hang_detection, deadline_s=args.hang_deadline)
     for step in ckpt.resumable(mgr, state, total=args.steps, every=args.every, requests=requests,
-                               predictor=args.predictor, elevated_every=args.elevated_every):
+                               predictor=args.predictor, elevated_every=args.elevated_every, hang=hang):
         t_step = time.monotonic()
         if first is None:
             first = step
             logging.info("incarnation %d: first step %d at %.3f", incarnation, step, time.time())
+            if rank == args.fault_rank:
+                time.sleep(args.slow_first_step)
+        if faults.get(step) in ("stop", "hang") and not (marker := Path(args.root) / f"fault-{step}.fired").exists():
+            marker.touch()
+            logging.info("fault injector: %s rank %d at step %d (%.3f)", "SIGSTOP" if faults[step] == "stop" else
+                         "hang", rank, step, time.time())
+            if faults[step] == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            while faults[step] == "hang":
+                time.sleep(60)
         try:
             x, y = next(batches)
         except StopIteration:
@@ -132,9 +163,9 @@ def main() -> None:
         if rank == args.fault_rank and step + 1 == args.urgent_at:
             requests.request()
         marker = Path(args.root) / f"fault-{step + 1}.fired"
-        if step + 1 in faults and not marker.exists():
+        if faults.get(step + 1) in ("kill", "save") and not marker.exists():
             marker.touch()
-            if faults[step + 1]:
+            if faults[step + 1] == "save":
                 kill_when_sealed(mgr, step + 1)  # the loop's save at this boundary triggers it
             else:
                 logging.info("fault injector: SIGKILL rank %d at step %d (%.3f)", rank, step + 1, time.time())

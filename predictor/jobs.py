@@ -2,7 +2,8 @@
 
 A job names its nodes; when any of them crosses the sensitive threshold every
 listener of the job gets one event, at most once per `min_interval_s` per job (a
-job that has just checkpointed gains nothing from another urgent save).
+job that has just checkpointed gains nothing from another urgent save). A node whose
+GPU is lost (a critical XID) gets its jobs a "node_failed" event at once, unlimited.
 """
 from __future__ import annotations
 
@@ -70,10 +71,20 @@ class JobRegistry:
                 continue
             job.last_sent = now
             job.sent += 1
-            event = {"event_id": next(self._event_ids), "job": job.id, **payload}
-            for q in list(job.listeners):
-                if q.full():                 # a listener that stopped reading loses its oldest event
-                    q.get_nowait()
-                q.put_nowait(event)
+            self._send(job, payload)
             sent.append(job)
         return sent
+
+    def fail(self, node: str, payload: dict) -> list[Job]:
+        """Send "node failed" to the jobs on `node`: never rate-limited (the job must stop now)."""
+        jobs = [self.jobs[job_id] for job_id in self.by_node.get(node, ())]
+        for job in jobs:
+            self._send(job, payload)
+        return jobs
+
+    def _send(self, job: Job, payload: dict) -> None:
+        event = {"event_id": next(self._event_ids), "job": job.id, **payload}
+        for q in list(job.listeners):
+            if q.full():                 # a listener that stopped reading loses its oldest event
+                q.get_nowait()
+            q.put_nowait(event)

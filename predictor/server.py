@@ -26,6 +26,7 @@ from predictor.metrics import ServiceMetrics
 from predictor.model import Model
 from predictor.scoring import Scored, Scorer
 from predictor.scoring_queue import ScoringQueue, Stopping
+from telemetry.schema import is_critical_xid
 from telemetry.wire import TELEMETRY_KEYS, XID_KEYS
 
 log = logging.getLogger(__name__)
@@ -104,11 +105,25 @@ class Service:
         finally:
             self.batch_ids.settle(batch_id, taken)
         self.metrics.batch(kind, "accepted", table.num_rows)
+        if kind == "xid":
+            self._announce_failures(table)
         try:
             await scored
         except Stopping:
             raise _unavailable() from None
         return web.json_response({"accepted": table.num_rows}, status=202)
+
+    def _announce_failures(self, table: pa.Table) -> None:
+        """A critical XID means a lost GPU: the jobs on its node hear "node_failed" now, not
+        after scoring (the job stops at once; a lost GPU never reaches a step boundary)."""
+        seen = set()
+        for node, gpu, xid in zip(*(table.column(k).to_pylist() for k in ("node", "gpu", "xid"))):
+            if is_critical_xid(xid) and node not in seen:
+                seen.add(node)
+                payload = {"event": "node_failed", "node": node, "gpu": gpu, "xid": xid,
+                           "reason": f"critical XID {xid} on GPU {gpu}", "sent_at_ms": int(time.time() * 1000)}
+                if self.jobs.fail(node, payload):
+                    log.warning("node %s failed (XID %d on GPU %d): told its jobs", node, xid, gpu)
 
     async def _batch(self, request: web.Request, kind: str) -> pa.Table:
         """The request's whole body as a validated table, or an HTTP error that says why."""
@@ -213,7 +228,7 @@ class Service:
         return web.json_response({"deleted": job.id})
 
     async def job_events(self, request: web.Request) -> web.StreamResponse:
-        """SSE: `hello` on connect, `checkpoint` events, comment keep-alives."""
+        """SSE: `hello` on connect, `checkpoint` and `node_failed` events, comment keep-alives."""
         job = self._job(request)
         q: asyncio.Queue = asyncio.Queue(LISTENER_QUEUE)
         job.listeners.add(q)
@@ -234,7 +249,7 @@ class Service:
                 if event is None:                  # job deleted
                     await resp.write(_sse("closed", {"job": job.id}))
                     break
-                await resp.write(_sse("checkpoint", event, event["event_id"]))
+                await resp.write(_sse(event["event"], event, event["event_id"]))
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:

@@ -115,13 +115,14 @@ def test_job_hears_checkpoint_now_once_per_interval(shared_server):
     assert stream.headers["Content-Type"].startswith("text/event-stream")
     hello = read_events(stream, 0)
     assert hello[0][0] == "hello" and hello[0][1]["at_risk"] == []
-    # j2 is not the job's: nothing; j1 GPU 3 logs XID 79: checkpoint now
+    # j2 is not the job's: nothing; j1 GPU 3 logs XID 79: node failed, and checkpoint now
     xid = lambda node, gpu, t: json.dumps({"timestamp": t, "node": node, "gpu": gpu, "xid": 79}).encode()  # noqa: E731
     assert post(srv, "xid", xid("j2", 0, T0 + 1000), ctype="application/x-ndjson").status_code == 202
     sent = time.monotonic()
     assert post(srv, "xid", xid("j1", 3, T0 + 2000), ctype="application/x-ndjson").status_code == 202
-    (name, ev), = read_events(stream, 1)
+    (failed_name, failed), (name, ev) = read_events(stream, 2)  # the lost GPU first: the job stops at once
     assert time.monotonic() - sent < 5
+    assert failed_name == "node_failed" and failed["node"] == "j1" and failed["xid"] == 79
     assert name == "checkpoint" and ev["node"] == "j1" and ev["gpu"] == 3 and ev["risk"] == 1.0
     assert ev["reason"] == "critical XID 79"
     # a second GPU of the same node crossing inside the job's interval is rate-limited

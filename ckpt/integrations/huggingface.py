@@ -42,6 +42,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
+from ..watchdog import HangDetection, Watchdog, start_watchdog
 from .loop import save_at_boundary
 from .rng import RNGState
 from .urgency import SaveRequests
@@ -53,9 +54,10 @@ class HFCheckpoint(TrainerCallback):
     """Saves the Trainer's full training state into ``mgr``; see the module docstring."""
 
     def __init__(self, mgr: CheckpointManager, *, every: int | None = None, requests: SaveRequests | None = None,
-                 preemption: bool = True) -> None:
-        self.mgr, self.every, self.preemption = mgr, every, preemption
+                 preemption: bool = True, hang: HangDetection | None = None) -> None:
+        self.mgr, self.every, self.preemption, self.hang = mgr, every, preemption, hang
         self.requests = requests or SaveRequests()
+        self._watchdog: Watchdog | None = None
         self._trainer: Trainer | None = None
         self._restored: dict[str, Any] = {}
         self._staging: str | None = None
@@ -87,6 +89,12 @@ class HFCheckpoint(TrainerCallback):
         self._saved = state.global_step
         if self.preemption:
             self.requests.catch_sigterm()
+        self._watchdog = start_watchdog(self.mgr, self.hang)
+
+    def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                           **kwargs: Any) -> None:
+        if self._watchdog is not None:
+            self._watchdog.progress()  # an evaluation batch
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
@@ -94,11 +102,15 @@ class HFCheckpoint(TrainerCallback):
             RNGState().load_state_dict(self._restored.pop("rng"))
         step = state.global_step
         if step != self._saved and save_at_boundary(self.mgr, self.requests, step,
-                                                    lambda: self._state(state, control), self.every):
+                                                    lambda: self._state(state, control), self.every,
+                                                    watchdog=self._watchdog):
             self._saved = step
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
         if state.global_step != self._saved:
             self.mgr.save(state.global_step, self._state(state, control))
             self._saved = state.global_step

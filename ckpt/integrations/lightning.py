@@ -36,6 +36,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
+from ..watchdog import HangDetection, Watchdog, start_watchdog
 from .loop import save_at_boundary
 from .rng import RNGState
 from .urgency import SaveRequests
@@ -70,10 +71,11 @@ class LightningCheckpoint(pl.Callback):
     steps and at the end of training; see the module docstring."""
 
     def __init__(self, mgr: CheckpointManager, *, every: int | None = None, requests: SaveRequests | None = None,
-                 preemption: bool = True) -> None:
-        self.mgr, self.every, self.preemption = mgr, every, preemption
+                 preemption: bool = True, hang: HangDetection | None = None) -> None:
+        self.mgr, self.every, self.preemption, self.hang = mgr, every, preemption, hang
         self.requests = requests or SaveRequests()
         self.io = ManagerCheckpointIO(mgr)
+        self._watchdog: Watchdog | None = None
         self._rng_to_load: dict[str, Any] | None = None
         self._boundary: int | None = None  # the last global step the save policy looked at
         self._saved: int | None = None  # the last step saved or restored
@@ -95,6 +97,15 @@ class LightningCheckpoint(pl.Callback):
             # Replaces Lightning's handler (it restores the previous one at teardown), which
             # would stop training after the current batch without a checkpoint.
             self.requests.catch_sigterm()
+        self._watchdog = start_watchdog(self.mgr, self.hang)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._watchdog is not None:
+            self._watchdog.progress()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_watchdog()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -108,13 +119,19 @@ class LightningCheckpoint(pl.Callback):
             return  # accumulating gradients: no optimizer step since the last boundary
         self._boundary = trainer.global_step
         if save_at_boundary(self.mgr, self.requests, trainer.global_step, lambda: _resumable_state(trainer),
-                            self.every):
+                            self.every, watchdog=self._watchdog):
             self._saved = trainer.global_step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_watchdog()
         if trainer.global_step != self._saved:
             self.mgr.save(trainer.global_step, _resumable_state(trainer))
         self.mgr.wait()
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
 
 
 def _resumable_state(trainer: pl.Trainer) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from ..drain import SaveHandle
 from ..errors import Preempted
 from ..manager import CheckpointManager
 from ..policy import IntervalPolicy
+from ..watchdog import HangDetection, Watchdog, on_node_failed, start_watchdog
 from .risk import RiskListener, read_token
 from .urgency import SaveRequests
 
@@ -28,12 +29,16 @@ log = logging.getLogger(__name__)
 
 def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
                      state: Callable[[], Mapping[str, Any]], every: int | IntervalPolicy | None, *,
-                     listener: RiskListener | None = None, elevated_every: int | None = None) -> bool:
+                     listener: RiskListener | None = None, elevated_every: int | None = None,
+                     watchdog: Watchdog | None = None) -> bool:
     """Save ``step`` if the periodic policy says so (``elevated_every`` while the predictor
     reports the job's nodes at risk; an ``IntervalPolicy`` decides by the clock) or any
     rank asked for an urgent save; after a preemption, wait until durable and raise
     ``Preempted`` (a SystemExit with status 143) for the framework to unwind.
-    Every flag is agreed across ranks in one all-reduce. ``state`` is called only when saving."""
+    Every flag is agreed across ranks in one all-reduce. ``state`` is called only when saving.
+    ``watchdog`` (the hang detector) learns here that this rank reached a boundary."""
+    if watchdog is not None:
+        watchdog.boundary()
     at_risk = listener is not None and listener.elevated
     due = isinstance(every, IntervalPolicy) and every.should_save(elevated=at_risk)
     urgent, preempted, elevated, due = mgr.agree(requests.take(), requests.preempted, at_risk, due)
@@ -50,6 +55,8 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
         handle.wait()
         mgr.flush()
         log.warning("preempted: step %d is durable; exiting", step)
+        if watchdog is not None:
+            watchdog.close()  # unwinding may wait in teardown: that is no hang
         raise Preempted(step)
     return True
 
@@ -57,10 +64,12 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
 def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | IntervalPolicy | None = None,
               requests: SaveRequests | None = None, preemption: bool = True, save_at_end: bool = True,
               predictor: str | None = None, predictor_token: str | None = None,
-              elevated_every: int | None = None) -> Iterator[int]:
+              elevated_every: int | None = None, hang: HangDetection | None = None) -> Iterator[int]:
     """Yield step indices from the restored position to ``total``; save on ``every`` (steps,
     or an ``IntervalPolicy``), at urgent requests ("checkpoint now" from ``predictor``,
-    ``requests.request()``), on SIGTERM (then exit 143), and at the end."""
+    ``requests.request()``), on SIGTERM (then exit 143), and at the end. Under
+    torch.distributed a hung rank ends the job (``hang`` tunes or disables the detector:
+    ``ckpt.watchdog``)."""
     requests = requests or SaveRequests()
     if preemption:
         requests.catch_sigterm()
@@ -68,10 +77,17 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | I
     restored = mgr.restore(state)
     start = restored or 0
     log.info("training from step %d%s", start, " (restored)" if restored is not None else "")
-    for step in range(start, total):
-        yield step
-        save_at_boundary(mgr, requests, step + 1, lambda: state, every, listener=listener,
-                         elevated_every=elevated_every)
+    watchdog = start_watchdog(mgr, hang)
+    if listener is not None:
+        listener.on_node_failed = on_node_failed(watchdog)
+    try:
+        for step in range(start, total):
+            yield step
+            save_at_boundary(mgr, requests, step + 1, lambda: state, every, listener=listener,
+                             elevated_every=elevated_every, watchdog=watchdog)
+    finally:
+        if watchdog is not None:
+            watchdog.close()
     if save_at_end and total > start and not (isinstance(every, int) and total % every == 0):
         mgr.save(total, state)
     mgr.flush()  # the newest step off-node too, if an upload was pending when it was saved

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .urgency import SaveRequests
 
@@ -40,7 +40,8 @@ def read_token(token_file: str | os.PathLike | None = None) -> str | None:
 class RiskListener:
     """Background thread: registers ``nodes`` as one job and follows its event stream.
 
-    ``requests.request()`` fires on every "checkpoint" event; ``elevated`` is True while
+    ``requests.request()`` fires on every "checkpoint" event, ``on_node_failed`` on every
+    "node_failed" one (a critical XID on a node of the job); ``elevated`` is True while
     a node of the job was reported at risk within ``elevated_s``, so a policy can
     shorten the periodic interval. Any failure to reach the predictor is logged once per
     outage and retried with backoff; training never waits for it.
@@ -52,6 +53,7 @@ class RiskListener:
         self.token, self.elevated_s, self.timeout_s = token, elevated_s, timeout_s
         self.job_id: str | None = None
         self.events: list[dict] = []  # "checkpoint" events received, for timelines
+        self.on_node_failed: Callable[[dict], None] | None = None  # the job's reaction (loop.resumable sets it)
         self._last_risk = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckpt-risk-listener", daemon=True)
@@ -119,6 +121,11 @@ class RiskListener:
             log.warning("predictor: node %s at risk (%s); requested an urgent checkpoint",
                         data.get("node"), data.get("reason") or data.get("reasons"))
             self.events.append({**data, "received": time.time()})
+        elif event == "node_failed":
+            log.critical("predictor: node %s failed (%s, sent %s ms ago); stopping the job", data.get("node"),
+                         data.get("reason"), _age_ms(data))
+            if self.on_node_failed is not None:
+                self.on_node_failed(data)
         elif event == "closed":
             self.job_id = None
 
@@ -140,3 +147,6 @@ class RiskListener:
                     data.append(line[5:].strip())
 
 
+def _age_ms(event: dict) -> str:
+    sent = event.get("sent_at_ms")
+    return f"{time.time() * 1000 - sent:.0f}" if isinstance(sent, (int, float)) else "?"

@@ -1,0 +1,166 @@
+"""Recovery benchmark: seconds from a fault to the first resumed training step.
+
+    python benchmarks/recovery_bench.py --json out.json [--repeats 3]
+
+torchrun (gloo, CPU, 2 ranks, one node) trains examples/train_torchrun.py; its fault
+injector hits rank 1 at step 12, and the job restarts once. Scenarios, each against
+today's behaviour where it differs:
+
+* ``killed``: SIGKILL (peers' sockets close: noticed at once).
+* ``hung``: SIGSTOP (alive and silent, as on a dead GPU) with the hang detector's
+  default deadline (30 s floor), ``hung_4s`` with ``--hang-deadline 4``, and
+  ``hung_baseline``: today's behaviour, without the detector (the training group's
+  timeout set to 10 s; measured 161 s all the same: the survivor still waits out a
+  collective timeout, likely the checkpoint coordinator's 120 s group, then torchrun's
+  30 s SIGTERM grace that a stopped process ignores).
+* ``xid79``: a simulated agent posts XID 79 for this host to a real ``predictor serve``
+  (loopback, ``--no-auth``) once the job reached step 12; ``detect_s`` is the post ->
+  the last rank's "job stopped" line, and the phases count from the post. Today a dead
+  GPU leaves its rank hung: the ``hung*`` rows are its baseline.
+
+Phases from the ranks' own log lines: ``detect_s`` (fault -> hang declared),
+``relaunch_s`` (fault -> rank 0 restored a checkpoint in the new incarnation, so
+process exit, relaunch, rendezvous, process-group init and restore), ``total_s``
+(fault -> first resumed step). Medians of ``--repeats`` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import socket
+import tempfile
+import threading
+import time
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.procs import free_port, stop_process, wait_for  # noqa: E402
+
+SCENARIOS = {
+    "killed": ["--faults", "12"],
+    "hung": ["--faults", "12:stop"],
+    "hung_4s": ["--faults", "12:stop", "--hang-deadline", "4"],
+    "hung_baseline": ["--faults", "12:stop", "--no-hang-detection", "--pg-timeout", "10"],
+    "xid79": [],  # run_xid
+}
+_STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+
+
+def run(scenario: str, workdir: Path, memory_dir: str) -> dict[str, float | None]:
+    """One faulty run of ``scenario``: its phases in seconds."""
+    if scenario == "xid79":
+        return run_xid(workdir, memory_dir)
+    log = _torchrun(scenario, workdir, memory_dir, *SCENARIOS[scenario])
+    fault = re.search(r"fault injector: SIG\w+ rank 1 at step 12 \(([\d.]+)\)", log)
+    first = re.search(r"rank0 incarnation 1: first step \d+ at ([\d.]+)", log)
+    if not (fault and first):
+        raise SystemExit(f"{scenario}: no fault, or no restart, in the log:\n{log[-3000:]}")
+    fault, first = float(fault.group(1)), float(first.group(1))
+    restored = _stamp(re.search(_STAMP + r"rank0 rank 0 restored step", log))
+    detected = _stamp(re.search(_STAMP + r"rank\d+ hang detected", log))
+    return {"detect_s": None if detected is None else detected - fault, "relaunch_s": restored - fault,
+            "total_s": first - fault}
+
+
+def _torchrun(scenario: str, workdir: Path, memory_dir: str, *extra: str) -> str:
+    """The example under torchrun (2 ranks, one restart allowed): its log."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.5",
+           str(REPO / "examples" / "train_torchrun.py"), "--root", str(workdir / "root"), "--memory-dir",
+           memory_dir, "--steps", "30", "--every", "5", *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise SystemExit(f"{scenario}: torchrun failed ({proc.returncode}):\n{log[-3000:]}")
+    return log
+
+
+def run_xid(workdir: Path, memory_dir: str) -> dict[str, float | None]:
+    """A simulated agent posts XID 79 for this host to a real ``predictor serve`` (no auth,
+    loopback) once the job reached step 12: its phases from that post."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "predictor.cli", "serve", "--port", str(port), "--no-auth"],
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    url, timeline, posted = f"http://127.0.0.1:{port}", workdir / "timeline.jsonl", []
+    try:
+        if not wait_for(lambda: _healthy(url), timeout=60):
+            raise SystemExit("predictor serve did not come up")
+
+        def agent() -> None:
+            if wait_for(lambda: _reached(timeline, 12), timeout=300, interval=0.01):
+                body = json.dumps({"timestamp": int(time.time() * 1000), "node": socket.gethostname(), "gpu": 0,
+                                   "xid": 79}) + "\n"
+                posted.append(time.time())
+                req = urllib.request.Request(url + "/v1/xid", data=body.encode(), method="POST", headers={
+                    "Content-Type": "application/x-ndjson", "X-Batch-Id": f"bench-{time.time_ns()}"})
+                urllib.request.urlopen(req, timeout=10).close()
+
+        thread = threading.Thread(target=agent, daemon=True)
+        thread.start()
+        log = _torchrun("xid79", workdir, memory_dir, "--predictor", url, "--step-time", "0.2",
+                        "--timeline", str(timeline))
+        thread.join(timeout=10)
+    finally:
+        stop_process(server)
+    stopped = [_stamp(m) for m in re.finditer(_STAMP + r"rank\d+ rank \d+: job stopped", log)]
+    first = re.search(r"rank0 incarnation 1: first step \d+ at ([\d.]+)", log)
+    if not (posted and stopped and first):
+        raise SystemExit(f"xid79: no XID posted, no reaction or no restart in the log:\n{log[-3000:]}")
+    return {"detect_s": max(stopped) - posted[0], "relaunch_s": _stamp(re.search(_STAMP + r"rank0 rank 0 restored",
+                                                                                  log)) - posted[0],
+            "total_s": float(first.group(1)) - posted[0]}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _reached(timeline: Path, step: int) -> bool:
+    return timeline.exists() and any(json.loads(line)["step"] >= step for line in timeline.read_text().splitlines())
+
+
+def _stamp(found: re.Match | None) -> float | None:
+    """A log line's asctime (local time, ms) as epoch seconds."""
+    return None if found is None else datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None, help="write the medians here")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
+    args = ap.parse_args()
+    table: dict[str, dict[str, float | None]] = {}
+    for scenario in args.only.split(","):
+        if scenario not in SCENARIOS:
+            raise SystemExit(f"unknown scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
+        runs = []
+        for i in range(args.repeats):
+            t0 = time.monotonic()
+            with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp, \
+                    tempfile.TemporaryDirectory(prefix="recovery-bench-", dir="/dev/shm") as shm:
+                runs.append(run(scenario, Path(tmp), shm))
+            print(f"{scenario} #{i + 1}: {runs[-1]} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+        table[scenario] = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
+                           for k in runs[0]}
+    print(json.dumps(table, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"repeats": args.repeats, "medians": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

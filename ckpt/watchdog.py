@@ -1,0 +1,360 @@
+"""Hang detection: a rank that stops reaching step boundaries ends the job in seconds.
+
+A rank whose GPU fell off the bus, whose kernel hangs or whose process was stopped
+stays alive and silent; its peers wait in their next collective until its timeout
+(minutes), and a stopped process even outlives torchrun's SIGTERM grace. So every
+rank runs a ``Watchdog`` thread that talks through the job's key-value store only
+(never a collective: it would block on the hung rank):
+
+* **Progress** costs the training thread two attribute writes per step boundary
+  (``boundary()``); the thread publishes ``<boundaries> <beat>`` under its rank once
+  per ``interval_s``: one store write per rank per interval, whatever the step rate.
+* **Deadline**: ``factor`` × the median of the measured step times, at least
+  ``floor_s`` (or ``deadline_s``, fixed). Until ``warmup_steps`` steps are measured
+  the deadline is at least ``first_steps_s``: compilation and data loading in the
+  first steps of every incarnation never trip it.
+* **Verdict**: a rank whose own training thread has not reached a boundary within
+  the deadline declares the job hung. Only then (from four intervals before) does it
+  read every rank's key, once per interval, to name the culprit: a rank whose beat
+  stopped changing is *frozen* (stopped, or wedged with its interpreter); else the
+  ranks with fewest boundaries are *behind*; else no single rank is to blame (a hang
+  inside a collective or a kernel). A live culprit, or every rank when none is named,
+  dumps its own Python stacks.
+* **Exit**: the detecting rank logs rank, node and silence, SIGKILLs every culprit
+  that runs on its own host (published pid, checked against the process start time;
+  a frozen one that is not stopped is asked for its stacks first with SIGUSR2, which
+  faulthandler answers without the interpreter; a stopped one cannot answer), and
+  ``os._exit(EXIT_HUNG)``: unwinding could block in teardown barriers. A culprit
+  alone on its host is not killed here: its agent stops it after its shutdown grace
+  (torchrun ``--shutdown-timeout``, 30 s by default).
+"""
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .distributed import store_connector
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+EXIT_HUNG = 86  # this rank ended the job: some rank stopped reaching step boundaries
+EXIT_NODE_FAILED = 87  # this rank ended the job: a node of the job failed (the predictor said so)
+_FAILED = "failed"  # the store key that stops every rank of the job (its value: why)
+_DUMP_SIGNAL = signal.SIGUSR2  # faulthandler dumps the Python stacks of a rank on it
+_OBSERVE_INTERVALS = 4  # start reading peers' beats this many intervals before the deadline
+_FROZEN_POLLS = 3  # a beat unchanged over this many polls: that rank's process is not running
+
+
+@dataclass(frozen=True)
+class HangDetection:
+    """The hang detector's knobs (see the module docstring); ``enabled=False`` turns it off."""
+
+    enabled: bool = True
+    factor: float = 5.0
+    floor_s: float = 30.0
+    deadline_s: float | None = None  # fixed deadline, replaces factor × median and the floor
+    warmup_steps: int = 3
+    first_steps_s: float = 600.0
+    interval_s: float = 1.0
+    poll_s: float = 0.25  # how often each rank looks for a "job failed" key (node_failed)
+    kill_grace_s: float = 1.0  # time the culprit gets to dump its stacks before SIGKILL
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.poll_s <= 0 or self.factor <= 0 or self.floor_s < 0 or self.warmup_steps < 0:
+            raise ValueError(f"invalid hang detection settings: {self}")
+        if self.deadline_s is not None and self.deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+
+    def deadline(self, step_times: list[float]) -> float:
+        """Seconds a rank may spend between two boundaries, given the step times measured;
+        never under ``_OBSERVE_INTERVALS`` beats, the time it takes to tell a frozen rank."""
+        steady = self.deadline_s if self.deadline_s is not None else max(
+            self.floor_s, self.factor * statistics.median(step_times) if step_times else 0.0)
+        steady = max(steady, _OBSERVE_INTERVALS * self.interval_s)
+        return steady if len(step_times) >= self.warmup_steps else max(steady, self.first_steps_s)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Where a rank runs: enough to name it in a log and to kill it safely from its host."""
+
+    rank: int
+    node: str
+    host: str  # hostname, boot id and pid namespace: pids mean the same thing only within one
+    pid: int
+    started: str  # the process start time (/proc/<pid>/stat): a reused pid is never killed
+
+    def encode(self) -> str:
+        return "\t".join(map(str, (self.rank, self.node, self.host, self.pid, self.started)))
+
+    @classmethod
+    def decode(cls, text: str) -> Identity:
+        rank, node, host, pid, started = text.split("\t")
+        return cls(int(rank), node, host, int(pid), started)
+
+
+def this_process(rank: int) -> Identity:
+    node = os.environ.get("CKPT_GUARD_NODE") or socket.gethostname().split(".")[0]
+    return Identity(rank, node, _host_key(), os.getpid(), _started(os.getpid()))
+
+
+class Watchdog:
+    """One rank's hang detector; ``store`` returns the calling thread's client of the job's
+    store, keys private to this incarnation (``distributed.store_connector``)."""
+
+    def __init__(self, store: Callable[[], object], rank: int, world_size: int,
+                 options: HangDetection = HangDetection(), *, exit: Callable[[int], None] = os._exit) -> None:
+        self.options, self.rank, self.world_size = options, rank, world_size
+        self._store, self._exit = store, exit
+        self.me = this_process(rank)
+        self._boundaries = 0
+        self._last = time.monotonic()  # the last boundary (or start) on the training thread
+        self._paused = False  # something else than a step ran since the last boundary
+        self._frozen_s = 0.0  # how long this process itself did not run, seen by the watchdog thread
+        self._warned = 0.0  # the boundary (its time) after which a stall was last announced
+        self._step_times: deque[float] = deque(maxlen=64)
+        self._seen: dict[int, tuple[bytes, int]] = {}  # rank -> (its last value, polls unchanged)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckpt-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        if signal.getsignal(_DUMP_SIGNAL) == signal.SIG_DFL:  # never take a handler the program set
+            faulthandler.register(_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+        self._store().set(f"who/{self.rank}", self.me.encode())
+        self._last = time.monotonic()
+        self._thread.start()
+        return self
+
+    def boundary(self) -> None:
+        """The training thread reached a step boundary (the interval since the previous
+        one is a step time; the first, which includes start-up, is not)."""
+        now = time.monotonic()
+        if self._boundaries and not self._paused:
+            self._step_times.append(now - self._last)
+        self._boundaries += 1
+        self._last, self._paused, self._frozen_s = now, False, 0.0
+
+    def progress(self) -> None:
+        """Progress that is not a training step (an evaluation batch): resets the clock;
+        the next step time is not measured, since it includes the evaluation."""
+        self._last, self._paused = time.monotonic(), True
+
+    def close(self) -> None:
+        """Training is over on this rank (or unwinding): stop watching, tell the peers."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=self.options.interval_s + 5.0)
+        try:
+            self._store().set(f"beat/{self.rank}", "done")
+        except (RuntimeError, OSError) as e:  # the store may be gone at the end of a job
+            log.debug("watchdog: could not say done: %s", e)
+
+    def deadline(self) -> float:
+        return self.options.deadline(list(self._step_times))
+
+    def fail(self, reason: str) -> None:
+        """Stop the whole job now (a node failed): every rank's watchdog sees the key within
+        ``poll_s`` and exits with EXIT_NODE_FAILED. Any thread may call it."""
+        self._store().set(_FAILED, reason)
+
+    def _run(self) -> None:
+        beat, interval, tick = 0, self.options.interval_s, min(self.options.interval_s, self.options.poll_s)
+        woke = next_beat = time.monotonic()
+        unreachable = False
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            if now - woke > 2 * interval:  # this thread did not run: the whole process was stopped
+                self._frozen_s = now - woke
+            woke = now
+            try:
+                store = self._store()
+                if store.check([_FAILED]):
+                    self._leave(EXIT_NODE_FAILED, "rank %d: job stopped: %s", self.rank, store.get(_FAILED).decode())
+                if now >= next_beat:
+                    next_beat, beat = now + interval, beat + 1
+                    self._beat(store, beat)
+                unreachable = False
+            except (RuntimeError, OSError) as e:  # the store unreachable: the job is ending anyway
+                if not unreachable:
+                    log.warning("watchdog: job store unreachable (%s); hang detection paused", e)
+                unreachable = True
+
+    def _beat(self, store: object, beat: int) -> None:
+        store.set(f"beat/{self.rank}", f"{self._boundaries} {beat}")
+        last = self._last
+        stalled, deadline, interval = time.monotonic() - last, self.deadline(), self.options.interval_s
+        if stalled >= deadline / 2 and self._warned != last:  # never wait silently
+            self._warned = last
+            log.warning("rank %d: no step boundary for %.1f s; declared hung at %.1f s", self.rank, stalled, deadline)
+        if stalled < deadline - _OBSERVE_INTERVALS * interval:
+            self._seen.clear()
+            return
+        self._observe(store)
+        if stalled >= deadline and not self._stop.is_set():
+            self._declare(store, stalled, deadline)
+
+    def _observe(self, store: object) -> None:
+        """Read every rank's beat; count the polls each has stayed unchanged."""
+        keys = [f"beat/{r}" for r in range(self.world_size)]
+        present = keys if store.check(keys) else [k for k in keys if store.check([k])]
+        values = dict(zip(present, store.multi_get(present))) if present else {}
+        for r, key in enumerate(keys):
+            value = values.get(key, b"")
+            old, unchanged = self._seen.get(r, (None, -1))
+            self._seen[r] = (value, unchanged + 1 if value == old else 0)
+
+    def _culprits(self) -> tuple[str, list[int]]:
+        live = {r: v for r, (v, _) in self._seen.items() if v != b"done"}
+        frozen = [r for r, (v, n) in self._seen.items() if r in live and n >= _FROZEN_POLLS]
+        if frozen:
+            return "frozen (its process has not run for the last polls)", frozen
+        steps = {r: int(v.split()[0]) for r, v in live.items() if v}
+        missing = [r for r in live if not live[r]]
+        if missing:
+            return "never reported", missing
+        if steps and len(set(steps.values())) > 1:
+            low = min(steps.values())
+            return f"behind (at boundary {low}, others further)", [r for r, s in steps.items() if s == low]
+        return "", []
+
+    def _declare(self, store: object, stalled: float, deadline: float) -> None:
+        why, culprits = self._culprits()
+        if self._frozen_s:  # this process was stopped, then continued (by hand, or a debugger)
+            why, culprits = f"this rank's own process did not run for {self._frozen_s:.1f} s", [self.rank]
+        who = _identities(store, culprits)
+        median = statistics.median(self._step_times) if self._step_times else float("nan")
+        names = ", ".join(f"rank {r} on node {who[r].node} (pid {who[r].pid})" if r in who else f"rank {r}"
+                          for r in culprits)
+        log.critical("hang detected by rank %d: no step boundary for %.1f s (deadline %.1f s, median step %.3f s); "
+                     "%s; exiting with code %d", self.rank, stalled, deadline, median,
+                     f"{why}: {names}" if culprits else "every rank is alive at the same boundary (a hang inside "
+                     "a collective or a kernel)", EXIT_HUNG)
+        if self.rank in culprits or not culprits:
+            log.critical("rank %d: this rank's Python stacks follow", self.rank)
+            _flush_logs()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for r in culprits:
+            if r in who and who[r].pid != self.me.pid and who[r].host == self.me.host:
+                self._kill(who[r], ask_stacks=why.startswith("frozen"))
+        self._leave(EXIT_HUNG)
+
+    def _leave(self, code: int, *message: object) -> None:
+        """Exit at once (unwinding could block in a collective or a teardown barrier)."""
+        if message:
+            log.critical(f"{message[0]}; exiting with code {code}", *message[1:])
+        _flush_logs()
+        self._stop.set()
+        self._exit(code)
+
+    def _kill(self, target: Identity, *, ask_stacks: bool) -> None:
+        """SIGKILL a hung rank of this host. A frozen one that is not stopped is asked for
+        its stacks first (faulthandler's handler runs without the interpreter's lock); a
+        live one dumps its own; a stopped one can give none without running again."""
+        if not target.started or _started(target.pid) != target.started:
+            log.warning("watchdog: rank %d (pid %d) is gone already, or its start time is unknown: not killed",
+                        target.rank, target.pid)
+            return
+        stopped = _proc_stat(target.pid)[:1] in (["T"], ["t"])
+        try:
+            if stopped:
+                log.critical("watchdog: rank %d (pid %d) is stopped (SIGSTOP or a debugger): no stack dump",
+                             target.rank, target.pid)
+            else:
+                if ask_stacks:
+                    os.kill(target.pid, _DUMP_SIGNAL)
+                deadline = time.monotonic() + self.options.kill_grace_s
+                while time.monotonic() < deadline and _started(target.pid) == target.started:
+                    time.sleep(0.05)
+            if _started(target.pid) == target.started:
+                os.kill(target.pid, signal.SIGKILL)
+                log.critical("watchdog: SIGKILLed hung rank %d (pid %d on node %s)", target.rank, target.pid,
+                             target.node)
+        except ProcessLookupError:
+            pass
+        except PermissionError as e:
+            log.error("watchdog: cannot kill hung rank %d (pid %d): %s", target.rank, target.pid, e)
+
+
+def start_watchdog(mgr: CheckpointManager, options: HangDetection | None) -> Watchdog | None:
+    """Every rank's watchdog for ``mgr``'s job (call at the same point on every rank: one
+    all-gather agrees on a namespace for this incarnation); None when alone or disabled."""
+    options = options or HangDetection()
+    if not options.enabled or mgr.world_size == 1:
+        return None
+    incarnation = mgr.coord.gather(uuid.uuid4().hex)[0]
+    store = store_connector(f"{mgr.run}/{incarnation}/watchdog", timeout_s=30.0)
+    return Watchdog(store, mgr.rank, mgr.world_size, options).start()
+
+
+def on_node_failed(watchdog: Watchdog | None) -> Callable[[dict], None]:
+    """What a "node_failed" event from the predictor does: stop every rank of the job
+    (through the watchdogs' store key), or this lone process at once."""
+    def stop(event: dict) -> None:
+        reason = f"the predictor reports node {event.get('node')} failed ({event.get('reason')})"
+        if watchdog is not None:
+            watchdog.fail(reason)
+        else:
+            log.critical("%s; exiting with code %d", reason, EXIT_NODE_FAILED)
+            _flush_logs()
+            os._exit(EXIT_NODE_FAILED)
+    return stop
+
+
+def _identities(store: object, ranks: list[int]) -> dict[int, Identity]:
+    keys = [f"who/{r}" for r in ranks]
+    present = [k for k in keys if store.check([k])]
+    return {i.rank: i for i in (Identity.decode(v.decode()) for v in store.multi_get(present))} if present else {}
+
+
+def _flush_logs() -> None:
+    """What was logged reaches its files before ``os._exit`` (which skips every flush)."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _host_key() -> str:
+    """This host and pid namespace: two ranks with the same key see the same pids."""
+    boot = _read("/proc/sys/kernel/random/boot_id") or uuid.getnode()
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{socket.gethostname()}/{boot}/{ns}"
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: [0] the state, [19] the start time in
+    clock ticks since boot ([] when unknown or gone)."""
+    stat = _read(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[1].split() if stat else []
+
+
+def _started(pid: int) -> str:
+    """When ``pid`` started ('' when unknown or gone): with the pid, names one process."""
+    return "".join(_proc_stat(pid)[19:20])
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,120 @@
+"""Hang detection (ckpt/watchdog.py) with real processes: torchrun (gloo, CPU, 2 ranks)
+trains the example GPT; the fault injector SIGSTOPs rank 1 (alive and silent, as a rank
+on a dead GPU is); the watchdog names it, kills it, ends the job with EXIT_HUNG,
+torchrun restarts, and the final weights are bitwise equal to an uninterrupted run's.
+A slow first step never trips it. Timings: benchmarks/recovery_bench.py."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ckpt.watchdog import EXIT_HUNG, HangDetection, Watchdog
+from tests.integration_helpers import REPO, torchrun
+from tests.procs import wait_for
+
+STEPS, EVERY = 30, 5
+DEADLINE = ["--hang-deadline", "3"]  # raised to 4 s: 4 beats of 1 s tell a frozen rank
+
+
+def train(base: Path, name: str, memory_dir: str, *extra: str, restarts: int = 0) -> str:
+    log = torchrun(REPO / "examples" / "train_torchrun.py", "--root", str(base / name), "--steps", str(STEPS),
+                   "--every", str(EVERY), "--memory-dir", memory_dir, "--out", str(base / f"{name}.json"), *extra,
+                   restarts=restarts)
+    (base / f"{name}.log").write_text(log)
+    return log
+
+
+@pytest.fixture(scope="module")
+def slow_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, str]]:
+    """An uninterrupted run whose rank 1 spends 8 s in its first step (deadline 3 s): its
+    directory, its memory dir (kept for the module) and its log."""
+    base, memory_dir = tmp_path_factory.mktemp("hang"), tempfile.mkdtemp(prefix="ckpt-test-", dir="/dev/shm")
+    try:
+        yield base, memory_dir, train(base, "slow", memory_dir, "--slow-first-step", "8", *DEADLINE)
+    finally:
+        shutil.rmtree(memory_dir, ignore_errors=True)
+
+
+def test_slow_first_step_does_not_trip_the_detector(slow_start: tuple[Path, str, str]) -> None:
+    base, _, log = slow_start
+    assert "hang detected" not in log, log[-3000:]
+    assert json.loads((base / "slow.json").read_text())["incarnation"] == 0
+
+
+def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tuple[Path, str, str]) -> None:
+    base, memory_dir, _ = slow_start
+    log = train(base, "hung", memory_dir, "--faults", "12:stop", *DEADLINE, restarts=1)
+    assert "fault injector: SIGSTOP rank 1 at step 12" in log, log[-3000:]
+    assert re.search(r"rank0 hang detected by rank 0: no step boundary for [\d.]+ s \(deadline 4\.0 s.*"
+                     r"frozen .*rank 1 on node \S+ \(pid \d+\); exiting with code 86", log), log[-4000:]
+    assert f"exitcode: {EXIT_HUNG}" in log, log[-4000:]
+    assert "watchdog: rank 1 (pid" in log and "is stopped (SIGSTOP or a debugger): no stack dump" in log, log[-4000:]
+    assert "watchdog: SIGKILLed hung rank 1" in log, log[-4000:]
+    assert re.search(r"rank0 incarnation 1: first step 10\b", log), log[-3000:]
+    assert json.loads((base / "hung.json").read_text())["digest"] == \
+        json.loads((base / "slow.json").read_text())["digest"], "the resumed run diverged from the uninterrupted one"
+
+
+def test_deadline_follows_the_measured_steps() -> None:
+    opts = HangDetection(floor_s=30.0, factor=5.0, warmup_steps=3, first_steps_s=600.0)
+    assert opts.deadline([]) == opts.deadline([20.0, 20.0]) == 600.0  # warming up: compile, data loading
+    assert opts.deadline([1.0, 1.0, 1.0]) == 30.0  # the floor
+    assert opts.deadline([10.0, 12.0, 500.0]) == 60.0  # 5x the median: one slow step moves it little
+    assert HangDetection(deadline_s=4.0).deadline([1.0] * 5) == 4.0
+    assert HangDetection(deadline_s=1.0, interval_s=1.0).deadline([1.0] * 5) == 4.0  # 4 beats tell a frozen rank
+    with pytest.raises(ValueError, match="deadline_s"):
+        HangDetection(deadline_s=0)
+
+
+def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixture) -> None:
+    """Two watchdogs on one TCPStore, both alive; rank 1 stopped two boundaries earlier:
+    rank 0 names it as behind and exits with EXIT_HUNG (exit is a stub here)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+    local = threading.local()
+
+    def client() -> dist.Store:  # one connection per thread, as distributed.store_connector gives
+        if not hasattr(local, "store"):
+            local.store = dist.PrefixStore("t", dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                              timeout=timedelta(seconds=10)))
+        return local.store
+
+    exits: list[int] = []
+    opts = HangDetection(deadline_s=2.0, warmup_steps=0, interval_s=0.5, poll_s=0.1)
+    dogs = [Watchdog(client, rank, 2, opts, exit=exits.append) for rank in (0, 1)]
+    dogs[1]._exit = lambda code: None  # rank 1 is the culprit; only rank 0's verdict is checked
+    for dog in dogs:
+        dog.start()
+    try:
+        for _ in range(3):
+            dogs[0].boundary()
+        dogs[1].boundary()
+        with caplog.at_level("WARNING", logger="ckpt.watchdog"):
+            assert wait_for(lambda: exits, timeout=10), "rank 0 never declared the hang"
+        assert exits == [EXIT_HUNG]
+        assert any("rank 0: no step boundary for" in r.message for r in caplog.records), "a silent wait"
+        assert any("behind (at boundary 1, others further): rank 1 on node" in r.message for r in caplog.records)
+    finally:
+        for dog in dogs:
+            dog.close()
+
+
+def test_rank_asleep_in_a_call_dumps_its_stacks(slow_start: tuple[Path, str, str]) -> None:
+    """Rank 1 alive but stuck (as in a kernel): it is named as behind (or, had its peer
+    not got further, nobody is), and it dumps its own stacks, which show where it sleeps."""
+    base, memory_dir, _ = slow_start
+    log = train(base, "asleep", memory_dir, "--faults", "12:hang", *DEADLINE, restarts=1)
+    assert re.search(r"rank1 hang detected by rank 1: .*(behind .*: rank 1 on node|every rank is alive)", log), \
+        log[-4000:]
+    assert "rank1 rank 1: this rank's Python stacks follow" in log, log[-4000:]
+    assert re.search(r'File ".*train_torchrun\.py", line \d+ in main', log), "no stack dump"
+    assert f"exitcode: {EXIT_HUNG}" in log and re.search(r"rank0 incarnation 1: first step 10\b", log), log[-4000:]
