@@ -29,10 +29,10 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
-import socket
 import tempfile
 import threading
 import time

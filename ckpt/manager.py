@@ -193,8 +193,8 @@ class CheckpointManager:
             raise
         # every rank must agree: a step is committed only once all shards are up
         upload = self._offload is not None and self._offload.decide(self.coord, ckpt_id, urgent)
-        handle = SaveHandle(ckpt_id.step, ([self.disk.name] if self.disk else []) + ([self.object.name] if upload else []),
-                            nbytes=nbytes, observer=self.metrics)
+        tiers = ([self.disk.name] if self.disk else []) + ([self.object.name] if upload else [])
+        handle = SaveHandle(ckpt_id.step, tiers, nbytes=nbytes, observer=self.metrics)
         handle.blocking_s = time.monotonic() - t0
         if self.metrics is not None:
             self.metrics.saved(handle.blocking_s, urgent)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import time
 from datetime import timedelta
 
@@ -66,6 +67,10 @@ def round_store(rank: int, world: int, timeout: timedelta) -> "dist.Store":
 
 
 def _connect(host: str, port: int, token: str, timeout: timedelta) -> "dist.Store | None":
+    try:  # a dead server refuses at once; TCPStore itself would retry for its whole timeout
+        socket.create_connection((host, port), timeout=_CONNECT_S).close()
+    except OSError:
+        return None
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=_CONNECT_S))
         if store.check([_TOKEN_KEY]) and store.get(_TOKEN_KEY).decode() == token:

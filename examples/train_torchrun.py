@@ -71,7 +71,8 @@ def kill_when_sealed(mgr: ckpt.CheckpointManager, step: int) -> None:
     def watch() -> None:
         while not mgr.memory.holds(step):
             time.sleep(0.0005)
-        logging.info("fault injector: SIGKILL rank %d at step %d during save (%.3f)", dist.get_rank(), step, time.time())
+        logging.info("fault injector: SIGKILL rank %d at step %d during save (%.3f)", dist.get_rank(), step,
+                     time.time())
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=watch, daemon=True).start()
 
@@ -80,7 +81,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="checkpoint directory (local-disk tier)")
     ap.add_argument("--object-store", default=None,
-                    help="fsspec URL of the off-node tier (file:///..., s3://bucket/prefix; endpoint from AWS_ENDPOINT_URL)")
+                    help="fsspec URL of the off-node tier (file:///..., s3://bucket/prefix; endpoint from "
+                         "AWS_ENDPOINT_URL)")
     ap.add_argument("--run", default=None, help="run id (default: TORCHELASTIC_RUN_ID or 'default')")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=5, help="periodic checkpoint interval, steps")
@@ -108,7 +110,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(message)s")
     init_process_group(timeout=timedelta(seconds=args.pg_timeout))  # restart-safe under torchrun
     rank, incarnation = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
 
