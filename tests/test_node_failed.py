@@ -15,8 +15,8 @@ import pytest
 from ckpt.integrations.risk import RiskListener
 from ckpt.integrations.urgency import SaveRequests
 from ckpt.watchdog import EXIT_NODE_FAILED
-from tests.integration_helpers import REPO, shm_dir, torchrun  # noqa: F401  (shm_dir: a fixture)
-from tests.predictor_fixtures import TOKENS, live_server, post  # noqa: F401  (fixture)
+from tests.integration_helpers import REPO, torchrun
+from tests.predictor_fixtures import TOKENS, post
 from tests.procs import wait_for
 
 
