@@ -59,6 +59,11 @@ class CheckpointManager:
     AWS environment and config are used).
 
     ``metrics_port`` serves Prometheus metrics on 127.0.0.1 (port + rank).
+
+    ``peers`` (0: off) keeps each rank's newest sealed snapshot also in the shared memory
+    of that many ranks on other nodes (``ckpt/peers``), so a lost node restores at memory
+    speed; ``node`` names this rank's node (default: CKPT_GUARD_NODE, then the host name),
+    ``peer_bytes_per_s`` caps each rank's sending rate, ``peer_timeout_s`` abandons a send.
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -66,7 +71,8 @@ class CheckpointManager:
                  replicated: Iterable[str] = (), threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  commit_timeout_s: float = 600.0, object_store: str | DurableTier | None = None,
                  storage_options: dict | None = None, object_interval_s: float = 0.0,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, peers: int = 0, node: str | None = None,
+                 peer_bytes_per_s: float | None = None, peer_timeout_s: float = 300.0) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         keep_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
@@ -104,6 +110,13 @@ class CheckpointManager:
         self.tiers: list[TierReader] = [self.memory, *durable]  # fastest first
         self._remove_leftovers(memory_dir)
         self.coord.barrier()  # nobody writes before the leftovers are gone
+        # -- peer replicas (ckpt/peers): wiring only --
+        self.peering = None
+        if peers and self.world_size > 1:
+            from .peers.peering import Peering
+
+            self.peering = Peering(self.coord, peers=peers, node=node, owner_root=self._owner_root, run=self.run,
+                                   memory_dir=memory_dir, bytes_per_s=peer_bytes_per_s, timeout_s=peer_timeout_s)
         self._offload = None if self.object is None else Offloader(self.object, self.committer,
                                                                    interval_s=object_interval_s)
         self._drainer = Drainer()
@@ -135,7 +148,7 @@ class CheckpointManager:
         if self.object is not None and self.committer.leads(self.object):
             leftovers += self.object.cleanup()
         if self.disk is not None and self.committer.leads(self.disk):
-            on_disk = {(i.id.generation, i.id.step) for i in self.disk.list() if i.complete}
+            on_disk = {(r, i.id.generation, i.id.step) for i in self.disk.list() if i.complete for r in i.ranks}
             others = [n for n in namespaces_of_root(self._owner_root, memory_dir) if n != self._ns]
             leftovers += self.disk.cleanup() + sweep_orphans(others, on_disk)
         for leftover in leftovers:
@@ -212,6 +225,8 @@ class CheckpointManager:
         try:
             sealed = reader.manifest = with_checksums(reader, self.threads)
             self.memory.seal(slot, sealed)  # memory restores can now verify too
+            if self.peering is not None:
+                self.peering.replicate(slot, sealed, handle)
             if upload and (urgent or self.disk is None):  # the slot waits for both drains
                 lease.hold()
                 self._offload.submit(ckpt_id, lambda: self.memory.open_slot(slot, sealed), handle, urgent=urgent,
@@ -267,7 +282,10 @@ class CheckpointManager:
         into the existing objects, plain values into the dict. Returns the step, or None
         when there is no checkpoint. Under torch.distributed all ranks load the same step."""
         t0 = time.monotonic()
-        found = restore_agreed(self.coord, self._restore_tiers(), self._needs,
+        tiers = self._restore_tiers()
+        if self.peering is not None:
+            tiers = self.peering.restore_tiers(self.coord, tiers)
+        found = restore_agreed(self.coord, tiers, self._needs,
                                lambda plan: load_plan(plan, state, threads=self.threads), step=step)
         if found is None:
             if step is not None:
@@ -276,6 +294,8 @@ class CheckpointManager:
         plan, values = found
         load_into(state, values)
         self._log_restored(plan, time.monotonic() - t0)
+        if self.peering is not None:
+            self.peering.restored(plan)
         newest = self._newest_known() or plan.ckpt_id
         generation = self.coord.max(newest.generation)
         # Resuming anything but the newest abandons a branch: later saves start a new lineage.
@@ -339,6 +359,8 @@ class CheckpointManager:
                 if self._offload is not None:
                     self._offload.close()
             finally:
+                if self.peering is not None:
+                    self.peering.close()
                 self.memory.close()
 
     def __enter__(self) -> "CheckpointManager":
