@@ -67,12 +67,14 @@ class Coordinator:
 
 def store_connector(namespace: str, timeout_s: float) -> Callable[[], "dist.Store"] | None:
     """A function returning this thread's client of the job's store, keys under ``namespace``
-    and the restart attempt (None when not distributed). Under torchrun and ``env://`` the
-    store is the rendezvous store at MASTER_ADDR:MASTER_PORT, reached on a connection of
-    the calling thread's own; otherwise the default group's store is shared."""
+    (None when not distributed). Under torchrun and ``env://`` the store is the rendezvous
+    store at MASTER_ADDR:MASTER_PORT, reached on a connection of the calling thread's own;
+    otherwise the default group's store is shared. ``namespace`` must be unique per start
+    of the job (the manager's holds an id rank 0 draws then), not keyed by the restart
+    count: the agent of a replacement node starts counting at 0 beside survivors at 1."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    prefix = f"ckpt-guard/{namespace}/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    prefix = f"ckpt-guard/{namespace}"
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     local = threading.local()
 
