@@ -110,13 +110,6 @@ class CheckpointManager:
         self.tiers: list[TierReader] = [self.memory, *durable]  # fastest first
         self._remove_leftovers(memory_dir)
         self.coord.barrier()  # nobody writes before the leftovers are gone
-        # -- peer replicas (ckpt/peers): wiring only --
-        self.peering = None
-        if peers and self.world_size > 1:
-            from .peers.peering import Peering
-
-            self.peering = Peering(self.coord, peers=peers, node=node, owner_root=self._owner_root, run=self.run,
-                                   memory_dir=memory_dir, bytes_per_s=peer_bytes_per_s, timeout_s=peer_timeout_s)
         self._offload = None if self.object is None else Offloader(self.object, self.committer,
                                                                    interval_s=object_interval_s)
         self._drainer = Drainer()
@@ -128,6 +121,14 @@ class CheckpointManager:
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
             self.metrics.serve(metrics_port + self.rank)
+        # -- peer replicas (ckpt/peers): wiring only --
+        self.peering = None
+        if peers and self.world_size > 1:
+            from .peers.peering import Peering
+
+            self.peering = Peering(self.coord, peers=peers, node=node, owner_root=self._owner_root, run=self.run,
+                                   memory_dir=memory_dir, bytes_per_s=peer_bytes_per_s, timeout_s=peer_timeout_s,
+                                   registry=self.metrics.registry if self.metrics is not None else None)
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:

@@ -41,9 +41,11 @@ for step in range(start, steps):
     optim.step()
     dist.all_reduce(loss.detach().clone())  # the ranks advance together; a lost node is noticed here
     if (step + 1) % every == 0:
-        mgr.save(step + 1, state)
+        handle = mgr.save(step + 1, state)
     time.sleep(step_time)
-mgr.close()
+mgr.close()  # sends the last replica
+logging.info("rank %d: step %d durable in the peer tier %.3f s after save()", rank, handle.step,
+             handle.durable_s["peer"])
 digest = hashlib.sha256()
 for name, t in sorted(model.state_dict().items()):
     digest.update(name.encode() + t.numpy().tobytes())

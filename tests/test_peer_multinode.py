@@ -45,7 +45,8 @@ def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Pat
     port = free_port()
     clean = [start_node(SCRIPT, i, 2, port, node_args(tmp_path, "clean", shm, i, 0.0), env=REPLACEABLE)
              for i in range(2)]
-    finish_nodes(clean, timeout=240)
+    for i, log in enumerate(finish_nodes(clean, timeout=240)):
+        assert f"rank {i}: step {STEPS} durable in the peer tier" in log, log[-3000:]
     for d in shm:
         shutil.rmtree(d)
         os.mkdir(d, 0o700)

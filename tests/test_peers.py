@@ -76,7 +76,8 @@ def holder(shm_dir: str):  # noqa: F811
 def replicate(src: MemoryTier, addr: str, secret: bytes = SECRET, **kw) -> tuple[Replicator, list[bool]]:
     ckpt_id = src.list()[-1].id
     results: list[bool] = []
-    rep = Replicator([addr], secret, bytes_per_s=kw.get("bytes_per_s"), timeout_s=kw.get("timeout_s", 20))
+    rep = Replicator([addr], secret, bytes_per_s=kw.get("bytes_per_s"), timeout_s=kw.get("timeout_s", 20),
+                     count=kw.get("count", lambda outcome: None))
     rep.submit(ReplicaJob(ckpt_id.step, lambda: open_shard(src, ckpt_id, 0), results.append))
     rep.join()
     rep.close()
@@ -139,8 +140,9 @@ def test_a_dead_peer_costs_one_abandoned_send(saved) -> None:
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: connection refused
     t0 = time.monotonic()
-    rep, results = replicate(src, dead, timeout_s=5)
-    assert results == [False] and rep.failed == 1 and time.monotonic() - t0 < 5
+    outcomes: list[str] = []
+    rep, results = replicate(src, dead, timeout_s=5, count=outcomes.append)
+    assert results == [False] and outcomes == ["failed"] and time.monotonic() - t0 < 5
 
 
 def test_a_slow_peer_is_abandoned_after_the_timeout(saved) -> None:

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..distributed import Coordinator
 from ..drain import SaveHandle
@@ -29,6 +29,9 @@ from .replicas import ReplicaSlots
 from .replicator import ReplicaJob, Replicator
 from .server import PeerServer
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +40,8 @@ class Peering:
     address) and rank 0's secret."""
 
     def __init__(self, coord: Coordinator, *, peers: int, node: str | None, owner_root: str, run: str,
-                 memory_dir: str, bytes_per_s: float | None = None, timeout_s: float = 300.0) -> None:
+                 memory_dir: str, bytes_per_s: float | None = None, timeout_s: float = 300.0,
+                 registry: "CollectorRegistry | None" = None) -> None:
         self.rank, self.node, self.timeout_s = coord.rank, node_name(node), timeout_s
         ns = replica_namespace(owner_root, run, memory_dir)
         self.held = PeerTier(ns)
@@ -56,7 +60,7 @@ class Peering:
             log.info("rank %d (node %s) replicates to %s", self.rank, self.node,
                      ", ".join(f"rank {r} (node {self.nodes[r]})" for r in self.holders))
         self.replicator = Replicator([self.addrs[r] for r in self.holders], self._secret, bytes_per_s=bytes_per_s,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, count=_counter(registry, self.rank))
         self._remote: RemoteTier | None = None
         self._unprotected: tuple[int, float] | None = None  # (restored step, since) until a replica is sealed
 
@@ -125,6 +129,17 @@ class Peering:
         finally:
             self.server.close()
             self.replicas.close()
+
+
+def _counter(registry: "CollectorRegistry | None", rank: int) -> Callable[[str], None]:
+    """Replica outcomes as a Prometheus counter, when the manager exports metrics."""
+    if registry is None:
+        return lambda outcome: None
+    from prometheus_client import Counter
+
+    counter = Counter("ckpt_peer_replicas", "Replicas sent to peers, by outcome (sent, failed, superseded)",
+                      ["rank", "outcome"], registry=registry)
+    return lambda outcome: counter.labels(rank=str(rank), outcome=outcome).inc()
 
 
 def _bind_host() -> str:

@@ -27,10 +27,14 @@ class ReplicaJob:
 
 
 class Replicator:
-    def __init__(self, holders: list[str], secret: bytes, *, bytes_per_s: float | None, timeout_s: float) -> None:
+    """``count`` is told each outcome ("sent", "failed" per holder; "superseded"): metrics."""
+
+    def __init__(self, holders: list[str], secret: bytes, *, bytes_per_s: float | None, timeout_s: float,
+                 count: Callable[[str], None] = lambda outcome: None) -> None:
         self.holders, self._secret = holders, secret
         self.bytes_per_s, self.timeout_s = bytes_per_s, timeout_s
         self.sent = self.failed = self.superseded = 0  # counted per holder, per snapshot
+        self._count = count
         self._pending: ReplicaJob | None = None
         self._cond = threading.Condition()
         self._busy = False
@@ -42,6 +46,7 @@ class Replicator:
         with self._cond:
             if self._pending is not None:
                 self.superseded += 1
+                self._count("superseded")
                 log.info("replica of step %d superseded by step %d before it was sent", self._pending.step, job.step)
                 self._pending.done(False)
             self._pending = job
@@ -77,9 +82,11 @@ class Replicator:
                 raise wire.PeerError(f"refused: {reply.get('error')}")
         except (wire.PeerError, *DAMAGE) as e:
             self.failed += 1
+            self._count("failed")
             log.warning("replica of step %d to %s abandoned after %.1f s: %s", job.step, addr, time.monotonic() - t0, e)
             return False
         self.sent += 1
+        self._count("sent")
         log.debug("replica of step %d sealed at %s in %.3f s", job.step, addr, time.monotonic() - t0)
         return True
 
