@@ -30,15 +30,15 @@ class Held:
 class FetchedShard(ShardReader):
     """A shard fetched whole into this process's memory."""
 
-    def __init__(self, manifest: ShardManifest, data: bytearray, location: str) -> None:
-        self.manifest, self.location, self._data = manifest, location, data
+    def __init__(self, manifest: ShardManifest, data: torch.Tensor, location: str) -> None:
+        self.manifest, self.location, self._data = manifest, location, data  # uint8, data_bytes long
+        self._view = memoryview(data.numpy())
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self._data)[offset : offset + nbytes]
+        return self._view[offset : offset + nbytes]
 
     def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
-        return torch.frombuffer(self._data, dtype=torch.uint8)[offset : offset + nbytes] if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
+        return self._data[offset : offset + nbytes]
 
     def read_into(self, offset: int, out: memoryview) -> None:
         out[:] = self.view(offset, len(out))
@@ -87,7 +87,7 @@ class RemoteTier(TierReader):
                     or not man.has_checksums:
                 raise DamagedCheckpoint(ckpt_id.step, where, "manifest is not of this shard, or has no checksums",
                                         self.name)
-            data = bytearray(man.data_bytes)
-            wire.recv_into(sock, memoryview(data), deadline=t0 + self.timeout_s)
+            data = torch.empty(man.data_bytes, dtype=torch.uint8)  # not zeroed: every byte is received
+            wire.recv_into(sock, memoryview(data.numpy()), deadline=t0 + self.timeout_s)
         self.fetched.append((ckpt_id, held, time.monotonic() - t0))
         return FetchedShard(man, data, where)

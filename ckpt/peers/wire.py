@@ -89,6 +89,15 @@ def recv_into(sock: socket.socket, out: memoryview, *, deadline: float | None) -
 def send_paced(sock: socket.socket, data: memoryview, *, bytes_per_s: float | None, deadline: float | None) -> None:
     """Send ``data`` in pieces, at most ``bytes_per_s`` on average, giving up at ``deadline``."""
     t0 = time.monotonic()
+    if not bytes_per_s:  # one call: sendall's timeout bounds the whole send
+        _check(deadline)
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - t0))
+        try:
+            sock.sendall(data)
+        except TimeoutError:
+            raise PeerError("peer transfer took longer than its timeout; abandoned") from None
+        return
     for lo in range(0, len(data), PIECE):
         _check(deadline)
         piece = data[lo : lo + PIECE]
