@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from ckpt import CheckpointError, CheckpointManager
-from ckpt.peers import wire
 from ckpt.peers.placement import node_name, ring_targets
 from ckpt.peers.remote import Held, RemoteTier
 from ckpt.peers.replicas import ReplicaSlots
@@ -141,7 +140,7 @@ def test_a_dead_peer_costs_one_abandoned_send(saved) -> None:
         dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: connection refused
     t0 = time.monotonic()
     outcomes: list[str] = []
-    rep, results = replicate(src, dead, timeout_s=5, count=outcomes.append)
+    _, results = replicate(src, dead, timeout_s=5, count=outcomes.append)
     assert results == [False] and outcomes == ["failed"] and time.monotonic() - t0 < 5
 
 
@@ -164,7 +163,7 @@ def test_the_bandwidth_cap_paces_the_send(saved, holder) -> None:
 def test_a_damaged_replica_is_detected_and_skipped(saved, holder) -> None:
     """A byte flipped in a held replica: the local peer tier and a remote fetch both find
     the checksum mismatch; restore falls back to the next source or names the shard."""
-    mgr, src = saved
+    _, src = saved
     server, held = holder
     replicate(src, server.addr)
     data = held.ns / "rank-00000" / "slot-0.bin"
@@ -176,7 +175,9 @@ def test_a_damaged_replica_is_detected_and_skipped(saved, holder) -> None:
     ckpt_id = held.list()[-1].id
     ref = held.read_manifest(ckpt_id).shards[0]
     remote = RemoteTier({ckpt_id: {0: Held(1, server.addr, 1, ref)}}, SECRET, timeout_s=20)
-    needs = lambda w: [ShardNeed(0)]  # noqa: E731
+    def needs(world: int) -> list[ShardNeed]:
+        return [ShardNeed(0)]
+
     with pytest.raises(CheckpointError, match=r"shard 0 of step 7"):
         restore_agreed(LOCAL, [held, remote], needs, lambda plan: load_plan(plan, None))
     found = restore_agreed(LOCAL, [held, remote, src], needs, lambda plan: load_plan(plan, None))

@@ -81,7 +81,8 @@ class RemoteTier(TierReader):
                 raise FileNotFoundError(f"step {ckpt_id}: {where}: {reply.get('error')}")
             raw = str(reply.get("manifest", "")).encode()
             if crc32c_of(raw) != held.ref.manifest_crc32c:
-                raise DamagedCheckpoint(ckpt_id.step, where, "manifest does not match the holder's inventory", self.name)
+                raise DamagedCheckpoint(ckpt_id.step, where, "manifest does not match the holder's inventory",
+                                        self.name)
             man = ShardManifest.from_bytes(raw, where)
             if (man.rank, man.step, man.generation) != (ref.rank, ckpt_id.step, ckpt_id.generation) \
                     or not man.has_checksums:

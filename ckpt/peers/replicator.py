@@ -60,8 +60,8 @@ class Replicator:
                 if self._pending is None:
                     return
                 job, self._pending, self._busy = self._pending, None, True
-            ok = all([self._send(job, addr) for addr in self.holders])
-            job.done(ok)
+            sealed = [self._send(job, addr) for addr in self.holders]  # every holder, even after a failure
+            job.done(all(sealed))
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()

@@ -21,7 +21,6 @@ import struct
 import time
 from typing import Any
 
-
 _NONCE = 16
 _MAX_FRAME = 256 << 20  # a shard manifest's limit
 PIECE = 1 << 20
