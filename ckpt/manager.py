@@ -289,6 +289,8 @@ class CheckpointManager:
         found = restore_agreed(self.coord, tiers, self._needs,
                                lambda plan: load_plan(plan, state, threads=self.threads), step=step)
         if found is None:
+            if self.peering is not None and step is None:
+                self.peering.nothing_readable(self.coord, tiers)
             if step is not None:
                 raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
             return None

@@ -3,15 +3,18 @@ own CKPT_GUARD_NODE, own disk root and memory dir), one rank each with state of 
 own, ``peers=1``, no object store. Node 1 is lost mid-run (agent and workers
 SIGKILLed by pid, its shared memory and disk deleted) and replaced by a fresh agent
 with empty directories: its rank restores its shard from node 0's replica and the
-job ends bitwise equal to an uninterrupted run."""
+job ends bitwise equal to an uninterrupted run. With node 0's replicas lost too, the
+job stops with an error naming the shard nobody holds instead of starting over."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -41,6 +44,26 @@ def digests(base: Path, name: str) -> list[str]:
     return [json.loads((base / name / f"rank-{r}.json").read_text())["digest"] for r in range(2)]
 
 
+def lose_node1(base: Path, shm: list[str], *, restarts: int, replacement_restarts: int
+               ) -> tuple[subprocess.Popen, Callable[[], subprocess.Popen], PeerTier]:
+    """Run the job, wait until node 0 holds a replica of rank 1's step >= 15, lose node 1
+    (every process by pid, then its memory and disk). Returns node 0's agent, a function
+    that starts node 1's replacement, and node 0's replicas."""
+    port = free_port()
+    args = [node_args(base, "lost", shm, i, 0.15) for i in range(2)]
+    node0 = start_node(SCRIPT, 0, 2, port, args[0], restarts=restarts, env=REPLACEABLE)
+    node1 = start_node(SCRIPT, 1, 2, port, args[1], restarts=restarts, env=REPLACEABLE)
+    held = PeerTier(replica_namespace(os.path.realpath(args[0][0]), "default", shm[0]))
+    assert wait_for(lambda: any(1 in i.ranks and i.id.step >= 15 for i in held.list()), timeout=120), \
+        "node 0 never held a replica of rank 1"
+    kill_node(node1)
+    shutil.rmtree(shm[1])
+    os.mkdir(shm[1], 0o700)
+    shutil.rmtree(args[1][0])
+    return node0, lambda: start_node(SCRIPT, 1, 2, port, args[1], restarts=replacement_restarts,
+                                     env=REPLACEABLE), held
+
+
 def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Path, shm: list[str]) -> None:
     port = free_port()
     clean = [start_node(SCRIPT, i, 2, port, node_args(tmp_path, "clean", shm, i, 0.0), env=REPLACEABLE)
@@ -51,22 +74,23 @@ def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Pat
         shutil.rmtree(d)
         os.mkdir(d, 0o700)
 
-    port = free_port()
-    args = [node_args(tmp_path, "lost", shm, i, 0.15) for i in range(2)]
-    node0 = start_node(SCRIPT, 0, 2, port, args[0], restarts=2, env=REPLACEABLE)
-    node1 = start_node(SCRIPT, 1, 2, port, args[1], restarts=2, env=REPLACEABLE)
-    held = PeerTier(replica_namespace(os.path.realpath(args[0][0]), "default", shm[0]))
-    assert wait_for(lambda: any(1 in i.ranks and i.id.step >= 15 for i in held.list()), timeout=120), \
-        "node 0 never held a replica of rank 1"
-    kill_node(node1)
-    shutil.rmtree(shm[1])
-    os.mkdir(shm[1], 0o700)
-    shutil.rmtree(args[1][0])
-    node1 = start_node(SCRIPT, 1, 2, port, args[1], restarts=2, env=REPLACEABLE)
-    logs = finish_nodes([node0, node1], timeout=240)
+    node0, replace, _ = lose_node1(tmp_path, shm, restarts=2, replacement_restarts=2)
+    logs = finish_nodes([node0, replace()], timeout=240)
 
     found = re.search(r"rank 1 restored its shard of step (\d+) from rank 0's replica \(node node0\)", logs[1])
     assert found, logs[1][-4000:]
     assert int(found.group(1)) >= 15
     assert re.search(rf"rank 0 restored step {found.group(1)} .*shard 0 from memory", logs[0]), logs[0][-4000:]
+    assert re.search(r"rank 1 has a peer replica again \(step \d+\): unprotected for", logs[1]), logs[1][-4000:]
     assert digests(tmp_path, "lost") == digests(tmp_path, "clean"), "the job diverged after losing node 1"
+
+
+def test_with_every_copy_of_a_shard_lost_the_job_stops_naming_it(tmp_path: Path, shm: list[str]) -> None:
+    node0, replace, held = lose_node1(tmp_path, shm, restarts=1, replacement_restarts=0)
+    shutil.rmtree(held.ns)  # node 0's replicas of rank 1 are gone too (no object store)
+    node1 = replace()
+    outs = [p.communicate(timeout=240)[0] for p in (node0, node1)]
+    assert node0.returncode != 0 and node1.returncode != 0
+    for log in outs:
+        assert "no copy of the shard(s) of rank(s) 1 is left" in log, log[-4000:]
+    assert not (tmp_path / "lost" / "rank-0.json").exists(), "a rank started over"
