@@ -96,18 +96,27 @@ def init_process_group(backend: str | None = None, timeout: timedelta = timedelt
 
     torchrun keeps one store across restart attempts; gloo then finds the previous
     attempt's (dead) peer addresses in it and the first restart fails to connect.
-    Keying the group by the attempt number gives every attempt a clean namespace.
+    Keying the group by a token rank 0 draws for the round (``worker_round``) gives
+    every round a clean namespace.
     """
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"ckpt-guard/attempt-{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    from .worker_round import agree_round
+
+    def connect() -> "dist.Store":
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                             timeout=timeout)
+
+    store = connect()
+    token, done = agree_round(connect, store, rank)
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore(f"ckpt-guard/round-{token}", store),
+                                rank=rank, world_size=world, timeout=timeout)
+    finally:
+        done()
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
