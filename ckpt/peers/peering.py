@@ -99,13 +99,15 @@ class Peering:
                 continue
             mine += [(info.id.generation, info.id.step, manifest.world_size, ref.rank, ref.manifest_crc32c,
                       ref.data_bytes) for ref in manifest.shards]
-        held: dict[CheckpointId, dict[int, Held]] = {}
+        offers: dict[CheckpointId, dict[int, list[Held]]] = {}
         for holder, inventory in enumerate(coord.gather(mine)):
             if holder == self.rank:
                 continue
             for gen, step, world, rank, crc, nbytes in inventory:
-                held.setdefault(CheckpointId(gen, step), {}).setdefault(
-                    rank, Held(holder, self.addrs[holder], world, ShardRef(rank, crc, nbytes)))
+                offers.setdefault(CheckpointId(gen, step), {}).setdefault(rank, []).append(
+                    Held(holder, self.addrs[holder], world, ShardRef(rank, crc, nbytes)))
+        # Ranks of one node all list its replicas: spread the fetches over them.
+        held = {i: {rank: found[rank % len(found)] for rank, found in by_rank.items()} for i, by_rank in offers.items()}
         self._remote = RemoteTier(held, self._secret, timeout_s=self.timeout_s)
         fast = [t for t in tiers if isinstance(t, MemoryTier)]
         slow = [t for t in tiers if not isinstance(t, MemoryTier) and t.name == "object"]
