@@ -61,6 +61,11 @@ class CheckpointManager:
     ``metrics_port`` serves Prometheus metrics on ``metrics_addr`` (127.0.0.1 by default) at
     port + local rank: one port range per node (simulated nodes on one host give each
     node its own base port).
+
+    ``peers`` (0: off) keeps each rank's newest sealed snapshot also in the shared memory
+    of that many ranks on other nodes (``ckpt/peers``), so a lost node restores at memory
+    speed; ``node`` names this rank's node (default: CKPT_GUARD_NODE, then the host name),
+    ``peer_bytes_per_s`` caps each rank's sending rate, ``peer_timeout_s`` abandons a send.
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -68,7 +73,9 @@ class CheckpointManager:
                  replicated: Iterable[str] = (), threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  commit_timeout_s: float = 600.0, object_store: str | DurableTier | None = None,
                  storage_options: dict | None = None, object_interval_s: float = 0.0,
-                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1") -> None:
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", peers: int = 0,
+                 node: str | None = None, peer_bytes_per_s: float | None = None,
+                 peer_timeout_s: float = 300.0) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         keep_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
@@ -117,6 +124,14 @@ class CheckpointManager:
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
             self.metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", "0")), metrics_addr)
+        # -- peer replicas (ckpt/peers): wiring only --
+        self.peering = None
+        if peers and self.world_size > 1:
+            from .peers.peering import Peering
+
+            self.peering = Peering(self.coord, peers=peers, node=node, owner_root=self._owner_root, run=self.run,
+                                   memory_dir=memory_dir, bytes_per_s=peer_bytes_per_s, timeout_s=peer_timeout_s,
+                                   registry=self.metrics.registry if self.metrics is not None else None)
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:
@@ -137,7 +152,7 @@ class CheckpointManager:
         if self.object is not None and self.committer.leads(self.object):
             leftovers += self.object.cleanup()
         if self.disk is not None and self.committer.leads(self.disk):
-            on_disk = {(i.id.generation, i.id.step) for i in self.disk.list() if i.complete}
+            on_disk = {(r, i.id.generation, i.id.step) for i in self.disk.list() if i.complete for r in i.ranks}
             others = [n for n in namespaces_of_root(self._owner_root, memory_dir) if n != self._ns]
             leftovers += self.disk.cleanup() + sweep_orphans(others, on_disk)
         for leftover in leftovers:
@@ -214,6 +229,8 @@ class CheckpointManager:
         try:
             sealed = reader.manifest = with_checksums(reader, self.threads)
             self.memory.seal(slot, sealed)  # memory restores can now verify too
+            if self.peering is not None:
+                self.peering.replicate(slot, sealed, handle)
             if upload and (urgent or self.disk is None):  # the slot waits for both drains
                 lease.hold()
                 self._offload.submit(ckpt_id, lambda: self.memory.open_slot(slot, sealed), handle, urgent=urgent,
@@ -269,15 +286,22 @@ class CheckpointManager:
         into the existing objects, plain values into the dict. Returns the step, or None
         when there is no checkpoint. Under torch.distributed all ranks load the same step."""
         t0 = time.monotonic()
-        found = restore_agreed(self.coord, self._restore_tiers(), self._needs,
+        tiers = self._restore_tiers()
+        if self.peering is not None:
+            tiers = self.peering.restore_tiers(self.coord, tiers)
+        found = restore_agreed(self.coord, tiers, self._needs,
                                lambda plan: load_plan(plan, state, threads=self.threads), step=step)
         if found is None:
+            if self.peering is not None and step is None:
+                self.peering.nothing_readable(self.coord, tiers)
             if step is not None:
                 raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
             return None
         plan, values = found
         load_into(state, values)
         self._log_restored(plan, time.monotonic() - t0)
+        if self.peering is not None:
+            self.peering.restored(plan)
         newest = self._newest_known() or plan.ckpt_id
         generation = self.coord.max(newest.generation)
         # Resuming anything but the newest abandons a branch: later saves start a new lineage.
@@ -341,6 +365,8 @@ class CheckpointManager:
                 if self._offload is not None:
                     self._offload.close()
             finally:
+                if self.peering is not None:
+                    self.peering.close()
                 self.memory.close()
 
     def __enter__(self) -> "CheckpointManager":

@@ -27,6 +27,7 @@ from tests.procs import free_port, stop_process
 FAULTS = "6:kill,10:term,14:kill"  # mid-epoch SIGKILL, preemption notice, SIGKILL after an epoch-end save
 
 
+REPLACEABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 _ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
 
 
@@ -47,15 +48,28 @@ def torchrun_nodes(script: Path, node_args: list[list[str]], *, nproc: int = 1, 
     rendezvous on loopback hosted by node 0, ``CKPT_GUARD_NODE=node<i>``. Each node's
     output, asserting that every agent succeeded within ``timeout``."""
     port, nodes = free_port(), len(node_args)
-    procs = []
-    for i, extra in enumerate(node_args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
-               f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id=sim-{port}", f"--rdzv-conf=is_host={int(i == 0)}", "--monitor-interval=0.5",
-               str(script), *extra]
-        env = {**os.environ, **_ENV, "CKPT_GUARD_NODE": f"node{i}"}
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      cwd=REPO))
+    procs = [start_node(script, i, nodes, port, extra, nproc=nproc, restarts=restarts)
+             for i, extra in enumerate(node_args)]
+    return finish_nodes(procs, timeout)
+
+
+def start_node(script: Path, i: int, nodes: int, port: int, extra: list[str], *, nproc: int = 1,
+               restarts: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Node ``i``'s torchrun agent (node 0 hosts the rendezvous at ``port``); started again
+    with the same arguments, it replaces a lost node in the same job. For that, pass
+    ``REPLACEABLE`` in ``env``: torch's shared rendezvous TCP store never publishes a new
+    round's store address to a replacement agent (its host reuses the first round's), so
+    the replacement waits forever; without sharing, each round's rank 0 hosts a fresh one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
+           f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           f"--rdzv-id=sim-{port}", f"--rdzv-conf=is_host={int(i == 0)}", "--monitor-interval=0.5",
+           str(script), *extra]
+    env = {**os.environ, **_ENV, "CKPT_GUARD_NODE": f"node{i}", **(env or {})}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+
+def finish_nodes(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each agent's output, asserting that every one succeeded within ``timeout``."""
     logs, deadline = [], time.monotonic() + timeout
     try:
         for proc in procs:
@@ -67,6 +81,26 @@ def torchrun_nodes(script: Path, node_args: list[list[str]], *, nproc: int = 1, 
     for i, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"node{i}:\n{log[-4000:]}"
     return logs
+
+
+def kill_node(proc: subprocess.Popen) -> str:
+    """Lose a node: SIGKILL its agent and every process under it, by pid (an orphaned
+    worker that kept serving would make a test pass wrongly). Returns its output."""
+    pids, todo = [], [proc.pid]
+    while todo:  # the whole tree first: a killed parent's children are re-parented
+        pid = todo.pop()
+        pids.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.communicate()[0]
 
 
 @dataclass

@@ -109,9 +109,11 @@ def namespaces_of_root(root_key: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[Pa
     return found
 
 
-def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int]], *, force: bool = False) -> list[str]:
+def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, force: bool = False) -> list[str]:
     """Remove rank directories whose owner is gone (their lock is free), when every
-    sealed (generation, step) in them is also in ``durable``, or with ``force``."""
+    sealed (saved rank, generation, step) in them is also in ``durable``, or with
+    ``force``. Keyed on the saved rank: a node's own shard of a step on its disk never
+    makes another rank's shard of that step (a peer replica) look disposable."""
     removed = []
     for ns in spaces:
         if not is_trusted(ns, directory=True):
@@ -131,7 +133,7 @@ def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int]], *, force: b
                 for meta in rdir.glob("slot-*.json"):
                     try:
                         m = ShardManifest.from_bytes(read_private(meta, 256 << 20))
-                        sealed.add((m.generation, m.step))
+                        sealed.add((m.rank, m.generation, m.step))
                     except (OSError, ManifestError):
                         continue
                 if force or sealed <= durable:

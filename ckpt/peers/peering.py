@@ -1,0 +1,182 @@
+"""One rank's part in peer replication, as the manager sees it: start-up (node
+identity, placement, secret, this rank's server), a replica after each drain, the
+extra restore sources, and the log of the window a restored shard is unprotected.
+
+Shared memory per node: (2 + 2 x peers) x the node's shards: two slots per own
+shard, two replica slots per shard it holds for others.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from ..distributed import Coordinator
+from ..drain import SaveHandle
+from ..errors import CheckpointError
+from ..manifest import ShardManifest, ShardRef
+from ..plan import RestorePlan
+from ..tiers.base import CheckpointId, TierReader
+from ..tiers.memory import MemoryTier
+from ..tiers.memory.reader import SlotReader
+from ..tiers.memory.slots import ShmSlot
+from ..tiers.peer import PeerTier, replica_namespace
+from . import wire
+from .placement import node_name, ring_targets
+from .remote import Held, RemoteTier
+from .replicas import ReplicaSlots
+from .replicator import ReplicaJob, Replicator
+from .server import PeerServer
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+
+class Peering:
+    """Collective at construction (every rank, same point): ranks gather (node, server
+    address) and rank 0's secret."""
+
+    def __init__(self, coord: Coordinator, *, peers: int, node: str | None, owner_root: str, run: str,
+                 memory_dir: str, bytes_per_s: float | None = None, timeout_s: float = 300.0,
+                 registry: "CollectorRegistry | None" = None) -> None:
+        self.rank, self.node, self.timeout_s = coord.rank, node_name(node), timeout_s
+        ns = replica_namespace(owner_root, run, memory_dir)
+        self.held = PeerTier(ns)
+        self.replicas = ReplicaSlots(ns, {"root": owner_root, "run": run})
+        self.server = PeerServer(self.replicas, self.held, host=_bind_host(), timeout_s=timeout_s)
+        secret = wire.new_secret().hex() if coord.rank == 0 else None
+        everyone = coord.gather((self.node, self.server.addr, secret))
+        self._secret = bytes.fromhex(everyone[0][2])
+        self.nodes, self.addrs = [e[0] for e in everyone], [e[1] for e in everyone]
+        self.server.start(self._secret)
+        self.holders = ring_targets(self.nodes, self.rank, peers)
+        if not self.holders:
+            log.warning("peers=%d but every rank is on node %s: no peer replicas (set CKPT_GUARD_NODE or node=)",
+                        peers, self.node)
+        else:
+            log.info("rank %d (node %s) replicates to %s", self.rank, self.node,
+                     ", ".join(f"rank {r} (node {self.nodes[r]})" for r in self.holders))
+        self.replicator = Replicator([self.addrs[r] for r in self.holders], self._secret, bytes_per_s=bytes_per_s,
+                                     timeout_s=timeout_s, count=_counter(registry, self.rank))
+        self._remote: RemoteTier | None = None
+        self._unprotected: tuple[int, float] | None = None  # (restored step, since) until a replica is sealed
+
+    # -- saving ---------------------------------------------------------------------
+
+    def replicate(self, slot: ShmSlot, sealed: ShardManifest, handle: SaveHandle) -> None:
+        """After the drain re-sealed ``slot`` with checksums: send it in the background."""
+        if not self.holders:
+            return
+        seal = os.stat(slot.meta_path).st_ino  # the drain holds the slot: this is the seal just written
+
+        def done(ok: bool) -> None:
+            if not ok:
+                return
+            handle.durable_s["peer"] = time.monotonic() - handle.started
+            if self._unprotected is not None:
+                step, since = self._unprotected
+                log.info("rank %d has a peer replica again (step %d): unprotected for %.1f s since restoring "
+                         "step %d", self.rank, handle.step, time.monotonic() - since, step)
+                self._unprotected = None
+
+        self.replicator.submit(ReplicaJob(handle.step, lambda: SlotReader(slot.meta_path, slot.data_path, sealed,
+                                                                          slot.buffer, seal=seal), done))
+
+    # -- restoring ------------------------------------------------------------------
+
+    def restore_tiers(self, coord: Coordinator, tiers: Sequence[TierReader]) -> list[TierReader]:
+        """``tiers`` plus the replicas held here (after memory) and those held by other
+        ranks (before the object store). Collective: ranks gather their inventories."""
+        mine = []
+        for info in self.held.list():
+            try:
+                manifest = self.held.read_manifest(info.id)
+            except (OSError, ValueError):
+                continue
+            mine += [(info.id.generation, info.id.step, manifest.world_size, ref.rank, ref.manifest_crc32c,
+                      ref.data_bytes) for ref in manifest.shards]
+        offers: dict[CheckpointId, dict[int, list[Held]]] = {}
+        for holder, inventory in enumerate(coord.gather(mine)):
+            if holder == self.rank:
+                continue
+            for gen, step, world, rank, crc, nbytes in inventory:
+                offers.setdefault(CheckpointId(gen, step), {}).setdefault(rank, []).append(
+                    Held(holder, self.addrs[holder], world, ShardRef(rank, crc, nbytes)))
+        # Ranks of one node all list its replicas: spread the fetches over them.
+        held = {i: {rank: found[rank % len(found)] for rank, found in by_rank.items()} for i, by_rank in offers.items()}
+        self._remote = RemoteTier(held, self._secret, timeout_s=self.timeout_s)
+        fast = [t for t in tiers if isinstance(t, MemoryTier)]
+        slow = [t for t in tiers if not isinstance(t, MemoryTier) and t.name == "object"]
+        rest = [t for t in tiers if t not in fast and t not in slow]
+        return [*fast, self.held, *rest, self._remote, *slow]
+
+    def restored(self, plan: RestorePlan) -> None:
+        """Log what came from another node, and that it has a single copy until re-replicated."""
+        for ckpt_id, held, seconds in (self._remote.fetched if self._remote else []):
+            if ckpt_id == plan.ckpt_id:
+                log.warning("rank %d restored its shard of step %d from rank %d's replica (node %s) in %.2f s; "
+                            "unprotected (one copy, on node %s) until this rank's next save is replicated",
+                            self.rank, ckpt_id.step, held.holder, self.nodes[held.holder], seconds,
+                            self.nodes[held.holder])
+                self._unprotected = (ckpt_id.step, time.monotonic())
+        self._remote = None
+
+    def nothing_readable(self, coord: Coordinator, tiers: Sequence[TierReader]) -> None:
+        """Restore found no step every rank can read. If the job has checkpoints, raise,
+        naming the shards no rank holds anywhere, rather than let training start over and
+        drop what the other ranks still hold. Collective (every rank gets None together)."""
+        mine: dict[CheckpointId, set[int]] = {}
+        for tier in tiers:
+            for info in tier.list():
+                if info.complete:
+                    mine.setdefault(info.id, set()).update(info.ranks)
+        held: dict[CheckpointId, set[int]] = {}
+        for theirs in coord.gather(mine):
+            for ckpt_id, ranks in theirs.items():
+                held.setdefault(ckpt_id, set()).update(ranks)
+        if not held:
+            return
+        newest = max(held)
+        missing = sorted(set(range(coord.world_size)) - held[newest])
+        raise CheckpointError(
+            f"no checkpoint that every rank can read, yet step {newest.step} (generation {newest.generation}) "
+            f"exists: no copy of the shard(s) of rank(s) {', '.join(map(str, missing)) or '(none)'} is left in any "
+            "node's memory, peer replicas or disk, or in the object store. Refusing to start over; bring back a copy "
+            "(or clear the checkpoints to start from scratch)")
+
+    def close(self) -> None:
+        """Send the last pending replica (bounded by the timeout), then stop serving."""
+        try:
+            self.replicator.close()
+        finally:
+            self.server.close()
+            self.replicas.close()
+
+
+def _counter(registry: "CollectorRegistry | None", rank: int) -> Callable[[str], None]:
+    """Replica outcomes as a Prometheus counter, when the manager exports metrics."""
+    if registry is None:
+        return lambda outcome: None
+    from prometheus_client import Counter
+
+    counter = Counter("ckpt_peer_replicas", "Replicas sent to peers, by outcome (sent, failed, superseded)",
+                      ["rank", "outcome"], registry=registry)
+    return lambda outcome: counter.labels(rank=str(rank), outcome=outcome).inc()
+
+
+def _bind_host() -> str:
+    """The address peers reach this rank at: CKPT_GUARD_PEER_HOST, else the interface that
+    routes to the rendezvous host (loopback when that is this machine)."""
+    if os.environ.get("CKPT_GUARD_PEER_HOST"):
+        return os.environ["CKPT_GUARD_PEER_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,105 @@
+"""Losing a whole node, on one machine: two simulated nodes (one torchrun agent each,
+own CKPT_GUARD_NODE, own disk root and memory dir), one or two ranks each with state
+of its own, ``peers=1``, no object store. Node 1 is lost mid-run (agent and workers
+SIGKILLed by pid, its shared memory and disk deleted) and replaced by a fresh agent
+with empty directories: its rank restores its shard from node 0's replica and the
+job ends bitwise equal to an uninterrupted run. With node 0's replicas lost too, the
+job stops with an error naming the shard nobody holds instead of starting over."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from ckpt.tiers.peer import PeerTier, replica_namespace
+from tests.integration_helpers import REPLACEABLE, REPO, finish_nodes, kill_node, start_node
+from tests.procs import free_port, wait_for
+
+SCRIPT = REPO / "tests" / "peer_child.py"
+STEPS, EVERY = 40, 5
+
+
+@pytest.fixture
+def shm():
+    dirs = [tempfile.mkdtemp(prefix=f"ckpt-peer-node{i}-", dir="/dev/shm") for i in range(2)]
+    yield dirs
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def node_args(base: Path, name: str, shm: list[str], i: int, step_time: float) -> list[str]:
+    out = base / name
+    out.mkdir(exist_ok=True)
+    return [str(base / name / f"node{i}"), shm[i], str(out), str(STEPS), str(EVERY), str(step_time)]
+
+
+def digests(base: Path, name: str, world: int) -> list[str]:
+    return [json.loads((base / name / f"rank-{r}.json").read_text())["digest"] for r in range(world)]
+
+
+def lose_node1(base: Path, shm: list[str], *, restarts: int, replacement_restarts: int, nproc: int = 1
+               ) -> tuple[subprocess.Popen, Callable[[], subprocess.Popen], PeerTier]:
+    """Run the job, wait until node 0 holds a replica of node 1's ranks' step >= 15, lose node 1
+    (every process by pid, then its memory and disk). Returns node 0's agent, a function
+    that starts node 1's replacement, and node 0's replicas."""
+    port = free_port()
+    args = [node_args(base, "lost", shm, i, 0.15) for i in range(2)]
+    node0 = start_node(SCRIPT, 0, 2, port, args[0], nproc=nproc, restarts=restarts, env=REPLACEABLE)
+    node1 = start_node(SCRIPT, 1, 2, port, args[1], nproc=nproc, restarts=restarts, env=REPLACEABLE)
+    held = PeerTier(replica_namespace(os.path.realpath(args[0][0]), "default", shm[0]))
+    lost = set(range(nproc, 2 * nproc))
+    assert wait_for(lambda: any(lost <= i.ranks and i.id.step >= 15 for i in held.list()), timeout=120), \
+        "node 0 never held replicas of node 1's ranks"
+    kill_node(node1)
+    shutil.rmtree(shm[1])
+    os.mkdir(shm[1], 0o700)
+    shutil.rmtree(args[1][0])
+    return node0, lambda: start_node(SCRIPT, 1, 2, port, args[1], nproc=nproc, restarts=replacement_restarts,
+                                     env=REPLACEABLE), held
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
+def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Path, shm: list[str],
+                                                                   nproc: int) -> None:
+    port = free_port()
+    clean = [start_node(SCRIPT, i, 2, port, node_args(tmp_path, "clean", shm, i, 0.0), nproc=nproc, env=REPLACEABLE)
+             for i in range(2)]
+    for i, log in enumerate(finish_nodes(clean, timeout=240)):
+        for r in range(i * nproc, (i + 1) * nproc):
+            assert f"rank {r}: step {STEPS} durable in the peer tier" in log, log[-3000:]
+    for d in shm:
+        shutil.rmtree(d)
+        os.mkdir(d, 0o700)
+
+    node0, replace, _ = lose_node1(tmp_path, shm, restarts=2, replacement_restarts=2, nproc=nproc)
+    logs = finish_nodes([node0, replace()], timeout=300)
+
+    for local in range(nproc):  # the same local rank on the next node holds the replica
+        r = nproc + local
+        found = re.search(rf"rank {r} restored its shard of step (\d+) from rank {local}'s replica \(node node0\)",
+                          logs[1])
+        assert found and int(found.group(1)) >= 15, logs[1][-4000:]
+        assert re.search(rf"rank {local} restored step {found.group(1)} .*shard {local} from memory", logs[0]), \
+            logs[0][-4000:]
+        assert re.search(rf"rank {r} has a peer replica again \(step \d+\): unprotected for", logs[1]), \
+            logs[1][-4000:]
+    assert digests(tmp_path, "lost", 2 * nproc) == digests(tmp_path, "clean", 2 * nproc), \
+        "the job diverged after losing node 1"
+
+
+def test_with_every_copy_of_a_shard_lost_the_job_stops_naming_it(tmp_path: Path, shm: list[str]) -> None:
+    node0, replace, held = lose_node1(tmp_path, shm, restarts=1, replacement_restarts=0)
+    shutil.rmtree(held.ns)  # node 0's replicas of rank 1 are gone too (no object store)
+    node1 = replace()
+    outs = [p.communicate(timeout=240)[0] for p in (node0, node1)]
+    assert node0.returncode != 0 and node1.returncode != 0
+    for log in outs:
+        assert "no copy of the shard(s) of rank(s) 1 is left" in log, log[-4000:]
+    assert not (tmp_path / "lost" / "rank-0.json").exists(), "a rank started over"
