@@ -23,7 +23,6 @@ from ckpt.restore import LOCAL, load_plan, open_shard, restore_agreed
 from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.memory import MemoryTier, namespace_dir, sweep_orphans
 from ckpt.tiers.peer import PeerTier
-from tests.ckpt_helpers import shm_dir  # noqa: F401  (fixture)
 
 SECRET = b"s" * 32
 
@@ -51,7 +50,7 @@ def state_of(seed: int) -> dict:
 
 
 @pytest.fixture
-def saved(tmp_path: Path, shm_dir: str):  # noqa: F811
+def saved(tmp_path: Path, shm_dir: str):
     """A one-rank job's sealed, checksummed slot of step 7 (chunks of 64 KiB)."""
     mgr = CheckpointManager(tmp_path / "src", memory_dir=shm_dir, chunk_bytes=64 << 10)
     mgr.save(7, state_of(7)).wait()
@@ -61,7 +60,7 @@ def saved(tmp_path: Path, shm_dir: str):  # noqa: F811
 
 
 @pytest.fixture
-def holder(shm_dir: str):  # noqa: F811
+def holder(shm_dir: str):
     """A peer server with its replica slots in their own namespace."""
     ns = Path(shm_dir) / "ckpt-guard-holder"
     replicas = ReplicaSlots(ns, {"root": "/nowhere", "run": "t"})
@@ -112,7 +111,7 @@ def test_a_replica_survives_its_receiver_and_is_swept_only_by_its_own_rank(saved
     assert sweep_orphans([held.ns], {(0, 0, 7)}) == [str(held.ns / "rank-00000")]
 
 
-def test_the_newest_sealed_replica_is_never_overwritten(tmp_path: Path, shm_dir: str, holder) -> None:  # noqa: F811
+def test_the_newest_sealed_replica_is_never_overwritten(tmp_path: Path, shm_dir: str, holder) -> None:
     server, held = holder
     mgr = CheckpointManager(tmp_path / "src", memory_dir=shm_dir, keep_last=5)
     src = MemoryTier(namespace_dir(str((tmp_path / "src").resolve()), "default", shm_dir), 0)
