@@ -26,7 +26,7 @@ def post_xid(srv, node: str, xid: int) -> None:
     assert r.status_code < 300, r.text
 
 
-def test_critical_xid_reaches_the_listener_as_node_failed(live_server) -> None:  # noqa: F811
+def test_critical_xid_reaches_the_listener_as_node_failed(live_server) -> None:
     srv = live_server()
     failed: list[dict] = []
     listener = RiskListener(srv.url, ["train-node-3"], SaveRequests(), token=TOKENS["job"], name="t")
@@ -44,7 +44,7 @@ def test_critical_xid_reaches_the_listener_as_node_failed(live_server) -> None: 
         listener.close()
 
 
-def test_xid_79_on_a_job_node_restarts_the_job_without_a_timeout(live_server, tmp_path: Path, shm_dir: str,  # noqa: F811
+def test_xid_79_on_a_job_node_restarts_the_job_without_a_timeout(live_server, tmp_path: Path, shm_dir: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     srv = live_server()
     monkeypatch.setenv("CKPT_GUARD_JOB_TOKEN", TOKENS["job"])

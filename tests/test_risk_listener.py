@@ -17,7 +17,7 @@ from .predictor_fixtures import TOKENS
 from .procs import wait_for
 
 
-def test_critical_xid_on_a_job_node_requests_an_urgent_save(live_server) -> None:  # noqa: F811
+def test_critical_xid_on_a_job_node_requests_an_urgent_save(live_server) -> None:
     srv = live_server()
     asks = SaveRequests()
     listener = RiskListener(srv.url, ["train-node-7", "train-node-8"], asks, token=TOKENS["job"], name="t").start()
