@@ -22,7 +22,7 @@ from .manifest import Manifest, ShardRef
 from .plan import RestorePlan, ShardNeed
 from .restore import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
 from .simulate_cli import simulate_cmd
-from .tiers.base import CheckpointId, TierReader
+from .tiers.base import CheckpointId, TierReader, complete_shards
 from .tiers.local import LocalDiskTier
 from .tiers.memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
 
@@ -257,7 +257,7 @@ def gc_cmd(root: str | None, keep: int | None, grace: float, orphans: bool, forc
     _must_exist(root)
     disk = durable_tier_for(root)  # the disk, or the object store at a URL
     removed = disk.cleanup(min_age_s=grace)
-    on_disk = {(r, i.id.generation, i.id.step) for i in disk.list() if i.complete for r in i.ranks}
+    on_disk = complete_shards(disk)
     if not is_url(root):
         removed += sweep_orphans(namespaces_of_root(os.path.realpath(root), memory_dir), on_disk, force=force)
     deleted = [i.step for i in disk.prune(keep)] if keep is not None else []

@@ -32,7 +32,7 @@ from .plan import RestorePlan, ShardNeed
 from .restore import load_plan, open_shard, restore_agreed
 from .state import flatten, load_into
 from .tensor_io import with_checksums
-from .tiers.base import CheckpointId, DurableTier, TierReader
+from .tiers.base import CheckpointId, DurableTier, TierReader, complete_shards
 from .tiers.local import LocalDiskTier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir, namespaces_of_root, sweep_orphans
 from .tiers.memory.copier import ALIGN, plan_layout
@@ -152,7 +152,7 @@ class CheckpointManager:
         if self.object is not None and self.committer.leads(self.object):
             leftovers += self.object.cleanup()
         if self.disk is not None and self.committer.leads(self.disk):
-            on_disk = {(r, i.id.generation, i.id.step) for i in self.disk.list() if i.complete for r in i.ranks}
+            on_disk = complete_shards(self.disk)
             others = [n for n in namespaces_of_root(self._owner_root, memory_dir) if n != self._ns]
             leftovers += self.disk.cleanup() + sweep_orphans(others, on_disk)
         for leftover in leftovers:

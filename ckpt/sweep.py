@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .locations import durable_tier_for, is_url
+from .tiers.base import complete_shards
 from .tiers.memory.namespace import DEFAULT_SHM_DIR, rank_dirs, read_owner, sweep_orphans, trusted_namespaces
 
 
@@ -64,10 +65,10 @@ def sweep_orphaned_jobs(shm_dir: str = DEFAULT_SHM_DIR, *, force: bool = False) 
         root = orphan.root
         if root is None or (not is_url(root) and not os.path.isdir(root)):
             orphan.reason = "its root is gone" if root else "no owner record"
-            durable: set[tuple[int, int]] | None = None
+            durable: set[tuple[int, int, int]] | None = None
         else:
             try:
-                durable = {(i.id.generation, i.id.step) for i in durable_tier_for(root).list() if i.complete}
+                durable = complete_shards(durable_tier_for(root))
                 orphan.reason = f"its steps are durable in {root}"
             except Exception as e:  # an unreachable store: nothing is known to be safe
                 durable, orphan.reason = set(), f"cannot list {root}: {e}"

@@ -190,6 +190,12 @@ class DurableTier(TierReader):
         return gone
 
 
+def complete_shards(tier: TierReader) -> set[tuple[int, int, int]]:
+    """(saved rank, generation, step) of every shard ``tier`` holds in a complete
+    checkpoint: what may be swept from memory once it is here."""
+    return {(r, i.id.generation, i.id.step) for i in tier.list() if i.complete for r in i.ranks}
+
+
 def parse_commit(raw: bytes, ckpt_id: CheckpointId, where: str) -> Manifest:
     """A commit record, checked to belong to the checkpoint it was found under."""
     m = Manifest.from_bytes(raw, where)
