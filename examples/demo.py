@@ -216,7 +216,7 @@ def collect_alarm(run: Run) -> list[tuple[str, str]]:
         run.events["urgent_durable"] = _t(m.group(1))
         run.events["urgent_step"] = int(m.group(2))
         new.append(("urgent_durable", f"urgent checkpoint of step {m.group(2)} durable off-node "
-                                      f"{float(m.group(3)):.1f} s after save()"))
+                                      f"{float(m.group(3)):.2f} s after save()"))
     return new
 
 
