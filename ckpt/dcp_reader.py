@@ -40,7 +40,7 @@ from .errors import CheckpointError
 from .locations import tiers_for
 from .manifest import ShardManifest, TensorEntry
 from .plan import RestorePlan, ShardNeed
-from .restore import LOCAL, first_sound, open_shard, restore_agreed
+from .restore import LOCAL, first_sound, open_shard, restore_agreed, shard_manifest
 from .state import tree_holds, unflatten
 from .tensor_io import read_tensors
 from .tiers.memory import DEFAULT_SHM_DIR
@@ -73,12 +73,7 @@ class CheckpointReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         def manifest_of(plan: RestorePlan) -> ShardManifest:
-            reader = first_sound(plan.shards[0], plan.ckpt_id,
-                                 lambda tier: open_shard(tier, plan.ckpt_id, plan.shards[0].rank))
-            try:
-                return reader.manifest
-            finally:
-                reader.close()
+            return shard_manifest(plan.shards[0], plan.ckpt_id)
 
         found = restore_agreed(LOCAL, tiers_for(self.location, run=self.run, memory_dir=self.memory_dir),
                                lambda world: [ShardNeed(0)],

@@ -23,7 +23,7 @@ import torch
 from .errors import CheckpointError
 from .locations import tiers_for
 from .plan import RestorePlan, ShardNeed
-from .restore import LOCAL, load_plan, open_shard, restore_agreed
+from .restore import LOCAL, load_plan, restore_agreed, shard_manifest
 from .state import tree_holds
 from .tiers.base import CheckpointId
 
@@ -35,12 +35,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default
 def read(location: str, step: int | None = None, *, run: str | None = None) -> tuple[CheckpointId, dict, Any]:
     """The newest valid checkpoint (or ``step``): its id, rank 0's values, and its tree."""
     def execute(plan: RestorePlan) -> tuple[dict, Any]:
-        reader = open_shard(plan.shards[0].sources[0], plan.ckpt_id, 0)
-        try:
-            tree = reader.manifest.tree
-        finally:
-            reader.close()
-        return load_plan(plan, None), tree
+        return load_plan(plan, None), shard_manifest(plan.shards[0], plan.ckpt_id).tree
 
     found = restore_agreed(LOCAL, tiers_for(location, run=run), lambda world: [ShardNeed(0)], execute, step=step)
     if found is None:

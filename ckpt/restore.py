@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from .errors import CheckpointError, DamagedCheckpoint, ManifestError, StateMismatch
+from .manifest import ShardManifest
 from .plan import Inventory, Needs, RestorePlan, ShardNeed, ShardPlan, plans
 from .tiers.base import CheckpointId, ShardReader, TierReader
 from .verify import Progress
@@ -161,6 +162,15 @@ def load_plan(plan: RestorePlan, state: Mapping[str, Any] | None, *, threads: in
     return values
 
 
+def shard_manifest(shard: ShardPlan, ckpt_id: CheckpointId) -> ShardManifest:
+    """The saved shard's manifest, from its first sound source (no tensor bytes read)."""
+    reader = first_sound(shard, ckpt_id, partial(open_shard, ckpt_id=ckpt_id, rank=shard.rank))
+    try:
+        return reader.manifest
+    finally:
+        reader.close()
+
+
 def check_plan(plan: RestorePlan, state: Mapping[str, Any]) -> None:
     """Raise StateMismatch unless each shard's saved layout fits the state keys it covers
     (a shard with ``keys`` covers those; the others cover the rest)."""
@@ -169,11 +179,7 @@ def check_plan(plan: RestorePlan, state: Mapping[str, Any]) -> None:
     elsewhere = set().union(*(s.keys for s in plan.shards if s.keys is not None))
     for shard in plan.shards:
         covered = shard.keys if shard.keys is not None else {k for k in state if k not in elsewhere}
-        reader = first_sound(shard, plan.ckpt_id, partial(open_shard, ckpt_id=plan.ckpt_id, rank=shard.rank))
-        try:
-            manifest = reader.manifest
-        finally:
-            reader.close()
+        manifest = shard_manifest(shard, plan.ckpt_id)
         tree = manifest.tree
         if shard.keys is not None and isinstance(tree, dict):
             tree = {k: v for k, v in tree.items() if k in shard.keys}

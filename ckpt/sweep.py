@@ -9,14 +9,20 @@ with ``force``. A live job's slots (its lock is held) are never touched.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .locations import durable_tier_for, is_url
 from .tiers.base import complete_shards
-from .tiers.memory.namespace import DEFAULT_SHM_DIR, rank_dirs, read_owner, sweep_orphans, trusted_namespaces
+from .tiers.memory.namespace import (
+    DEFAULT_SHM_DIR,
+    owner_gone,
+    rank_dirs,
+    read_owner,
+    sweep_orphans,
+    trusted_namespaces,
+)
 
 
 @dataclass
@@ -28,17 +34,8 @@ class Orphan:
 
 
 def _in_use(rdir: Path) -> bool:
-    try:
-        fd = os.open(rdir / "lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    with owner_gone(rdir) as gone:
+        return gone is False
 
 
 def _size(path: Path) -> int:

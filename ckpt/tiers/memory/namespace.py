@@ -18,6 +18,8 @@ import hashlib
 import os
 import shutil
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +111,27 @@ def namespaces_of_root(root_key: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[Pa
     return found
 
 
+@contextmanager
+def owner_gone(rdir: Path) -> Iterator[bool | None]:
+    """Whether a rank directory's owner process is gone: True (and its lock is held here
+    until the block ends, so nobody takes the slots meanwhile), False for a live owner,
+    None when there is no lock file to tell."""
+    try:
+        fd = os.open(rdir / "lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, force: bool = False) -> list[str]:
     """Remove rank directories whose owner is gone (their lock is free), when every
     sealed (saved rank, generation, step) in them is also in ``durable``, or with
@@ -119,16 +142,9 @@ def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, for
         if not is_trusted(ns, directory=True):
             continue
         for rdir in rank_dirs(ns):
-            try:
-                fd = os.open(rdir / "lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # a live owner
-            try:
+            with owner_gone(rdir) as gone:
+                if not gone:
+                    continue  # a live owner, or no lock to tell
                 sealed = set()
                 for meta in rdir.glob("slot-*.json"):
                     try:
@@ -139,8 +155,6 @@ def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, for
                 if force or sealed <= durable:
                     shutil.rmtree(rdir, ignore_errors=True)
                     removed.append(str(rdir))
-            finally:
-                os.close(fd)
         if ns.is_dir() and not any(ns.iterdir()):
             ns.rmdir()
     return removed
