@@ -1,4 +1,5 @@
-"""``ckpt``: list, verify, restore and clean checkpoints after a fault; simulate goodput.
+"""``ckpt``: list, verify, restore and clean checkpoints after a fault; export and import
+them for other tools; simulate goodput.
 
 Exit codes: 0 ok, 1 failure (damaged, nothing to restore), 2 usage. Every command
 takes ``--json`` for scripts; progress bars appear only on a terminal.
@@ -230,6 +231,45 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
                                                           metadata=meta)]
     result = {"step": ckpt_id.step, "generation": ckpt_id.generation, "format": fmt, "files": files}
     _emit(as_json, result, f"exported step {ckpt_id.step} as {fmt} into {dest} ({len(files)} file(s))")
+
+
+@cli.command("import")
+@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.option("--from", "fmt", type=click.Choice(["dcp"]), required=True,
+              help="dcp: a torch.distributed.checkpoint directory (torchtitan, FSDP2, dcp.save), any number of ranks.")
+@click.option("--to", "dest", required=True, help="Checkpoint root to write into (a directory or an object-store URL).")
+@click.option("--step", type=int, default=None,
+              help="Step to record (default: the number ending SOURCE's name, as in torchtitan's step-1000).")
+@click.option("--force", is_flag=True, help="Write into a root that holds checkpoints; the import becomes the newest.")
+@click.option("--run", default="default", show_default=True, help="Run id of the job that will resume from it.")
+@_json
+def import_cmd(source: str, fmt: str, dest: str, step: int | None, force: bool, run: str, as_json: bool) -> None:
+    """Make another tool's checkpoint one of ours: its tensors unsharded and its plain
+    values, as a one-rank checkpoint (checksummed, committed) that ckpt.load and a
+    CheckpointManager restore. Pickled items are refused, never unpickled."""
+    import re
+
+    from . import dcp_import
+    from .offline_write import import_target, write_state
+
+    if step is None:
+        found = re.search(r"(\d+)$", os.path.basename(os.path.normpath(source)))
+        if found is None:
+            raise click.UsageError(f"{source}: no step number at the end of its name; pass --step")
+        step = int(found.group(1))
+    metadata = dcp_import.read_metadata(source)
+    tier = durable_tier_for(dest)
+    ckpt_id = import_target(tier, step, run=run, replace=force)
+    total = dcp_import.tensor_bytes(metadata)
+    with _progress(3 * total, f"import step {step}", as_json) as bar:  # read, checksummed, written
+        state = dcp_import.read_dcp(source, metadata, progress=bar.update)
+        if not is_url(dest):
+            os.makedirs(dest, exist_ok=True)
+        write_state(tier, ckpt_id, state, run=run, progress=bar.update)
+    out = {"step": ckpt_id.step, "generation": ckpt_id.generation, "from": source, "to": tier.location,
+           "items": len(metadata.state_dict_metadata), "bytes": total}
+    _emit(as_json, out, f"imported {source} as step {ckpt_id.step} (generation {ckpt_id.generation}) into "
+          f"{tier.location} ({_size(total)} of tensors)")
 
 
 @cli.command("gc")

@@ -1,0 +1,139 @@
+"""`ckpt import DIR --from dcp`: a torch.distributed.checkpoint directory, saved by one
+process or by FSDP2 ranks (torchtitan's way), becomes one of our checkpoints that
+`ckpt.load` and a one-process `CheckpointManager` restore bitwise; pickled items and
+hostile metadata are refused without being unpickled."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+import ckpt
+from ckpt import CheckpointManager
+from tests.ckpt_helpers import REPO
+from tests.integration_helpers import torchrun
+from tests.test_ckpt_cli import ckpt as ckpt_cli
+
+
+class Net(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 6), torch.nn.Linear(6, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](torch.relu(self.layers[0](x)))
+
+
+class Opaque:
+    """A value only pickle can store."""
+
+    def __init__(self) -> None:
+        self.note = "x"
+
+
+def trained(seed: int) -> tuple[Net, torch.optim.AdamW]:
+    model = Net(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def dcp_save(state: dict, path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def test_a_single_process_dcp_save_restores_bitwise(tmp_path: Path, root: Path, shm_dir: str) -> None:
+    model, optim = trained(1)
+    dcp_save({"model": model.state_dict(), "optim": optim.state_dict(), "epoch": 3, "tag": "warmup",
+              "sizes": [1, 2.5]}, tmp_path / "step-40")
+    r = ckpt_cli("import", tmp_path / "step-40", "--from", "dcp", "--to", root, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step"] == 40  # from the directory's name, as torchtitan names them
+    loaded = ckpt.load(str(root))
+    assert (loaded["epoch"], loaded["tag"], loaded["sizes"]) == (3, "warmup", [1, 2.5])
+    assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+    fresh = Net(2)
+    fresh_optim = torch.optim.AdamW(fresh.parameters())
+    state = {"model": fresh, "optim": fresh_optim, "epoch": 0, "tag": "", "sizes": []}
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        assert mgr.restore(state) == 40
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    want, got = optim.state_dict(), fresh_optim.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    for p, moments in want["state"].items():
+        assert all(torch.equal(got["state"][p][k], v) for k, v in moments.items())
+    assert ckpt_cli("verify", root).returncode == 0
+
+
+def test_a_dcp_checkpoint_saved_by_two_fsdp_ranks_is_imported_whole(tmp_path: Path, root: Path,
+                                                                     shm_dir: str) -> None:
+    out, reference = tmp_path / "titan" / "step-7", tmp_path / "whole.safetensors"
+    torchrun(REPO / "tests" / "dcp_save_child.py", str(out), str(reference))
+    assert len(list(out.glob("*.distcp"))) == 2
+    r = ckpt_cli("import", out, "--from", "dcp", "--to", root, "--json")
+    assert r.returncode == 0, r.stderr
+    whole = load_file(str(reference))
+    loaded = ckpt.load(str(root))
+    assert loaded["epoch"] == 3
+    for name, t in whole.items():
+        node = loaded
+        for part in name.split("/"):
+            node = node[part]
+        assert torch.equal(node, t), name
+    model = Net(5)  # the same model, unsharded, in one process
+    optim = torch.optim.AdamW(model.parameters())
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        assert mgr.restore({"model": model, "optim": optim, "epoch": 0}) == 7
+    assert all(torch.equal(model.state_dict()[k], whole[f"model/{k}"]) for k in model.state_dict())
+    by_name = dict(zip([n for n, _ in model.named_parameters()], model.parameters()))
+    assert all(torch.equal(optim.state[p]["exp_avg"], whole[f"optim/state/{n}/exp_avg"]) for n, p in by_name.items())
+
+
+def test_a_pickled_item_is_refused_by_name_and_nothing_is_written(tmp_path: Path, root: Path) -> None:
+    model, _ = trained(1)
+    dcp_save({"model": model.state_dict(), "extra": Opaque(), "epoch": 1}, tmp_path / "dcp")
+    r = ckpt_cli("import", tmp_path / "dcp", "--from", "dcp", "--to", root, "--step", "3")
+    assert r.returncode == 1
+    assert "extra" in r.stderr and "Opaque" in r.stderr and "never unpickles" in r.stderr, r.stderr
+    assert "epoch" not in r.stderr  # plain values are not refused
+    assert not root.exists() or not any(root.glob("step-*"))
+
+
+def test_hostile_metadata_is_refused_without_running_it(tmp_path: Path, root: Path) -> None:
+    marker = tmp_path / "ran"
+
+    class Hostile:
+        def __reduce__(self) -> tuple:
+            return os.system, (f"touch {marker}",)
+
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Hostile()))
+    r = ckpt_cli("import", tmp_path / "dcp", "--from", "dcp", "--to", root, "--step", "1")
+    assert r.returncode == 1 and "posix.system" in r.stderr, r.stderr
+    assert not marker.exists()
+
+
+def test_an_import_into_a_root_with_checkpoints_needs_force_and_becomes_the_newest(tmp_path: Path, root: Path,
+                                                                                 shm_dir: str) -> None:
+    model, _ = trained(1)
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        mgr.save(100, {"model": Net(3)}).wait()
+    dcp_save({"model": model.state_dict()}, tmp_path / "dcp")
+    args = ("import", tmp_path / "dcp", "--from", "dcp", "--to", root, "--step", "5")
+    r = ckpt_cli(*args)
+    assert r.returncode == 1 and "--force" in r.stderr
+    assert ckpt_cli(*args, "--force").returncode == 0
+    fresh = Net(4)
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        assert mgr.restore({"model": fresh}) == 5  # a new generation: newer than step 100
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
