@@ -24,6 +24,7 @@ from .commit import Committer
 from .distributed import Coordinator, store_connector
 from .drain import Drainer, Lease, SaveHandle
 from .errors import BackgroundError, CheckpointError
+from .fresh_start import refuse_if_present, set_aside
 from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
@@ -281,10 +282,20 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------
 
-    def restore(self, state: dict, step: int | None = None) -> int | None:
+    def restore(self, state: dict, step: int | None = None, *, fresh_ok: bool | None = None) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state`` in place: tensors
         into the existing objects, plain values into the dict. Returns the step, or None
-        when there is no checkpoint. Under torch.distributed all ranks load the same step."""
+        when there is none. Under torch.distributed all ranks load the same step. Checkpoints
+        that cannot be restored into this job raise, unless ``fresh_ok`` (``fresh_start.py``)."""
+        try:
+            return self._restore(state, step)
+        except CheckpointError as e:
+            if step is not None:
+                raise
+            set_aside(e, fresh_ok, [t.location for t in self.tiers])  # raises unless a fresh start is asked for
+            return None
+
+    def _restore(self, state: dict, step: int | None) -> int | None:
         t0 = time.monotonic()
         tiers = self._restore_tiers()
         if self.peering is not None:
@@ -292,10 +303,11 @@ class CheckpointManager:
         found = restore_agreed(self.coord, tiers, self._needs,
                                lambda plan: load_plan(plan, state, threads=self.threads), step=step)
         if found is None:
-            if self.peering is not None and step is None:
-                self.peering.nothing_readable(self.coord, tiers)
             if step is not None:
                 raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
+            if self.peering is not None:
+                self.peering.nothing_readable(self.coord, tiers)
+            refuse_if_present(self.coord, tiers)
             return None
         plan, values = found
         load_into(state, values)

@@ -64,17 +64,19 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
 def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | IntervalPolicy | None = None,
               requests: SaveRequests | None = None, preemption: bool = True, save_at_end: bool = True,
               predictor: str | None = None, predictor_token: str | None = None,
-              elevated_every: int | None = None, hang: HangDetection | None = None) -> Iterator[int]:
+              elevated_every: int | None = None, hang: HangDetection | None = None,
+              fresh_ok: bool | None = None) -> Iterator[int]:
     """Yield step indices from the restored position to ``total``; save on ``every`` (steps,
     or an ``IntervalPolicy``), at urgent requests ("checkpoint now" from ``predictor``,
     ``requests.request()``), on SIGTERM (then exit 143), and at the end. Under
     torch.distributed a hung rank ends the job (``hang`` tunes or disables the detector:
-    ``ckpt.watchdog``)."""
+    ``ckpt.watchdog``). Checkpoints it cannot restore raise rather than train from scratch
+    beside them, unless ``fresh_ok`` (``CheckpointManager.restore``)."""
     requests = requests or SaveRequests()
     if preemption:
         requests.catch_sigterm()
     listener = _listen(mgr, predictor, predictor_token, requests) if predictor else None
-    restored = mgr.restore(state)
+    restored = mgr.restore(state, fresh_ok=fresh_ok)
     start = restored or 0
     log.info("training from step %d%s", start, " (restored)" if restored is not None else "")
     watchdog = start_watchdog(mgr, hang)

@@ -1,0 +1,80 @@
+"""Never start over silently.
+
+A job that finds checkpoints it cannot restore (another model, another world size
+without the layout to reshard, every copy damaged, a commit record unreadable, a shard
+some rank has no copy of) must not train from scratch beside them: a later restart
+would resume the new run's early steps, or retention would delete the old run's last
+good state, and nobody would have been told. ``CheckpointManager.restore`` raises
+instead, with the reason. Starting from scratch there is a decision the user states:
+``restore(fresh_ok=True)``, or ``CKPT_GUARD_START_FRESH=1`` in the job's environment
+(for the loop helper and the Lightning and Hugging Face integrations alike); it is
+logged as a warning naming what was set aside. The old checkpoints stay; the new run's
+saves form a newer generation, so later restarts resume the new run, and retention
+deletes the old ones once ``keep_last`` newer ones exist.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+from .errors import CheckpointError
+from .restore import Agreement
+from .tiers.base import CheckpointId, TierReader
+
+log = logging.getLogger(__name__)
+
+START_FRESH_ENV = "CKPT_GUARD_START_FRESH"
+HOW = (f"to start from scratch on purpose, set {START_FRESH_ENV}=1 (or pass restore(fresh_ok=True)); the "
+       "checkpoints stay, and the new run's saves form a newer generation")
+
+
+def fresh_start_allowed(fresh_ok: bool | None) -> bool:
+    """``fresh_ok`` if given, else the environment variable (1/true/yes)."""
+    if fresh_ok is not None:
+        return fresh_ok
+    return os.environ.get(START_FRESH_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def refuse_if_present(coord: Agreement, tiers: Sequence[TierReader]) -> None:
+    """After restore found nothing every rank can read: raise (on every rank alike) if any
+    rank's tiers list a checkpoint at all, saying for each why it was not used."""
+    mine: dict[CheckpointId, tuple[str, str | None]] = {}
+    for tier in tiers:
+        for info in tier.list():
+            where = f"{tier.name} ({tier.location})"
+            if info.id not in mine or mine[info.id][1] is not None:
+                mine[info.id] = (where, info.error)
+    seen: dict[CheckpointId, dict[int, tuple[str, str | None]]] = {}
+    for rank, theirs in enumerate(coord.gather(mine)):
+        for ckpt_id, found in theirs.items():
+            seen.setdefault(ckpt_id, {})[rank] = found
+    if not seen:
+        return
+    lines = []
+    for ckpt_id in sorted(seen, reverse=True)[:5]:
+        by_rank = seen[ckpt_id]
+        broken = next(((r, w, e) for r, (w, e) in by_rank.items() if e is not None), None)
+        if broken is not None:
+            lines.append(f"step {ckpt_id}: unreadable in {broken[1]}: {broken[2]}")
+        else:
+            lacking = sorted(set(range(coord.world_size)) - set(by_rank))
+            who = f"rank(s) {', '.join(map(str, lacking))} have no copy of it" if lacking else \
+                "some rank has no copy of a shard it needs"
+            lines.append(f"step {ckpt_id}: {who}")
+    more = f"\n  ... and {len(seen) - 5} more" if len(seen) > 5 else ""
+    raise CheckpointError("checkpoints exist, but none can be restored into this job; refusing to start over "
+                          "beside them:\n  " + "\n  ".join(lines) + more + f"\n{HOW}")
+
+
+def set_aside(error: CheckpointError, fresh_ok: bool | None, locations: Sequence[str]) -> None:
+    """After a restore refused: re-raise ``error`` with how to start fresh on purpose
+    (logged, and a note on its traceback), unless a fresh start was asked for: then say
+    loudly that the checkpoints are set aside."""
+    if not fresh_start_allowed(fresh_ok):
+        log.error("restore refused: %s\n%s", error, HOW)
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(HOW)
+        raise error
+    log.warning("STARTING FROM SCRATCH on purpose (fresh_ok / %s): the checkpoints in %s are set aside, not "
+                "restored: %s", START_FRESH_ENV, ", ".join(locations), error)
