@@ -227,8 +227,8 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
     else:
         weights = export.model_weights(values, tree, key)
         meta = {"ckpt_guard_step": str(ckpt_id.step), "ckpt_guard_generation": str(ckpt_id.generation)}
-        files = [str(p) for p in export.write_safetensors(weights, out, max_shard_bytes=max_shard_size,
-                                                          metadata=meta)]
+        written = export.write_safetensors(weights, out, max_shard_bytes=max_shard_size, metadata=meta)
+        files = [str(p) for p in [*written, export.write_hf_config(values, out)] if p is not None]
     result = {"step": ckpt_id.step, "generation": ckpt_id.generation, "format": fmt, "files": files}
     _emit(as_json, result, f"exported step {ckpt_id.step} as {fmt} into {dest} ({len(files)} file(s))")
 

@@ -4,7 +4,9 @@
   load them (Hugging Face's layout: ``model.safetensors``, or numbered shards plus
   ``model.safetensors.index.json`` when larger than ``max_shard_bytes``). DDP's
   ``module.`` and ``torch.compile``'s ``_orig_mod.`` prefixes are dropped; tied weights
-  are written under every name they have, so a strict ``load_state_dict`` works.
+  are written under every name they have, so a strict ``load_state_dict`` works. A
+  checkpoint that carries a Hugging Face config (the HF callback saves it) also gets its
+  ``config.json``: the directory is then what ``from_pretrained`` loads.
 * ``dcp``: the whole state as a ``torch.distributed.checkpoint`` directory, for
   ``dcp.load`` (torchtitan, FSDP2 users); DCP stores plain values its own way.
 
@@ -30,6 +32,7 @@ from .tiers.base import CheckpointId
 MODEL_KEYS = ("model", "state_dict")  # ckpt.resumable and the HF callback; Lightning
 PREFIXES = ("module.", "_orig_mod.")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default
+HF_CONFIG_KEY = "hf_config"  # the model's config.json as a string (integrations/huggingface.py saves it)
 
 
 def read(location: str, step: int | None = None, *, run: str | None = None) -> tuple[CheckpointId, dict, Any]:
@@ -114,6 +117,22 @@ def write_safetensors(weights: Mapping[str, torch.Tensor], out: Path, *, max_sha
              "weight_map": {name: p.name for shard, p in zip(shards, paths) for name in shard}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     return [*paths, out / "model.safetensors.index.json"]
+
+
+def write_hf_config(values: Mapping[str, Any], out: Path) -> Path | None:
+    """``config.json`` from the checkpoint's Hugging Face config, when it carries one."""
+    raw = values.get(HF_CONFIG_KEY)
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"the checkpoint's {HF_CONFIG_KEY!r} is not a JSON object")
+    path = out / "config.json"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
 
 
 def write_dcp(values: Mapping[str, Any], out: Path) -> None:

@@ -113,3 +113,28 @@ def test_a_damaged_chunk_fails_the_dcp_load(saved_model, tmp_path: Path) -> None
     target = {"model": Tied(6).state_dict()}
     with pytest.raises(CheckpointException, match="checksum mismatch"):  # DCP wraps what readers raise
         dcp.load(target, storage_reader=CheckpointReader(root, memory_dir=str(no_slots_dir)))
+
+
+def test_the_hf_examples_checkpoint_exports_to_what_from_pretrained_loads(tmp_path: Path, shm_dir: str) -> None:
+    """The real example (a Trainer with the HF callback) saves; the export, whole and in
+    shards with an index, is a directory that ``from_pretrained`` loads bitwise."""
+    import subprocess
+    import sys
+
+    from transformers import GPT2LMHeadModel
+
+    from examples.train_torchrun import weights_digest
+    from tests.ckpt_helpers import REPO
+
+    root, out = tmp_path / "run", tmp_path / "out.json"
+    subprocess.run([sys.executable, str(REPO / "examples" / "train_hf.py"), "--root", str(root), "--steps", "3",
+                    "--every", "2", "--memory-dir", shm_dir, "--out", str(out)], check=True, cwd=REPO,
+                   capture_output=True, timeout=300)
+    digest = json.loads(out.read_text())["digest"]
+    for name, shard_size in (("whole", "5000000000"), ("sharded", "100000")):
+        r = ckpt("export", root, "--format", "safetensors", "--to", tmp_path / name, "--max-shard-size", shard_size,
+                 "--json")
+        assert r.returncode == 0, r.stderr
+        files = {Path(f).name for f in json.loads(r.stdout)["files"]}
+        assert "config.json" in files and ("model.safetensors.index.json" in files) == (name == "sharded")
+        assert weights_digest(GPT2LMHeadModel.from_pretrained(tmp_path / name)) == digest, name

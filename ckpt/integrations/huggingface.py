@@ -7,7 +7,8 @@
 
 Saving: the model, optimizer, LR scheduler, grad scaler, RNG states and the Trainer's
 state (global step, epoch, log history, callback states; the global step is the data
-position) go to the manager every ``every`` optimizer steps, at urgent requests and on
+position), and the model's config (so ``ckpt export --format safetensors`` writes the
+``config.json`` that ``from_pretrained`` reads) go to the manager every ``every`` optimizer steps, at urgent requests and on
 SIGTERM (agreed across ranks; then the save is waited for and ``ckpt.Preempted`` is
 raised for the Trainer to unwind: the process ends 143), and at the end. A step is
 saved when the next one begins, after the Trainer fetched that step's batches and
@@ -41,6 +42,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from ..errors import CheckpointError
+from ..export import HF_CONFIG_KEY
 from ..manager import CheckpointManager
 from ..watchdog import HangDetection, Watchdog, start_watchdog
 from .loop import save_at_boundary
@@ -123,8 +125,12 @@ class HFCheckpoint(TrainerCallback):
         return {k: v for k, v in objects.items() if v is not None}
 
     def _state(self, state: TrainerState, control: TrainerControl) -> dict[str, Any]:
-        return {**self._training_objects(), "rng": RNGState(),
-                "trainer_state": _trainer_state_json(self._trainer, state, control)}
+        out = {**self._training_objects(), "rng": RNGState(),
+               "trainer_state": _trainer_state_json(self._trainer, state, control)}
+        config = getattr(self._trainer.model, "config", None)
+        if hasattr(config, "to_json_string"):
+            out[HF_CONFIG_KEY] = config.to_json_string(use_diff=False)
+        return out
 
 
 def _unshared(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
