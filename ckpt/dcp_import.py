@@ -52,7 +52,7 @@ _METADATA_CLASSES = {
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
-_DATA_FILE = re.compile(r"[A-Za-z0-9_.-]+")
+_DATA_FILE = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.-]+")  # a plain name inside the directory
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from .errors import CheckpointError
 from .restore import Agreement
-from .tiers.base import CheckpointId, TierReader
+from .tiers.base import CheckpointId, DurableTier, TierReader
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,11 @@ def fresh_start_allowed(fresh_ok: bool | None) -> bool:
 
 def refuse_if_present(coord: Agreement, tiers: Sequence[TierReader]) -> None:
     """After restore found nothing every rank can read: raise (on every rank alike) if any
-    rank's tiers list a checkpoint at all, saying for each why it was not used."""
+    rank's durable tiers list a checkpoint at all, saying for each why it was not used.
+    Memory slots alone do not count: a step sealed in memory but committed nowhere is an
+    interrupted save (some rank may never have sealed it), not a checkpoint."""
     mine: dict[CheckpointId, tuple[str, str | None]] = {}
-    for tier in tiers:
+    for tier in (t for t in tiers if isinstance(t, DurableTier)):
         for info in tier.list():
             where = f"{tier.name} ({tier.location})"
             if info.id not in mine or mine[info.id][1] is not None:

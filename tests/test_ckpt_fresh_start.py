@@ -16,6 +16,7 @@ import ckpt
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.errors import StateMismatch
 from ckpt.fresh_start import START_FRESH_ENV, refuse_if_present
+from ckpt.locations import tiers_for
 from ckpt.tiers.local import LocalDiskTier
 
 
@@ -92,3 +93,13 @@ def test_a_checkpoint_one_rank_has_no_copy_of_is_named(saved: Path) -> None:
     with pytest.raises(CheckpointError, match=r"step 10 \(generation 0\): rank\(s\) 1 have no copy of it"):
         refuse_if_present(_TwoRanks(), [LocalDiskTier(saved)])
     refuse_if_present(_TwoRanks(), [LocalDiskTier(saved.parent / "empty")])  # nothing anywhere: a first start
+
+
+def test_a_step_sealed_in_memory_but_committed_nowhere_is_no_checkpoint(root: Path, shm_dir: str) -> None:
+    """An interrupted first save (rank 0 sealed its slot, rank 1 never did) is not a
+    checkpoint to refuse over: the job starts fresh."""
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        mgr.save(5, {"model": model(3)}).wait()
+    memory = [t for t in tiers_for(root, memory_dir=shm_dir) if t.name == "memory"]
+    assert [i.id.step for t in memory for i in t.list()] == [5]
+    refuse_if_present(_TwoRanks(), memory)

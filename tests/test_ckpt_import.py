@@ -10,6 +10,7 @@ import pickle
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
@@ -137,3 +138,16 @@ def test_an_import_into_a_root_with_checkpoints_needs_force_and_becomes_the_newe
     with CheckpointManager(root, memory_dir=shm_dir) as mgr:
         assert mgr.restore({"model": fresh}) == 5  # a new generation: newer than step 100
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_metadata_naming_a_file_outside_the_directory_is_refused(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    from ckpt.dcp_import import read_metadata
+
+    for name in ("../elsewhere", "..", "sub/x"):
+        (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata(
+            {"x": BytesStorageMetadata()}, storage_data={MetadataIndex("x"): _StorageInfo(name, 0, 10)})))
+        with pytest.raises(ckpt.CheckpointError, match="outside the directory"):
+            read_metadata(tmp_path)

@@ -5,12 +5,13 @@
                       callbacks=[guard])
     trainer.train(resume_from_checkpoint=guard.resume(trainer))
 
-Saving: the model, optimizer, LR scheduler, grad scaler, RNG states and the Trainer's
+Saving: the model, optimizer, LR scheduler, grad scaler, RNG states, the Trainer's
 state (global step, epoch, log history, callback states; the global step is the data
-position), and the model's config (so ``ckpt export --format safetensors`` writes the
-``config.json`` that ``from_pretrained`` reads) go to the manager every ``every`` optimizer steps, at urgent requests and on
-SIGTERM (agreed across ranks; then the save is waited for and ``ckpt.Preempted`` is
-raised for the Trainer to unwind: the process ends 143), and at the end. A step is
+position) and the model's config (so ``ckpt export --format safetensors`` writes the
+``config.json`` that ``from_pretrained`` reads) go to the manager every ``every``
+optimizer steps, at urgent requests and on SIGTERM (agreed across ranks; then the save
+is waited for and ``ckpt.Preempted`` is raised for the Trainer to unwind: the process
+ends 143), and at the end. A step is
 saved when the next one begins, after the Trainer fetched that step's batches and
 before it trains on them: that is where a resumed Trainer
 stands when it has skipped the consumed batches, so the RNG states put back there are
