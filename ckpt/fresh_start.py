@@ -56,14 +56,11 @@ def refuse_if_present(coord: Agreement, tiers: Sequence[TierReader]) -> None:
     lines = []
     for ckpt_id in sorted(seen, reverse=True)[:5]:
         by_rank = seen[ckpt_id]
-        broken = next(((r, w, e) for r, (w, e) in by_rank.items() if e is not None), None)
-        if broken is not None:
-            lines.append(f"step {ckpt_id}: unreadable in {broken[1]}: {broken[2]}")
-        else:
-            lacking = sorted(set(range(coord.world_size)) - set(by_rank))
-            who = f"rank(s) {', '.join(map(str, lacking))} have no copy of it" if lacking else \
-                "some rank has no copy of a shard it needs"
-            lines.append(f"step {ckpt_id}: {who}")
+        broken = next((f"unreadable in {where}: {error}" for where, error in by_rank.values() if error), None)
+        lacking = ", ".join(str(r) for r in range(coord.world_size) if r not in by_rank)
+        why = broken or (f"rank(s) {lacking} have no copy of it" if lacking else
+                         "some rank has no copy of a shard it needs")
+        lines.append(f"step {ckpt_id}: {why}")
     more = f"\n  ... and {len(seen) - 5} more" if len(seen) > 5 else ""
     raise CheckpointError("checkpoints exist, but none can be restored into this job; refusing to start over "
                           "beside them:\n  " + "\n  ".join(lines) + more + f"\n{HOW}")
@@ -75,7 +72,7 @@ def set_aside(error: CheckpointError, fresh_ok: bool | None, locations: Sequence
     loudly that the checkpoints are set aside."""
     if not fresh_start_allowed(fresh_ok):
         log.error("restore refused: %s\n%s", error, HOW)
-        if hasattr(error, "add_note"):  # Python 3.11+
+        if hasattr(error, "add_note") and HOW not in str(error):  # Python 3.11+
             error.add_note(HOW)
         raise error
     log.warning("STARTING FROM SCRATCH on purpose (fresh_ok / %s): the checkpoints in %s are set aside, not "
