@@ -151,3 +151,14 @@ def test_metadata_naming_a_file_outside_the_directory_is_refused(tmp_path: Path)
             {"x": BytesStorageMetadata()}, storage_data={MetadataIndex("x"): _StorageInfo(name, 0, 10)})))
         with pytest.raises(ckpt.CheckpointError, match="outside the directory"):
             read_metadata(tmp_path)
+
+
+def test_an_import_goes_to_an_object_store_url_as_well(tmp_path: Path) -> None:
+    model, _ = trained(1)
+    dcp_save({"model": model.state_dict(), "epoch": 2}, tmp_path / "dcp")
+    url = f"file://{tmp_path / 'bucket' / 'run-1'}"
+    r = ckpt_cli("import", tmp_path / "dcp", "--from", "dcp", "--to", url, "--step", "9", "--json")
+    assert r.returncode == 0, r.stderr
+    loaded = ckpt.load(url)
+    assert loaded["epoch"] == 2 and all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+    assert ckpt_cli("verify", url).returncode == 0
