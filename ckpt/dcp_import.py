@@ -176,17 +176,18 @@ def _load(directory: str | Path, flat: dict[str, Any], progress: Callable[[int],
 
 
 def _optimizer_ids(node: Any) -> Any:
-    """DCP names every dict key as a string: a torch optimizer's ``state`` keyed 0, 1, ...
-    comes back keyed "0", "1". Give them back their integer ids where the sibling
-    ``param_groups`` list them, so ``optimizer.load_state_dict`` finds its parameters."""
+    """Undo what DCP loses of a torch optimizer's state dict, so ``load_state_dict`` takes
+    it: DCP names every dict key as a string (``state`` keyed 0, 1, ... comes back keyed
+    "0", "1": integers again where the sibling ``param_groups`` list them), and stores no
+    empty dict (the ``state`` of an optimizer that has not stepped is gone: back as {})."""
     if isinstance(node, list):
         return [_optimizer_ids(v) for v in node]
     if not isinstance(node, dict):
         return node
     node = {k: _optimizer_ids(v) for k, v in node.items()}
-    groups, state = node.get("param_groups"), node.get("state")
-    if isinstance(groups, list) and isinstance(state, dict):
-        ids = {p for g in groups if isinstance(g, dict) for p in g.get("params", ()) if type(p) is int}
+    groups = node.get("param_groups")
+    if isinstance(groups, list) and groups and all(isinstance(g, dict) and "params" in g for g in groups):
+        ids = {p for g in groups for p in g["params"] if type(p) is int}
         node["state"] = {int(k) if isinstance(k, str) and k.isdigit() and int(k) in ids else k: v
-                         for k, v in state.items()}
+                         for k, v in node.get("state", {}).items()}
     return node

@@ -162,3 +162,16 @@ def test_an_import_goes_to_an_object_store_url_as_well(tmp_path: Path) -> None:
     loaded = ckpt.load(url)
     assert loaded["epoch"] == 2 and all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
     assert ckpt_cli("verify", url).returncode == 0
+
+
+def test_an_optimizer_that_has_not_stepped_imports_too(tmp_path: Path, root: Path, shm_dir: str) -> None:
+    """DCP stores no empty dict: the optimizer's empty ``state`` comes back as {}."""
+    model = Net(1)
+    dcp_save({"model": model.state_dict(), "optim": torch.optim.AdamW(model.parameters()).state_dict()},
+             tmp_path / "dcp")
+    assert ckpt_cli("import", tmp_path / "dcp", "--from", "dcp", "--to", root, "--step", "1").returncode == 0
+    fresh = Net(2)
+    optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        assert mgr.restore({"model": fresh, "optim": optim}) == 1
+    assert optim.param_groups[0]["lr"] == 1e-3 and not optim.state
