@@ -120,7 +120,8 @@ class _Planner(DefaultLoadPlanner):
             else:
                 self.values[fqn] = torch.load(io.BytesIO(raw), weights_only=True)
         except Exception as e:  # not a torch.save blob, or weights_only refused what it builds
-            self.refused[fqn] = f"not decodable without unpickling ({type(e).__name__}: {str(e).splitlines()[0]})"
+            first = (str(e).splitlines() or [""])[0]
+            self.refused[fqn] = f"not decodable without unpickling ({type(e).__name__}: {first})"
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         if self.progress is not None:
@@ -144,6 +145,7 @@ def read_dcp(directory: str | Path, metadata: Metadata | None = None, *,
                                                                                 BytesStorageMetadata))}
     if kinds:
         raise CheckpointError(f"{directory}: DCP items of kind {', '.join(sorted(kinds))} cannot be imported")
+    paths = _paths(metadata)
     plain = _load(directory, {fqn: None for fqn, md in items.items() if isinstance(md, BytesStorageMetadata)}, None)
     if plain.refused:
         lines = [f"{fqn}: {why}" for fqn, why in sorted(plain.refused.items())]
@@ -153,12 +155,28 @@ def read_dcp(directory: str | Path, metadata: Metadata | None = None, *,
     tensors = {fqn: torch.empty(md.size, dtype=md.properties.dtype) for fqn, md in items.items()
                if isinstance(md, TensorStorageMetadata)}
     _load(directory, tensors, progress)
-    paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
     state: dict[str, Any] = {}
-    for fqn, value in [*plain.values.items(), *tensors.items()]:
-        path = paths.get(fqn)
-        set_element(state, tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,), value)
+    try:
+        for fqn, value in [*plain.values.items(), *tensors.items()]:
+            set_element(state, paths[fqn], value)
+    except (TypeError, KeyError, IndexError, AttributeError) as e:  # two items claim one place
+        raise CheckpointError(f"{directory}: DCP planner data nests items inconsistently ({e})") from None
     return _optimizer_ids(state)
+
+
+def _paths(metadata: Metadata) -> dict[str, tuple]:
+    """Where each item sat in the saved state (DCP's planner data; its name otherwise),
+    checked first: a list index beyond the number of items is not a real one."""
+    saved = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    items = metadata.state_dict_metadata
+    out = {}
+    for fqn in items:
+        path = saved.get(fqn)
+        path = tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)
+        if not all(isinstance(p, str) or (type(p) is int and 0 <= p < len(items)) for p in path):
+            raise CheckpointError(f"DCP planner data: {fqn!r} is placed at {path!r}, not a path in a state")
+        out[fqn] = path
+    return out
 
 
 def _load(directory: str | Path, flat: dict[str, Any], progress: Callable[[int], None] | None) -> _Planner:

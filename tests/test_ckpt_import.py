@@ -175,3 +175,14 @@ def test_an_optimizer_that_has_not_stepped_imports_too(tmp_path: Path, root: Pat
     with CheckpointManager(root, memory_dir=shm_dir) as mgr:
         assert mgr.restore({"model": fresh, "optim": optim}) == 1
     assert optim.param_groups[0]["lr"] == 1e-3 and not optim.state
+
+
+def test_planner_data_placing_an_item_at_a_huge_list_index_is_refused(tmp_path: Path, root: Path) -> None:
+    from ckpt.dcp_import import read_metadata
+
+    dcp_save({"model": Net(1).state_dict(), "sizes": [1, 2]}, tmp_path / "dcp")
+    metadata = read_metadata(tmp_path / "dcp")
+    metadata.planner_data["sizes"] = ("sizes", 10**12)  # would grow a list to 10**12 entries
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
+    r = ckpt_cli("import", tmp_path / "dcp", "--from", "dcp", "--to", root, "--step", "1")
+    assert r.returncode == 1 and "not a path in a state" in r.stderr, r.stderr
