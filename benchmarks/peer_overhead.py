@@ -120,9 +120,12 @@ def run_job(args: argparse.Namespace, out: Path) -> dict:
                    "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                    "CKPT_GUARD_NODE": f"node{rank}", "OMP_NUM_THREADS": "1"}
             procs.append(subprocess.Popen(argv, env=env, cwd=REPO))
-        for p in procs:
-            if p.wait(timeout=1800) != 0:
-                raise RuntimeError(f"a worker exited with {p.returncode}")
+        while any(p.poll() is None for p in procs):  # one failed rank leaves the other in a collective
+            if any(p.returncode not in (None, 0) for p in procs):
+                raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
+            time.sleep(0.5)
+        if any(p.returncode != 0 for p in procs):
+            raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
         return json.loads(out.read_text())
     finally:
         for p in procs:
