@@ -11,6 +11,7 @@ paths), ``plan.py``/``restore.py`` (what to read, and reading it).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from .metrics import CheckpointMetrics
 from .offload import Offloader
 from .ownership import claim, refusal
 from .plan import RestorePlan, ShardNeed
+from .reshard import ReshardStats, load_resharded
 from .restore import load_plan, open_shard, restore_agreed
 from .state import flatten, load_into
 from .tensor_io import with_checksums
@@ -121,6 +123,7 @@ class CheckpointManager:
         self._prepared = False
         self._closed = False
         self.stall_s = 0.0  # total time save() waited for a slot still draining
+        self.last_reshard: ReshardStats | None = None  # the last restore's, when it was at another world size
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
             self.metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", "0")), metrics_addr)
@@ -194,9 +197,10 @@ class CheckpointManager:
             self.memory.wait_prepared()
         flat = flatten(self._own_part(state))
         entries, nbytes = plan_layout(flat.tensors)
+        entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
         ckpt_id = CheckpointId(self._current_generation(), int(step))
         manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
-                                 self.chunk_bytes, self.world_size)
+                                 self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)))
         slot, waited = self.memory.reserve(ckpt_id.step)
         self.stall_s += waited
         if self.metrics is not None and waited:
@@ -289,8 +293,7 @@ class CheckpointManager:
         tiers = self._restore_tiers()
         if self.peering is not None:
             tiers = self.peering.restore_tiers(self.coord, tiers)
-        found = restore_agreed(self.coord, tiers, self._needs,
-                               lambda plan: load_plan(plan, state, threads=self.threads), step=step)
+        found = restore_agreed(self.coord, tiers, self._needs, lambda plan: self._load(plan, state), step=step)
         if found is None:
             if self.peering is not None and step is None:
                 self.peering.nothing_readable(self.coord, tiers)
@@ -308,10 +311,19 @@ class CheckpointManager:
         self._generation = generation if self.coord.all(plan.ckpt_id == newest) else generation + 1
         return plan.ckpt_id.step
 
-    def _needs(self, saved_world: int) -> list[ShardNeed] | None:
-        """This rank's own shard, and the replicated keys from their holder's."""
+    def _load(self, plan: RestorePlan, state: dict) -> dict:
+        """Values for ``load_into``: the same world size reads whole shards, another reshards."""
+        self.last_reshard = None
+        if plan.world_size == self.world_size:
+            return load_plan(plan, state, threads=self.threads)
+        values, self.last_reshard = load_resharded(plan, state, self.rank, threads=self.threads)
+        return values
+
+    def _needs(self, saved_world: int) -> list[ShardNeed]:
+        """This rank's own shard, and the replicated keys from their holder's; at another
+        world size, every saved shard (which parts overlap is known once their manifests are read)."""
         if saved_world != self.world_size:
-            return None
+            return [ShardNeed(r) for r in range(saved_world)]
         holder = self._replica_holder
         if not self.replicated or holder == self.rank:
             return [ShardNeed(self.rank)]

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .checksum import chunk_checksums, crc32c_of
-from .manifest import ShardManifest, TensorEntry
-from .plan import ReadItem, read_items
+from .manifest import ITEMSIZE, ShardManifest, TensorEntry
+from .plan import ChunkRead, ReadItem, read_items
 from .state import local_tensor
 from .tiers.base import ShardReader
 from .verify import DEFAULT_THREADS, Progress, mismatch, run_parallel
@@ -100,6 +100,52 @@ def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch
         raise mismatch(reader, e, lo, hi, step, tier)
     if hi > lo:
         dst[lo:hi].copy_(host)
+
+
+def read_chunks(reader: ShardReader, reads: list[ChunkRead], dests: dict[str, torch.Tensor], *, verify: bool = True,
+                step: int = -1, tier: str = "", threads: int = DEFAULT_THREADS) -> int:
+    """Copy each read's boxes from the saved shard straight into ``dests[read.target]`` (a
+    local shard, at least 1-d), a slab of dim-0 rows (about one checksum chunk) at a time:
+    each slab is read as the whole chunks covering it and verified before any byte of it is
+    copied, so memory stays at threads x (slab + 2 chunks). Returns the bytes read."""
+    chunk, slabs, done = reader.manifest.chunk_bytes, [], []
+    for rd in reads:
+        row = rd.tensor.nbytes // max(1, (rd.tensor.shape or (1,))[0])
+        lo, hi = rd.rows
+        per = max(1, chunk // row) if row else max(1, hi - lo)
+        slabs += [(rd, a, min(hi, a + per), row) for a in range(lo, hi, per)]
+
+    def one(slab: tuple[ChunkRead, int, int, int]) -> None:
+        rd, a, b, row = slab
+        e = rd.tensor
+        c0, c1 = a * row // chunk, max(a * row // chunk + 1, -(-(b * row) // chunk))
+        start, end = c0 * chunk, min(e.nbytes, c1 * chunk)
+        host = reader.tensor(e.offset + start, end - start)
+        if host is None:
+            host = torch.empty(end - start, dtype=torch.uint8)
+            reader.read_into(e.offset + start, byte_view(host))
+        if verify and e.checksums is not None:
+            for k in range(c0, c1):
+                lo, hi = k * chunk, min(e.nbytes, (k + 1) * chunk)
+                if crc32c_of(byte_view(host[lo - start:hi - start])) != e.checksums[k]:
+                    raise mismatch(reader, e, lo, hi, step, tier)
+        piece = host[a * row - start:b * row - start]
+        if piece.storage_offset() % ITEMSIZE[e.dtype]:
+            piece = piece.clone()  # a chunk size that is not a multiple of the item size
+        src = piece.view(e.torch_dtype).reshape(b - a, *e.shape[1:])
+        dst = dests[rd.target]
+        for box in rd.boxes:
+            r0, r1 = max(a, box.src[0]), min(b, box.src[0] + box.size[0])
+            if r0 >= r1:
+                continue
+            s, d = src[r0 - a:r1 - a], dst[box.dst[0] + r0 - box.src[0]:box.dst[0] + r1 - box.src[0]]
+            for dim in range(1, len(box.size)):
+                s, d = s.narrow(dim, box.src[dim], box.size[dim]), d.narrow(dim, box.dst[dim], box.size[dim])
+            d.copy_(s)
+        done.append(end - start)
+
+    run_parallel(one, slabs, threads)
+    return sum(done)
 
 
 def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> ShardManifest:
