@@ -104,19 +104,51 @@ def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch
 
 def read_chunks(reader: ShardReader, reads: list[ChunkRead], dests: dict[str, torch.Tensor], *, verify: bool = True,
                 step: int = -1, tier: str = "", threads: int = DEFAULT_THREADS) -> int:
-    """Copy each read's boxes from the saved shard straight into ``dests[read.target]`` (a
-    local shard, at least 1-d), a slab of dim-0 rows (about one checksum chunk) at a time:
-    each slab is read as the whole chunks covering it and verified before any byte of it is
-    copied, so memory stays at threads x (slab + 2 chunks). Returns the bytes read."""
-    chunk, slabs, done = reader.manifest.chunk_bytes, [], []
-    for rd in reads:
-        row = rd.tensor.nbytes // max(1, (rd.tensor.shape or (1,))[0])
-        lo, hi = rd.rows
-        per = max(1, chunk // row) if row else max(1, hi - lo)
-        slabs += [(rd, a, min(hi, a + per), row) for a in range(lo, hi, per)]
+    """Copy each read's boxes from the saved shard into ``dests[read.target]`` (a local
+    shard, at least 1-d); returns the bytes read, whole checksum chunks, each verified.
 
-    def one(slab: tuple[ChunkRead, int, int, int]) -> None:
-        rd, a, b, row = slab
+    A box of whole rows that lands on whole rows of a CPU target (``Shard(0)`` to
+    ``Shard(0)``, FSDP's case) is read straight into it, chunk by chunk: only a chunk's
+    bytes outside the box go through a small buffer (the CRC runs over all three parts).
+    Any other box is read a slab of rows (about one chunk) at a time into a buffer,
+    verified, then copied: memory stays at threads x (slab + 2 chunks)."""
+    chunk, items, done = reader.manifest.chunk_bytes, [], []
+    for rd in reads:
+        e, dst = rd.tensor, dests[rd.target]
+        row = e.nbytes // max(1, (e.shape or (1,))[0])
+        if row and _whole_rows(rd, dst):
+            for box in rd.boxes:
+                lo, hi = box.src[0] * row, (box.src[0] + box.size[0]) * row
+                shift = box.dst[0] * row - lo  # saved byte x lands at byte x + shift of dst
+                items += [(e, k, lo, hi, byte_view(dst), shift) for k in range(lo // chunk, -(-hi // chunk))]
+        else:
+            lo, hi = rd.rows
+            per = max(1, chunk // row) if row else max(1, hi - lo)
+            items += [(rd, a, min(hi, a + per), row) for a in range(lo, hi, per)]
+
+    def direct(e: TensorEntry, k: int, lo: int, hi: int, dst: memoryview, shift: int) -> None:
+        c_lo, c_hi = k * chunk, min(e.nbytes, (k + 1) * chunk)
+        a, b = max(c_lo, lo), min(c_hi, hi)
+        into = dst[a + shift:b + shift]
+        crc = e.checksums[k] if verify and e.checksums is not None else None
+        src = reader.view(e.offset + c_lo, c_hi - c_lo)
+        if src is not None:  # in memory: check first, a bad slot clobbers nothing
+            if crc is not None and crc32c_of(src) != crc:
+                raise mismatch(reader, e, c_lo, c_hi, step, tier)
+            into[:] = src[a - c_lo:b - c_lo]
+        else:
+            head, tail = memoryview(bytearray(a - c_lo)), memoryview(bytearray(c_hi - b))
+            for off, buf in ((c_lo, head), (a, into), (b, tail)):
+                if len(buf):
+                    reader.read_into(e.offset + off, buf)
+            if crc is not None and crc32c_of(tail, crc32c_of(into, crc32c_of(head))) != crc:
+                raise mismatch(reader, e, c_lo, c_hi, step, tier)
+        done.append(c_hi - c_lo)
+
+    def one(item: tuple) -> None:
+        if len(item) == 6:
+            return direct(*item)
+        rd, a, b, row = item
         e = rd.tensor
         c0, c1 = a * row // chunk, max(a * row // chunk + 1, -(-(b * row) // chunk))
         start, end = c0 * chunk, min(e.nbytes, c1 * chunk)
@@ -144,8 +176,15 @@ def read_chunks(reader: ShardReader, reads: list[ChunkRead], dests: dict[str, to
             d.copy_(s)
         done.append(end - start)
 
-    run_parallel(one, slabs, threads)
+    run_parallel(one, items, threads)
     return sum(done)
+
+
+def _whole_rows(rd: ChunkRead, dst: torch.Tensor) -> bool:
+    """Whether each box is whole rows of both the saved shard and ``dst`` (a contiguous CPU tensor)."""
+    rest = tuple(rd.tensor.shape[1:])
+    return (dst.device.type == "cpu" and dst.is_contiguous() and tuple(dst.shape[1:]) == rest and len(rd.tensor.shape)
+            > 0 and all(b.size[1:] == rest and not any(b.src[1:]) and not any(b.dst[1:]) for b in rd.boxes))
 
 
 def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> ShardManifest:

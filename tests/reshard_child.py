@@ -76,6 +76,22 @@ def damage(root: Path, step: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
+def check_strided_layout(world: int) -> None:
+    """FSDP2 over tensor parallelism shards dim 0 twice ([_StridedShard(0, 2), Shard(0)] on a
+    (dp, tp) mesh): the recorded runs must name exactly the rows each rank holds."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckpt.layout import layout_of
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(11 * 3, dtype=torch.float32).reshape(11, 3)
+    t = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=world // 2), Shard(0)], src_data_rank=None)
+    layout = layout_of(t, "strided")
+    rows = [r for start, n in layout.runs[0] for r in range(start, start + n)]
+    assert torch.equal(t.to_local(), full[rows]), (layout, t.to_local(), rows)
+    assert layout.placements == ("_StridedShard(0,2)", "Shard(0)") and layout.mesh_dims == ("dp", "tp")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("memory_dir")
@@ -86,6 +102,8 @@ def main() -> None:
     init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    if world == 4:
+        check_strided_layout(world)
     if args.restore:
         root, step = Path(args.restore[0]), int(args.restore[1])
         if args.damage and rank == 0:
