@@ -30,7 +30,7 @@ from .metrics import CheckpointMetrics
 from .offload import Offloader
 from .ownership import claim, refusal
 from .plan import RestorePlan, ShardNeed
-from .reshard import ReshardStats, load_resharded
+from .reshard import ReshardStats, create_optimizer_state, load_resharded
 from .restore import load_plan, open_shard, restore_agreed
 from .state import flatten, load_into
 from .tensor_io import with_checksums
@@ -288,7 +288,8 @@ class CheckpointManager:
     def restore(self, state: dict, step: int | None = None) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state`` in place: tensors
         into the existing objects, plain values into the dict. Returns the step, or None
-        when there is no checkpoint. Under torch.distributed all ranks load the same step."""
+        when there is no checkpoint. Under torch.distributed all ranks load the same step;
+        one saved by another number of ranks is resharded (``reshard.py``, ``last_reshard``)."""
         t0 = time.monotonic()
         tiers = self._restore_tiers()
         if self.peering is not None:
@@ -315,13 +316,13 @@ class CheckpointManager:
         """Values for ``load_into``: the same world size reads whole shards, another reshards."""
         self.last_reshard = None
         if plan.world_size == self.world_size:
+            create_optimizer_state(state, sharded_only=True)
             return load_plan(plan, state, threads=self.threads)
         values, self.last_reshard = load_resharded(plan, state, self.rank, threads=self.threads)
         return values
 
     def _needs(self, saved_world: int) -> list[ShardNeed]:
-        """This rank's own shard, and the replicated keys from their holder's; at another
-        world size, every saved shard (which parts overlap is known once their manifests are read)."""
+        """This rank's own shard and the replicated keys from their holder's; at another world size, all."""
         if saved_world != self.world_size:
             return [ShardNeed(r) for r in range(saved_world)]
         holder = self._replica_holder

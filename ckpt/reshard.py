@@ -66,7 +66,7 @@ def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,
     manifests = {r: shard_manifest(s, ckpt_id) for r, s in shards.items()}
     first = manifests[0]
     _require_layouts(manifests, ckpt_id)
-    _create_optimizer_state(state)
+    create_optimizer_state(state)
     check_restorable(state, first.tree, first.tensors, whole=True)
     targets = tensor_targets(state, first.tree, any_kind=True)
     by_id = {e.id: e for e in first.tensors}
@@ -104,12 +104,16 @@ def _require_layouts(manifests: Mapping[int, ShardManifest], ckpt_id: Checkpoint
                 f"{len(manifests)} ranks (checkpoints saved by this version restore at any world size)")
 
 
-def _create_optimizer_state(state: Mapping[str, Any]) -> None:
-    """Moments to read into, laid out like their parameters (DCP's own initialisation)."""
+def create_optimizer_state(state: Mapping[str, Any], *, sharded_only: bool = False) -> None:
+    """Moments to read into, laid out like their parameters (DCP's own initialisation: one
+    step of zero gradients at lr 0), for each optimizer of ``state`` that has not stepped
+    (``sharded_only``: of DTensor parameters, whose moments must be DTensors too, not the
+    plain tensors ``load_state_dict`` would otherwise keep)."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     for value in state.values():
-        if isinstance(value, torch.optim.Optimizer) and not value.state:
+        if isinstance(value, torch.optim.Optimizer) and not value.state and (not sharded_only or any(
+                isinstance(p, DTensor) for group in value.param_groups for p in group["params"])):
             _init_optim_state(value)
 
 

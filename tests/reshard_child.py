@@ -7,7 +7,9 @@ an FSDP2 ``fully_shard`` MLP with AdamW moments) at whatever world size it is st
 bitwise equal to the full tensors saved beside it (``ROOT/ref-STEP.pt``), then train one
 step. ``--damage``: rank 0 first flips a byte inside the part of saved rank 1's sharded
 tensor that a partial read at this world size covers. ``--save``: save steps 1 and 2
-(training in between) and write their full tensors as references.
+(training in between), write their full tensors as references, and restore step 2 at
+the same world size into a fresh state (a fresh optimizer too). At 4 ranks, the layout
+recorded for ``_StridedShard`` is checked too.
 """
 import argparse
 import sys
@@ -92,6 +94,25 @@ def check_strided_layout(world: int) -> None:
     assert layout.placements == ("_StridedShard(0,2)", "Shard(0)") and layout.mesh_dims == ("dp", "tp")
 
 
+def restore_and_check(root: Path, step: int, memory_dir: str, mesh) -> None:
+    """Restore ``root`` into a freshly initialised state: it must be ``step``, bitwise equal
+    to the full tensors saved beside it, and train on (the moments are usable DTensors)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = fresh_state(1000 + world, mesh)
+    with CheckpointManager(root, memory_dir=memory_dir, run="reshard", chunk_bytes=CHUNK) as mgr:
+        assert mgr.restore(state) == step
+        stats = mgr.last_reshard
+    want = torch.load(root / f"ref-{step}.pt")
+    got = full(state)
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"rank {rank}: not bitwise equal after restore: {bad}"
+    assert state["epoch"] == step, state["epoch"]
+    origin = "the same size" if stats is None else f"{stats.saved_world}: amplification {stats.amplification:.2f}"
+    print(f"rank {rank} restored step {step} at {world} from {origin}", flush=True)
+    train(state, 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("memory_dir")
@@ -109,19 +130,7 @@ def main() -> None:
         if args.damage and rank == 0:
             damage(root, 2)
         dist.barrier()
-        state = fresh_state(1000 + world, mesh)
-        with CheckpointManager(root, memory_dir=args.memory_dir, run="reshard", chunk_bytes=CHUNK) as mgr:
-            assert mgr.restore(state) == step
-            stats = mgr.last_reshard
-        want = torch.load(root / f"ref-{step}.pt")
-        got = full(state)
-        assert sorted(got) == sorted(want), (sorted(got), sorted(want))
-        bad = [k for k in want if not torch.equal(got[k], want[k])]
-        assert not bad, f"rank {rank}: not bitwise equal after restore: {bad}"
-        assert state["epoch"] == step, state["epoch"]
-        print(f"rank {rank} restored step {step} at {world} from {stats.saved_world}: "
-              f"amplification {stats.amplification:.2f}", flush=True)
-        train(state, 1)  # the restored moments are usable DTensors
+        restore_and_check(root, step, args.memory_dir, mesh)
     if args.save:
         root = Path(args.save)
         state = fresh_state(0, mesh)
@@ -134,6 +143,7 @@ def main() -> None:
                 if rank == 0:
                     torch.save(ref, root / f"ref-{step}.pt")
         print(f"rank {rank} saved at {world}", flush=True)
+        restore_and_check(root, 2, args.memory_dir + "-same", mesh)  # the same world size, fresh optimizer
     dist.barrier()
     dist.destroy_process_group()
 

@@ -61,9 +61,10 @@ def as_format_1_1(src: Path, dst: Path) -> None:
 def test_restore_at_other_world_sizes(tmp_path: Path, shm_dir: str) -> None:
     at4, at3, at2 = tmp_path / "at4", tmp_path / "at3", tmp_path / "at2"
     log = torchrun(CHILD, f"{shm_dir}/a", "--save", str(at3), nproc=3)
-    assert log.count("saved at 3") == 3, log[-3000:]
+    assert log.count("restored step 2 at 3 from the same size") == 3, log[-3000:]
     log = torchrun(CHILD, f"{shm_dir}/b", "--restore", str(at3), "2", "--save", str(at4), nproc=4)
     assert log.count("restored step 2 at 4 from 3") == 4, log[-3000:]
+    assert log.count("restored step 2 at 4 from the same size") == 4, log[-3000:]
     log = torchrun(CHILD, f"{shm_dir}/c", "--restore", str(at4), "2", "--save", str(at2), nproc=2)
     assert log.count("restored step 2 at 2 from 4") == 2, log[-3000:]
     # Damage inside a partial read at 3 ranks: found, the step skipped on every rank, the previous one restored.
