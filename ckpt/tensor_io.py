@@ -125,6 +125,7 @@ def read_chunks(reader: ShardReader, reads: list[ChunkRead], dests: dict[str, to
             lo, hi = rd.rows
             per = max(1, chunk // row) if row else max(1, hi - lo)
             items += [(rd, a, min(hi, a + per), row) for a in range(lo, hi, per)]
+    reader.expect([_span(item, chunk) for item in items])
 
     def direct(e: TensorEntry, k: int, lo: int, hi: int, dst: memoryview, shift: int) -> None:
         c_lo, c_hi = k * chunk, min(e.nbytes, (k + 1) * chunk)
@@ -150,8 +151,9 @@ def read_chunks(reader: ShardReader, reads: list[ChunkRead], dests: dict[str, to
             return direct(*item)
         rd, a, b, row = item
         e = rd.tensor
-        c0, c1 = a * row // chunk, max(a * row // chunk + 1, -(-(b * row) // chunk))
-        start, end = c0 * chunk, min(e.nbytes, c1 * chunk)
+        offset, n = _span(item, chunk)
+        start, end = offset - e.offset, offset - e.offset + n
+        c0, c1 = start // chunk, -(-end // chunk)
         host = reader.tensor(e.offset + start, end - start)
         if host is None:
             host = torch.empty(end - start, dtype=torch.uint8)
@@ -178,6 +180,16 @@ def read_chunks(reader: ShardReader, reads: list[ChunkRead], dests: dict[str, to
 
     run_parallel(one, items, threads)
     return sum(done)
+
+
+def _span(item: tuple, chunk: int) -> tuple[int, int]:
+    """(offset in the data file, nbytes) that ``read_chunks`` reads for one item: whole chunks."""
+    if len(item) == 6:
+        e, k = item[0], item[1]
+        return e.offset + k * chunk, min(e.nbytes, (k + 1) * chunk) - k * chunk
+    rd, a, b, row = item
+    c0, c1 = a * row // chunk, max(a * row // chunk + 1, -(-(b * row) // chunk))
+    return rd.tensor.offset + c0 * chunk, min(rd.tensor.nbytes, c1 * chunk) - c0 * chunk
 
 
 def _whole_rows(rd: ChunkRead, dst: torch.Tensor) -> bool:

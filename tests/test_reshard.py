@@ -19,6 +19,7 @@ from ckpt.layout import Layout
 from ckpt.manifest import Manifest, ManifestError, ShardManifest
 from ckpt.reshard import NotReshardable
 from ckpt.tiers.local import LocalDiskTier
+from ckpt.tiers.object_store import ObjectStoreTier
 from tests.integration_helpers import torchrun
 
 CHILD = Path(__file__).with_name("reshard_child.py")
@@ -72,16 +73,20 @@ def test_restore_at_other_world_sizes(tmp_path: Path, shm_dir: str) -> None:
     assert "checksum mismatch in tensor 'big' bytes 65536..131072" in log, log[-3000:]
     assert log.count("restored step 1 at 3 from 4") == 3, log[-3000:]
 
-    # 2 -> 1: one process, no mesh: every tensor whole, the optimizer's moments created to read into.
-    state = plain_state(7)
-    with CheckpointManager(at2, memory_dir=f"{shm_dir}/e", run="reshard") as mgr:
-        assert mgr.restore(state) == 2
-        assert mgr.last_reshard is not None and mgr.last_reshard.saved_world == 2
-        assert mgr.last_reshard.amplification == 1.0
-    want, got = torch.load(at2 / "ref-2.pt"), whole(state)
-    assert sorted(got) == sorted(want)
-    assert [k for k in want if not torch.equal(got[k], want[k])] == []
-    assert state["epoch"] == 2
+    # 2 -> 1: one process, no mesh: every tensor whole, the optimizer's moments created to read
+    # into; from the disk, then from an object store alone (ranged reads).
+    bucket = tmp_path / "bucket"
+    shutil.copytree(at2, bucket)
+    for where in ({"root": at2}, {"root": None, "object_store": ObjectStoreTier(f"file://{bucket}")}):
+        state = plain_state(7)
+        with CheckpointManager(**where, memory_dir=f"{shm_dir}/e", run="reshard") as mgr:
+            assert mgr.restore(state) == 2
+            assert mgr.last_reshard is not None and mgr.last_reshard.saved_world == 2
+            assert mgr.last_reshard.amplification == 1.0
+        want, got = torch.load(at2 / "ref-2.pt"), whole(state)
+        assert sorted(got) == sorted(want)
+        assert [k for k in want if not torch.equal(got[k], want[k])] == []
+        assert state["epoch"] == 2
 
     old = tmp_path / "old"
     as_format_1_1(at2, old)
