@@ -28,6 +28,7 @@ from .errors import BackgroundError, CheckpointError
 from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
+from .optim_names import param_names
 from .ownership import claim, refusal
 from .plan import RestorePlan, ShardNeed
 from .reshard import ReshardStats, create_optimizer_state, load_resharded
@@ -200,7 +201,8 @@ class CheckpointManager:
         entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
         ckpt_id = CheckpointId(self._current_generation(), int(step))
         manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
-                                 self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)))
+                                 self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
+                                 param_names=param_names(state))
         slot, waited = self.memory.reserve(ckpt_id.step)
         self.stall_s += waited
         if self.metrics is not None and waited:

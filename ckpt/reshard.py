@@ -13,8 +13,9 @@ What a torchtitan user expects of DCP's resharding, through our sources and chec
   those for the new world size.
 * A tensor saved sharded may be restored unsharded (M = 1 without a mesh) and the reverse.
 * **Optimizer state** follows its parameter: FSDP2's moments are DTensors laid out like
-  their parameters. An optimizer that has not stepped has no moments to read into, so its
-  state is created first (zero gradients at lr 0, as ``get_state_dict`` does).
+  their parameters, matched by parameter name (``optim_names.py``), not by position. An
+  optimizer that has not stepped has no moments to read into, so its state is created
+  first (zero gradients at lr 0, as ``get_state_dict`` does).
 
 Checkpoints whose manifests (format 1.1) do not record where sharded tensors lie are
 refused with the reason; the state is checked whole (global shapes) before any byte is read.
@@ -32,6 +33,7 @@ import torch
 from .errors import StateMismatch
 from .layout import Layout, full_layout, layout_of
 from .manifest import ShardManifest
+from .optim_names import renumber
 from .plan import ChunkRead, RestorePlan, reshard_reads
 from .restore import first_sound, open_shard, shard_manifest
 from .state import DTensor, check_restorable, tensor_targets, tree_holds, unflatten
@@ -67,6 +69,7 @@ def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,
     first = manifests[0]
     _require_layouts(manifests, ckpt_id)
     create_optimizer_state(state)
+    renumber(manifests, state)
     check_restorable(state, first.tree, first.tensors, whole=True)
     targets = tensor_targets(state, first.tree, any_kind=True)
     by_id = {e.id: e for e in first.tensors}

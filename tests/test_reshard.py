@@ -74,11 +74,13 @@ def test_restore_at_other_world_sizes(tmp_path: Path, shm_dir: str) -> None:
     assert log.count("restored step 1 at 3 from 4") == 3, log[-3000:]
 
     # 2 -> 1: one process, no mesh: every tensor whole, the optimizer's moments created to read
-    # into; from the disk, then from an object store alone (ranged reads).
+    # into; from the disk into an optimizer listing its parameters in reverse (moments follow
+    # names, not positions), then from an object store alone (ranged reads).
     bucket = tmp_path / "bucket"
     shutil.copytree(at2, bucket)
-    for where in ({"root": at2}, {"root": None, "object_store": ObjectStoreTier(f"file://{bucket}")}):
+    for where, order in (({"root": at2}, -1), ({"root": None, "object_store": ObjectStoreTier(f"file://{bucket}")}, 1)):
         state = plain_state(7)
+        state["optim"] = torch.optim.AdamW(list(state["model"].parameters())[::order], lr=1e-2)
         with CheckpointManager(**where, memory_dir=f"{shm_dir}/e", run="reshard") as mgr:
             assert mgr.restore(state) == 2
             assert mgr.last_reshard is not None and mgr.last_reshard.saved_world == 2
