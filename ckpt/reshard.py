@@ -11,7 +11,9 @@ What a torchtitan user expects of DCP's resharding, through our sources and chec
   ones included), as DCP keeps one copy of what is not sharded. A value that differed per
   rank (a per-rank RNG state, a data position) is rank 0's: the loop helper re-derives
   those for the new world size.
-* A tensor saved sharded may be restored unsharded (M = 1 without a mesh) and the reverse.
+* A tensor saved sharded may be restored unsharded (M = 1 without a mesh) and the reverse,
+  and a model saved under DDP (``module.``) or torch.compile (``_orig_mod.``) into one
+  without, or the reverse.
 * **Optimizer state** follows its parameter: FSDP2's moments are DTensors laid out like
   their parameters, matched by parameter name (``optim_names.py``), not by position. An
   optimizer that has not stepped has no moments to read into, so its state is created
@@ -34,7 +36,7 @@ from .errors import StateMismatch
 from .layout import Layout, full_layout, layout_of
 from .manifest import ShardManifest
 from .optim_names import renumber
-from .plan import ChunkRead, RestorePlan, reshard_reads
+from .plan import ChunkRead, RestorePlan, canonical_path, reshard_reads
 from .restore import first_sound, open_shard, shard_manifest
 from .state import DTensor, check_restorable, tensor_targets, tree_holds, unflatten
 from .tensor_io import read_chunks, read_tensors
@@ -70,6 +72,7 @@ def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,
     _require_layouts(manifests, ckpt_id)
     create_optimizer_state(state)
     renumber(manifests, state)
+    _align_module_keys(first.tree, state)
     check_restorable(state, first.tree, first.tensors, whole=True)
     targets = tensor_targets(state, first.tree, any_kind=True)
     by_id = {e.id: e for e in first.tensors}
@@ -96,6 +99,18 @@ def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,
     log.info("rank %d resharded step %d from %d ranks: read %d bytes for %d (amplification %.2f)", rank,
              ckpt_id.step, plan.world_size, stats.bytes_read, stats.bytes_needed, stats.amplification)
     return values, stats
+
+
+def _align_module_keys(tree: Any, state: Mapping[str, Any]) -> None:
+    """Rename a saved model's keys to the target module's where they differ only by wrapper
+    prefixes (saved under DDP, restored into FSDP2 or a bare module, or the reverse)."""
+    for key, module in state.items():
+        saved = tree.get(key) if isinstance(tree, dict) and isinstance(module, torch.nn.Module) else None
+        if not isinstance(saved, dict) or "__dict__" in saved:
+            continue
+        names = {canonical_path(k): k for k in module.state_dict()}
+        if set(saved) != set(names.values()) and {canonical_path(k) for k in saved} == set(names):
+            tree[key] = {names[canonical_path(k)]: v for k, v in saved.items()}
 
 
 def _require_layouts(manifests: Mapping[int, ShardManifest], ckpt_id: CheckpointId) -> None:

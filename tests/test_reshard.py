@@ -33,9 +33,18 @@ def plain_state(seed: int) -> dict:
             "big": torch.zeros(256, 1024), "wide": torch.zeros(6, 10), "epoch": -1}
 
 
+class Wrapped(torch.nn.Module):
+    """A model held as DDP holds it: its keys start with ``module.``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
 def whole(state: dict) -> dict:
-    out = {f"model.{k}": v for k, v in state["model"].state_dict().items()}
-    for i, p in enumerate(state["model"].parameters()):
+    model = state["model"].module if isinstance(state["model"], Wrapped) else state["model"]
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
         out.update({f"optim.{i}.{k}": v for k, v in state["optim"].state[p].items()})
     out["big"], out["wide"] = state["big"], state["wide"]
     return out
@@ -74,13 +83,16 @@ def test_restore_at_other_world_sizes(tmp_path: Path, shm_dir: str) -> None:
     assert log.count("restored step 1 at 3 from 4") == 3, log[-3000:]
 
     # 2 -> 1: one process, no mesh: every tensor whole, the optimizer's moments created to read
-    # into; from the disk into an optimizer listing its parameters in reverse (moments follow
-    # names, not positions), then from an object store alone (ranged reads).
+    # into; from the disk into a model wrapped as DDP wraps it (``module.``) and an optimizer
+    # listing its parameters in reverse (moments follow names, not positions), then from an
+    # object store alone (ranged reads).
     bucket = tmp_path / "bucket"
     shutil.copytree(at2, bucket)
     for where, order in (({"root": at2}, -1), ({"root": None, "object_store": ObjectStoreTier(f"file://{bucket}")}, 1)):
         state = plain_state(7)
         state["optim"] = torch.optim.AdamW(list(state["model"].parameters())[::order], lr=1e-2)
+        if order == -1:
+            state["model"] = Wrapped(state["model"])
         with CheckpointManager(**where, memory_dir=f"{shm_dir}/e", run="reshard") as mgr:
             assert mgr.restore(state) == 2
             assert mgr.last_reshard is not None and mgr.last_reshard.saved_world == 2
