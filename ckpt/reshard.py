@@ -70,10 +70,10 @@ def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,
     manifests = {r: shard_manifest(s, ckpt_id) for r, s in shards.items()}
     first = manifests[0]
     _require_layouts(manifests, ckpt_id)
-    create_optimizer_state(state)
     renumber(manifests, state)
     _align_module_keys(first.tree, state)
     check_restorable(state, first.tree, first.tensors, whole=True)
+    create_optimizer_state(state)  # after the check: a mismatch leaves the optimizer as it was
     targets = tensor_targets(state, first.tree, any_kind=True)
     by_id = {e.id: e for e in first.tensors}
     unplaced = [by_id[i].path for i in by_id if by_id[i].layout is not None and i not in targets]
