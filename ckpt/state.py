@@ -61,9 +61,8 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             raise CheckpointError(f"{path}: the state is nested too deeply to checkpoint "
                                   f"(readers accept {MAX_JSON_DEPTH} levels of JSON)")
         if isinstance(obj, DTensor):
-            layout = layout_of(obj, path)
             index = enc(obj.to_local(), path, depth)["__tensor__"]
-            layouts[index] = layout
+            layouts[index] = layout_of(obj, path)
             return {"__dtensor__": index}
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
@@ -221,8 +220,6 @@ def _no_tensor(i: int) -> torch.Tensor:
     raise ValueError("tensor used as a dict key")
 
 
-
-
 @dataclass(frozen=True)
 class _Saved:
     """A checkpoint's tensor or array as its manifest entry describes it, before any byte is read."""
@@ -252,9 +249,7 @@ def check_restorable(state: Mapping[str, Any], tree: Any, tensors: Sequence[Tens
 
     def leaf(tag: str, i: int) -> _Saved:
         e = by_id[i]
-        if whole:
-            return _Saved(tag, e.layout.global_shape if e.layout else e.shape, e.torch_dtype, whole=True)
-        return _Saved(tag, e.shape, e.torch_dtype)
+        return _Saved(tag, e.layout.global_shape if whole and e.layout else e.shape, e.torch_dtype, whole=whole)
 
     saved = _decode(tree, leaf)
     if not isinstance(saved, dict):
