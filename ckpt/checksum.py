@@ -30,6 +30,6 @@ def chunk_checksums(buf: memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> 
     return [_crc.crc32c(buf[i : i + chunk_bytes]) for i in range(0, n, chunk_bytes)]
 
 
-def crc32c_of(data: bytes | memoryview) -> int:
-    """CRC32C of one buffer (a manifest, or one chunk)."""
-    return _crc.crc32c(data)
+def crc32c_of(data: bytes | memoryview, value: int = 0) -> int:
+    """CRC32C of one buffer (a manifest, or one chunk); ``value``: the CRC of the bytes before it."""
+    return _crc.crc32c(data, value)

@@ -11,6 +11,7 @@ paths), ``plan.py``/``restore.py`` (what to read, and reading it).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -28,8 +29,10 @@ from .fresh_start import refuse_if_present, set_aside
 from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
+from .optim_names import param_names
 from .ownership import claim, refusal
 from .plan import RestorePlan, ShardNeed
+from .reshard import ReshardStats, create_optimizer_state, load_resharded
 from .restore import load_plan, open_shard, restore_agreed
 from .state import flatten, load_into
 from .tensor_io import with_checksums
@@ -122,6 +125,7 @@ class CheckpointManager:
         self._prepared = False
         self._closed = False
         self.stall_s = 0.0  # total time save() waited for a slot still draining
+        self.last_reshard: ReshardStats | None = None  # the last restore's, when it was at another world size
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
             self.metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", "0")), metrics_addr)
@@ -195,9 +199,11 @@ class CheckpointManager:
             self.memory.wait_prepared()
         flat = flatten(self._own_part(state))
         entries, nbytes = plan_layout(flat.tensors)
+        entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
         ckpt_id = CheckpointId(self._current_generation(), int(step))
         manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
-                                 self.chunk_bytes, self.world_size)
+                                 self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
+                                 param_names=param_names(state))
         slot, waited = self.memory.reserve(ckpt_id.step)
         self.stall_s += waited
         if self.metrics is not None and waited:
@@ -285,7 +291,8 @@ class CheckpointManager:
     def restore(self, state: dict, step: int | None = None, *, fresh_ok: bool | None = None) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state`` in place: tensors
         into the existing objects, plain values into the dict. Returns the step, or None
-        when there is none. Under torch.distributed all ranks load the same step. Checkpoints
+        when there is none. Under torch.distributed all ranks load the same step; one saved by
+        another number of ranks is resharded (``reshard.py``, ``last_reshard``). Checkpoints
         that cannot be restored into this job raise, unless ``fresh_ok`` (``fresh_start.py``)."""
         try:
             return self._restore(state, step)
@@ -300,8 +307,7 @@ class CheckpointManager:
         tiers = self._restore_tiers()
         if self.peering is not None:
             tiers = self.peering.restore_tiers(self.coord, tiers)
-        found = restore_agreed(self.coord, tiers, self._needs,
-                               lambda plan: load_plan(plan, state, threads=self.threads), step=step)
+        found = restore_agreed(self.coord, tiers, self._needs, lambda plan: self._load(plan, state), step=step)
         if found is None:
             if step is not None:
                 raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
@@ -320,10 +326,19 @@ class CheckpointManager:
         self._generation = generation if self.coord.all(plan.ckpt_id == newest) else generation + 1
         return plan.ckpt_id.step
 
-    def _needs(self, saved_world: int) -> list[ShardNeed] | None:
-        """This rank's own shard, and the replicated keys from their holder's."""
+    def _load(self, plan: RestorePlan, state: dict) -> dict:
+        """Values for ``load_into``: the same world size reads whole shards, another reshards."""
+        self.last_reshard = None
+        if plan.world_size == self.world_size:
+            create_optimizer_state(state, sharded_only=True)
+            return load_plan(plan, state, threads=self.threads)
+        values, self.last_reshard = load_resharded(plan, state, self.rank, threads=self.threads)
+        return values
+
+    def _needs(self, saved_world: int) -> list[ShardNeed]:
+        """This rank's own shard and the replicated keys from their holder's; at another world size, all."""
         if saved_world != self.world_size:
-            return None
+            return [ShardNeed(r) for r in range(saved_world)]
         holder = self._replica_holder
         if not self.replicated or holder == self.rank:
             return [ShardNeed(self.rank)]

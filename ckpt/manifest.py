@@ -42,18 +42,24 @@ import json
 import math
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .bounded_json import check_extent, loads_bounded
 from .checksum import ALGORITHM, MIN_CHUNK_BYTES, crc32c_of
 from .errors import CheckpointError, ManifestError
+from .layout import Layout
 
 if TYPE_CHECKING:
     import torch
 
 FORMAT_NAME = "ckpt-guard"
-FORMAT_VERSION = "1.1"  # 1.1: a commit may list a subset of the shards (per-node commits)
+# 1.1: a commit may list a subset of the shards (per-node commits).
+# 1.2: a DTensor's entry records its layout (global shape, mesh, placements, where its local
+#      shard lies: ``layout.py``), and a shard lists its replicated keys and its optimizers'
+#      parameter names (``optim_names.py``): what restoring at another world size needs.
+#      1.1 manifests with DTensors restore at their own world size only.
+FORMAT_VERSION = "1.2"
 MANIFEST_FILE = "manifest.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 MAX_MANIFEST_BYTES = 128 << 20
@@ -173,18 +179,23 @@ class TensorEntry:
     offset: int
     nbytes: int
     checksums: tuple[int, ...] | None = None  # CRC32C per chunk; None until computed
+    layout: Layout | None = None  # a DTensor's: where this local shard lies in the global tensor
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _torch_dtypes()[self.dtype]
 
     def with_checksums(self, checksums: list[int]) -> "TensorEntry":
-        return TensorEntry(self.id, self.path, self.dtype, self.shape, self.offset, self.nbytes, tuple(checksums))
+        return replace(self, checksums=tuple(checksums))
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["shape"] = list(self.shape)
         d["checksums"] = list(self.checksums) if self.checksums is not None else None
+        if self.layout is None:
+            del d["layout"]
+        else:
+            d["layout"] = self.layout.to_json()
         return d
 
     @classmethod
@@ -213,7 +224,10 @@ class TensorEntry:
         path = d.get("path")
         if not isinstance(path, str):
             raise ManifestError("tensor entry has no path")
-        return cls(_int(d, "id"), path, dtype, tuple(shape), offset, nbytes, sums)
+        layout = d.get("layout")
+        if layout is not None:
+            layout = Layout.from_json(layout, tuple(shape), f"tensor {path!r}")
+        return cls(_int(d, "id"), path, dtype, tuple(shape), offset, nbytes, sums, layout)
 
 
 @dataclass
@@ -230,6 +244,8 @@ class ShardManifest:
     world_size: int = 1
     checksum: str = ALGORITHM
     format_version: str = FORMAT_VERSION
+    replicated: tuple[str, ...] = ()  # top-level keys identical on every rank (``replicated=``)
+    param_names: dict[str, list[str]] = field(default_factory=dict)  # optimizer key -> its parameters' names
 
     @property
     def data_file(self) -> str:
@@ -252,6 +268,7 @@ class ShardManifest:
             "data_bytes": self.data_bytes,
             "chunk_bytes": self.chunk_bytes, "checksum": self.checksum,
             "tensors": [t.to_json() for t in self.tensors], "tree": self.tree,
+            "replicated": list(self.replicated), "param_names": self.param_names,
         })
         try:
             check_extent(raw, f"rank {self.rank}'s shard manifest", MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, MAX_JSON_ITEMS)
@@ -283,8 +300,15 @@ class ShardManifest:
         tensors = [TensorEntry.from_json(t, data_bytes, chunk) for t in raw]
         if sorted(t.id for t in tensors) != list(range(len(tensors))):
             raise ManifestError(f"{what}: tensor ids are not 0..{len(tensors) - 1}")
+        replicated, names = doc.get("replicated", []), doc.get("param_names", {})
+        if not isinstance(replicated, list) or not all(isinstance(k, str) for k in replicated):
+            raise ManifestError(f"{what}: 'replicated' is not a list of keys")
+        if not isinstance(names, dict) or not all(isinstance(v, list) and all(isinstance(n, str) for n in v)
+                                                  for v in names.values()):
+            raise ManifestError(f"{what}: 'param_names' is not a map of name lists")
         man = cls(rank, _int(doc, "step"), _int(doc, "generation"), data_bytes, sorted(tensors, key=lambda t: t.id),
-                  doc.get("tree"), chunk, world, format_version=doc["format_version"])
+                  doc.get("tree"), chunk, world, format_version=doc["format_version"], replicated=tuple(replicated),
+                  param_names=names)
         if require_checksums and not man.has_checksums:
             raise ManifestError(f"{what}: no checksums recorded (a durable copy must have them)")
         return man

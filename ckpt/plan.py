@@ -12,9 +12,12 @@ ranks' shards of which id. ``restore.py`` executes plans and falls back.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
+from .errors import StateMismatch
+from .layout import Box, Layout, full_layout, overlap
 from .manifest import ShardManifest, TensorEntry
 from .tiers.base import CheckpointId, CheckpointInfo, TierReader
 
@@ -51,7 +54,7 @@ class ReadItem:
     hi: int
 
 
-Needs = Callable[[int], "list[ShardNeed] | None"]  # saved world size -> shards to read (None: cannot)
+Needs = Callable[[int], "list[ShardNeed]"]  # saved world size -> shards to read
 
 
 class Inventory:
@@ -75,12 +78,9 @@ class Inventory:
 
 
 def plan(inventory: Inventory, ckpt_id: CheckpointId, needs: Needs) -> RestorePlan | None:
-    """The plan for ``ckpt_id``, or None when some needed shard has no source (or the
-    saved world cannot be read by this job: ``needs`` returned None)."""
+    """The plan for ``ckpt_id``, or None when some needed shard has no source."""
     world = inventory.world_size(ckpt_id)
     wanted = needs(world)
-    if wanted is None:
-        return None
     shards = [ShardPlan(n.rank, inventory.sources(ckpt_id, n.rank), n.keys) for n in wanted]
     return RestorePlan(ckpt_id, world, shards) if all(s.sources for s in shards) else None
 
@@ -99,3 +99,62 @@ def read_items(manifest: ShardManifest) -> list[ReadItem]:
     chunk = manifest.chunk_bytes
     return [ReadItem(e, k * chunk, min(e.nbytes, (k + 1) * chunk))
             for e in manifest.tensors for k in range(max(1, -(-e.nbytes // chunk)))]
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """At another world size: saved rank ``rank``'s local shard ``tensor`` overlaps the
+    target at ``target`` (a state path) in ``boxes``. Only rows ``rows`` (of dim 0) are read,
+    widened to whole checksum chunks so that every byte read is verified."""
+
+    rank: int
+    tensor: TensorEntry
+    target: str
+    boxes: tuple[Box, ...]
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        if not self.tensor.shape:
+            return 0, 1
+        return min(b.src[0] for b in self.boxes), max(b.src[0] + b.size[0] for b in self.boxes)
+
+
+PREFIXES = (".module.", "._orig_mod.")  # DDP's and torch.compile's wrappers, not part of a tensor's name
+
+
+def canonical_path(path: str) -> str:
+    """A state path without wrapper prefixes, so a tensor is found under the name its model gives it."""
+    path = f".{path}"
+    for prefix in PREFIXES:
+        path = path.replace(prefix, ".")
+    return path[1:]
+
+
+def reshard_reads(manifests: Mapping[int, ShardManifest], targets: Mapping[str, Layout],
+                  rank: int) -> list[ChunkRead]:
+    """For each target local shard (by state path), the saved chunks that overlap it: one
+    copy of each saved region (replicas alternate between target ranks to spread reads).
+    Raises StateMismatch when a target is not covered exactly (another model)."""
+    saved: dict[str, dict[tuple, list[tuple[int, TensorEntry, Layout]]]] = {}
+    for r, man in sorted(manifests.items()):
+        for e in man.tensors:
+            if e.layout is not None or r == 0:  # rank 0's unsharded tensors: whole there
+                layout = e.layout or full_layout(e.shape)
+                saved.setdefault(canonical_path(e.path), {}).setdefault(layout.runs, []).append((r, e, layout))
+    reads = []
+    for path, target in targets.items():
+        copies = saved.get(canonical_path(path), {})
+        covered = 0
+        for replicas in copies.values():
+            r, e, layout = replicas[rank % len(replicas)]
+            if layout.global_shape != target.global_shape:
+                raise StateMismatch(f"{path}: checkpoint has global shape {layout.global_shape}, "
+                                    f"target {target.global_shape}")
+            boxes = tuple(b for b in overlap(layout, target) if b.numel)
+            if boxes:
+                reads.append(ChunkRead(r, e, path, boxes))
+                covered += sum(b.numel for b in boxes)
+        if covered != math.prod(target.local_shape):
+            raise StateMismatch(f"{path}: the saved shards cover {covered} of the {math.prod(target.local_shape)} "
+                                "elements of this rank's shard (the checkpoint holds another tensor there)")
+    return reads

@@ -58,15 +58,15 @@ def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, 
                    on_skip: Callable[[CheckpointId, str], None] | None = None) -> tuple[RestorePlan, T] | None:
     """Run ``execute`` on the newest plan that succeeds on every rank; None when no
     checkpoint is there. Each checkpoint skipped is logged with its reason (and passed to
-    ``on_skip``). Raises CheckpointError when checkpoints exist but none can be read by
-    this job (every one damaged, or saved by another world size)."""
+    ``on_skip``). Raises CheckpointError when checkpoints exist but none can be read
+    (every one damaged)."""
     inventory = Inventory(tiers)
     rejected: dict[CheckpointId, str] = {}
     while True:
         mine = plans(inventory, needs, step, skip=rejected)
         common = set.intersection(*(set(ids) for ids in coord.gather([p.ckpt_id for p in mine])))
         if not common:
-            _nothing_left(coord, inventory, needs, step, rejected)
+            _nothing_left(coord, step, rejected)
             return None
         chosen = next(p for p in mine if p.ckpt_id == max(common))
         result: T | None = None
@@ -91,22 +91,14 @@ def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, 
         rejected[chosen.ckpt_id] = reason
 
 
-def _nothing_left(coord: Agreement, inventory: Inventory, needs: Needs, step: int | None,
-                  rejected: dict[CheckpointId, str]) -> None:
+def _nothing_left(coord: Agreement, step: int | None, rejected: dict[CheckpointId, str]) -> None:
     """After the last candidate: raise (on every rank alike) if checkpoints were there."""
-    worlds = {inventory.world_size(i) for i in inventory.ids(step)}
-    other_world = sorted(w for w in worlds if needs(w) is None)
-    damaged, resized = coord.any(bool(rejected), bool(other_world))
-    what = "" if step is None else f" for step {step}"
-    if damaged:
+    if coord.any(bool(rejected))[0]:
+        what = "" if step is None else f" for step {step}"
         lines = [f"step {i.step} (generation {i.generation}): {why}"
                  for i, why in sorted(rejected.items(), reverse=True)]
         raise CheckpointError(f"no valid checkpoint{what}; every candidate is damaged:\n  " + "\n  ".join(lines or
                               ["(on another rank)"]))
-    if resized:
-        saved = ", ".join(map(str, other_world)) or "another number of"
-        raise CheckpointError(f"the checkpoints{what} were saved by {saved} ranks; this job has {coord.world_size}. "
-                              "Resume with the same world size (resharding is not supported)")
 
 
 def read_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, *, state: Mapping[str, Any] | None = None,

@@ -12,13 +12,14 @@ never RecursionError.
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from .errors import CheckpointError, StateMismatch
+from .layout import Layout, layout_of
 from .manifest import DTYPE_NAMES, DTYPES, MAX_JSON_DEPTH, ManifestError, TensorEntry
 
 try:  # DTensor (FSDP2, tensor parallel): each rank keeps its local shard
@@ -36,6 +37,7 @@ _DEEPEST_TAG = 3  # {"__npscalar__": ["<c16", [re, im]]}: a value's encoding ope
 class FlatState:
     tensors: list[tuple[str, torch.Tensor]]  # (path in the tree, tensor); index == id
     tree: Any
+    layouts: dict[int, Layout] = field(default_factory=dict)  # a DTensor's id -> where its local shard lies
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +52,7 @@ def is_stateful(obj: Any) -> bool:
 def flatten(state: Mapping[str, Any]) -> FlatState:
     """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely."""
     tensors: list[tuple[str, torch.Tensor]] = []
+    layouts: dict[int, Layout] = {}
     seen: dict[tuple, int] = {}  # tied weights (same memory, same view) are stored once
 
     def enc(obj: Any, path: str, depth: int) -> Any:
@@ -58,7 +61,9 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             raise CheckpointError(f"{path}: the state is nested too deeply to checkpoint "
                                   f"(readers accept {MAX_JSON_DEPTH} levels of JSON)")
         if isinstance(obj, DTensor):
-            return {"__dtensor__": enc(obj.to_local(), path, depth)["__tensor__"]}
+            index = enc(obj.to_local(), path, depth)["__tensor__"]
+            layouts[index] = layout_of(obj, path)
+            return {"__dtensor__": index}
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
                 raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
@@ -107,7 +112,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         raise CheckpointError(f"{path or '<root>'}: cannot checkpoint a value of type {type(obj).__name__}")
 
     tree = enc(dict(state), "", 1)  # the tree is a member of the shard manifest's top object
-    return FlatState(tensors, tree)
+    return FlatState(tensors, tree, layouts)
 
 
 def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
@@ -169,7 +174,7 @@ def _hashable(key: Any) -> Any:
     return key
 
 
-def tensor_targets(state: Mapping[str, Any], tree: Any) -> dict[int, torch.Tensor]:
+def tensor_targets(state: Mapping[str, Any], tree: Any, *, any_kind: bool = False) -> dict[int, torch.Tensor]:
     """Existing tensors in ``state`` (module parameters, optimizer moments, DTensor
     shards) that the tensor ids of ``tree`` correspond to.
 
@@ -185,7 +190,9 @@ def tensor_targets(state: Mapping[str, Any], tree: Any) -> dict[int, torch.Tenso
             walk(target.state_dict(), node, depth + 1)
         elif isinstance(target, torch.Tensor) and isinstance(node, dict) and len(node) == 1:
             (tag, ref), = node.items()
-            if tag == ("__dtensor__" if isinstance(target, DTensor) else "__tensor__") and isinstance(ref, int):
+            kinds = ("__tensor__", "__dtensor__") if any_kind else ("__dtensor__" if isinstance(target, DTensor)
+                                                                    else "__tensor__",)
+            if tag in kinds and isinstance(ref, int):
                 targets[ref] = target.detach()
         elif isinstance(target, Mapping) and isinstance(node, dict):
             if set(node) == {"__dict__"} and isinstance(node["__dict__"], list):
@@ -213,8 +220,6 @@ def _no_tensor(i: int) -> torch.Tensor:
     raise ValueError("tensor used as a dict key")
 
 
-
-
 @dataclass(frozen=True)
 class _Saved:
     """A checkpoint's tensor or array as its manifest entry describes it, before any byte is read."""
@@ -222,9 +227,11 @@ class _Saved:
     tag: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    whole: bool = False  # ``shape`` is a DTensor's global shape (restore at another world size)
 
 
-def check_restorable(state: Mapping[str, Any], tree: Any, tensors: Sequence[TensorEntry]) -> None:
+def check_restorable(state: Mapping[str, Any], tree: Any, tensors: Sequence[TensorEntry], *,
+                     whole: bool = False) -> None:
     """Raise StateMismatch listing every difference between ``state`` and one shard's
     saved ``tree`` and ``tensors``, before anything is read into ``state``, so that a
     restore changes everything or nothing. A hostile tree raises ManifestError.
@@ -234,9 +241,17 @@ def check_restorable(state: Mapping[str, Any], tree: Any, tensors: Sequence[Tens
     either way (what ``load_state_dict(strict=True)`` refuses, found before the first
     one is loaded); an optimizer with other parameter groups; a key of a plain dict in
     ``state`` that the checkpoint lacks (it would be left unrestored). Keys only the
-    checkpoint has are fine: restore adds them to the dict."""
+    checkpoint has are fine: restore adds them to the dict.
+
+    ``whole``: compare tensors by their global shapes, a DTensor alike with a tensor
+    (restore at another world size, where the local shards differ by design)."""
     by_id = {e.id: e for e in tensors}
-    saved = _decode(tree, lambda tag, i: _Saved(tag, by_id[i].shape, by_id[i].torch_dtype))
+
+    def leaf(tag: str, i: int) -> _Saved:
+        e = by_id[i]
+        return _Saved(tag, e.layout.global_shape if whole and e.layout else e.shape, e.torch_dtype, whole=whole)
+
+    saved = _decode(tree, leaf)
     if not isinstance(saved, dict):
         raise ManifestError("the checkpoint's top level is not a dict")
     _raise_mismatches(state, saved)
@@ -292,7 +307,10 @@ def _mismatches(target: Any, value: Any, path: str, found: list[str], strict: bo
     mine = _layout(target)
     if mine is not None:
         theirs = _layout(value)
-        if theirs is None or not _same_kind(mine[0], theirs[0], exact=isinstance(value, _Saved)):
+        whole = isinstance(value, _Saved) and value.whole
+        if whole and isinstance(target, torch.Tensor):
+            mine = (mine[0], tuple(target.shape), mine[2])
+        if theirs is None or not _same_kind(mine[0], theirs[0], exact=isinstance(value, _Saved) and not whole):
             found.append(f"{path}: checkpoint has {_what(value)}, target {_what(target)}")
         elif theirs[1] != mine[1]:
             found.append(f"{path}: checkpoint has shape {theirs[1]}, target {mine[1]}")

@@ -31,9 +31,9 @@ REPLACEABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 _ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
 
 
-def torchrun(script: Path, *args: str, restarts: int = 0) -> str:
-    """Run ``script`` on 2 gloo ranks (restarted up to ``restarts`` times); its output, asserting success."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--max-restarts={restarts}",
+def torchrun(script: Path, *args: str, restarts: int = 0, nproc: int = 2) -> str:
+    """Run ``script`` on ``nproc`` gloo ranks (restarted up to ``restarts`` times); its output, asserting success."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.5", str(script), *args]
     proc = subprocess.run(cmd, env={**os.environ, **_ENV}, capture_output=True, text=True, timeout=400, cwd=REPO)
     log = proc.stdout + proc.stderr
@@ -53,16 +53,17 @@ def torchrun_nodes(script: Path, node_args: list[list[str]], *, nproc: int = 1, 
     return finish_nodes(procs, timeout)
 
 
-def start_node(script: Path, i: int, nodes: int, port: int, extra: list[str], *, nproc: int = 1,
-               restarts: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_node(script: Path, i: int, nodes: int | str, port: int, extra: list[str], *, nproc: int = 1,
+               restarts: int = 0, env: dict[str, str] | None = None, rdzv_conf: str = "") -> subprocess.Popen:
     """Node ``i``'s torchrun agent (node 0 hosts the rendezvous at ``port``); started again
     with the same arguments, it replaces a lost node in the same job. For that, pass
     ``REPLACEABLE`` in ``env``: torch's shared rendezvous TCP store never publishes a new
     round's store address to a replacement agent (its host reuses the first round's), so
-    the replacement waits forever; without sharing, each round's rank 0 hosts a fresh one."""
+    the replacement waits forever; without sharing, each round's rank 0 hosts a fresh one.
+    ``nodes`` may be elastic ("1:2"); ``rdzv_conf`` adds rendezvous settings (",last_call_timeout=2")."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           f"--rdzv-id=sim-{port}", f"--rdzv-conf=is_host={int(i == 0)}", "--monitor-interval=0.5",
+           f"--rdzv-id=sim-{port}", f"--rdzv-conf=is_host={int(i == 0)}{rdzv_conf}", "--monitor-interval=0.5",
            str(script), *extra]
     env = {**os.environ, **_ENV, "CKPT_GUARD_NODE": f"node{i}", **(env or {})}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)

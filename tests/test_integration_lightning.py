@@ -43,11 +43,11 @@ def test_data_loader_position_is_the_batches_delivered() -> None:
     seen = [next(it)[0].tolist() for _ in range(3)]
     state = first.state_dict()
     del it
-    assert state == {"epoch": 1, "consumed": 12}
+    assert state == {"epoch": 1, "consumed": 12, "start": 0, "world_size": 1}
     resumed = loader()
     resumed.load_state_dict(state)
     assert seen + batches(resumed) == epochs[1]
-    assert resumed.state_dict() == {"epoch": 1, "consumed": 40}
+    assert resumed.state_dict() == {"epoch": 1, "consumed": 40, "start": 0, "world_size": 1}
     assert batches(resumed) == epochs[2]
 
 

@@ -96,6 +96,10 @@ class ShardReader(ABC):
         """The same bytes as ``view``, as a CPU uint8 tensor: the source of a device copy."""
         return None
 
+    def expect(self, ranges: list[tuple[int, int]]) -> None:
+        """The (offset, nbytes) ranges that will be read, when not every tensor whole
+        (restore at another world size): a reader that fetches ahead fetches only these."""
+
     def close(self) -> None:
         """Release handles; memory readers re-check their seal here."""
 

@@ -25,13 +25,20 @@ class RangedReader(ShardReader):
         self._fetch, self._block, self._depth, self._pool = fetch, block, depth, pool
         self._size = manifest.data_bytes
         self._count = -(-self._size // block)
-        self._need = [0] * self._count  # bytes of each block that tensors occupy
-        for t in manifest.tensors:
-            for i in range(t.offset // block, -(-(t.offset + t.nbytes) // block)):
-                self._need[i] += min(t.offset + t.nbytes, (i + 1) * block) - max(t.offset, i * block)
         self._served = [0] * self._count
         self._blocks: dict[int, Future] = {}
         self._lock = threading.Lock()
+        self.expect([(t.offset, t.nbytes) for t in manifest.tensors])
+
+    def expect(self, ranges: list[tuple[int, int]]) -> None:
+        """Count, per block, the bytes that will be read (every tensor, unless told otherwise):
+        blocks are fetched ahead only where needed and dropped once all of it is handed out."""
+        need = [0] * self._count
+        for offset, n in ranges:
+            for i in range(offset // self._block, -(-(offset + n) // self._block)):
+                need[i] += min(offset + n, (i + 1) * self._block) - max(offset, i * self._block)
+        with self._lock:
+            self._need = need
 
     def _get(self, i: int) -> Future:
         """Block ``i``'s future, started if needed (call with the lock held)."""
