@@ -1,14 +1,22 @@
 """Each role installs what it imports: a node agent or a predictor host needs no torch.
 
-What this checks statically (fast, every run): every third-party module that agents/,
-predictor/ or telemetry/ import is declared in the core dependencies or in that role's
-extra, and none of them is torch or the checkpoint engine. The installs themselves
-(`pip install -e '.[agent]'` into a fresh venv, then `agents -h`, `agents simulate`, `agents run
---source sim`; the same for `[predictor]` with `predictor -h`, `predictor eval`) take minutes
-of downloads, so they are described in docs/agents.md rather than run here.
+Statically (fast): every third-party module that agents/, predictor/ or telemetry/
+import is declared in the core dependencies or in that role's extra, and none of them is
+torch or the checkpoint engine; what ckpt/ imports is declared in ``[train]`` (its
+Lightning and Hugging Face integrations in ``[lightning]`` and ``[hf]``).
+
+For real (marked ``install``, part of ``make test``; about a minute a role, most of it
+pip unpacking numpy, pyarrow and scikit-learn, from pip's cache after the first run): a
+wheel built once from this tree, installed with one extra into a fresh venv of its own;
+there ``import torch`` fails, the role's CLI answers ``-h`` and every module of its
+packages imports. Needs a package index (PyPI) or pip's cache. ``-m "not install"``
+leaves it out.
 """
 import ast
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,16 +24,24 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")     # Python >= 3.11 (pyproject is read, not installed)
 ROOT = Path(__file__).resolve().parents[1]
-#: import name -> distribution name, for the third-party modules the roles use
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+#: import name -> distribution name, for the third-party modules the roles and the engine use
 DISTRIBUTIONS = {"numpy": "numpy", "click": "click", "tqdm": "tqdm", "pyarrow": "pyarrow",
                  "prometheus_client": "prometheus-client", "apscheduler": "apscheduler", "pynvml": "nvidia-ml-py",
-                 "sklearn": "scikit-learn", "skops": "skops", "threadpoolctl": "threadpoolctl", "aiohttp": "aiohttp"}
+                 "sklearn": "scikit-learn", "skops": "skops", "threadpoolctl": "threadpoolctl", "aiohttp": "aiohttp",
+                 "torch": "torch", "fsspec": "fsspec", "crc32c": "crc32c", "safetensors": "safetensors",
+                 "lightning": "lightning", "transformers": "transformers"}
 FIRST_PARTY = {"agents", "predictor", "telemetry"}
+#: role -> (its packages, its CLI)
+ROLES = {"agent": (("agents", "telemetry"), "agents"), "predictor": (("predictor", "telemetry"), "predictor")}
+#: the extra a module of the checkpoint engine needs, where it is not [train]
+ENGINE_EXTRAS = {"integrations/lightning.py": "lightning", "integrations/huggingface.py": "hf"}
 
 
-def _imports(package: str) -> set[str]:
+def _imports(*paths: Path) -> set[str]:
+    """The third-party top-level modules the files import."""
     names = set()
-    for path in (ROOT / package).rglob("*.py"):
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names |= {a.name.split(".")[0] for a in node.names}
@@ -35,19 +51,84 @@ def _imports(package: str) -> set[str]:
 
 
 def _declared(extra: str) -> set[str]:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = project["dependencies"] + project["optional-dependencies"][extra]
-    return {re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower() for r in reqs}
+    """What ``pip install ckpt-guard[extra]`` installs by name, ``ckpt-guard[other]`` expanded."""
+    names = set()
+    for req in PROJECT["project"]["dependencies"] + PROJECT["project"]["optional-dependencies"][extra]:
+        name = re.split(r"[<>=\[ ;]", req, maxsplit=1)[0].lower()
+        if name == PROJECT["project"]["name"]:
+            for other in re.search(r"\[(.*)\]", req).group(1).split(","):
+                names |= _declared(other.strip())
+        else:
+            names.add(name)
+    return names
 
 
-@pytest.mark.parametrize("extra,packages", [("agent", ("agents", "telemetry")),
-                                            ("predictor", ("predictor", "telemetry"))])
-def test_a_role_imports_only_what_its_extra_installs(extra, packages):
-    imported = set().union(*map(_imports, packages))
-    assert not imported & {"torch", "ckpt"}, imported
+def _assert_declared(imported: set[str], extra: str) -> None:
     unknown = imported - DISTRIBUTIONS.keys()
     assert not unknown, f"add {unknown} to DISTRIBUTIONS and to the [{extra}] extra"
-    declared = _declared(extra)
-    assert "torch" not in declared
-    missing = {DISTRIBUTIONS[m] for m in imported} - declared
+    missing = {DISTRIBUTIONS[m] for m in imported} - _declared(extra)
     assert not missing, f"[{extra}] does not install {missing}"
+
+
+@pytest.mark.parametrize("extra", ROLES)
+def test_a_role_imports_only_what_its_extra_installs(extra: str) -> None:
+    imported = _imports(*(path for package in ROLES[extra][0] for path in (ROOT / package).rglob("*.py")))
+    assert not imported & {"torch", "ckpt"}, imported
+    assert "torch" not in _declared(extra)
+    _assert_declared(imported, extra)
+
+
+def test_the_checkpoint_engine_declares_what_it_imports() -> None:
+    """[train] installs what ckpt/ imports (safetensors for ``ckpt export`` once was not)."""
+    for path in sorted((ROOT / "ckpt").rglob("*.py")):
+        extra = ENGINE_EXTRAS.get(path.relative_to(ROOT / "ckpt").as_posix(), "train")
+        _assert_declared(_imports(path) - {"ckpt"}, extra)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This tree's wheel, built once, from a copy (a build writes build/ and *.egg-info)."""
+    src, out = tmp_path_factory.mktemp("src") / "ckpt-guard", tmp_path_factory.mktemp("wheel")
+    src.mkdir()
+    for name in ("pyproject.toml", PROJECT["project"]["readme"]):
+        shutil.copy(ROOT / name, src / name)
+    for pattern in PROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*")
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src))
+    return next(out.glob("*.whl"))
+
+
+@pytest.mark.install
+@pytest.mark.parametrize("extra", ROLES)
+def test_a_role_installs_into_a_venv_of_its_own_without_torch(extra: str, wheel: Path, tmp_path: Path) -> None:
+    packages, cli = ROLES[extra]
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", "--without-pip", str(venv))
+    # this pip installs into the new venv (--python): no pip of its own to bootstrap there
+    _run(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
+         f"{wheel}[{extra}]")  # no .pyc for all of scipy: half the CPU time
+    python = str(venv / "bin" / "python")
+    no_torch = _run(python, "-c", "import torch", cwd=tmp_path, check=False)
+    assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr, no_torch.stderr
+    assert "Usage:" in _run(str(venv / "bin" / cli), "-h", cwd=tmp_path).stdout
+    _run(python, "-c", IMPORT_ALL, *packages, cwd=tmp_path)
+
+
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+for name in sys.argv[1:]:
+    package = importlib.import_module(name)
+    assert package.__file__.startswith(sys.prefix), f"{name} from {package.__file__}, not the venv"
+    for module in pkgutil.walk_packages(package.__path__, name + "."):
+        importlib.import_module(module.name)
+assert "torch" not in sys.modules
+"""
+
+
+def _run(*cmd: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess:
+    """``cmd`` with this test's PYTHONPATH dropped (it would put the tree under test first)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=480)
+    assert not check or proc.returncode == 0, f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return proc

@@ -9,13 +9,15 @@ Saving: every ``every`` optimizer steps, at urgent requests and on SIGTERM (agre
 across ranks; after SIGTERM the save is waited for and ``ckpt.Preempted`` is raised,
 which Lightning unwinds through its teardown: the process ends 143; during training
 the callback owns the SIGTERM handler), the
-callback takes Lightning's own full checkpoint (``dump_checkpoint``: weights,
-optimizers, schedulers, loop progress, callback states, and the position of a
-stateful data loader such as ``ResumableDataLoader``) and hands it to the manager.
-Its own callback state adds the torch, CUDA, numpy and Python RNG states.
+callback builds Lightning's full checkpoint, in the layout Lightning documents for
+its own checkpoint files, from public APIs only (see ``_resumable_state``: weights,
+optimizers, schedulers, precision plugin, loop progress with the position of a
+stateful data loader such as ``ResumableDataLoader``, callback and datamodule states)
+on every rank, and hands it to the manager, which stores every rank's shard. Its own
+callback state adds the torch, CUDA, numpy and Python RNG states.
 
-Restoring goes through Lightning's own path: ``fit(ckpt_path=guard.resume_path())``
-asks the ``io`` plugin, which loads the newest valid checkpoint from the manager;
+Restoring goes through Lightning's own, public path: ``fit(ckpt_path=guard.resume_path())``
+asks the ``io`` plugin (a ``CheckpointIO``), which loads the newest valid checkpoint from the manager;
 Lightning then puts every piece back and continues mid-epoch. The RNG states are put
 back just before the first resumed batch, after Lightning's set-up, which may draw
 random numbers (building the module, the data loader) that an uninterrupted run drew
@@ -42,9 +44,6 @@ from .rng import RNGState
 from .urgency import SaveRequests
 
 RESUME = "ckpt-guard:newest"
-_HPARAM_KEYS = tuple(getattr(cls, attr) for cls in (pl.LightningModule, pl.LightningDataModule)
-                     for attr in ("CHECKPOINT_HYPER_PARAMS_NAME", "CHECKPOINT_HYPER_PARAMS_KEY",
-                                  "CHECKPOINT_HYPER_PARAMS_TYPE"))
 
 
 class ManagerCheckpointIO(TorchCheckpointIO):
@@ -135,7 +134,48 @@ class LightningCheckpoint(pl.Callback):
 
 
 def _resumable_state(trainer: pl.Trainer) -> dict[str, Any]:
-    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    for key in _HPARAM_KEYS:
-        checkpoint.pop(key, None)
+    """What Lightning's own ``dump_checkpoint`` holds, from public APIs only, so that
+    Lightning's public restore path (``fit(ckpt_path=...)``) puts every piece back. The
+    keys are those of Lightning's documented checkpoint contents; each comes from:
+
+    - ``state_dict``: ``trainer.strategy.lightning_module_state_dict()``
+    - ``optimizer_states``: ``trainer.strategy.optimizer_state(opt)`` for each of
+      ``trainer.optimizers`` (the strategy's view: sharded strategies consolidate)
+    - ``lr_schedulers``: ``config.scheduler.state_dict()`` for each of ``trainer.lr_scheduler_configs``
+    - ``loops``: ``trainer.{fit,validate,test,predict}_loop.state_dict()`` (``_Loop.state_dict``;
+      the fit loop's holds the data loaders' ``state_dict()``, hence the sampler position)
+    - ``callbacks``: ``callback.state_dict()`` keyed by ``callback.state_key``, for every
+      one of ``trainer.callbacks`` with a state, as Lightning keeps them
+    - the precision plugin's ``state_dict()`` under its class name, then its
+      ``on_save_checkpoint(checkpoint)`` hook
+    - the datamodule's ``state_dict()`` under its class name
+    - ``epoch``, ``global_step``: ``trainer.current_epoch``, ``trainer.global_step``;
+      ``pytorch-lightning_version``: ``lightning.pytorch.__version__`` (which checkpoint
+      migrations Lightning applies when it loads)
+    - the hooks ``Callback.on_save_checkpoint(trainer, module, checkpoint)`` and
+      ``LightningModule.on_save_checkpoint(checkpoint)``, last, as Lightning calls them.
+
+    Hyper-parameters are left out (see the module docstring).
+    """
+    strategy, module, datamodule = trainer.strategy, trainer.lightning_module, trainer.datamodule
+    checkpoint: dict[str, Any] = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": pl.__version__,
+        "state_dict": strategy.lightning_module_state_dict(),
+        "loops": {name: getattr(trainer, name).state_dict()
+                  for name in ("fit_loop", "validate_loop", "test_loop", "predict_loop")},
+        "callbacks": {cb.state_key: state for cb in trainer.callbacks if (state := cb.state_dict())},
+        "optimizer_states": [strategy.optimizer_state(opt) for opt in trainer.optimizers],
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+    }
+    precision = trainer.precision_plugin
+    if precision_state := precision.state_dict():
+        checkpoint[type(precision).__qualname__] = precision_state
+    precision.on_save_checkpoint(checkpoint)
+    if datamodule is not None and (datamodule_state := datamodule.state_dict()):
+        checkpoint[type(datamodule).__qualname__] = datamodule_state
+    for cb in trainer.callbacks:
+        cb.on_save_checkpoint(trainer, module, checkpoint)
+    module.on_save_checkpoint(checkpoint)
     return checkpoint
