@@ -64,8 +64,12 @@ def renumber(manifests: Mapping[int, ShardManifest], state: Mapping[str, Any]) -
         except (KeyError, TypeError, ValueError) as e:
             raise StateMismatch(f"{key}: the checkpoint's optimizer state is not laid out as torch's ({e})") from None
         pattern = re.compile(rf"^{re.escape(key)}\.state\.(\d+)\.")
+
+        def renumber(m: re.Match, key: str = key, perm: dict = perm) -> str:
+            return f"{key}.state.{perm.get(int(m[1]), m[1])}."
+
         for man in manifests.values():
-            man.tensors = [dataclasses.replace(e, path=pattern.sub(lambda m: f"{key}.state.{perm.get(int(m[1]), m[1])}.", e.path))
+            man.tensors = [dataclasses.replace(e, path=pattern.sub(renumber, e.path))
                            if pattern.match(e.path) else e for e in man.tensors]
 
 

@@ -114,7 +114,7 @@ def _align_module_keys(tree: Any, state: Mapping[str, Any]) -> None:
 
 
 def _require_layouts(manifests: Mapping[int, ShardManifest], ckpt_id: CheckpointId) -> None:
-    for r, man in manifests.items():
+    for man in manifests.values():
         if tree_holds(man.tree, "__dtensor__") and not any(e.layout is not None for e in man.tensors):
             raise NotReshardable(
                 f"step {ckpt_id.step} was saved by {len(manifests)} ranks in manifest format {man.format_version}, "

@@ -65,7 +65,8 @@ def as_format_1_1(src: Path, dst: Path) -> None:
             raw = old.to_bytes()
             (folder / ref.manifest_file).write_bytes(raw)
             refs.append(dataclasses.replace(ref, manifest_crc32c=crc32c_of(raw)))
-        (folder / "manifest.json").write_bytes(dataclasses.replace(commit, shards=refs, format_version="1.1").to_bytes())
+        old_commit = dataclasses.replace(commit, shards=refs, format_version="1.1")
+        (folder / "manifest.json").write_bytes(old_commit.to_bytes())
 
 
 def test_restore_at_other_world_sizes(tmp_path: Path, shm_dir: str) -> None:
@@ -105,8 +106,9 @@ def test_restore_at_other_world_sizes(tmp_path: Path, shm_dir: str) -> None:
     old = tmp_path / "old"
     as_format_1_1(at2, old)
     with CheckpointManager(old, memory_dir=f"{shm_dir}/f", run="reshard") as mgr:
-        with pytest.raises(NotReshardable, match=r"saved by 2 ranks in manifest format 1\.1, which does not record "
-                                                  r"where each rank's shard of a DTensor lies; restore it with 2 ranks"):
+        with pytest.raises(NotReshardable, match=r"saved by 2 ranks in manifest format 1\.1, which does not "
+                                                  r"record where each rank's shard of a DTensor lies; restore it "
+                                                  r"with 2 ranks"):
             mgr.restore(plain_state(7))
 
 
