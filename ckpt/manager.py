@@ -185,8 +185,10 @@ class CheckpointManager:
         Under torch.distributed every rank calls it for the same step.
 
         ``urgent`` (a failure is predicted) puts this checkpoint ahead of anything queued
-        and sends it straight from memory to the object store; ``handle.wait("object")``
-        returns once it is durable off-node, and ``handle.durable_s`` says how long that took.
+        and sends it straight from memory to the object store and, with ``peers``, to the
+        peer replicas ahead of any other (evacuation); ``handle.wait("object")`` or
+        ``handle.wait("peer")`` returns once it is durable off-node, and
+        ``handle.durable_s`` says how long each tier took.
         """
         t0 = time.monotonic()
         self._raise_background_errors()
@@ -209,6 +211,8 @@ class CheckpointManager:
         # every rank must agree: a step is committed only once all shards are up
         upload = self._offload is not None and self._offload.decide(self.coord, ckpt_id, urgent)
         tiers = ([self.disk.name] if self.disk else []) + ([self.object.name] if upload else [])
+        if urgent and self.peering is not None and self.peering.holders:
+            tiers.append("peer")  # evacuation: the urgent handle waits for the replica too
         handle = SaveHandle(ckpt_id.step, tiers, nbytes=nbytes, observer=self.metrics)
         handle.blocking_s = time.monotonic() - t0
         if self.metrics is not None:
@@ -230,7 +234,7 @@ class CheckpointManager:
             sealed = reader.manifest = with_checksums(reader, self.threads)
             self.memory.seal(slot, sealed)  # memory restores can now verify too
             if self.peering is not None:
-                self.peering.replicate(slot, sealed, handle)
+                self.peering.replicate(slot, sealed, handle, urgent=urgent)
             if upload and (urgent or self.disk is None):  # the slot waits for both drains
                 lease.hold()
                 self._offload.submit(ckpt_id, lambda: self.memory.open_slot(slot, sealed), handle, urgent=urgent,

@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 
 from ckpt.tiers.peer import PeerTier, replica_namespace
-from tests.integration_helpers import REPLACEABLE, REPO, finish_nodes, kill_node, start_node
+from tests.integration_helpers import REPLACEABLE, REPO, finish_nodes, kill_node, start_node, torchrun_nodes
 from tests.procs import free_port, wait_for
 
 SCRIPT = REPO / "tests" / "peer_child.py"
@@ -103,3 +103,18 @@ def test_with_every_copy_of_a_shard_lost_the_job_stops_naming_it(tmp_path: Path,
     for log in outs:
         assert "no copy of the shard(s) of rank(s) 1 is left" in log, log[-4000:]
     assert not (tmp_path / "lost" / "rank-0.json").exists(), "a rank started over"
+
+
+def test_an_urgent_save_is_evacuated_to_the_peer_ahead_of_a_periodic_one(tmp_path: Path, shm: list[str]) -> None:
+    """An alarm's urgent save (step 6) comes while the periodic replica of step 5 is still
+    being sent under a 1 MB/s cap (3.6 MB a rank): that send is cut off, step 6 goes
+    first and uncapped, and its handle reports the peer tier beside the disk."""
+    args = [[*node_args(tmp_path, "evac", shm, i, 0.02)[:3], "10", "5", "0.02", "6", str(1 << 20), "4096"]
+            for i in range(2)]
+    logs = torchrun_nodes(SCRIPT, args, nproc=1, timeout=240)
+    for i, log in enumerate(logs):
+        durable = re.search(rf"rank {i}: urgent step 6 durable (\{{.*\}})", log)
+        assert durable and {"disk", "peer"} <= set(json.loads(durable.group(1))), log[-3000:]
+        assert "replica of step 5 cut off for the urgent step 6" in log, log[-3000:]
+        held = PeerTier(replica_namespace(os.path.realpath(args[i][0]), "default", shm[i]))
+        assert [info.id.step for info in held.list()] == [6, 10], "step 5 was sealed: the urgent save waited"

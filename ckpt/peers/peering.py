@@ -67,16 +67,19 @@ class Peering:
 
     # -- saving ---------------------------------------------------------------------
 
-    def replicate(self, slot: ShmSlot, sealed: ShardManifest, handle: SaveHandle) -> None:
-        """After the drain re-sealed ``slot`` with checksums: send it in the background."""
+    def replicate(self, slot: ShmSlot, sealed: ShardManifest, handle: SaveHandle, *, urgent: bool = False) -> None:
+        """After the drain re-sealed ``slot`` with checksums: send it in the background
+        (``urgent``: ahead of anything else, see ``Replicator``). ``handle`` learns when
+        every holder sealed it (``durable_s["peer"]``)."""
         if not self.holders:
             return
         seal = os.stat(slot.meta_path).st_ino  # the drain holds the slot: this is the seal just written
 
         def done(ok: bool) -> None:
             if not ok:
+                handle.give_up("peer")
                 return
-            handle.durable_s["peer"] = time.monotonic() - handle.started
+            handle.mark("peer")
             if self._unprotected is not None:
                 step, since = self._unprotected
                 log.info("rank %d has a peer replica again (step %d): unprotected for %.1f s since restoring "
@@ -84,7 +87,8 @@ class Peering:
                 self._unprotected = None
 
         self.replicator.submit(ReplicaJob(handle.step, lambda: SlotReader(slot.meta_path, slot.data_path, sealed,
-                                                                          slot.buffer, seal=seal), done))
+                                                                          slot.buffer, seal=seal), done,
+                                          urgent=urgent))
 
     # -- restoring ------------------------------------------------------------------
 
