@@ -7,7 +7,8 @@ initialisation and data: state that differs per rank, not a DDP replica), saving
 Each rank writes ``OUT_DIR/rank-<r>.json`` (its final weights digest) at the end.
 ``URGENT_AT``: every rank also saves that step urgently (an alarm: evacuation) and
 logs where it became durable; ``PEER_BYTES_PER_S`` caps replication (0: no cap);
-``HIDDEN`` sizes the model."""
+``HIDDEN`` sizes the model. ``PEER_CHILD_OBJECT_STORE`` (environment): an object-store
+tier at that URL."""
 import hashlib
 import json
 import logging
@@ -35,7 +36,7 @@ model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.
 optim = torch.optim.Adam(model.parameters(), lr=1e-3)
 state = {"model": model, "optim": optim, "note": f"rank {rank}"}
 mgr = CheckpointManager(root, memory_dir=memory_dir, keep_last=2, peers=1, state=state, chunk_bytes=64 << 10,
-                        peer_bytes_per_s=cap or None)
+                        peer_bytes_per_s=cap or None, object_store=os.environ.get("PEER_CHILD_OBJECT_STORE"))
 start = mgr.restore(state) or 0
 logging.info("rank %d starts at step %d", rank, start)
 for step in range(start, steps):
