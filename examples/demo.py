@@ -315,7 +315,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> dict:
         print(f"  {rel('urgent_durable')}  urgent checkpoint durable off-node"
               + (f" (step {e['urgent_step']})" if "urgent_step" in e else ""))
         print(f"  {rel('failure')}  GPU failure: node lost at step {e['last_step']}")
-        print(f"  {rel('restore_done')}  lost node's shard restored from {e['restore_from']}: step "
+        print(f"  {rel('restore_done')}  lost node's state restored from {e['restore_from']}: step "
               f"{e['restored_step']} ({e['restore_s']:.2f} s)")
         print(f"  {rel('first_resumed_step')}  first resumed step")
         print(f"  work lost: {lost} steps ({lost * args.step_time:.0f} s of training); "
