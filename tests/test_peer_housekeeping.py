@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.cli import cli
+from ckpt.peers.peering import _shm_gauge
 from ckpt.peers.placement import ring_targets
 from ckpt.peers.replicas import ReplicaSlots
 from ckpt.peers.server import PeerServer
@@ -53,7 +55,11 @@ def ckpt(*args: str | Path) -> str:
 
 
 def test_ls_on_the_holder_shows_a_peer_column_not_a_memory_copy(tmp_path: Path, shm_dir: str) -> None:
-    holder, _ = held_replica(tmp_path, shm_dir, object_store=False)
+    holder, rdir = held_replica(tmp_path, shm_dir, object_store=False)
+    registry = CollectorRegistry()
+    _shm_gauge(registry, 0, rdir.parent)
+    slots = sum(p.stat().st_size for p in rdir.glob("slot-*.bin"))
+    assert registry.get_sample_value("ckpt_peer_replica_shm_bytes", {"rank": "0"}) == slots > 0
     [row] = json.loads(ckpt("ls", holder, "--memory-dir", shm_dir, "--json"))
     assert (row["step"], row["tiers"], row["peer"], row["status"]) == (7, ["peer"], [0], "replica")
     assert row["peer_bytes"] > 0
