@@ -67,6 +67,11 @@ class SaveHandle:
     def done(self) -> bool:
         return all(ev.is_set() for ev in self._pending.values())
 
+    @property
+    def tiers(self) -> list[str]:
+        """The tiers this handle waits for."""
+        return list(self._pending)
+
     def wait(self, tier: str | None = None, timeout: float | None = None) -> "SaveHandle":
         """Block until durable in ``tier`` (default: every tier); raise if the drain failed."""
         events = [self._pending[tier]] if tier else list(self._pending.values())

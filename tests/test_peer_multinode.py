@@ -130,9 +130,9 @@ def test_with_every_copy_of_a_shard_lost_the_job_stops_naming_it(tmp_path: Path,
 
 def test_an_urgent_save_is_evacuated_to_the_peer_ahead_of_a_periodic_one(tmp_path: Path, shm: list[str]) -> None:
     """An alarm's urgent save (step 6) comes while the periodic replica of step 5 is still
-    being sent under a 1 MB/s cap (3.6 MB a rank): that send is cut off, step 6 goes
+    being sent under a 0.5 MB/s cap (3.6 MB a rank): that send is cut off, step 6 goes
     first and uncapped, and its handle reports the peer tier beside the disk."""
-    args = [[*node_args(tmp_path, "evac", shm, i, 0.02)[:3], "10", "5", "0.02", "6", str(1 << 20), "4096"]
+    args = [[*node_args(tmp_path, "evac", shm, i, 0.02)[:3], "10", "5", "0.02", "6", str(1 << 19), "4096"]
             for i in range(2)]
     logs = torchrun_nodes(SCRIPT, args, nproc=1, timeout=240)
     for i, log in enumerate(logs):

@@ -58,7 +58,9 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
         log.warning("urgent checkpoint at step %d", step)
         threading.Thread(target=_report_durable, args=(handle,), daemon=True).start()
     if preempted:
-        handle.wait()
+        for tier in handle.tiers:  # a peer's memory goes with the preempted job: no grace period spent on it
+            if tier != "peer":
+                handle.wait(tier)
         mgr.flush()
         log.warning("preempted: step %d is durable; exiting", step)
         if watchdog is not None:

@@ -101,6 +101,7 @@ class Peering:
         (``urgent``: ahead of anything else, see ``Replicator``). ``handle`` learns when
         every holder sealed it (``durable_s["peer"]``)."""
         if not self.holders:
+            handle.give_up("peer")
             return
         seal = os.stat(slot.meta_path).st_ino  # the drain holds the slot: this is the seal just written
 
