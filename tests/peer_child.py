@@ -7,8 +7,10 @@ initialisation and data: state that differs per rank, not a DDP replica), saving
 Each rank writes ``OUT_DIR/rank-<r>.json`` (its final weights digest) at the end.
 ``URGENT_AT``: every rank also saves that step urgently (an alarm: evacuation) and
 logs where it became durable; ``PEER_BYTES_PER_S`` caps replication (0: no cap);
-``HIDDEN`` sizes the model. ``PEER_CHILD_OBJECT_STORE`` (environment): an object-store
-tier at that URL."""
+``HIDDEN`` sizes the model. Environment: ``PEER_CHILD_OBJECT_STORE``, an object-store
+tier at that URL; ``PEER_CHILD_AT_RISK=NODE@STEP``, from that step on every rank places
+replicas as when the predictor reports NODE at risk (``loop.save_at_boundary`` agrees
+on that set)."""
 import hashlib
 import json
 import logging
@@ -39,7 +41,10 @@ mgr = CheckpointManager(root, memory_dir=memory_dir, keep_last=2, peers=1, state
                         peer_bytes_per_s=cap or None, object_store=os.environ.get("PEER_CHILD_OBJECT_STORE"))
 start = mgr.restore(state) or 0
 logging.info("rank %d starts at step %d", rank, start)
+risky, _, risky_from = os.environ.get("PEER_CHILD_AT_RISK", "@0").partition("@")
 for step in range(start, steps):
+    if risky and step == int(risky_from):
+        mgr.peering.avoid({risky})
     g = torch.Generator().manual_seed(rank * 100_003 + step)
     x, y = torch.randn(32, 64, generator=g), torch.randn(32, 8, generator=g)
     loss = torch.nn.functional.mse_loss(model(x), y)

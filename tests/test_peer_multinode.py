@@ -141,3 +141,25 @@ def test_an_urgent_save_is_evacuated_to_the_peer_ahead_of_a_periodic_one(tmp_pat
         assert "replica of step 5 cut off for the urgent step 6" in log, log[-3000:]
         held = PeerTier(replica_namespace(os.path.realpath(args[i][0]), "default", shm[i]))
         assert [info.id.step for info in held.list()] == [6, 10], "step 5 was sealed: the urgent save waited"
+
+
+def test_replicas_move_off_a_node_reported_at_risk(tmp_path: Path, shm: list[str]) -> None:
+    """Three nodes, a ring 0 -> 1 -> 2 -> 0; from step 12 node1 is at risk: node0's and
+    node1's replicas go to node2, none to node1 any more."""
+    extra = tempfile.mkdtemp(prefix="ckpt-peer-node2-", dir="/dev/shm")
+    try:
+        shm3 = [*shm, extra]
+        args = [[*node_args(tmp_path, "risk", shm3, i, 0.0)[:3], "20", "5", "0.0"] for i in range(3)]
+        env = {"PEER_CHILD_AT_RISK": "node1@12"}
+        port = free_port()
+        logs = finish_nodes([start_node(SCRIPT, i, 3, port, args[i], env=env) for i in range(3)], timeout=300)
+        assert "rank 0 replicates to rank 2 (node node2) (avoiding at-risk node(s) node1)" in logs[0], logs[0][-3000:]
+
+        def held(i: int) -> dict[int, list[int]]:
+            tier = PeerTier(replica_namespace(os.path.realpath(args[i][0]), "default", shm3[i]))
+            return {r: [info.id.step for info in tier.list() if r in info.ranks] for r in range(3)}
+
+        assert held(2)[0] == [15, 20] and held(2)[1] == [15, 20] and held(2)[2] == []
+        assert held(1)[0] == [5, 10], "node1 kept getting replicas while at risk"
+    finally:
+        shutil.rmtree(extra, ignore_errors=True)
