@@ -17,7 +17,7 @@ import click
 from tqdm import tqdm
 
 from .errors import CheckpointError, DamagedCheckpoint
-from .listing import merge_listing
+from .listing import merge_listing, shm_usage
 from .locations import durable_tier_for, is_url, tiers_for
 from .manifest import Manifest, ShardRef
 from .plan import RestorePlan, ShardNeed
@@ -65,13 +65,19 @@ def _size(n: int) -> str:
 def ls_cmd(root: str, run: str | None, memory_dir: str, as_json: bool) -> None:
     """List checkpoints: step, time, size, tiers holding them, status."""
     _must_exist(root)
-    rows = merge_listing(tiers_for(root, run=run, memory_dir=memory_dir))
-    lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  STATUS"]
+    tiers = tiers_for(root, run=run, memory_dir=memory_dir)
+    rows = merge_listing(tiers)
+    lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  {'PEER':10}  STATUS"]
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
         status = r["status"] + "".join(f"; {t}: {e}" for t, e in r["damaged"].items())
+        peer = "rank " + ",".join(map(str, r["peer"])) if r["peer"] else "-"
         lines.append(f"{r['step']:>10}  {r['generation']:>3}  {when}  {_size(r['bytes']):>10}  "
-                     f"{','.join(r['tiers']) or '-':16}  {status}")
+                     f"{','.join(r['tiers']) or '-':16}  {peer:10}  {status}")
+    shm = shm_usage(tiers)
+    if shm["peer"]:
+        lines.append(f"shared memory on this node: {_size(shm['memory'])} in this job's slots, {_size(shm['peer'])} "
+                     "in peer replica slots (PEER: whose shards it holds for other nodes)")
     _emit(as_json, rows, "\n".join(lines) if rows else f"no checkpoints in {root}")
 
 
@@ -285,8 +291,9 @@ def import_cmd(source: str, fmt: str, dest: str, step: int | None, force: bool, 
 def gc_cmd(root: str | None, keep: int | None, grace: float, orphans: bool, force: bool, memory_dir: str,
            as_json: bool) -> None:
     """Remove leftovers of interrupted saves, memory slots whose job is gone (once their
-    steps are on disk), and, with --keep, old checkpoints. With --orphans and no ROOT:
-    reclaim the shared memory of every job of this user that is gone."""
+    steps are on disk, or in the job's object store: peer replicas), and, with --keep,
+    old checkpoints. With --orphans and no ROOT: reclaim the shared memory of every job
+    of this user that is gone."""
     if orphans:
         if root is not None or keep is not None:
             raise click.UsageError("--orphans takes no ROOT and no --keep")
@@ -299,7 +306,10 @@ def gc_cmd(root: str | None, keep: int | None, grace: float, orphans: bool, forc
     removed = disk.cleanup(min_age_s=grace)
     on_disk = complete_shards(disk)
     if not is_url(root):
-        removed += sweep_orphans(namespaces_of_root(os.path.realpath(root), memory_dir), on_disk, force=force)
+        from .sweep import durable_elsewhere
+
+        spaces = namespaces_of_root(os.path.realpath(root), memory_dir)
+        removed += sweep_orphans(spaces, on_disk | durable_elsewhere(spaces), force=force)
     deleted = [i.step for i in disk.prune(keep)] if keep is not None else []
     out = {"leftovers_removed": removed, "checkpoints_deleted": deleted}
     _emit(as_json, out, f"removed {len(removed)} leftover(s); deleted {len(deleted)} old checkpoint(s)"

@@ -42,10 +42,19 @@ class SaveHandle:
         self._observer = observer
 
     def mark(self, tier: str) -> None:
+        """Durable in ``tier`` now (a tier the handle does not wait for, e.g. a periodic
+        save's peer replica, is recorded all the same)."""
         self.durable_s[tier] = time.monotonic() - self.started
-        self._pending[tier].set()
+        if tier in self._pending:
+            self._pending[tier].set()
         if self._observer is not None:
             self._observer.durable(self, tier)
+
+    def give_up(self, tier: str) -> None:
+        """``tier`` will not get this step (a best-effort tier such as a peer replica that
+        failed): waiting for it ends, and ``durable_s`` has no entry for it."""
+        if tier in self._pending:
+            self._pending[tier].set()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -57,6 +66,11 @@ class SaveHandle:
     @property
     def done(self) -> bool:
         return all(ev.is_set() for ev in self._pending.values())
+
+    @property
+    def tiers(self) -> list[str]:
+        """The tiers this handle waits for."""
+        return list(self._pending)
 
     def wait(self, tier: str | None = None, timeout: float | None = None) -> "SaveHandle":
         """Block until durable in ``tier`` (default: every tier); raise if the drain failed."""

@@ -11,6 +11,7 @@ import os
 from .tiers.base import DurableTier, TierReader
 from .tiers.local import LocalDiskTier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, memory_namespace, namespaces_of_root
+from .tiers.peer import PeerTier, is_replica_namespace, replica_namespace
 
 
 def is_url(location: str | os.PathLike) -> bool:
@@ -34,8 +35,9 @@ def durable_tier_for(location: str | os.PathLike, storage_options: dict | None =
 
 def tiers_for(location: str | os.PathLike, storage_options: dict | None = None, *, run: str | None = None,
               memory_dir: str = DEFAULT_SHM_DIR, rank: int = 0) -> list[TierReader]:
-    """Tiers of a checkpoint root, fastest first: this host's memory slots, then the disk;
-    or, for a URL, the object store there (``storage_options`` go to fsspec/s3fs).
+    """Tiers of a checkpoint root, fastest first: this host's memory slots, the peer
+    replicas this host holds for other nodes' ranks of the same job, then the disk; or,
+    for a URL, the object store there (``storage_options`` go to fsspec/s3fs).
 
     Without ``run``, the memory slots of every run that used this root are found from
     their owner records, so an operator needs only the path after a crash."""
@@ -44,7 +46,10 @@ def tiers_for(location: str | os.PathLike, storage_options: dict | None = None, 
         return [durable]
     if run is not None:
         spaces = [memory_namespace(location, run, memory_dir)]
+        spaces += [ns for ns in [replica_namespace(os.path.realpath(location), run, memory_dir)] if ns.is_dir()]
     else:
         spaces = (namespaces_of_root(os.path.realpath(location), memory_dir)
                   or [memory_namespace(location, None, memory_dir)])
-    return [*(MemoryTier(ns, rank) for ns in spaces), durable]
+    replicas = [ns for ns in spaces if is_replica_namespace(ns)]
+    own = [MemoryTier(ns, rank) for ns in spaces if ns not in replicas]
+    return [*own, *(PeerTier(ns) for ns in replicas), durable]

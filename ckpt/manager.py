@@ -18,8 +18,6 @@ import time
 import uuid
 from typing import Any, Iterable, Mapping
 
-import torch
-
 from .checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .commit import Committer
 from .distributed import Coordinator, store_connector
@@ -34,12 +32,13 @@ from .ownership import claim, refusal
 from .plan import RestorePlan, ShardNeed
 from .reshard import ReshardStats, create_optimizer_state, load_resharded
 from .restore import load_plan, open_shard, restore_agreed
+from .shm_budget import check_room, lazy_optimizer_bytes, refusal_of
 from .state import flatten, load_into
 from .tensor_io import with_checksums
-from .tiers.base import CheckpointId, DurableTier, TierReader, complete_shards
+from .tiers.base import CheckpointId, DurableTier, ShardReader, TierReader, complete_shards
 from .tiers.local import LocalDiskTier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir, namespaces_of_root, sweep_orphans
-from .tiers.memory.copier import ALIGN, plan_layout
+from .tiers.memory.copier import plan_layout
 from .tiers.memory.slots import ShmSlot
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,9 @@ class CheckpointManager:
     ``peers`` (0: off) keeps each rank's newest sealed snapshot also in the shared memory
     of that many ranks on other nodes (``ckpt/peers``), so a lost node restores at memory
     speed; ``node`` names this rank's node (default: CKPT_GUARD_NODE, then the host name),
-    ``peer_bytes_per_s`` caps each rank's sending rate, ``peer_timeout_s`` abandons a send.
+    ``peer_bytes_per_s`` caps each rank's sending rate, ``peer_timeout_s`` abandons a send;
+    ``peer_avoid_at_risk`` places no replica on a node the predictor reports at risk
+    while others are left (``ckpt.resumable(predictor=...)`` and the callbacks tell it).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -79,7 +80,7 @@ class CheckpointManager:
                  storage_options: dict | None = None, object_interval_s: float = 0.0,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", peers: int = 0,
                  node: str | None = None, peer_bytes_per_s: float | None = None,
-                 peer_timeout_s: float = 300.0) -> None:
+                 peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         keep_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
@@ -136,11 +137,16 @@ class CheckpointManager:
 
             self.peering = Peering(self.coord, peers=peers, node=node, owner_root=self._owner_root, run=self.run,
                                    memory_dir=memory_dir, bytes_per_s=peer_bytes_per_s, timeout_s=peer_timeout_s,
-                                   registry=self.metrics.registry if self.metrics is not None else None)
+                                   registry=self.metrics.registry if self.metrics is not None else None,
+                                   object_store=self.object.location if self.object is not None else None,
+                                   avoid_at_risk=peer_avoid_at_risk)
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
-        if state is not None:
-            self.prepare(state)
+        if state is not None:  # every rank refuses together when one node's /dev/shm is too small
+            refused = [e for e in self.coord.gather(refusal_of(self.prepare, state)) if e]
+            if refused:
+                self._release()
+                raise CheckpointError(refused[0])
 
     def _claim(self, durable: list[DurableTier]) -> None:
         """Refuse (on every rank alike) a root that belongs to another run, before anything
@@ -178,11 +184,14 @@ class CheckpointManager:
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Size, allocate and pre-fault the memory slots in the background, so the first
         save is as fast as later ones. Optimizers create their state at their first
-        step; for parameters without state yet, room for two moments (Adam's) is kept."""
+        step; for parameters without state yet, room for two moments (Adam's) is kept.
+        Raises CheckpointError when the memory directory cannot hold this node's slots."""
         own = self._own_part(state)
         tensors = flatten(own).tensors
         _, nbytes = plan_layout(tensors)
-        self.memory.prepare_async(nbytes + _lazy_optimizer_bytes(own.values()), pin=any(t.is_cuda for _, t in tensors))
+        nbytes += lazy_optimizer_bytes(own.values())
+        check_room(self._ns, self.memory.pool, nbytes, self.peering)
+        self.memory.prepare_async(nbytes, pin=any(t.is_cuda for _, t in tensors))
         self._prepared = True
 
     def save(self, step: int, state: Mapping[str, Any], *, urgent: bool = False) -> SaveHandle:
@@ -190,32 +199,21 @@ class CheckpointManager:
         Under torch.distributed every rank calls it for the same step.
 
         ``urgent`` (a failure is predicted) puts this checkpoint ahead of anything queued
-        and sends it straight from memory to the object store; ``handle.wait("object")``
-        returns once it is durable off-node, and ``handle.durable_s`` says how long that took.
+        and sends it straight from memory to the object store and, with ``peers``, to the
+        peer replicas ahead of any other (evacuation); ``handle.wait("object")`` or
+        ``handle.wait("peer")`` returns once it is durable off-node, and
+        ``handle.durable_s`` says how long each tier took.
         """
         t0 = time.monotonic()
         self._raise_background_errors()
-        if self._prepared:
-            self.memory.wait_prepared()
-        flat = flatten(self._own_part(state))
-        entries, nbytes = plan_layout(flat.tensors)
-        entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
         ckpt_id = CheckpointId(self._current_generation(), int(step))
-        manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
-                                 self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
-                                 param_names=param_names(state))
-        slot, waited = self.memory.reserve(ckpt_id.step)
-        self.stall_s += waited
-        if self.metrics is not None and waited:
-            self.metrics.stall.inc(waited)
-        try:
-            self.memory.snapshot(slot, [t for _, t in flat.tensors], manifest)
-        except BaseException:
-            slot.idle.set()
-            raise
+        slot, manifest = self._snapshot(ckpt_id, state)
+        nbytes = manifest.data_bytes
         # every rank must agree: a step is committed only once all shards are up
         upload = self._offload is not None and self._offload.decide(self.coord, ckpt_id, urgent)
         tiers = ([self.disk.name] if self.disk else []) + ([self.object.name] if upload else [])
+        if urgent and self.peering is not None and self.peering.holders:
+            tiers.append("peer")  # evacuation: the urgent handle waits for the replica too
         handle = SaveHandle(ckpt_id.step, tiers, nbytes=nbytes, observer=self.metrics)
         handle.blocking_s = time.monotonic() - t0
         if self.metrics is not None:
@@ -228,16 +226,49 @@ class CheckpointManager:
                              urgent=urgent, on_exit=lease.release)
         return handle
 
+    def _snapshot(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
+        """Copy this rank's part of ``state`` into a reserved memory slot, sealed (no
+        checksums yet); the slot stays busy until its drain releases it."""
+        if self._prepared:
+            self.memory.wait_prepared()
+        flat = flatten(self._own_part(state))
+        entries, nbytes = plan_layout(flat.tensors)
+        entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
+        manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
+                                 self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
+                                 param_names=param_names(state))
+        slot, waited = self.memory.reserve(ckpt_id.step)
+        self.stall_s += waited
+        if self.metrics is not None and waited:
+            self.metrics.stall.inc(waited)
+        try:
+            self.memory.snapshot(slot, [t for _, t in flat.tensors], manifest)
+        except BaseException:
+            slot.idle.set()
+            raise
+        return slot, manifest
+
+    def _checksum(self, slot: ShmSlot, manifest: ShardManifest, handle: SaveHandle, urgent: bool) -> ShardReader:
+        """Background: checksum the slot and re-seal it (memory restores can now verify
+        too), then hand it to the peer replicator. Returns the open reader (the caller closes it)."""
+        reader = self.memory.open_slot(slot, manifest)
+        try:
+            reader.manifest = with_checksums(reader, self.threads)
+            self.memory.seal(slot, reader.manifest)
+            if self.peering is not None:
+                self.peering.replicate(slot, reader.manifest, handle, urgent=urgent)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
     def _drain(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle,
                upload: bool, urgent: bool, lease: Lease) -> None:
         """Background: checksum and re-seal the slot, then disk (committed), then the object
         store (from disk; straight from memory when urgent or without a disk)."""
-        reader = self.memory.open_slot(slot, manifest)
+        reader = self._checksum(slot, manifest, handle, urgent)
         try:
-            sealed = reader.manifest = with_checksums(reader, self.threads)
-            self.memory.seal(slot, sealed)  # memory restores can now verify too
-            if self.peering is not None:
-                self.peering.replicate(slot, sealed, handle)
+            sealed = reader.manifest
             if upload and (urgent or self.disk is None):  # the slot waits for both drains
                 lease.hold()
                 self._offload.submit(ckpt_id, lambda: self.memory.open_slot(slot, sealed), handle, urgent=urgent,
@@ -318,8 +349,9 @@ class CheckpointManager:
         plan, values = found
         load_into(state, values)
         self._log_restored(plan, time.monotonic() - t0)
-        if self.peering is not None:
-            self.peering.restored(plan)
+        # a resharded step is not this rank's saved shard: it is protected by the next save
+        if self.peering is not None and self.peering.restored(plan) and plan.world_size == self.world_size:
+            self._reprotect(plan.ckpt_id, state)
         newest = self._newest_known() or plan.ckpt_id
         generation = self.coord.max(newest.generation)
         # Resuming anything but the newest abandons a branch: later saves start a new lineage.
@@ -334,6 +366,15 @@ class CheckpointManager:
             return load_plan(plan, state, threads=self.threads)
         values, self.last_reshard = load_resharded(plan, state, self.rank, threads=self.threads)
         return values
+
+    def _reprotect(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> None:
+        """This rank's shard of the restored step came from another node: one copy is left.
+        Snapshot the restored state into memory now (before training changes it) and
+        replicate it at once, not at the next save; the peering logs the window."""
+        slot, manifest = self._snapshot(ckpt_id, state)
+        handle = SaveHandle(ckpt_id.step, [], nbytes=manifest.data_bytes)
+        self._drainer.submit(lambda: self._checksum(slot, manifest, handle, urgent=True).close(), handle, urgent=True,
+                             on_exit=slot.idle.set)
 
     def _needs(self, saved_world: int) -> list[ShardNeed]:
         """This rank's own shard and the replicated keys from their holder's; at another world size, all."""
@@ -387,14 +428,17 @@ class CheckpointManager:
         try:
             self.flush()
         finally:
-            self._drainer.close()
-            try:
-                if self._offload is not None:
-                    self._offload.close()
-            finally:
-                if self.peering is not None:
-                    self.peering.close()
-                self.memory.close()
+            self._release()
+
+    def _release(self) -> None:
+        self._drainer.close()
+        try:
+            if self._offload is not None:
+                self._offload.close()
+        finally:
+            if self.peering is not None:
+                self.peering.close()
+            self.memory.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -407,13 +451,3 @@ def _object_tier(url: str, storage_options: dict | None) -> DurableTier:
     from .tiers.object_store import ObjectStoreTier  # fsspec/s3fs only for jobs that use a store
 
     return ObjectStoreTier(url, storage_options)
-
-
-def _lazy_optimizer_bytes(values: Iterable[Any]) -> int:
-    """Bytes an optimizer will add at its first step: two moments per stateless parameter."""
-    total = 0
-    for v in values:
-        if isinstance(v, torch.optim.Optimizer):
-            for group in v.param_groups:
-                total += sum(2 * (p.numel() * p.element_size() + ALIGN) for p in group["params"] if p not in v.state)
-    return total

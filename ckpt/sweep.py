@@ -6,6 +6,10 @@ are durable; ``ckpt gc --orphans`` sweeps every namespace of this user whose own
 process is gone, without knowing the roots: those whose root no longer exists, and
 those whose steps are all durable in it; the rest (steps held nowhere else) only
 with ``force``. A live job's slots (its lock is held) are never touched.
+
+Peer replicas hold *other* nodes' shards, never on this root's disk: they go once
+their (saved rank, step) is in the job's object store (which their owner record
+names: ``durable_elsewhere``), or when the root is gone.
 """
 from __future__ import annotations
 
@@ -31,6 +35,20 @@ class Orphan:
     root: str | None  # the root (path or URL) its owner recorded
     bytes: int
     reason: str  # why it can go, or why it stays
+
+
+def durable_elsewhere(spaces: list[Path]) -> set[tuple[int, int, int]]:
+    """(saved rank, generation, step) of every shard durable in the object stores the owner
+    records of ``spaces`` name (an unreachable store: nothing)."""
+    stores = {o["object"] for ns in spaces for d in rank_dirs(ns)
+              if (o := read_owner(d)) is not None and isinstance(o.get("object"), str)}
+    found: set[tuple[int, int, int]] = set()
+    for url in sorted(stores):
+        try:
+            found |= complete_shards(durable_tier_for(url))
+        except Exception:  # unreachable or unreadable: nothing is known to be safe
+            continue
+    return found
 
 
 def _in_use(rdir: Path) -> bool:
@@ -65,8 +83,8 @@ def sweep_orphaned_jobs(shm_dir: str = DEFAULT_SHM_DIR, *, force: bool = False) 
             durable: set[tuple[int, int, int]] | None = None
         else:
             try:
-                durable = complete_shards(durable_tier_for(root))
-                orphan.reason = f"its steps are durable in {root}"
+                durable = complete_shards(durable_tier_for(root)) | durable_elsewhere([orphan.namespace])
+                orphan.reason = f"its steps are durable in {root} or the job's object store"
             except Exception as e:  # an unreachable store: nothing is known to be safe
                 durable, orphan.reason = set(), f"cannot list {root}: {e}"
         sweep_orphans([orphan.namespace], durable or set(), force=force or durable is None)

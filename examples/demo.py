@@ -1,15 +1,21 @@
 """The end-to-end demo (``make demo``): a predicted GPU failure, an urgent checkpoint
-off-node, the node lost, and training resumed in seconds; next to the same job with
-periodic checkpoints only.
+evacuated off the node, the node lost, and training resumed in seconds; next to the same
+job with periodic checkpoints only.
 
 Everything runs on this machine on embedded defaults: a predictor service, a node
-agent simulating this host's 8 GPUs (a PCIe link failure with precursors is scheduled on
+agent simulating a node's 8 GPUs (a PCIe link failure with precursors is scheduled on
 gpu2), a 2-rank torchrun (gloo, CPU) training job with the ckpt callback, and an
 object-store tier (a ``file://`` directory; ``--object-store s3://...`` with
-``AWS_ENDPOINT_URL`` for a real one). At the failure time the job is SIGKILLed and the
-host counts as lost: its shared memory and local disk are wiped. ``ckpt restore``
-fetches the newest checkpoint from the object store onto a "new node" and training
-resumes from it.
+``AWS_ENDPOINT_URL`` for a real one).
+
+With the predictor the job runs as two simulated nodes (one torchrun agent and one rank
+each, their own ``CKPT_GUARD_NODE``, shared memory and disk) with ``peers=1``: the alarm
+for node1 makes every rank save urgently, and node1's snapshot is replicated into
+node0's memory ahead of anything else. At the failure node1's processes are SIGKILLed
+and its shared memory and disk wiped; a replacement node (node2) joins the job and its
+rank reads node1's shard from node0's replica. Periodic-only is today's job: one node
+of 2 ranks, lost whole, ``ckpt restore`` fetching the newest checkpoint from the object
+store onto a "new node". The summary puts the two restores side by side.
 """
 from __future__ import annotations
 
@@ -103,53 +109,78 @@ def steps_done(timeline: Path) -> list[dict]:
 
 
 def torchrun(run: Run, args: argparse.Namespace, root: Path, memory_dir: Path, *extra: str, env=None,
-             tag: str = "train") -> subprocess.Popen:
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=0",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+             tag: str = "train", node: tuple[int, str, int] | None = None) -> subprocess.Popen:
+    """The training job: one torchrun of 2 ranks (one node); or, with ``node`` (index, name,
+    rendezvous port), that simulated node's agent, one rank of a 2-node job with peer
+    replicas (node 0 hosts the rendezvous; an agent started again with index 1 and a new
+    name is a replacement node joining the same job)."""
+    launch = ["--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+    env = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    if node is not None:
+        i, name, port = node
+        launch = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=demo-{port}", f"--rdzv-conf=is_host={int(i == 0)}",
+                  "--monitor-interval=0.5"]
+        extra = (*extra, "--peers", "1")
+        env.update(CKPT_GUARD_NODE=name, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # a node can be replaced
+    cmd = [PY, "-m", "torch.distributed.run", *launch,
            str(REPO / "examples" / "train_torchrun.py"), "--root", str(root),
            "--object-store", args.object_store_for(run),
            "--memory-dir", str(memory_dir), "--steps", str(args.steps), "--every", str(args.every),
            "--step-time", str(args.step_time), "--timeline", str(run.dir / "timeline.jsonl"), *extra]
-    return run.start(tag, cmd, {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-                                **(env or {})})
+    return run.start(tag, cmd, env)
+
+
+def predictor_and_agent(run: Run, args: argparse.Namespace, node: str) -> tuple[list[str], dict]:
+    """A predictor service and a node agent simulating ``node``'s 8 GPUs, a PCIe link
+    failure of gpu2 scheduled; returns the training job's extra arguments and environment."""
+    agent_tok, job_tok = secrets.token_hex(16), secrets.token_hex(16)
+    tokens = run.dir / "tokens"
+    tokens.write_text(f"agent {agent_tok}\njob {job_tok}\n")
+    tokens.chmod(0o600)
+    (run.dir / "agent.token").write_text(agent_tok)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # the agent's model clock runs --time-scale times faster than the wall clock: its
+    # samples are hours ahead by the end, which serve refuses beyond --max-ahead
+    run.start("predictor", [PY, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(tokens),
+                            "--max-ahead", str(7 * 86400)], {"PYTHONPATH": str(REPO)})
+    say(f"{run.name}: predictor serving on {url}")
+    run.start("agent", [PY, "-m", "agents.cli", "run", "--source", "sim", "--predictor", url,
+                        "--token-file", str(run.dir / "agent.token"), "--node-name", node,
+                        "--interval", str(args.interval), "--time-scale", str(args.time_scale), "--model-clock",
+                        "--fail", f"{node}/gpu2/pcie@+{args.fail_after}s", "--metrics-port", "0",
+                        "--spool-dir", str(run.dir / "spool")], {"PYTHONPATH": str(REPO)})
+    say(f"{run.name}: node agent simulating {node}'s 8 GPUs; a PCIe link failure of gpu2 is due in "
+        f"{args.fail_after:.0f} s (precursors {args.time_scale:g}x faster than real)")
+    return ["--predictor", url, "--elevated-every", str(max(1, args.every // 4))], {"CKPT_GUARD_JOB_TOKEN": job_tok}
 
 
 def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
+    """With the predictor: two simulated nodes (node0, node1; one rank each, peer replicas),
+    node1 at risk and lost, a replacement node2 restoring node1's shard from node0's
+    memory. Periodic-only: today's job without either, one node of 2 ranks, lost whole,
+    restored from the object store onto a new node."""
     run = Run(name, Path(args.workdir) / name)
     run.dir.mkdir(parents=True, exist_ok=True)
-    memory_dir = Path(tempfile.mkdtemp(prefix=f"ckpt-demo-{name}-", dir="/dev/shm"))
-    node = socket.gethostname()
+    nodes = ["node0", "node1", "node2"] if with_predictor else ["node-a"]
+    memory = {n: Path(tempfile.mkdtemp(prefix=f"ckpt-demo-{name}-{n}-", dir="/dev/shm")) for n in nodes}
+    lost = nodes[1] if with_predictor else nodes[0]
     t0 = time.time()
-    env = {}
     try:
-        extra: list[str] = []
-        if with_predictor:
-            agent_tok, job_tok = secrets.token_hex(16), secrets.token_hex(16)
-            tokens = run.dir / "tokens"
-            tokens.write_text(f"agent {agent_tok}\njob {job_tok}\n")
-            tokens.chmod(0o600)
-            (run.dir / "agent.token").write_text(agent_tok)
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            # the agent's model clock runs --time-scale times faster than the wall clock: its
-            # samples are hours ahead by the end, which serve refuses beyond --max-ahead
-            run.start("predictor", [PY, "-m", "predictor.cli", "serve", "--port", str(port), "--tokens", str(tokens),
-                                    "--max-ahead", str(7 * 86400)], {"PYTHONPATH": str(REPO)})
-            say(f"{name}: predictor serving on {url}")
-            run.start("agent", [PY, "-m", "agents.cli", "run", "--source", "sim", "--predictor", url,
-                                "--token-file", str(run.dir / "agent.token"), "--node-name", node,
-                                "--interval", str(args.interval), "--time-scale", str(args.time_scale), "--model-clock",
-                                "--fail", f"{node}/gpu2/pcie@+{args.fail_after}s", "--metrics-port", "0",
-                                "--spool-dir", str(run.dir / "spool")], {"PYTHONPATH": str(REPO)})
-            say(f"{name}: node agent simulating {node}'s 8 GPUs; a PCIe link failure of gpu2 is due in "
-                f"{args.fail_after:.0f} s "
-                f"(precursors {args.time_scale:g}x faster than real)")
-            extra = ["--predictor", url, "--elevated-every", str(max(1, args.every // 4))]
-            env = {"CKPT_GUARD_JOB_TOKEN": job_tok}
         run.events["start"] = t0
-        torchrun(run, args, run.dir / "node-a", memory_dir, *extra, env=env)
-        say(f"{name}: training started (2 ranks, a step every {args.step_time:g} s, periodic checkpoint every "
-            f"{args.every} steps, off-node tier {args.object_store_for(run)})")
+        if with_predictor:
+            extra, env = predictor_and_agent(run, args, lost)
+            port = free_port()
+            agents = {n: torchrun(run, args, run.dir / n, memory[n], *extra, env=env, node=(i, n, port),
+                                  tag="train" if i == 0 else f"train-{n}") for i, n in enumerate(nodes[:2])}
+            say(f"{name}: training started (2 simulated nodes of one rank each, peers=1, a step every "
+                f"{args.step_time:g} s, periodic checkpoint every {args.every} steps, off-node tier "
+                f"{args.object_store_for(run)})")
+        else:
+            agents = {lost: torchrun(run, args, run.dir / lost, memory[lost])}
+            say(f"{name}: training started (2 ranks, a step every {args.step_time:g} s, periodic checkpoint every "
+                f"{args.every} steps, off-node tier {args.object_store_for(run)})")
         t_fail = t0 + args.fail_after
         last = -1
         while time.time() < t_fail:
@@ -160,46 +191,91 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
             if done and done[-1]["step"] // 25 != last // 25:
                 last = done[-1]["step"]
                 say(f"{name}: step {last}")
-        # The GPU fails: the job dies with it, and this host (memory, local disk) is gone.
-        train = run.procs[-1]
-        kill_tree(train.pid)
-        train.wait()
+        # The GPU fails: the node's processes die with it, its memory and local disk are gone.
+        kill_tree(agents[lost].pid)
+        agents[lost].wait()
         run.events["failure"] = time.time()
         done = steps_done(run.dir / "timeline.jsonl")
         run.events["last_step"] = done[-1]["step"] if done else 0
-        shutil.rmtree(memory_dir, ignore_errors=True)
-        shutil.rmtree(run.dir / "node-a", ignore_errors=True)
-        say(f"{name}: GPU FAILURE at step {run.events['last_step']}: job killed, node lost (memory and disk wiped)")
-
-        # A new node: fetch the newest checkpoint from the object store, resume.
+        shutil.rmtree(memory[lost], ignore_errors=True)
+        shutil.rmtree(run.dir / lost, ignore_errors=True)
+        say(f"{name}: GPU FAILURE on {lost} at step {run.events['last_step']}: its processes killed, node lost "
+            "(memory and disk wiped)")
         run.events["restart"] = time.time()
-        restored = subprocess.run([PY, "-m", "ckpt.cli", "restore", args.object_store_for(run), "--to",
-                                   str(run.dir / "node-b"), "--json"], capture_output=True, text=True, cwd=REPO,
-                                  env={**os.environ, "PYTHONPATH": str(REPO)})
-        if restored.returncode != 0:
-            raise SystemExit(f"ckpt restore failed: {restored.stderr[-2000:]}")
-        info = json.loads(restored.stdout)
-        run.events["restored_step"] = info["step"]
-        run.events["restore_done"] = time.time()
-        say(f"{name}: ckpt restore → step {info['step']} from the object store onto a new node "
-            f"({run.events['restore_done'] - run.events['restart']:.1f} s)")
         n_before = len(steps_done(run.dir / "timeline.jsonl"))
-        resume = torchrun(run, args, run.dir / "node-b", memory_dir, "--steps", str(info["step"] + args.resume_steps),
-                          tag="resume")
-        while len(steps_done(run.dir / "timeline.jsonl")) == n_before and resume.poll() is None:
+        if with_predictor:  # a replacement node joins the job; its rank reads node1's shard from node0
+            torchrun(run, args, run.dir / nodes[2], memory[nodes[2]], *extra, env=env, node=(1, nodes[2], port),
+                     tag="replacement")
+            peer_restore(run)
+        else:
+            object_store_restore(run, args, memory[lost])
+        first = resumed(run, n_before)
+        run.events["first_resumed_step"] = first["t"]
+        say(f"{name}: training resumed at step {first['step']} "
+            f"({first['t'] - run.events['failure']:.1f} s after the failure)")
+        job = run.procs[-1]  # the replacement node's agent, or the resumed job
+        while len(steps_done(run.dir / "timeline.jsonl")) < n_before + args.resume_steps and job.poll() is None:
             time.sleep(0.2)
-        after = steps_done(run.dir / "timeline.jsonl")[n_before:]
-        if not after:
-            raise SystemExit(f"resumed training did not run; see {run.dir / 'resume.log'}")
-        run.events["first_resumed_step"] = after[0]["t"]
-        say(f"{name}: training resumed at step {after[0]['step']} "
-            f"({after[0]['t'] - run.events['failure']:.1f} s after the failure)")
-        resume.wait()
         collect_alarm(run)
         return run
     finally:
         run.stop_all()
-        shutil.rmtree(memory_dir, ignore_errors=True)
+        for d in memory.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def resumed(run: Run, n_before: int) -> dict:
+    """The first step trained from the restored checkpoint (a surviving rank may log one
+    more step of the old incarnation before it notices the loss)."""
+    deadline, first = time.time() + 300, run.events["restored_step"] + 1
+    while True:
+        ended = run.procs[-1].poll() is not None
+        after = [d for d in steps_done(run.dir / "timeline.jsonl")[n_before:] if d["step"] == first]
+        if after:
+            return after[0]
+        if ended or time.time() > deadline:
+            raise SystemExit(f"resumed training did not run; see the logs in {run.dir}")
+        time.sleep(0.2)
+
+
+def peer_restore(run: Run) -> None:
+    """Wait until the replacement node's rank has restored; its log says from where."""
+    deadline = time.time() + 300
+    while not collect_peer_restore(run):
+        if time.time() > deadline or run.procs[-1].poll() is not None:
+            raise SystemExit(f"the replacement node did not restore from a peer; see {run.dir / 'replacement.log'}")
+        time.sleep(0.2)
+    say(f"{run.name}: the replacement node restored node1's shard of step {run.events['restored_step']} from "
+        f"{run.events['restore_from']} (its restore() took {run.events['restore_s']:.2f} s)")
+
+
+def collect_peer_restore(run: Run) -> bool:
+    """The replacement node's restore from a peer's replica, from its log: the fetch, then
+    the whole ``restore()`` (agreeing on the step, fetching, loading)."""
+    log = run.log("replacement")
+    stamp = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) rank\d+ "
+    fetch = re.search(r"rank (\d+) restored its shard of step (\d+) from rank \d+'s replica \(node (\S+)\)", log)
+    done = fetch and re.search(stamp + rf"rank {fetch.group(1)} restored step {fetch.group(2)} .* in ([\d.]+) s", log)
+    if done:
+        run.events.update(restore_done=_t(done.group(1)), restored_step=int(fetch.group(2)),
+                          restore_from=f"a peer replica in {fetch.group(3)}'s memory", restore_s=float(done.group(2)))
+    return bool(done)
+
+
+def object_store_restore(run: Run, args: argparse.Namespace, memory_dir: Path) -> None:
+    """A new node: ``ckpt restore`` fetches the newest checkpoint from the object store, then the job resumes."""
+    restored = subprocess.run([PY, "-m", "ckpt.cli", "restore", args.object_store_for(run), "--to",
+                               str(run.dir / "node-b"), "--json"], capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    if restored.returncode != 0:
+        raise SystemExit(f"ckpt restore failed: {restored.stderr[-2000:]}")
+    info = json.loads(restored.stdout)
+    run.events.update(restored_step=info["step"], restore_done=time.time(), restore_from="the object store")
+    run.events["restore_s"] = run.events["restore_done"] - run.events["restart"]
+    say(f"{run.name}: ckpt restore → step {info['step']} from the object store onto a new node "
+        f"({run.events['restore_s']:.1f} s)")
+    torchrun(run, args, run.dir / "node-b", memory_dir, "--steps", str(info["step"] + args.resume_steps),
+             tag="resume")
 
 
 def collect_alarm(run: Run) -> list[tuple[str, str]]:
@@ -212,11 +288,13 @@ def collect_alarm(run: Run) -> list[tuple[str, str]]:
         run.events["alarm"] = _t(m.group(1))
         new.append(("alarm", f"PREDICTOR ALARM: GPU failure predicted on node {m.group(2)}"))
     if "urgent_durable" not in run.events and (
-            m := re.search(stamp + r"urgent checkpoint of step (\d+) durable in every tier ([\d.]+) s", log)):
+            m := re.search(stamp + r"urgent checkpoint of step (\d+) durable in every tier ([\d.]+) s after save\(\) "
+                                   r"\(([^)]*)\)", log)):
         run.events["urgent_durable"] = _t(m.group(1))
         run.events["urgent_step"] = int(m.group(2))
+        off_node = [t for t in m.group(4).split(", ") if not t.startswith("disk")]
         new.append(("urgent_durable", f"urgent checkpoint of step {m.group(2)} durable off-node "
-                                      f"{float(m.group(3)):.2f} s after save()"))
+                                      f"({', '.join(off_node)} after save())"))
     return new
 
 
@@ -233,15 +311,21 @@ def report(runs: list[Run], args: argparse.Namespace) -> dict:
             return f"{e[k] - e['start']:7.1f} s" if k in e else "      —  "
         lost = e["last_step"] - e["restored_step"]
         print(f"== {run.name}")
-        print(f"  {rel('alarm')}  predictor alarm: GPU failure predicted on this node")
+        print(f"  {rel('alarm')}  predictor alarm: GPU failure predicted on the node")
         print(f"  {rel('urgent_durable')}  urgent checkpoint durable off-node"
               + (f" (step {e['urgent_step']})" if "urgent_step" in e else ""))
-        print(f"  {rel('failure')}  GPU failure: job killed, node lost at step {e['last_step']}")
-        print(f"  {rel('restore_done')}  ckpt restore from the object store: step {e['restored_step']}")
+        print(f"  {rel('failure')}  GPU failure: node lost at step {e['last_step']}")
+        print(f"  {rel('restore_done')}  lost node's state restored from {e['restore_from']}: step "
+              f"{e['restored_step']} ({e['restore_s']:.2f} s)")
         print(f"  {rel('first_resumed_step')}  first resumed step")
         print(f"  work lost: {lost} steps ({lost * args.step_time:.0f} s of training); "
               f"failure to first resumed step: {e['first_resumed_step'] - e['failure']:.1f} s\n")
         out[run.name] = {**e, "lost_steps": lost}
+    if len(runs) == 2:
+        peer, store = (r.events for r in runs)
+        print(f"restoring the lost node's shard: {peer['restore_s']:.2f} s from a peer's memory (inside the "
+              f"replacement's restore()) vs {store['restore_s']:.2f} s from the object store (`ckpt restore`, a "
+              "process of its own, start-up included)")
     return out
 
 

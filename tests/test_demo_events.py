@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from examples.demo import Run, collect_alarm
+from examples.demo import Run, collect_alarm, collect_peer_restore
 
 
 def test_alarm_and_urgent_save_are_reported_once_as_they_appear(tmp_path: Path) -> None:
@@ -17,8 +17,23 @@ def test_alarm_and_urgent_save_are_reported_once_as_they_appear(tmp_path: Path) 
     assert [e for e, _ in collect_alarm(run)] == ["alarm"]
     with log.open("a") as f:
         f.write("2026-11-23 10:01:10,900 rank0 urgent checkpoint of step 123 durable in every tier 0.18 s after "
-                "save() (disk 0.05 s, object 0.18 s)\n")
+                "save() (peer 0.04 s, disk 0.05 s, object 0.18 s)\n")
     (event, text), = collect_alarm(run)
     assert event == "urgent_durable" and "step 123" in text and run.events["urgent_step"] == 123
+    assert "peer 0.04 s, object 0.18 s" in text  # off-node: the evacuated replica and the object store
     assert collect_alarm(run) == []
     assert abs(run.events["urgent_durable"] - run.events["alarm"] - 0.2) < 1e-6
+
+
+def test_the_replacement_nodes_restore_from_a_peer_is_read_from_its_log(tmp_path: Path) -> None:
+    run = Run("with-predictor", tmp_path)
+    log = tmp_path / "replacement.log"
+    log.write_text("2026-11-23 10:03:00,100 rank1 rank 1 (node node2) replicates to rank 0 (node node0)\n")
+    assert not collect_peer_restore(run)
+    with log.open("a") as f:
+        f.write("2026-11-23 10:03:00,400 rank1 rank 1 restored step 270 (shard 1 from remote-peer) in 0.31 s\n"
+                "2026-11-23 10:03:00,400 rank1 rank 1 restored its shard of step 270 from rank 0's replica (node "
+                "node0) in 0.03 s; unprotected (one copy, on node node0) until re-replicated\n")
+    assert collect_peer_restore(run)
+    e = run.events
+    assert (e["restored_step"], e["restore_s"], e["restore_from"]) == (270, 0.31, "a peer replica in node0's memory")

@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 
 from ckpt.tiers.peer import PeerTier, replica_namespace
-from tests.integration_helpers import REPLACEABLE, REPO, finish_nodes, kill_node, start_node
+from tests.integration_helpers import REPLACEABLE, REPO, finish_nodes, kill_node, start_node, torchrun_nodes
 from tests.procs import free_port, wait_for
 
 SCRIPT = REPO / "tests" / "peer_child.py"
@@ -44,15 +44,16 @@ def digests(base: Path, name: str, world: int) -> list[str]:
     return [json.loads((base / name / f"rank-{r}.json").read_text())["digest"] for r in range(world)]
 
 
-def lose_node1(base: Path, shm: list[str], *, restarts: int, replacement_restarts: int, nproc: int = 1
-               ) -> tuple[subprocess.Popen, Callable[[], subprocess.Popen], PeerTier]:
+def lose_node1(base: Path, shm: list[str], *, restarts: int, replacement_restarts: int, nproc: int = 1,
+               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Callable[[], subprocess.Popen], PeerTier]:
     """Run the job, wait until node 0 holds a replica of node 1's ranks' step >= 15, lose node 1
     (every process by pid, then its memory and disk). Returns node 0's agent, a function
     that starts node 1's replacement, and node 0's replicas."""
     port = free_port()
     args = [node_args(base, "lost", shm, i, 0.15) for i in range(2)]
-    node0 = start_node(SCRIPT, 0, 2, port, args[0], nproc=nproc, restarts=restarts, env=REPLACEABLE)
-    node1 = start_node(SCRIPT, 1, 2, port, args[1], nproc=nproc, restarts=restarts, env=REPLACEABLE)
+    env = {**REPLACEABLE, **(env or {})}
+    node0 = start_node(SCRIPT, 0, 2, port, args[0], nproc=nproc, restarts=restarts, env=env)
+    node1 = start_node(SCRIPT, 1, 2, port, args[1], nproc=nproc, restarts=restarts, env=env)
     held = PeerTier(replica_namespace(os.path.realpath(args[0][0]), "default", shm[0]))
     lost = set(range(nproc, 2 * nproc))
     assert wait_for(lambda: any(lost <= i.ranks and i.id.step >= 15 for i in held.list()), timeout=120), \
@@ -62,14 +63,13 @@ def lose_node1(base: Path, shm: list[str], *, restarts: int, replacement_restart
     os.mkdir(shm[1], 0o700)
     shutil.rmtree(args[1][0])
     return node0, lambda: start_node(SCRIPT, 1, 2, port, args[1], nproc=nproc, restarts=replacement_restarts,
-                                     env=REPLACEABLE), held
+                                     env=env), held
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
-def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Path, shm: list[str],
-                                                                   nproc: int) -> None:
+def run_clean(base: Path, shm: list[str], nproc: int) -> None:
+    """The uninterrupted run the interrupted ones must match; its memory is wiped after."""
     port = free_port()
-    clean = [start_node(SCRIPT, i, 2, port, node_args(tmp_path, "clean", shm, i, 0.0), nproc=nproc, env=REPLACEABLE)
+    clean = [start_node(SCRIPT, i, 2, port, node_args(base, "clean", shm, i, 0.0), nproc=nproc, env=REPLACEABLE)
              for i in range(2)]
     for i, log in enumerate(finish_nodes(clean, timeout=240)):
         for r in range(i * nproc, (i + 1) * nproc):
@@ -77,6 +77,12 @@ def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Pat
     for d in shm:
         shutil.rmtree(d)
         os.mkdir(d, 0o700)
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
+def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Path, shm: list[str],
+                                                                   nproc: int) -> None:
+    run_clean(tmp_path, shm, nproc)
 
     node0, replace, _ = lose_node1(tmp_path, shm, restarts=2, replacement_restarts=2, nproc=nproc)
     logs = finish_nodes([node0, replace()], timeout=300)
@@ -88,10 +94,27 @@ def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Pat
         assert found and int(found.group(1)) >= 15, logs[1][-4000:]
         assert re.search(rf"rank {local} restored step {found.group(1)} .*shard {local} from memory", logs[0]), \
             logs[0][-4000:]
-        assert re.search(rf"rank {r} has a peer replica again \(step \d+\): unprotected for", logs[1]), \
+        # re-replicated at once: the restored step itself, not the next save
+        assert re.search(rf"rank {r} has a peer replica again \(step {found.group(1)}\): unprotected for", logs[1]), \
             logs[1][-4000:]
     assert digests(tmp_path, "lost", 2 * nproc) == digests(tmp_path, "clean", 2 * nproc), \
         "the job diverged after losing node 1"
+
+
+def test_with_both_holders_of_a_shard_lost_it_comes_from_the_object_store_bitwise(tmp_path: Path,
+                                                                                  shm: list[str]) -> None:
+    """Node 1 lost and node 0's replicas of it gone too, with an object store: rank 1's
+    shard comes from the store (older than the replica was), is re-replicated at once,
+    and the job still ends bitwise equal."""
+    run_clean(tmp_path, shm, 1)
+    store = {"PEER_CHILD_OBJECT_STORE": f"file://{tmp_path}/objstore"}
+    node0, replace, held = lose_node1(tmp_path, shm, restarts=2, replacement_restarts=2, env=store)
+    shutil.rmtree(held.ns)
+    logs = finish_nodes([node0, replace()], timeout=300)
+    found = re.search(r"rank 1 restored its shard of step (\d+) from the object store", logs[1])
+    assert found, logs[1][-4000:]
+    assert re.search(rf"rank 1 has a peer replica again \(step {found.group(1)}\)", logs[1]), logs[1][-4000:]
+    assert digests(tmp_path, "lost", 2) == digests(tmp_path, "clean", 2), "the job diverged after losing node 1"
 
 
 def test_with_every_copy_of_a_shard_lost_the_job_stops_naming_it(tmp_path: Path, shm: list[str]) -> None:
@@ -103,3 +126,40 @@ def test_with_every_copy_of_a_shard_lost_the_job_stops_naming_it(tmp_path: Path,
     for log in outs:
         assert "no copy of the shard(s) of rank(s) 1 is left" in log, log[-4000:]
     assert not (tmp_path / "lost" / "rank-0.json").exists(), "a rank started over"
+
+
+def test_an_urgent_save_is_evacuated_to_the_peer_ahead_of_a_periodic_one(tmp_path: Path, shm: list[str]) -> None:
+    """An alarm's urgent save (step 6) comes while the periodic replica of step 5 is still
+    being sent under a 0.5 MB/s cap (3.6 MB a rank): that send is cut off, step 6 goes
+    first and uncapped, and its handle reports the peer tier beside the disk."""
+    args = [[*node_args(tmp_path, "evac", shm, i, 0.02)[:3], "10", "5", "0.02", "6", str(1 << 19), "4096"]
+            for i in range(2)]
+    logs = torchrun_nodes(SCRIPT, args, nproc=1, timeout=240)
+    for i, log in enumerate(logs):
+        durable = re.search(rf"rank {i}: urgent step 6 durable (\{{.*\}})", log)
+        assert durable and {"disk", "peer"} <= set(json.loads(durable.group(1))), log[-3000:]
+        assert "replica of step 5 cut off for the urgent step 6" in log, log[-3000:]
+        held = PeerTier(replica_namespace(os.path.realpath(args[i][0]), "default", shm[i]))
+        assert [info.id.step for info in held.list()] == [6, 10], "step 5 was sealed: the urgent save waited"
+
+
+def test_replicas_move_off_a_node_reported_at_risk(tmp_path: Path, shm: list[str]) -> None:
+    """Three nodes, a ring 0 -> 1 -> 2 -> 0; from step 12 node1 is at risk: node0's and
+    node1's replicas go to node2, none to node1 any more."""
+    extra = tempfile.mkdtemp(prefix="ckpt-peer-node2-", dir="/dev/shm")
+    try:
+        shm3 = [*shm, extra]
+        args = [[*node_args(tmp_path, "risk", shm3, i, 0.0)[:3], "20", "5", "0.0"] for i in range(3)]
+        env = {"PEER_CHILD_AT_RISK": "node1@12"}
+        port = free_port()
+        logs = finish_nodes([start_node(SCRIPT, i, 3, port, args[i], env=env) for i in range(3)], timeout=300)
+        assert "rank 0 replicates to rank 2 (node node2) (avoiding at-risk node(s) node1)" in logs[0], logs[0][-3000:]
+
+        def held(i: int) -> dict[int, list[int]]:
+            tier = PeerTier(replica_namespace(os.path.realpath(args[i][0]), "default", shm3[i]))
+            return {r: [info.id.step for info in tier.list() if r in info.ranks] for r in range(3)}
+
+        assert held(2)[0] == [15, 20] and held(2)[1] == [15, 20] and held(2)[2] == []
+        assert held(1)[0] == [5, 10], "node1 kept getting replicas while at risk"
+    finally:
+        shutil.rmtree(extra, ignore_errors=True)

@@ -12,13 +12,13 @@ is that decision, shared by every integration (plain loop, Lightning, Hugging Fa
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from typing import Any, Callable, Iterator, Mapping
 
 from ..drain import SaveHandle
 from ..errors import Preempted
 from ..manager import CheckpointManager
+from ..peers.placement import node_name
 from ..policy import IntervalPolicy
 from ..watchdog import HangDetection, Watchdog, on_node_failed, start_watchdog
 from .risk import RiskListener, read_token
@@ -35,13 +35,19 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
     reports the job's nodes at risk; an ``IntervalPolicy`` decides by the clock) or any
     rank asked for an urgent save; after a preemption, wait until durable and raise
     ``Preempted`` (a SystemExit with status 143) for the framework to unwind.
-    Every flag is agreed across ranks in one all-reduce. ``state`` is called only when saving.
+    Every flag is agreed across ranks in one all-reduce (with ``peer_avoid_at_risk``, also
+    which nodes are at risk, so peer placement avoids them). ``state`` is called only when saving.
     ``watchdog`` (the hang detector) learns here that this rank reached a boundary."""
     if watchdog is not None:
         watchdog.boundary()
     at_risk = listener is not None and listener.elevated
     due = isinstance(every, IntervalPolicy) and every.should_save(elevated=at_risk)
-    urgent, preempted, elevated, due = mgr.agree(requests.take(), requests.preempted, at_risk, due)
+    ring = mgr.peering.ring if mgr.peering is not None and mgr.peering.avoid_at_risk else []
+    risky = listener.at_risk_nodes if listener is not None else set()
+    urgent, preempted, elevated, due, *avoid = mgr.agree(requests.take(), requests.preempted, at_risk, due,
+                                                         *(n in risky for n in ring))
+    if ring:  # the same all-reduce tells every rank which nodes the predictor reports at risk
+        mgr.peering.avoid({n for n, flag in zip(ring, avoid) if flag})
     interval = elevated_every if elevated and elevated_every else every
     if not (urgent or due or (isinstance(interval, int) and step % interval == 0)):
         return False
@@ -52,7 +58,9 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
         log.warning("urgent checkpoint at step %d", step)
         threading.Thread(target=_report_durable, args=(handle,), daemon=True).start()
     if preempted:
-        handle.wait()
+        for tier in handle.tiers:  # a peer's memory goes with the preempted job: no grace period spent on it
+            if tier != "peer":
+                handle.wait(tier)
         mgr.flush()
         log.warning("preempted: step %d is durable; exiting", step)
         if watchdog is not None:
@@ -109,8 +117,9 @@ def _report_durable(handle: SaveHandle) -> None:
 
 
 def _listen(mgr: CheckpointManager, url: str, token: str | None, requests: SaveRequests) -> RiskListener | None:
-    """Rank 0 registers every rank's host with the predictor and listens for the job."""
-    hosts = mgr.coord.gather(socket.gethostname())
+    """Rank 0 registers every rank's node (as peer placement names it: CKPT_GUARD_NODE,
+    else the host name) with the predictor and listens for the job."""
+    hosts = mgr.coord.gather(mgr.peering.node if mgr.peering is not None else node_name())
     if mgr.rank != 0:
         return None
     return RiskListener(url, hosts, requests, token=token or read_token(), name=mgr.run).start()

@@ -55,12 +55,19 @@ class RiskListener:
         self.events: list[dict] = []  # "checkpoint" events received, for timelines
         self.on_node_failed: Callable[[dict], None] | None = None  # the job's reaction (loop.resumable sets it)
         self._last_risk = float("-inf")
+        self._risky: dict[str, float] = {}  # node -> when it was last reported at risk
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckpt-risk-listener", daemon=True)
 
     @property
     def elevated(self) -> bool:
         return time.monotonic() - self._last_risk < self.elevated_s
+
+    @property
+    def at_risk_nodes(self) -> set[str]:
+        """The nodes reported at risk within ``elevated_s`` (peer placement avoids them)."""
+        now = time.monotonic()
+        return {n for n, t in list(self._risky.items()) if now - t < self.elevated_s}
 
     def start(self) -> "RiskListener":
         self._thread.start()
@@ -115,8 +122,12 @@ class RiskListener:
     def _handle(self, event: str, data: dict) -> None:
         if event == "hello" and data.get("at_risk"):
             self._last_risk = time.monotonic()
+            self._risky.update({r["node"]: self._last_risk for r in data["at_risk"]
+                                if isinstance(r, dict) and isinstance(r.get("node"), str)})
         elif event == "checkpoint":
             self._last_risk = time.monotonic()
+            if isinstance(data.get("node"), str):
+                self._risky[data["node"]] = self._last_risk
             self.requests.request()  # before the event is recorded: whoever sees the event sees the request
             log.warning("predictor: node %s at risk (%s); requested an urgent checkpoint",
                         data.get("node"), data.get("reason") or data.get("reasons"))

@@ -1,6 +1,7 @@
 """One rank's part in peer replication, as the manager sees it: start-up (node
-identity, placement, secret, this rank's server), a replica after each drain, the
-extra restore sources, and the log of the window a restored shard is unprotected.
+identity, placement, secret, this rank's server), a replica after each drain (an
+urgent one first: evacuation), placement away from nodes at risk, the extra restore
+sources, and the log of the window a restored shard is unprotected.
 
 Shared memory per node: (2 + 2 x peers) x the node's shards: two slots per own
 shard, two replica slots per shard it holds for others.
@@ -11,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..distributed import Coordinator
@@ -20,6 +22,7 @@ from ..manifest import ShardManifest, ShardRef
 from ..plan import RestorePlan
 from ..tiers.base import CheckpointId, TierReader
 from ..tiers.memory import MemoryTier
+from ..tiers.memory.namespace import slot_file_bytes
 from ..tiers.memory.reader import SlotReader
 from ..tiers.memory.slots import ShmSlot
 from ..tiers.peer import PeerTier, replica_namespace
@@ -42,11 +45,15 @@ class Peering:
 
     def __init__(self, coord: Coordinator, *, peers: int, node: str | None, owner_root: str, run: str,
                  memory_dir: str, bytes_per_s: float | None = None, timeout_s: float = 300.0,
-                 registry: "CollectorRegistry | None" = None) -> None:
+                 registry: "CollectorRegistry | None" = None, object_store: str | None = None,
+                 avoid_at_risk: bool = False) -> None:
         self.rank, self.node, self.timeout_s = coord.rank, node_name(node), timeout_s
+        self.peers, self.avoid_at_risk = peers, avoid_at_risk
+        self._avoided: frozenset[str] = frozenset()
         ns = replica_namespace(owner_root, run, memory_dir)
         self.held = PeerTier(ns)
-        self.replicas = ReplicaSlots(ns, {"root": owner_root, "run": run})
+        # the job's object store too: there every rank's shard of a step is durable, so gc may drop its replicas
+        self.replicas = ReplicaSlots(ns, {"root": owner_root, "run": run, "object": object_store})
         self.server = PeerServer(self.replicas, self.held, host=_bind_host(), timeout_s=timeout_s)
         secret = wire.new_secret().hex() if coord.rank == 0 else None
         everyone = coord.gather((self.node, self.server.addr, secret))
@@ -54,6 +61,8 @@ class Peering:
         self.nodes, self.addrs = [e[0] for e in everyone], [e[1] for e in everyone]
         self.server.start(self._secret)
         self.holders = ring_targets(self.nodes, self.rank, peers)
+        self.held_for = [r for r in range(len(self.nodes)) if self.rank in ring_targets(self.nodes, r, peers)]
+        self.replica_ns = ns
         if not self.holders:
             log.warning("peers=%d but every rank is on node %s: no peer replicas (set CKPT_GUARD_NODE or node=)",
                         peers, self.node)
@@ -62,29 +71,54 @@ class Peering:
                      ", ".join(f"rank {r} (node {self.nodes[r]})" for r in self.holders))
         self.replicator = Replicator([self.addrs[r] for r in self.holders], self._secret, bytes_per_s=bytes_per_s,
                                      timeout_s=timeout_s, count=_counter(registry, self.rank))
+        if registry is not None:
+            _shm_gauge(registry, self.rank, ns)
         self._remote: RemoteTier | None = None
         self._unprotected: tuple[int, float] | None = None  # (restored step, since) until a replica is sealed
 
+    @property
+    def ring(self) -> list[str]:
+        """The job's distinct nodes, in placement order (the same on every rank)."""
+        return list(dict.fromkeys(self.nodes))
+
+    def avoid(self, at_risk: set[str]) -> None:
+        """Place the next replicas away from the nodes the predictor reports at risk (every
+        rank is told the same set, agreed at a step boundary)."""
+        at_risk = frozenset(at_risk)
+        if at_risk == self._avoided:
+            return
+        self._avoided = at_risk
+        self.holders = ring_targets(self.nodes, self.rank, self.peers, at_risk)
+        self.replicator.holders = [self.addrs[r] for r in self.holders]
+        log.info("rank %d replicates to %s%s", self.rank, ", ".join(f"rank {r} (node {self.nodes[r]})"
+                                                                    for r in self.holders),
+                 f" (avoiding at-risk node(s) {', '.join(sorted(at_risk))})" if at_risk else "")
+
     # -- saving ---------------------------------------------------------------------
 
-    def replicate(self, slot: ShmSlot, sealed: ShardManifest, handle: SaveHandle) -> None:
-        """After the drain re-sealed ``slot`` with checksums: send it in the background."""
+    def replicate(self, slot: ShmSlot, sealed: ShardManifest, handle: SaveHandle, *, urgent: bool = False) -> None:
+        """After the drain re-sealed ``slot`` with checksums: send it in the background
+        (``urgent``: ahead of anything else, see ``Replicator``). ``handle`` learns when
+        every holder sealed it (``durable_s["peer"]``)."""
         if not self.holders:
+            handle.give_up("peer")
             return
         seal = os.stat(slot.meta_path).st_ino  # the drain holds the slot: this is the seal just written
 
         def done(ok: bool) -> None:
             if not ok:
+                handle.give_up("peer")
                 return
-            handle.durable_s["peer"] = time.monotonic() - handle.started
+            handle.mark("peer")
             if self._unprotected is not None:
                 step, since = self._unprotected
-                log.info("rank %d has a peer replica again (step %d): unprotected for %.1f s since restoring "
+                log.info("rank %d has a peer replica again (step %d): unprotected for %.2f s since restoring "
                          "step %d", self.rank, handle.step, time.monotonic() - since, step)
                 self._unprotected = None
 
         self.replicator.submit(ReplicaJob(handle.step, lambda: SlotReader(slot.meta_path, slot.data_path, sealed,
-                                                                          slot.buffer, seal=seal), done))
+                                                                          slot.buffer, seal=seal), done,
+                                          urgent=urgent))
 
     # -- restoring ------------------------------------------------------------------
 
@@ -114,16 +148,24 @@ class Peering:
         rest = [t for t in tiers if t not in fast and t not in slow]
         return [*fast, self.held, *rest, self._remote, *slow]
 
-    def restored(self, plan: RestorePlan) -> None:
-        """Log what came from another node, and that it has a single copy until re-replicated."""
-        for ckpt_id, held, seconds in (self._remote.fetched if self._remote else []):
-            if ckpt_id == plan.ckpt_id:
-                log.warning("rank %d restored its shard of step %d from rank %d's replica (node %s) in %.2f s; "
-                            "unprotected (one copy, on node %s) until this rank's next save is replicated",
-                            self.rank, ckpt_id.step, held.holder, self.nodes[held.holder], seconds,
-                            self.nodes[held.holder])
-                self._unprotected = (ckpt_id.step, time.monotonic())
+    def restored(self, plan: RestorePlan) -> bool:
+        """Whether this rank's own shard came from another node (a peer's replica, the object
+        store): then it has a single copy, logged as unprotected until re-replicated."""
+        fetched = [(held, seconds) for ckpt_id, held, seconds in (self._remote.fetched if self._remote else [])
+                   if ckpt_id == plan.ckpt_id and held.ref.rank == self.rank]
         self._remote = None
+        own = next((s for s in plan.shards if s.rank == self.rank), None)
+        if own is None or own.sources[0].name not in (RemoteTier.name, "object"):
+            return False
+        for held, seconds in fetched:
+            log.warning("rank %d restored its shard of step %d from rank %d's replica (node %s) in %.2f s; "
+                        "unprotected (one copy, on node %s) until re-replicated", self.rank, plan.ckpt_id.step,
+                        held.holder, self.nodes[held.holder], seconds, self.nodes[held.holder])
+        if not fetched:
+            log.warning("rank %d restored its shard of step %d from the object store; no copy in any node's memory "
+                        "until re-replicated", self.rank, plan.ckpt_id.step)
+        self._unprotected = (plan.ckpt_id.step, time.monotonic())
+        return True
 
     def nothing_readable(self, coord: Coordinator, tiers: Sequence[TierReader]) -> None:
         """Restore found no step every rank can read. If the job has checkpoints, raise,
@@ -166,6 +208,15 @@ def _counter(registry: "CollectorRegistry | None", rank: int) -> Callable[[str],
     counter = Counter("ckpt_peer_replicas", "Replicas sent to peers, by outcome (sent, failed, superseded)",
                       ["rank", "outcome"], registry=registry)
     return lambda outcome: counter.labels(rank=str(rank), outcome=outcome).inc()
+
+
+def _shm_gauge(registry: "CollectorRegistry", rank: int, ns: Path) -> None:
+    """The replica slots' shared memory on this node, read when scraped (every rank of a
+    node reports the same namespace: the node's total, not to be summed over ranks)."""
+    from prometheus_client import Gauge
+
+    Gauge("ckpt_peer_replica_shm_bytes", "Shared memory of the peer replica slots this node holds for other nodes",
+          ["rank"], registry=registry).labels(rank=str(rank)).set_function(lambda: slot_file_bytes(ns))
 
 
 def _bind_host() -> str:

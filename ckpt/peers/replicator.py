@@ -3,13 +3,19 @@ of training: ``submit`` returns at once, only the newest snapshot waits (an olde
 one not yet sent is superseded), the slot is not held (a save that reuses it while
 it is being sent makes the receiver's checksums fail: that send is abandoned), and a
 peer that is dead or slower than ``timeout_s`` costs one abandoned send, logged and
-counted, never an error in training."""
+counted, never an error in training.
+
+An urgent snapshot (the predictor expects this node to fail: evacuation) goes ahead
+of everything: a periodic send in flight is cut off (its connection shut down; the
+holder keeps its newest sealed replica), and the urgent one is sent unpaced, ignoring
+the bandwidth cap."""
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..restore import DAMAGE
@@ -24,6 +30,9 @@ class ReplicaJob:
     step: int
     open: Callable[[], ShardReader]  # the sealed slot; close() raises if it was overwritten meanwhile
     done: Callable[[bool], None]  # told whether every holder sealed it
+    urgent: bool = False  # evacuation: jumps the queue, cuts off a periodic send, ignores the cap
+    to: list[str] | None = None  # these holders only (default: all)
+    cut: threading.Event = field(default_factory=threading.Event)  # set when an urgent job cuts this one off
 
 
 class Replicator:
@@ -37,7 +46,8 @@ class Replicator:
         self._count = count
         self._pending: ReplicaJob | None = None
         self._cond = threading.Condition()
-        self._busy = False
+        self._busy: ReplicaJob | None = None  # the job being sent
+        self._sock: socket.socket | None = None  # its connection, shut down to cut the send off
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ckpt-replicate", daemon=True)
         self._thread.start()
@@ -50,6 +60,11 @@ class Replicator:
                 log.info("replica of step %d superseded by step %d before it was sent", self._pending.step, job.step)
                 self._pending.done(False)
             self._pending = job
+            if job.urgent and self._busy is not None and not self._busy.urgent and not self._busy.cut.is_set():
+                self._busy.cut.set()
+                log.info("replica of step %d cut off for the urgent step %d", self._busy.step, job.step)
+                if self._sock is not None:
+                    _shut(self._sock)
             self._cond.notify_all()
 
     def _loop(self) -> None:
@@ -59,12 +74,20 @@ class Replicator:
                     self._cond.wait()
                 if self._pending is None:
                     return
-                job, self._pending, self._busy = self._pending, None, True
-            sealed = [self._send(job, addr) for addr in self.holders]  # every holder, even after a failure
-            job.done(all(sealed))
+                job, self._pending, self._busy = self._pending, None, self._pending
+            sealed = []
+            for addr in job.to if job.to is not None else self.holders:
+                if job.cut.is_set():
+                    break
+                sealed.append(self._send(job, addr))  # every holder, even after a failure
             with self._cond:
-                self._busy = False
+                self._busy = None
                 self._cond.notify_all()
+            cut = job.cut.is_set()
+            if cut:
+                self.superseded += 1
+                self._count("superseded")
+            job.done(all(sealed) and not cut)
 
     def _send(self, job: ReplicaJob, addr: str) -> bool:
         t0 = time.monotonic()
@@ -72,15 +95,26 @@ class Replicator:
             reader = job.open()
             try:
                 with wire.connect(addr, self._secret, self.timeout_s) as sock:
-                    wire.send_frame(sock, {"op": "put", "manifest": reader.manifest.to_bytes().decode()})
-                    wire.send_paced(sock, reader.view(0, reader.manifest.data_bytes), bytes_per_s=self.bytes_per_s,
-                                    deadline=t0 + self.timeout_s)
-                    reply = wire.recv_frame(sock)
+                    with self._cond:
+                        self._sock = sock
+                        if job.cut.is_set():  # cut off while connecting
+                            _shut(sock)
+                    try:
+                        wire.send_frame(sock, {"op": "put", "manifest": reader.manifest.to_bytes().decode()})
+                        wire.send_paced(sock, reader.view(0, reader.manifest.data_bytes),
+                                        bytes_per_s=None if job.urgent else self.bytes_per_s,
+                                        deadline=t0 + self.timeout_s, stop=job.cut)
+                        reply = wire.recv_frame(sock)
+                    finally:
+                        with self._cond:
+                            self._sock = None
             finally:
                 reader.close()
             if not reply.get("ok"):
                 raise wire.PeerError(f"refused: {reply.get('error')}")
         except (wire.PeerError, *DAMAGE) as e:
+            if job.cut.is_set():
+                return False  # counted once, as superseded, by the loop
             self.failed += 1
             self._count("failed")
             log.warning("replica of step %d to %s abandoned after %.1f s: %s", job.step, addr, time.monotonic() - t0, e)
@@ -93,7 +127,7 @@ class Replicator:
     def join(self) -> None:
         """Wait until nothing is pending or being sent."""
         with self._cond:
-            while self._pending is not None or self._busy:
+            while self._pending is not None or self._busy is not None:
                 self._cond.wait()
 
     def close(self) -> None:
@@ -101,3 +135,11 @@ class Replicator:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a send from another thread: the sender's next write fails at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

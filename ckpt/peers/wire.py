@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 from typing import Any
 
@@ -85,8 +86,10 @@ def recv_into(sock: socket.socket, out: memoryview, *, deadline: float | None) -
         got += n
 
 
-def send_paced(sock: socket.socket, data: memoryview, *, bytes_per_s: float | None, deadline: float | None) -> None:
-    """Send ``data`` in pieces, at most ``bytes_per_s`` on average, giving up at ``deadline``."""
+def send_paced(sock: socket.socket, data: memoryview, *, bytes_per_s: float | None, deadline: float | None,
+               stop: threading.Event | None = None) -> None:
+    """Send ``data`` in pieces, at most ``bytes_per_s`` on average, giving up at ``deadline``
+    or as soon as ``stop`` is set (another thread also shuts the socket down then)."""
     t0 = time.monotonic()
     if not bytes_per_s:  # one call: sendall's timeout bounds the whole send
         _check(deadline)
@@ -103,8 +106,10 @@ def send_paced(sock: socket.socket, data: memoryview, *, bytes_per_s: float | No
         sock.sendall(piece)
         if bytes_per_s:
             ahead = (lo + len(piece)) / bytes_per_s - (time.monotonic() - t0)
-            if ahead > 0:
+            if ahead > 0 and stop is None:
                 time.sleep(ahead)
+            elif ahead > 0 and stop.wait(ahead):
+                raise PeerError("send stopped")
 
 
 def _check(deadline: float | None) -> None:

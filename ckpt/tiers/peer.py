@@ -14,12 +14,17 @@ from pathlib import Path
 from ..manifest import Manifest, ShardRef
 from .base import CheckpointId, CheckpointInfo, ShardReader, TierReader
 from .memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
-from .memory.namespace import is_trusted, rank_dirs
+from .memory.namespace import is_trusted, rank_dirs, read_owner
 
 
 def replica_namespace(owner_root: str, run: str, memory_dir: str = DEFAULT_SHM_DIR) -> Path:
     """Where this node keeps the replicas it holds for the job with this root and run."""
     return namespace_dir(owner_root, f"{run}\0peer-replicas", memory_dir)
+
+
+def is_replica_namespace(ns: Path) -> bool:
+    """Whether ``ns`` holds peer replicas (its owner records say whose), not a job's own slots."""
+    return any((o := read_owner(d)) is not None and "replica_of" in o for d in rank_dirs(ns))
 
 
 class _ReplicaDir(MemoryTier):

@@ -102,6 +102,13 @@ def rank_dirs(ns: Path) -> list[Path]:
     return [d for d in sorted(ns.glob("rank-*")) if is_trusted(d, directory=True)]
 
 
+def slot_file_bytes(ns: Path) -> int:
+    """Shared memory the slot files under ``ns`` take (allocated in full when prepared)."""
+    if not is_trusted(ns, directory=True):
+        return 0
+    return sum(p.stat().st_size for d in rank_dirs(ns) for p in d.glob("slot-*.bin") if not p.is_symlink())
+
+
 def namespaces_of_root(root_key: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[Path]:
     """Every trusted namespace whose owner recorded ``root_key`` (any run id)."""
     found = []
