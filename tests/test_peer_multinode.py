@@ -160,6 +160,7 @@ def test_replicas_move_off_a_node_reported_at_risk(tmp_path: Path, shm: list[str
             return {r: [info.id.step for info in tier.list() if r in info.ranks] for r in range(3)}
 
         assert held(2)[0] == [15, 20] and held(2)[1] == [15, 20] and held(2)[2] == []
-        assert held(1)[0] == [5, 10], "node1 kept getting replicas while at risk"
+        # step 10's send may still be in flight when step 12 moves placement (it is then cut off)
+        assert held(1)[0] in ([5, 10], [5]), "node1 kept getting replicas while at risk"
     finally:
         shutil.rmtree(extra, ignore_errors=True)
