@@ -80,6 +80,40 @@ def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool, failure
                f"false alarms {m.info['validation_false_alarms_per_1000_node_days']}/1000 node-days")
 
 
+@main.command()
+@_model_opt
+@click.option("--trace", "traces", multiple=True, required=True, type=_trace_dir,
+              help="labelled trace the model was not trained on (repeatable)")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="model file to write")
+@click.option("--json", "as_json", is_flag=True)
+def calibrate(model_path: str | None, traces: tuple[Path, ...], out: Path, as_json: bool) -> None:
+    """Fit the node-probability map behind job-level risk on held-out labelled traces; write
+    the model with it (`train` does this on its validation nodes)."""
+    for t in traces:
+        if not (t / "failures.parquet").exists():
+            raise click.ClickException(f"{t}: no failures.parquet, cannot calibrate on an unlabelled trace")
+    import numpy as np
+
+    from predictor import job_risk
+    m = _load_model(model_path)
+    instants = [job_risk.node_instants(t, m) for t in traces]
+    try:
+        cal = job_risk.fit(instants)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    m.info[job_risk.INFO_KEY] = {**cal.to_info(), "traces": [str(t) for t in traces]}
+    m.save(out)
+    fit_quality = job_risk.reliability(cal.probability(np.concatenate([i.score for i in instants])),
+                                       np.concatenate([i.failed for i in instants]))
+    summary = {"model": str(out), "base_rate_per_node_day": round(cal.base_rate_per_s * 86400, 5),
+               "base_probability": round(cal.base_probability, 6), "breakpoints": len(cal.score),
+               "in_sample": fit_quality}
+    click.echo(json.dumps(summary, indent=1) if as_json else
+               f"wrote {out}: {len(cal.score)} breakpoints, base rate {summary['base_rate_per_node_day']} "
+               f"failures per node-day, in-sample Brier {fit_quality['brier']} "
+               f"(base rate alone {fit_quality['brier_of_base_rate']})")
+
+
 def _alarms(model, trace: Path, threshold: str):
     from predictor.replay import score_trace
     from predictor.scoring import Scorer
