@@ -5,7 +5,8 @@ every node's probability about every 5 min (predictor/job_risk.py), and groups t
 nodes, in name order, into jobs of `--job-nodes`. A job-instant is positive when any
 of its nodes fails within the hour after it. Reported per level (node, job): the
 Brier score, the Brier score of always saying the base rate, and a reliability table
-(per bin of predicted probability: count, mean prediction, observed frequency).
+(per bin of predicted probability: count, mean prediction, observed frequency); and,
+for comparison, the same for the model's own node score read as a probability.
 
     PYTHONPATH=. python benchmarks/job_risk_calibration.py --trace /tmp/q/ev_60 [--model M] [--job-nodes 8] [--json]
 """
@@ -48,10 +49,11 @@ def main() -> None:
     cal = job_risk.NodeCalibration.of(m)
     if cal is None:
         raise SystemExit("the model has no node calibration: run `predictor calibrate` on it")
-    nodes_p, nodes_y, jobs_p, jobs_y = [], [], [], []
+    nodes_p, nodes_y, jobs_p, jobs_y, raw = [], [], [], [], []
     for trace in args.trace:
         inst = job_risk.node_instants(trace, m)
         nodes_p.append(cal.probability(inst.score))
+        raw.append(inst.score)
         nodes_y.append(inst.failed)
         p, y = job_level(inst, cal, args.job_nodes)
         jobs_p.append(p)
@@ -59,11 +61,13 @@ def main() -> None:
     res = {"traces": [str(t) for t in args.trace], "job_nodes": args.job_nodes,
            "base_probability_per_node": round(cal.base_probability, 6),
            "node": job_risk.reliability(np.concatenate(nodes_p), np.concatenate(nodes_y)),
+           # the model's own score (worst GPU) read as a probability, for comparison
+           "node_score_as_probability": job_risk.reliability(np.concatenate(raw), np.concatenate(nodes_y)),
            "job": job_risk.reliability(np.concatenate(jobs_p), np.concatenate(jobs_y))}
     if args.json:
         print(json.dumps(res, indent=1))
         return
-    for level in ("node", "job"):
+    for level in ("node_score_as_probability", "node", "job"):
         r = res[level]
         print(f"[{level}] {r['n']} instants, {r['positives']} followed by a failure within 1 h: Brier {r['brier']} "
               f"(base rate alone {r['brier_of_base_rate']})")
