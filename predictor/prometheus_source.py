@@ -1,7 +1,7 @@
 """DCGM history from Prometheus' HTTP API, as a trace directory the predictor already reads.
 
 Raw samples only: each chunk is one instant query of a range-vector selector,
-`{__name__=~"DCGM_FI_DEV_...", MATCH}[CHUNK]` evaluated at the chunk's end, which
+`{__name__=~"<the contract's DCGM fields>", MATCH}[CHUNK]` evaluated at the chunk's end, which
 returns every stored sample in the chunk as scraped. `query_range` would resample
 onto a fixed step and fill gaps from up to 5 min back (staleness), and counter
 jumps and sample intervals are exactly what the features read.
