@@ -47,7 +47,7 @@ class Service:
                  alerts: StrictAlerts | None = None, max_ahead_s: float = wire.MAX_AHEAD_S):
         self.scorer = Scorer(model)
         self.calibration = NodeCalibration.of(model)
-        self._job_node_ids: dict[str, tuple[int, np.ndarray]] = {}
+        self._job_node_ids: dict[str, tuple[int, list[str], np.ndarray]] = {}
         self.tokens = tokens
         self.max_body = max_body
         self.max_ahead_s = max_ahead_s
@@ -198,26 +198,27 @@ class Service:
             return {"job": job.id, "calibrated": False,
                     "error": "the model has no node calibration: run `predictor calibrate` on it"}
         scores = node_scores(self.scorer) if scores is None else scores
-        ids = self._node_ids(job)
+        names, ids = self._node_ids(job)
         s = np.full(len(ids), np.nan)
         known = (ids >= 0) & (ids < len(scores))
         s[known] = scores[ids[known]]
         p = np.where(np.isnan(s), cal.base_probability, cal.probability(np.nan_to_num(s)))
-        names = sorted(job.nodes)
         top = np.argsort(-p, kind="stable")[:3]
         return {"job": job.id, "calibrated": True, **job_risk(p, cal), "unseen_nodes": int((~known).sum()),
                 "top_nodes": [{"node": names[i], "probability": round(float(p[i]), 6)} for i in top.tolist()],
                 "sent_at_ms": int(time.time() * 1000)}
 
-    def _node_ids(self, job: Job) -> np.ndarray:
-        """The scorer's node ids of the job's nodes (-1: not seen yet), cached until new nodes appear."""
+    def _node_ids(self, job: Job) -> tuple[list[str], np.ndarray]:
+        """The job's node names, sorted, and their scorer node ids (-1: not seen yet); cached
+        until new nodes appear (a job may have 100,000 nodes and a pass comes every few ms)."""
         seen = len(self.scorer.state.node_names)
         cached = self._job_node_ids.get(job.id)
         if cached is None or cached[0] != seen:
             of = self.scorer.state.node_of
-            cached = (seen, np.fromiter((of.get(n, -1) for n in sorted(job.nodes)), np.int64, len(job.nodes)))
+            names = cached[1] if cached else sorted(job.nodes)
+            cached = (seen, names, np.fromiter((of.get(n, -1) for n in names), np.int64, len(names)))
             self._job_node_ids[job.id] = cached
-        return cached[1]
+        return cached[1], cached[2]
 
     def _firing_slots(self) -> np.ndarray:
         of = self.scorer.state.slot_of

@@ -67,6 +67,40 @@ def test_interval_follows_the_jobs_hazard_ratio():
     assert p.interval_steps(1.0, hazard_ratio=100) == round(p.interval_at(100))
 
 
+class _Heard:
+    """What the loop reads from a RiskListener (whose ratio comes from the live stream below)."""
+
+    elevated = False
+
+    def __init__(self, ratio: float) -> None:
+        self.hazard_ratio = ratio
+
+
+def test_loop_saves_sooner_as_the_jobs_hazard_ratio_rises(root, shm_dir):
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.integrations.loop import save_at_boundary
+    now = [0.0]
+    policy = IntervalPolicy(blocking_s=1.0, mtbf_s=3600.0, formula="young", clock=lambda: now[0])  # 85 s at the base
+    state = {"w": torch.zeros(4)}
+    saved = []
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        policy.should_save()                      # the clock starts with training
+        for step in range(1, 31):
+            now[0] += 3.0                         # a step takes 3 s of the policy's clock
+            ratio = 1.0 if step <= 10 else 100.0  # the job's nodes heat up after step 10
+            if save_at_boundary(mgr, SaveRequests(), step, lambda: state, policy, listener=_Heard(ratio)):
+                saved.append(step)
+    assert saved[0] == 11 and len(saved) >= 5, saved    # 8.5 s between saves at 100x the base hazard
+
+
+def test_train_calibrates_node_probabilities_on_its_validation_nodes(trained_model):
+    cal = job_risk.NodeCalibration.of(load(trained_model))
+    assert cal is not None and np.all(np.diff(cal.p) >= 0) and np.all(np.diff(cal.score) > 0)
+    assert 0 < cal.base_probability < 0.5
+
+
 @pytest.fixture(scope="module")
 def calibrated_model(small_trace, tmp_path_factory):
     """The packaged model with its node calibration refitted on the small trace."""
