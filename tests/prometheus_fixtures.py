@@ -100,7 +100,12 @@ class Prometheus:
             args.append(f"--web.config.file={web_config}")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         auth = ("reader", "s3cret-pass") if web_config is not None else None
-        if not wait_for(lambda: self._ready(auth), timeout=60):
+        try:
+            ready = wait_for(lambda: self._ready(auth), timeout=60)
+        except BaseException:
+            self.stop()                   # never leave it running, whatever went wrong
+            raise
+        if not ready:
             self.stop()
             raise AssertionError(f"prometheus did not become ready: {self.output()}")
 
