@@ -17,6 +17,11 @@ optimum balances the two:
   of ``window_s``, cut short by the failure when there is one, and overlap as a Poisson
   stream: open ``1 − exp(−(rλ·lead + false_rate·window))`` of the time); the same
   formula then gives a shorter interval.
+- Scaled by the job's measured risk: where the predictor states the job's hazard as a
+  ratio to its fleet's base rate (``hazard_ratio``, from calibrated node probabilities:
+  predictor/job_risk.py), the job's hazard now is its own rate times that ratio; the
+  excess over the base rate, ``(ratio − 1)·λ``, is added to the unpredicted rate. A
+  ratio at or below 1 leaves the periodic interval as it is; there is no threshold.
 
 Only the *blocking* cost C enters the formulas; the time to durability in each tier
 does not move the optimum (it adds a constant to the loss per failure) but bounds the
@@ -130,6 +135,15 @@ class IntervalPolicy:
             return self.interval_s
         return min(self.interval_s, self._optimum(self.predictor.elevated_rate(self.failure_rate)))
 
+    def interval_at(self, hazard_ratio: float | None = None, elevated: bool = False) -> float:
+        """Compute seconds between saves now: scaled by the job's hazard ratio when the predictor
+        states one, else the binary ``elevated`` choice (never longer than the periodic interval)."""
+        if hazard_ratio is None:
+            return self.risk_interval_s if elevated else self.interval_s
+        unpredicted = 1.0 - self.predictor.recall if self.predictor else 1.0
+        rate = self.failure_rate * (unpredicted + max(0.0, hazard_ratio - 1.0))
+        return min(self.interval_s, self._optimum(rate))
+
     def explain(self) -> dict:
         """The inputs, the formula and the result, for logs and ``--json``."""
         rate = self.failure_rate
@@ -155,20 +169,21 @@ class IntervalPolicy:
         log.info("checkpoint interval %.0f s (%.0f s under risk): %s", now[0], now[1],
                  ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in why.items()))
 
-    def interval_steps(self, step_time_s: float, elevated: bool = False) -> int:
+    def interval_steps(self, step_time_s: float, elevated: bool = False, hazard_ratio: float | None = None) -> int:
         """The interval as a whole number of training steps (at least 1)."""
         self._log_why()
-        seconds = self.risk_interval_s if elevated else self.interval_s
+        seconds = self.interval_at(hazard_ratio, elevated)
         return max(1, round(seconds / step_time_s)) if math.isfinite(seconds) else 2**62
 
-    def should_save(self, now: float | None = None, elevated: bool = False) -> bool:
-        """True once the interval's compute time has passed since the last save returned."""
+    def should_save(self, now: float | None = None, elevated: bool = False,
+                    hazard_ratio: float | None = None) -> bool:
+        """True once the interval's compute time (``interval_at``) has passed since the last save returned."""
         now = self.clock() if now is None else now
         if self.last_save is None:
             self.last_save = now  # the clock starts with training, not at import
             self._log_why()
             return False
-        return now - self.last_save >= (self.risk_interval_s if elevated else self.interval_s)
+        return now - self.last_save >= self.interval_at(hazard_ratio, elevated)
 
     def saved(self, now: float | None = None, blocking_s: float | None = None) -> None:
         """Note a save that just returned; a measured blocking time updates the cost (EWMA)."""

@@ -1,6 +1,7 @@
 """`predictor train / score / eval / serve`."""
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import click
 
 from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
+from predictor.history_cli import history_trace, prometheus_options
 
 # scikit-learn, skops and pyarrow are imported inside the commands: `--help` and usage
 # errors answer at once.
@@ -34,6 +36,8 @@ def _threshold(model, which: str) -> float:
 _trace_dir = click.Path(exists=True, file_okay=False, path_type=Path)
 _model_opt = click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
                           help="model file (default: the packaged model)")
+_failures_opt = click.option("--failures", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                             help="failures.parquet labelling the --prometheus window")
 _threshold_opt = click.option("--threshold", default="sensitive", show_default=True,
                               help="sensitive, strict, or a risk between 0 and 1")
 
@@ -44,27 +48,70 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--trace", "traces", multiple=True, required=True, type=_trace_dir,
+@click.option("--trace", "traces", multiple=True, type=_trace_dir,
               help="labelled trace directory (repeatable)")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="model file to write")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the model summary as JSON")
-def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool) -> None:
-    """Train a model on labelled traces and pick its two thresholds."""
+@_failures_opt
+@prometheus_options
+def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool, failures: Path | None,
+          history: dict) -> None:
+    """Train a model on labelled traces (and/or a labelled Prometheus window) and pick its two thresholds."""
     for t in traces:
         if not (t / "failures.parquet").exists():
             raise click.ClickException(f"{t}: no failures.parquet, cannot train on an unlabelled trace")
+    if history["prom_url"] and failures is None:
+        raise click.UsageError("training on --prometheus needs its labels: --failures failures.parquet")
+    if not traces and not history["prom_url"]:
+        raise click.UsageError("give --trace (repeatable) and/or --prometheus")
     from predictor import training
-    try:
-        m = training.train(list(traces), seed=seed)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from e
+    with contextlib.ExitStack() as stack:
+        extra = [stack.enter_context(history_trace(None, history, failures))] if history["prom_url"] else []
+        try:
+            m = training.train(list(traces) + extra, seed=seed)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from e
     m.save(out)
     summary = {"model": str(out), "sensitive": m.sensitive, "strict": m.strict, **m.info}
     click.echo(json.dumps(summary, indent=1) if as_json else
                f"wrote {out}: sensitive {m.sensitive:.4g}, strict {m.strict:.4g}, "
                f"validation recall of predictable {m.info['validation_recall_of_predictable']}, "
                f"false alarms {m.info['validation_false_alarms_per_1000_node_days']}/1000 node-days")
+
+
+@main.command()
+@_model_opt
+@click.option("--trace", "traces", multiple=True, required=True, type=_trace_dir,
+              help="labelled trace the model was not trained on (repeatable)")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="model file to write")
+@click.option("--json", "as_json", is_flag=True)
+def calibrate(model_path: str | None, traces: tuple[Path, ...], out: Path, as_json: bool) -> None:
+    """Fit the node-probability map behind job-level risk on held-out labelled traces; write
+    the model with it (`train` does this on its validation nodes)."""
+    for t in traces:
+        if not (t / "failures.parquet").exists():
+            raise click.ClickException(f"{t}: no failures.parquet, cannot calibrate on an unlabelled trace")
+    import numpy as np
+
+    from predictor import job_risk
+    m = _load_model(model_path)
+    instants = [job_risk.node_instants(t, m) for t in traces]
+    try:
+        cal = job_risk.fit(instants)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    m.info[job_risk.INFO_KEY] = {**cal.to_info(), "traces": [str(t) for t in traces]}
+    m.save(out)
+    fit_quality = job_risk.reliability(cal.probability(np.concatenate([i.score for i in instants])),
+                                       np.concatenate([i.failed for i in instants]))
+    summary = {"model": str(out), "base_rate_per_node_day": round(cal.base_rate_per_s * 86400, 5),
+               "base_probability": round(cal.base_probability, 6), "breakpoints": len(cal.score),
+               "in_sample": fit_quality}
+    click.echo(json.dumps(summary, indent=1) if as_json else
+               f"wrote {out}: {len(cal.score)} breakpoints, base rate {summary['base_rate_per_node_day']} "
+               f"failures per node-day, in-sample Brier {fit_quality['brier']} "
+               f"(base rate alone {fit_quality['brier_of_base_rate']})")
 
 
 def _alarms(model, trace: Path, threshold: str):
@@ -76,14 +123,19 @@ def _alarms(model, trace: Path, threshold: str):
 
 @main.command()
 @_model_opt
-@click.option("--trace", required=True, type=_trace_dir)
+@click.option("--trace", type=_trace_dir)
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="alarms.parquet to write")
 @_threshold_opt
 @click.option("--json", "as_json", is_flag=True)
-def score(model_path: str | None, trace: Path, out: Path, threshold: str, as_json: bool) -> None:
-    """Replay a trace through the online scorer; write its alarms (timestamp, node, gpu, score, reason)."""
+@prometheus_options
+def score(model_path: str | None, trace: Path | None, out: Path, threshold: str, as_json: bool,
+          history: dict) -> None:
+    """Replay a trace (or Prometheus history) through the online scorer; write its alarms
+    (timestamp, node, gpu, score, reason)."""
     import pyarrow.parquet as pq
-    alarms = _alarms(_load_model(model_path), trace, threshold)
+    model = _load_model(model_path)
+    with history_trace(trace, history) as source:
+        alarms = _alarms(model, source, threshold)
     pq.write_table(alarms, out)
     summary = {"alarms": alarms.num_rows, "out": str(out)}
     click.echo(json.dumps(summary) if as_json else f"{alarms.num_rows} alarms -> {out}")
@@ -91,22 +143,29 @@ def score(model_path: str | None, trace: Path, out: Path, threshold: str, as_jso
 
 @main.command("eval")
 @_model_opt
-@click.option("--trace", required=True, type=_trace_dir)
+@click.option("--trace", type=_trace_dir)
 @_threshold_opt
 @click.option("--alarms-out", type=click.Path(dir_okay=False, path_type=Path), help="also write the alarms")
 @click.option("--json", "as_json", is_flag=True)
-def eval_(model_path: str | None, trace: Path, threshold: str, alarms_out: Path | None, as_json: bool) -> None:
-    """Score a labelled trace and print the EVAL.md metrics (node and GPU level)."""
-    if not (trace / "failures.parquet").exists():
+@_failures_opt
+@prometheus_options
+def eval_(model_path: str | None, trace: Path | None, threshold: str, alarms_out: Path | None, as_json: bool,
+          failures: Path | None, history: dict) -> None:
+    """Score a labelled trace (or Prometheus window with --failures) and print the EVAL.md metrics."""
+    if trace is not None and not (trace / "failures.parquet").exists():
         raise click.ClickException(f"{trace}: no failures.parquet, nothing to evaluate against")
+    if history["prom_url"] and failures is None:
+        raise click.UsageError("evaluating --prometheus history needs its labels: --failures failures.parquet")
     import pyarrow.parquet as pq
 
     from predictor import evaluation
     m = _load_model(model_path)
-    alarms = _alarms(m, trace, threshold)
+    with history_trace(trace, history, failures) as source:
+        alarms = _alarms(m, source, threshold)
+        truth = evaluation.load_truth(source)
     if alarms_out:
         pq.write_table(alarms, alarms_out)
-    res = evaluation.report(alarms, evaluation.load_truth(trace))
+    res = evaluation.report(alarms, truth)
     if as_json:
         click.echo(json.dumps(res, indent=1, allow_nan=False))
         return

@@ -4,6 +4,9 @@ A job names its nodes; when any of them crosses the sensitive threshold every
 listener of the job gets one event, at most once per `min_interval_s` per job (a
 job that has just checkpointed gains nothing from another urgent save). A node whose
 GPU is lost (a critical XID) gets its jobs a "node_failed" event at once, unlimited.
+The job's failure probability (job_risk.py) goes out as a "risk" event when it has
+moved enough since the last one sent (a step, not a period: a rise is never held back,
+and a risk that stays put sends nothing).
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ from dataclasses import dataclass, field
 DEFAULT_MIN_INTERVAL_S = 60.0
 MAX_NODES_PER_JOB = 100_000
 LISTENER_QUEUE = 64
+#: A "risk" event goes out when the probability moved this much (absolute) or the hazard
+#: ratio by this factor since the last one sent.
+RISK_STEP_P = 0.02
+RISK_STEP_RATIO = 1.25
 
 
 @dataclass
@@ -29,6 +36,7 @@ class Job:
     sent: int = 0
     suppressed: int = 0
     listeners: set[asyncio.Queue] = field(default_factory=set)
+    risk_sent: dict | None = None
 
     def public(self) -> dict:
         return {"id": self.id, "name": self.name, "nodes": sorted(self.nodes), "min_interval_s": self.min_interval_s,
@@ -82,9 +90,24 @@ class JobRegistry:
             self._send(job, payload)
         return jobs
 
+    def risk(self, job: Job, risk: dict) -> bool:
+        """Send the job's risk if it moved enough since the last "risk" event (see module doc)."""
+        if job.risk_sent is not None and not _moved(job.risk_sent, risk):
+            return False
+        job.risk_sent = risk
+        self._send(job, {"event": "risk", **risk})
+        return True
+
     def _send(self, job: Job, payload: dict) -> None:
         event = {"event_id": next(self._event_ids), "job": job.id, **payload}
         for q in list(job.listeners):
             if q.full():                 # a listener that stopped reading loses its oldest event
                 q.get_nowait()
             q.put_nowait(event)
+
+
+def _moved(last: dict, now: dict) -> bool:
+    if abs(now["probability"] - last["probability"]) >= RISK_STEP_P:
+        return True
+    a, b = last.get("hazard_ratio") or 0.0, now.get("hazard_ratio") or 0.0
+    return max(a, b) > 0 and max(a, b) >= RISK_STEP_RATIO * min(a, b)

@@ -6,7 +6,8 @@ horizon, and samples before a failure whose signs are not (yet) visible, are lef
 out rather than called healthy. An alarm more than the horizon early is a false alarm (EVAL.md), so the
 hours before the horizon are kept in full as negatives. Validation holds out whole nodes: the model is
 fitted on the others, calibrated on the held-out ones, and the thresholds are picked by replaying the
-held-out nodes through the online scorer and scoring alarms as EVAL.md does.
+held-out nodes through the online scorer and scoring alarms as EVAL.md does; the node probabilities
+behind job-level risk (job_risk.py) are calibrated on the same held-out nodes.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from predictor import evaluation
+from predictor import evaluation, job_risk
 from predictor.features import FEATURE_NAMES
 from predictor.model import Model, fit_estimator
 from predictor.replay import replay, score_trace
@@ -46,6 +47,12 @@ ALARM_FLOOR = 1e-3                   # validation replay keeps alarms above this
 def is_validation_node(node: str, share: float = VALIDATION_SHARE) -> bool:
     """Deterministic node split, stable across traces and runs."""
     return (zlib.crc32(node.encode()) % 1000) < share * 1000
+
+
+def validation_nodes(trace: Path) -> set[str]:
+    """The nodes of a trace that training holds out."""
+    return {n for n in pc.unique(pc.cast(pq.read_table(trace / "telemetry.parquet", columns=["node"])
+                                            .column("node"), pa.string())).to_pylist() if is_validation_node(n)}
 
 
 @dataclass
@@ -177,9 +184,7 @@ def choose_thresholds(traces: list[Path], model: Model, progress: bool | None = 
     Both are searched on alarms from replaying the validation nodes through the online scorer."""
     node_sweeps, gpu_sweeps, scores = [], [], [np.array([1.0])]
     for trace in traces:
-        nodes = {n for n in pc.unique(pc.cast(pq.read_table(trace / "telemetry.parquet", columns=["node"])
-                                                 .column("node"), pa.string())).to_pylist()
-                 if is_validation_node(n)}
+        nodes = validation_nodes(trace)
         alarms = score_trace(trace, Scorer(model), threshold=ALARM_FLOOR, progress=progress, nodes=nodes)
         truth = evaluation.load_truth(trace, nodes)
         node_sweeps.append(_Sweep(alarms, truth, "node"))
@@ -226,7 +231,9 @@ def train(traces: list[str | Path], seed: int = 0, progress: bool | None = None)
     model = Model(fit_estimator(x, y, xv, yv, seed), sensitive=1.0, strict=1.0,
                   feature_center=center, feature_scale=scale)
     model.sensitive, model.strict, val_info = choose_thresholds(traces, model, progress)
+    calibration = job_risk.fit([job_risk.node_instants(t, model, validation_nodes(t), progress) for t in traces])
     model.info = {"traces": [str(t) for t in traces], "horizon_s": HORIZON_S, "min_lead_s": MIN_LEAD_S,
                   "train_rows": int(len(y)), "train_positives": int(y.sum()),
-                  "validation_rows": int(len(yv)), "validation_positives": int(yv.sum()), **val_info}
+                  "validation_rows": int(len(yv)), "validation_positives": int(yv.sum()), **val_info,
+                  job_risk.INFO_KEY: calibration.to_info()}
     return model

@@ -32,7 +32,8 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
                      listener: RiskListener | None = None, elevated_every: int | None = None,
                      watchdog: Watchdog | None = None) -> bool:
     """Save ``step`` if the periodic policy says so (``elevated_every`` while the predictor
-    reports the job's nodes at risk; an ``IntervalPolicy`` decides by the clock) or any
+    reports the job's nodes at risk; an ``IntervalPolicy`` decides by the clock, scaled by
+    the job's hazard ratio where the predictor states one) or any
     rank asked for an urgent save; after a preemption, wait until durable and raise
     ``Preempted`` (a SystemExit with status 143) for the framework to unwind.
     Every flag is agreed across ranks in one all-reduce (with ``peer_avoid_at_risk``, also
@@ -41,7 +42,8 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
     if watchdog is not None:
         watchdog.boundary()
     at_risk = listener is not None and listener.elevated
-    due = isinstance(every, IntervalPolicy) and every.should_save(elevated=at_risk)
+    ratio = listener.hazard_ratio if listener is not None else None
+    due = isinstance(every, IntervalPolicy) and every.should_save(elevated=at_risk, hazard_ratio=ratio)
     ring = mgr.peering.ring if mgr.peering is not None and mgr.peering.avoid_at_risk else []
     risky = listener.at_risk_nodes if listener is not None else set()
     urgent, preempted, elevated, due, *avoid = mgr.agree(requests.take(), requests.preempted, at_risk, due,

@@ -42,8 +42,10 @@ class RiskListener:
 
     ``requests.request()`` fires on every "checkpoint" event, ``on_node_failed`` on every
     "node_failed" one (a critical XID on a node of the job); ``elevated`` is True while
-    a node of the job was reported at risk within ``elevated_s``, so a policy can
-    shorten the periodic interval. Any failure to reach the predictor is logged once per
+    a node of the job was reported at risk within ``elevated_s``; ``hazard_ratio`` is the
+    job's hazard over its fleet's base rate from the predictor's latest "risk" event (None
+    while unknown or the predictor is away), so a policy can scale the periodic interval
+    by it (``IntervalPolicy.interval_at``). Any failure to reach the predictor is logged once per
     outage and retried with backoff; training never waits for it.
     """
 
@@ -56,6 +58,7 @@ class RiskListener:
         self.on_node_failed: Callable[[dict], None] | None = None  # the job's reaction (loop.resumable sets it)
         self._last_risk = float("-inf")
         self._risky: dict[str, float] = {}  # node -> when it was last reported at risk
+        self.risk: dict | None = None  # the latest job risk the predictor stated
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckpt-risk-listener", daemon=True)
 
@@ -68,6 +71,11 @@ class RiskListener:
         """The nodes reported at risk within ``elevated_s`` (peer placement avoids them)."""
         now = time.monotonic()
         return {n for n, t in list(self._risky.items()) if now - t < self.elevated_s}
+
+    @property
+    def hazard_ratio(self) -> float | None:
+        ratio = (self.risk or {}).get("hazard_ratio")
+        return float(ratio) if isinstance(ratio, (int, float)) else None
 
     def start(self) -> "RiskListener":
         self._thread.start()
@@ -114,6 +122,7 @@ class RiskListener:
             delay = min(delay * 2, 60.0)
 
     def _outage(self, since: float | None, error: Exception) -> float:
+        self.risk = None  # stale while away: the policy falls back to its own rate
         if since is None:
             log.warning("predictor at %s unreachable (%s); periodic checkpoints continue, retrying", self.url, error)
             return time.monotonic()
@@ -124,6 +133,9 @@ class RiskListener:
             self._last_risk = time.monotonic()
             self._risky.update({r["node"]: self._last_risk for r in data["at_risk"]
                                 if isinstance(r, dict) and isinstance(r.get("node"), str)})
+        if event == "hello" or event == "risk":
+            risk = data.get("risk") if event == "hello" else data
+            self.risk = risk if isinstance(risk, dict) and risk.get("calibrated") else None
         elif event == "checkpoint":
             self._last_risk = time.monotonic()
             if isinstance(data.get("node"), str):

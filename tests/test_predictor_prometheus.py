@@ -1,0 +1,123 @@
+"""`predictor score|eval --prometheus`: a simulated trace backfilled into a real Prometheus
+scores to the same risk, sample for sample, as the trace itself."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from predictor.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
+from tests.predictor_fixtures import run_cli, simulate
+from tests.prometheus_fixtures import Prometheus, backfill, basic_auth_config, xids_as_gauge_shows
+
+HOURS = 2
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    """(trace, the trace with XIDs as the gauge shows them, Prometheus holding it, window args)."""
+    tmp = tmp_path_factory.mktemp("prom")
+    start = (datetime.now(timezone.utc) - timedelta(days=3)).replace(minute=0, second=0, microsecond=0)
+    trace = simulate(tmp / "trace", 3, HOURS / 24, 60, 3, "--start", start.isoformat(),
+                     "--fail", "node0001/gpu2/hbm@+90m", "--fail", "node0002/gpu5/pcie@+100m")
+    expected = tmp / "expected"
+    xids_as_gauge_shows(trace, expected)
+    storage = tmp / "tsdb"
+    backfill(trace, storage)
+    prom = Prometheus(tmp, storage)
+    window = ["--start", (start - timedelta(minutes=1)).isoformat(),
+              "--end", (start + timedelta(hours=HOURS, minutes=1)).isoformat()]
+    try:
+        yield trace, expected, prom, window, storage
+    finally:
+        prom.stop()
+
+
+def _score(tmp_path, name: str, *source: str) -> dict:
+    out = tmp_path / f"{name}.parquet"
+    run_cli("predictor.cli", "score", *source, "--threshold", "0", "--out", str(out))
+    return pq.read_table(out).to_pydict()
+
+
+def test_scoring_through_prometheus_gives_the_traces_risk(history, tmp_path):
+    trace, expected, prom, window, _ = history
+    direct = _score(tmp_path, "direct", "--trace", str(expected))
+    saved = tmp_path / "saved"
+    # 25 min chunks: boundaries fall between and on samples; every sample must come once
+    through = _score(tmp_path, "prom", "--prometheus", prom.url, *window, "--chunk", "25m", "--match", 'job="dcgm"',
+                     "--save-trace", str(saved))
+    assert len(direct["timestamp"]) >= pq.ParquetFile(trace / "telemetry.parquet").metadata.num_rows
+    for col in ("timestamp", "node", "gpu", "reason"):
+        assert through[col] == direct[col], col
+    np.testing.assert_array_equal(through["score"], direct["score"])
+    assert max(direct["score"]) == 1.0                  # the critical XIDs came through
+    got = pq.read_table(saved / "xid.parquet").to_pydict()
+    want = pq.read_table(expected / "xid.parquet").to_pydict()
+    assert (got["node"], got["gpu"], got["xid"]) == (want["node"], want["gpu"], want["xid"])
+    assert [t.timestamp() for t in got["timestamp"]] == [t.timestamp() for t in want["timestamp"]]
+    meta = json.loads((saved / "trace.json").read_text())
+    assert meta["nodes"] == 3 and meta["gpus_per_node"] == 8 and meta["missing_metrics"] == []
+
+
+def test_eval_through_prometheus_with_failures(history, tmp_path):
+    trace, expected, prom, window, _ = history
+    res = run_cli("predictor.cli", "eval", "--prometheus", prom.url, *window, "--failures",
+                  str(trace / "failures.parquet"), "--json")
+    direct = json.loads(run_cli("predictor.cli", "eval", "--trace", str(expected), "--json").stdout)
+    node = json.loads(res.stdout)["node"]
+    assert node["failures"] == 2
+    for k in ("caught", "recall", "recall_of_predictable", "lead_s_median"):
+        assert node[k] == direct["node"][k], k
+    assert "read " in res.stderr and "from http://127.0.0.1" in res.stderr
+
+
+def _query(prom, window_args: list[str], **kw) -> HistoryQuery:
+    start, end = (datetime.fromisoformat(window_args[i]) for i in (1, 3))
+    return HistoryQuery(prom.url, int(start.timestamp() * 1000), int(end.timestamp() * 1000), **kw)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"match": 'job="elsewhere"'}, "no DCGM series match"),
+    ({"match": 'job=~"("'}, "check --match"),
+    ({"max_samples": 100}, "over --max-samples 100: shorten --chunk"),
+    ({"max_series": 10}, "over --max-series 10: narrow --match"),
+    ({"node_label": "kubernetes_node"}, "has no 'kubernetes_node' or 'gpu' label"),
+])
+def test_clear_errors(history, tmp_path, kw, message):
+    _, _, prom, window, _ = history
+    with pytest.raises(PrometheusError, match=re.escape(message)):
+        PrometheusHistory(_query(prom, window, **kw)).write_trace(tmp_path / "t")
+    with pytest.raises(PrometheusError, match="unreachable"):
+        PrometheusHistory(HistoryQuery("http://127.0.0.1:9", 0, 1000)).write_trace(tmp_path / "t")
+
+
+def test_missing_series_are_named_and_read_as_missing(history, tmp_path):
+    _, _, prom, window, _ = history
+    out = str(tmp_path / "a.parquet")
+    partial = run_cli("predictor.cli", "score", "--out", out, "--prometheus", prom.url, *window,
+                      "--match", '__name__!="DCGM_FI_DEV_PCIE_REPLAY_COUNTER"')
+    assert "no series for DCGM_FI_DEV_PCIE_REPLAY_COUNTER" in partial.stderr
+    usage = run_cli("predictor.cli", "score", "--out", out, "--prometheus", prom.url, check=False)
+    assert usage.returncode == 2 and "--start" in usage.stderr
+
+
+def test_basic_auth(history, tmp_path):
+    _, expected, _, window, storage = history
+    copy = tmp_path / "tsdb"
+    shutil.copytree(storage, copy, ignore=shutil.ignore_patterns("lock", "queries.active", "wal", "chunks_head"))
+    prom = Prometheus(tmp_path, copy, basic_auth_config(tmp_path / "web.yml"))
+    try:
+        out = str(tmp_path / "a.parquet")
+        refused = run_cli("predictor.cli", "score", "--out", out, "--prometheus", prom.url, *window, check=False)
+        assert refused.returncode == 1 and "refused the credentials (401)" in refused.stderr
+        ok = run_cli("predictor.cli", "score", "--out", out, "--prometheus", prom.url, *window, "--prometheus-user",
+                     "reader", "--json", env={"CKPT_GUARD_PROMETHEUS_PASSWORD": "s3cret-pass"})
+        assert json.loads(ok.stdout)["alarms"] == json.loads(run_cli(
+            "predictor.cli", "score", "--out", out, "--trace", str(expected), "--json").stdout)["alarms"]
+    finally:
+        prom.stop()
