@@ -29,6 +29,7 @@ from .metrics import CheckpointMetrics
 from .offload import Offloader
 from .ownership import claim, refusal
 from .plan import RestorePlan, ShardNeed
+from .restarts import mark
 from .restore import load_plan, open_shard, restore_agreed
 from .state import flatten, load_into
 from .tensor_io import with_checksums
@@ -286,6 +287,7 @@ class CheckpointManager:
         into the existing objects, plain values into the dict. Returns the step, or None
         when there is no checkpoint. Under torch.distributed all ranks load the same step."""
         t0 = time.monotonic()
+        mark("restore_start")  # restart timing (ckpt.restarts)
         tiers = self._restore_tiers()
         if self.peering is not None:
             tiers = self.peering.restore_tiers(self.coord, tiers)
@@ -306,6 +308,7 @@ class CheckpointManager:
         generation = self.coord.max(newest.generation)
         # Resuming anything but the newest abandons a branch: later saves start a new lineage.
         self._generation = generation if self.coord.all(plan.ckpt_id == newest) else generation + 1
+        mark("restore_done")
         return plan.ckpt_id.step
 
     def _needs(self, saved_world: int) -> list[ShardNeed] | None:

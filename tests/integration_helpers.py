@@ -31,13 +31,14 @@ REPLACEABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 _ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
 
 
-def torchrun(script: Path, *args: str, restarts: int = 0) -> str:
-    """Run ``script`` on 2 gloo ranks (restarted up to ``restarts`` times); its output, asserting success."""
+def torchrun(script: Path, *args: str, restarts: int = 0, check: bool = True) -> str:
+    """Run ``script`` on 2 gloo ranks (restarted up to ``restarts`` times); its output, asserting
+    success when ``check``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--max-restarts={restarts}",
            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.5", str(script), *args]
     proc = subprocess.run(cmd, env={**os.environ, **_ENV}, capture_output=True, text=True, timeout=400, cwd=REPO)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    assert proc.returncode == 0 or not check, log[-4000:]
     return log
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from ckpt.heartbeat import NodeBeats
 from ckpt.watchdog import EXIT_HUNG, HangDetection, Watchdog
 from tests.integration_helpers import REPO, torchrun
 from tests.procs import wait_for
@@ -65,9 +66,9 @@ def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tu
 
 
 def test_deadline_follows_the_measured_steps() -> None:
-    opts = HangDetection(floor_s=30.0, factor=5.0, warmup_steps=3, first_steps_s=600.0)
+    opts = HangDetection()  # the defaults: floor 10 s, 5x the median, 600 s for the first 3 steps
     assert opts.deadline([]) == opts.deadline([20.0, 20.0]) == 600.0  # warming up: compile, data loading
-    assert opts.deadline([1.0, 1.0, 1.0]) == 30.0  # the floor
+    assert opts.deadline([1.0, 1.0, 1.0]) == 10.0  # the floor
     assert opts.deadline([10.0, 12.0, 500.0]) == 60.0  # 5x the median: one slow step moves it little
     assert HangDetection(deadline_s=4.0).deadline([1.0] * 5) == 4.0
     assert HangDetection(deadline_s=1.0, interval_s=1.0).deadline([1.0] * 5) == 4.0  # 4 beats tell a frozen rank
@@ -75,7 +76,7 @@ def test_deadline_follows_the_measured_steps() -> None:
         HangDetection(deadline_s=0)
 
 
-def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixture) -> None:
+def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     """Two watchdogs on one TCPStore, both alive; rank 1 stopped two boundaries earlier:
     rank 0 names it as behind and exits with EXIT_HUNG (exit is a stub here)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -90,7 +91,8 @@ def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixt
 
     exits: list[int] = []
     opts = HangDetection(deadline_s=2.0, warmup_steps=0, interval_s=0.5, poll_s=0.1)
-    dogs = [Watchdog(client, rank, 2, opts, exit=exits.append) for rank in (0, 1)]
+    dogs = [Watchdog(client, NodeBeats(client, tmp_path, rank, "n", ["n"], opts.interval_s), rank, 2, opts,
+                     exit=exits.append) for rank in (0, 1)]
     dogs[1]._exit = lambda code: None  # rank 1 is the culprit; only rank 0's verdict is checked
     for dog in dogs:
         dog.start()
