@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--urgent-at", type=int, default=None,
                     help="that rank alone requests an urgent checkpoint after this step (all ranks must take it)")
     ap.add_argument("--memory-dir", default="/dev/shm")
+    ap.add_argument("--peers", type=int, default=0, help="keep each rank's snapshot in this many other nodes' memory")
     ap.add_argument("--out", default=None, help="rank 0 writes the final weights digest and timings here (JSON)")
     ap.add_argument("--predictor", default=None,
                     help="predictor URL: take urgent checkpoints on its alarms (job token in $CKPT_GUARD_JOB_TOKEN)")
@@ -127,7 +128,7 @@ def main() -> None:
     faults = parse_faults(args.faults) if rank == args.fault_rank else {}
     mgr = ckpt.CheckpointManager(args.root, run=args.run or os.environ.get("TORCHELASTIC_RUN_ID"),
                                  memory_dir=args.memory_dir, keep_last=2, replicated=("model", "optim", "sched"),
-                                 object_store=args.object_store, state=state)
+                                 object_store=args.object_store, peers=args.peers, state=state)
     t_start = time.time()
     batches = iter(loader)
     first = None
