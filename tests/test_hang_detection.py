@@ -10,14 +10,20 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from ckpt import CheckpointManager
+from ckpt.errors import Preempted
 from ckpt.heartbeat import NodeBeats
+from ckpt.integrations.loop import save_at_boundary
+from ckpt.integrations.urgency import SaveRequests
 from ckpt.watchdog import EXIT_HUNG, HangDetection, Watchdog
 from tests.integration_helpers import REPO, torchrun
 from tests.procs import wait_for
@@ -120,3 +126,27 @@ def test_rank_asleep_in_a_call_dumps_its_stacks(slow_start: tuple[Path, str, str
     assert "rank1 rank 1: this rank's Python stacks follow" in log, log[-4000:]
     assert re.search(r'File ".*train_torchrun\.py", line \d+ in main', log), "no stack dump"
     assert f"exitcode: {EXIT_HUNG}" in log and re.search(r"rank0 incarnation 1: first step 10\b", log), log[-4000:]
+
+
+def test_a_preempted_rank_saving_longer_than_the_deadline_is_not_hung(tmp_path: Path, shm_dir: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM: the rank saves, waits until durable and flushes, however long that takes;
+    its watchdog must not call that a hang (it did: the flush outlived the deadline, exit 86)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = dist.PrefixStore("p", dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                timeout=timedelta(seconds=10)))
+    exits: list[int] = []
+    opts = HangDetection(deadline_s=0.4, warmup_steps=0, interval_s=0.1, poll_s=0.05)
+    dog = Watchdog(lambda: store, NodeBeats(lambda: store, tmp_path / "beats", 0, "n", ["n"], opts.interval_s), 0,
+                   2, opts, exit=exits.append).start()
+    state = {"w": torch.zeros(4)}
+    with CheckpointManager(tmp_path / "root", memory_dir=shm_dir) as mgr:
+        real_flush = mgr.flush
+        monkeypatch.setattr(mgr, "flush", lambda: (time.sleep(1.5), real_flush()))  # a slow upload
+        requests = SaveRequests()
+        requests.on_sigterm(15, None)  # what SIGTERM does
+        dog.boundary()
+        with pytest.raises(Preempted):
+            save_at_boundary(mgr, requests, 1, lambda: state, every=None, watchdog=dog)
+    dog.close()
+    assert exits == [], "a preempted rank's durable save was declared a hang"
