@@ -66,6 +66,8 @@ def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tu
     assert f"exitcode: {EXIT_HUNG}" in log, log[-4000:]
     assert "watchdog: rank 1 (pid" in log and "is stopped (SIGSTOP or a debugger): no stack dump" in log, log[-4000:]
     assert "watchdog: SIGKILLed hung rank 1" in log, log[-4000:]
+    timing = json.loads(re.search(r"rank0 restart timing: (\{.*\})", log).group(1))  # ckpt.restarts
+    assert timing["cause"].startswith("hang: frozen") and timing["total_s"] > 0, timing
     assert re.search(r"rank0 incarnation 1: first step 10\b", log), log[-3000:]
     assert json.loads((base / "hung.json").read_text())["digest"] == \
         json.loads((base / "slow.json").read_text())["digest"], "the resumed run diverged from the uninterrupted one"
