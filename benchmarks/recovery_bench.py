@@ -8,7 +8,7 @@ today's behaviour where it differs:
 
 * ``killed``: SIGKILL (peers' sockets close: noticed at once).
 * ``hung``: SIGSTOP (alive and silent, as on a dead GPU) with the hang detector's
-  default deadline (30 s floor), ``hung_4s`` with ``--hang-deadline 4``, and
+  default deadline (10 s floor; 30 s before issue 19.3), ``hung_4s`` with ``--hang-deadline 4``, and
   ``hung_baseline``: today's behaviour, without the detector (the training group's
   timeout set to 10 s; measured 161 s all the same: the survivor still waits out a
   collective timeout, likely the checkpoint coordinator's 120 s group, then torchrun's
@@ -18,10 +18,18 @@ today's behaviour where it differs:
   the last rank's "job stopped" line, and the phases count from the post. Today a dead
   GPU leaves its rank hung: the ``hung*`` rows are its baseline.
 
-Phases from the ranks' own log lines: ``detect_s`` (fault -> hang declared),
-``relaunch_s`` (fault -> rank 0 restored a checkpoint in the new incarnation, so
-process exit, relaunch, rendezvous, process-group init and restore), ``total_s``
-(fault -> first resumed step). Medians of ``--repeats`` runs.
+* ``lost_node_peer`` / ``lost_node_objstore``: two simulated nodes (a torchrun agent
+  and one rank each); past step 17, node 1 is lost (agent and rank SIGKILLed, its
+  memory and disk wiped) and a replacement agent with empty directories starts at once;
+  its rank's own shard comes from node 0's memory (``--peers 1``) or, today, from the
+  object store (a file:// directory). The phases count from the loss.
+
+From the ranks' own log lines: ``detect_s`` (fault -> hang declared), ``relaunch_s``
+(fault -> rank 0 restored a checkpoint in the new incarnation), ``total_s`` (fault ->
+first resumed step begins), and ``phase_*``: the restart's phases as rank 0 logged them
+(``ckpt.restarts``: detect, exit, relaunch, startup, pg_init, setup, restore,
+first_step, total; these count from the fault as the job knows it, and to the end of
+the first resumed step). Medians of ``--repeats`` runs.
 """
 from __future__ import annotations
 
@@ -124,7 +132,7 @@ def run_xid(workdir: Path, memory_dir: str) -> dict[str, float | None]:
         raise SystemExit(f"xid79: no XID posted, no reaction or no restart in the log:\n{log[-3000:]}")
     return {"detect_s": max(stopped) - posted[0], "relaunch_s": _stamp(re.search(_STAMP + r"rank0 rank 0 restored",
                                                                                   log)) - posted[0],
-            "total_s": float(first.group(1)) - posted[0]}
+            "total_s": float(first.group(1)) - posted[0], **_phases(log)}
 
 
 def _phases(log: str) -> dict[str, float | None]:
@@ -187,6 +195,12 @@ def _stamp(found: re.Match | None) -> float | None:
     return None if found is None else datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
+def median_of(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each key's median over the runs that measured it (None where none did)."""
+    return {k: statistics.median(known) if (known := [r[k] for r in runs if r.get(k) is not None]) else None
+            for k in runs[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write the medians here")
@@ -204,8 +218,7 @@ def main() -> None:
                     tempfile.TemporaryDirectory(prefix="recovery-bench-", dir="/dev/shm") as shm:
                 runs.append(run(scenario, Path(tmp), shm))
             print(f"{scenario} #{i + 1}: {runs[-1]} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
-        table[scenario] = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
-                           for k in runs[0]}
+        table[scenario] = median_of(runs)
     print(json.dumps(table, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps({"repeats": args.repeats, "medians": table}, indent=2))
