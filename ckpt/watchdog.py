@@ -26,8 +26,9 @@ rank runs a ``Watchdog`` thread that talks through the job's key-value store onl
   a frozen one that is not stopped is asked for its stacks first with SIGUSR2, which
   faulthandler answers without the interpreter; a stopped one cannot answer), and
   ``os._exit(EXIT_HUNG)``: unwinding could block in teardown barriers. A culprit
-  alone on its host is not killed here: its agent stops it after its shutdown grace
-  (torchrun ``--shutdown-timeout``, 30 s by default).
+  alone on its host is not killed here: its agent stops it after the grace it gives
+  workers it stops for a restart (30 s, fixed in torch 2.13; ``--shutdown-timeout``
+  applies only when the agent itself exits).
 * **Restart timing** (``ckpt.restarts``): the fault and the exits go to the node's
   restart file; the next incarnation logs one line with the restart's phases.
 """
