@@ -183,8 +183,10 @@ class Watchdog:
 
     def fail(self, reason: str, *, node: str | None = None, fault_t: float | None = None) -> None:
         """Stop the whole job now (``node`` failed, at ``fault_t``): every rank's watchdog
-        sees it within ``poll_s`` and exits with EXIT_NODE_FAILED. Any thread may call it."""
-        self.beats.fail(json.dumps({"reason": reason, "node": node, "t": fault_t or time.time()}))
+        sees it within two polls (its node's aggregator's, then its own of the relay) and
+        exits with EXIT_NODE_FAILED. Any thread may call it."""
+        now = time.time()
+        self.beats.fail(json.dumps({"reason": reason, "node": node, "t": fault_t or now, "at": now}))
 
     def _run(self) -> None:
         tick = min(self.options.interval_s, self.options.poll_s)
@@ -219,7 +221,12 @@ class Watchdog:
             why = {"reason": failed}
         self.recorder.fault(why.get("reason", ""), why.get("t") or time.time(), [why["node"]] if why.get("node")
                             else [])
-        self._leave(EXIT_NODE_FAILED, "rank %d: job stopped: %s", self.rank, why.get("reason"))
+        log.critical("rank %d: job stopped: %s; exiting with code %d", self.rank, why.get("reason"), EXIT_NODE_FAILED)
+        # Every rank leaves at the same moment, once all have seen the key: one that left at
+        # once would break its peers' collectives before they could say why they stop.
+        together = 2 * self.options.poll_s + 0.1
+        time.sleep(min(together, max(0.0, (why.get("at") or 0.0) + together - time.time())))
+        self._leave(EXIT_NODE_FAILED)
 
     def _beat(self, beat: int) -> None:
         self.beats.publish(f"{self._boundaries} {beat}")
