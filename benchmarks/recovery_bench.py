@@ -63,6 +63,9 @@ SCENARIOS = {
     "lost_node_peer": [],  # run_lost_node
     "lost_node_objstore": [],
 }
+# A lost agent stays in the rendezvous until keep_alive_interval x keep_alive_max_attempt
+# without a heartbeat (5 s x 3 by default): the next round waits that long for it.
+RDZV_CONF = os.environ.get("RECOVERY_RDZV_CONF", "keep_alive_interval=1,keep_alive_max_attempt=3")
 _STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 
 
@@ -157,7 +160,8 @@ def run_lost_node(workdir: Path, *, peer: bool) -> dict[str, float | None]:
              "--step-time", "0.2", *tier, *(["--timeline", str(timeline)] if i == 0 else [])] for i in range(2)]
     script = REPO / "examples" / "train_torchrun.py"
     try:
-        nodes = [start_node(script, i, 2, port, args[i], restarts=1, env=REPLACEABLE) for i in range(2)]
+        nodes = [start_node(script, i, 2, port, args[i], restarts=1, env=REPLACEABLE, rdzv_conf=RDZV_CONF)
+                 for i in range(2)]
         if not wait_for(lambda: _reached(timeline, 17), timeout=300, interval=0.05):
             raise SystemExit("lost node: the job never reached step 17:\n" + kill_node(nodes[0])[-3000:])
         lost = time.time()
@@ -165,7 +169,7 @@ def run_lost_node(workdir: Path, *, peer: bool) -> dict[str, float | None]:
         shutil.rmtree(shm[1])
         shm[1].mkdir(mode=0o700)
         shutil.rmtree(workdir / "node1")
-        nodes[1] = start_node(script, 1, 2, port, args[1], restarts=1, env=REPLACEABLE)
+        nodes[1] = start_node(script, 1, 2, port, args[1], restarts=1, env=REPLACEABLE, rdzv_conf=RDZV_CONF)
         log = finish_nodes(nodes, timeout=400)[0]
     finally:
         for d in shm:
