@@ -8,7 +8,7 @@ today's behaviour where it differs:
 
 * ``killed``: SIGKILL (peers' sockets close: noticed at once).
 * ``hung``: SIGSTOP (alive and silent, as on a dead GPU) with the hang detector's
-  default deadline (30 s floor), ``hung_4s`` with ``--hang-deadline 4``, and
+  default deadline (10 s floor; 30 s before issue 19.3), ``hung_4s`` with ``--hang-deadline 4``, and
   ``hung_baseline``: today's behaviour, without the detector (the training group's
   timeout set to 10 s; measured 161 s all the same: the survivor still waits out a
   collective timeout, likely the checkpoint coordinator's 120 s group, then torchrun's
@@ -18,10 +18,18 @@ today's behaviour where it differs:
   the last rank's "job stopped" line, and the phases count from the post. Today a dead
   GPU leaves its rank hung: the ``hung*`` rows are its baseline.
 
-Phases from the ranks' own log lines: ``detect_s`` (fault -> hang declared),
-``relaunch_s`` (fault -> rank 0 restored a checkpoint in the new incarnation, so
-process exit, relaunch, rendezvous, process-group init and restore), ``total_s``
-(fault -> first resumed step). Medians of ``--repeats`` runs.
+* ``lost_node_peer`` / ``lost_node_objstore``: two simulated nodes (a torchrun agent
+  and one rank each); past step 17, node 1 is lost (agent and rank SIGKILLed, its
+  memory and disk wiped) and a replacement agent with empty directories starts at once;
+  its rank's own shard comes from node 0's memory (``--peers 1``) or, today, from the
+  object store (a file:// directory). The phases count from the loss.
+
+From the ranks' own log lines: ``detect_s`` (fault -> hang declared), ``relaunch_s``
+(fault -> rank 0 restored a checkpoint in the new incarnation), ``total_s`` (fault ->
+first resumed step begins), and ``phase_*``: the restart's phases as rank 0 logged them
+(``ckpt.restarts``: detect, exit, relaunch, startup, pg_init, setup, restore,
+first_step, total; these count from the fault as the job knows it, and to the end of
+the first resumed step). Medians of ``--repeats`` runs.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -42,6 +51,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from tests.integration_helpers import REPLACEABLE, finish_nodes, kill_node, start_node  # noqa: E402
 from tests.procs import free_port, stop_process, wait_for  # noqa: E402
 
 SCENARIOS = {
@@ -50,7 +60,12 @@ SCENARIOS = {
     "hung_4s": ["--faults", "12:stop", "--hang-deadline", "4"],
     "hung_baseline": ["--faults", "12:stop", "--no-hang-detection", "--pg-timeout", "10"],
     "xid79": [],  # run_xid
+    "lost_node_peer": [],  # run_lost_node
+    "lost_node_objstore": [],
 }
+# A lost agent stays in the rendezvous until keep_alive_interval x keep_alive_max_attempt
+# without a heartbeat (5 s x 3 by default): the next round waits that long for it.
+RDZV_CONF = os.environ.get("RECOVERY_RDZV_CONF", "keep_alive_interval=1,keep_alive_max_attempt=3")
 _STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 
 
@@ -58,6 +73,8 @@ def run(scenario: str, workdir: Path, memory_dir: str) -> dict[str, float | None
     """One faulty run of ``scenario``: its phases in seconds."""
     if scenario == "xid79":
         return run_xid(workdir, memory_dir)
+    if scenario.startswith("lost_node"):
+        return run_lost_node(workdir, peer=scenario == "lost_node_peer")
     log = _torchrun(scenario, workdir, memory_dir, *SCENARIOS[scenario])
     fault = re.search(r"fault injector: SIG\w+ rank 1 at step 12 \(([\d.]+)\)", log)
     first = re.search(r"rank0 incarnation 1: first step \d+ at ([\d.]+)", log)
@@ -67,7 +84,7 @@ def run(scenario: str, workdir: Path, memory_dir: str) -> dict[str, float | None
     restored = _stamp(re.search(_STAMP + r"rank0 rank 0 restored step", log))
     detected = _stamp(re.search(_STAMP + r"rank\d+ hang detected", log))
     return {"detect_s": None if detected is None else detected - fault, "relaunch_s": restored - fault,
-            "total_s": first - fault}
+            "total_s": first - fault, **_phases(log)}
 
 
 def _torchrun(scenario: str, workdir: Path, memory_dir: str, *extra: str) -> str:
@@ -93,7 +110,7 @@ def run_xid(workdir: Path, memory_dir: str) -> dict[str, float | None]:
                               stderr=subprocess.DEVNULL)
     url, timeline, posted = f"http://127.0.0.1:{port}", workdir / "timeline.jsonl", []
     try:
-        if not wait_for(lambda: _healthy(url), timeout=60):
+        if not wait_for(lambda: healthy(url), timeout=60):
             raise SystemExit("predictor serve did not come up")
 
         def agent() -> None:
@@ -118,10 +135,54 @@ def run_xid(workdir: Path, memory_dir: str) -> dict[str, float | None]:
         raise SystemExit(f"xid79: no XID posted, no reaction or no restart in the log:\n{log[-3000:]}")
     return {"detect_s": max(stopped) - posted[0], "relaunch_s": _stamp(re.search(_STAMP + r"rank0 rank 0 restored",
                                                                                   log)) - posted[0],
-            "total_s": float(first.group(1)) - posted[0]}
+            "total_s": float(first.group(1)) - posted[0], **_phases(log)}
 
 
-def _healthy(url: str) -> bool:
+def _phases(log: str) -> dict[str, float | None]:
+    """The restart's phases as rank 0 logged them (``ckpt.restarts``), prefixed ``phase_``."""
+    found = re.search(r"restart timing: (\{.*\})", log)
+    if not found:
+        raise SystemExit(f"no restart timing line in the log:\n{log[-3000:]}")
+    timing = json.loads(found.group(1))
+    return {f"phase_{k}": v for k, v in timing.items() if k.endswith("_s")}
+
+
+def run_lost_node(workdir: Path, *, peer: bool) -> dict[str, float | None]:
+    """Two simulated nodes (a torchrun agent and one rank each); once the job is past step
+    15, node 1 is lost (agent and worker SIGKILLed, its memory and disk wiped) and a
+    replacement agent with empty directories starts at once. Its rank's own shard comes
+    from node 0's memory (``--peers 1``), or from the object store (a file:// directory):
+    its phases from the loss."""
+    port, shm = free_port(), [Path(tempfile.mkdtemp(prefix=f"recovery-node{i}-", dir="/dev/shm")) for i in range(2)]
+    timeline = workdir / "timeline.jsonl"
+    tier = ["--peers", "1"] if peer else ["--object-store", f"file://{workdir / 'objstore'}"]
+    args = [["--root", str(workdir / f"node{i}"), "--memory-dir", str(shm[i]), "--steps", "40", "--every", "5",
+             "--step-time", "0.2", *tier, *(["--timeline", str(timeline)] if i == 0 else [])] for i in range(2)]
+    script = REPO / "examples" / "train_torchrun.py"
+    try:
+        nodes = [start_node(script, i, 2, port, args[i], restarts=1, env=REPLACEABLE, rdzv_conf=RDZV_CONF)
+                 for i in range(2)]
+        if not wait_for(lambda: _reached(timeline, 17), timeout=300, interval=0.05):
+            raise SystemExit("lost node: the job never reached step 17:\n" + kill_node(nodes[0])[-3000:])
+        lost = time.time()
+        kill_node(nodes[1])
+        shutil.rmtree(shm[1])
+        shm[1].mkdir(mode=0o700)
+        shutil.rmtree(workdir / "node1")
+        nodes[1] = start_node(script, 1, 2, port, args[1], restarts=1, env=REPLACEABLE, rdzv_conf=RDZV_CONF)
+        log = finish_nodes(nodes, timeout=400)[0]
+    finally:
+        for d in shm:
+            shutil.rmtree(d, ignore_errors=True)
+    first = re.search(r"rank0 incarnation [1-9]\d*: first step \d+ at ([\d.]+)", log)
+    restored = _stamp(re.search(_STAMP + r"rank0 rank 0 restored step", log))
+    if not (first and restored):
+        raise SystemExit(f"lost node: no restart in node 0's log:\n{log[-3000:]}")
+    return {"detect_s": None, "relaunch_s": restored - lost, "total_s": float(first.group(1)) - lost, **_phases(log)}
+
+
+def healthy(url: str) -> bool:
+    """``predictor serve`` at ``url`` answers its health check."""
     try:
         with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
             return r.status == 200
@@ -136,6 +197,12 @@ def _reached(timeline: Path, step: int) -> bool:
 def _stamp(found: re.Match | None) -> float | None:
     """A log line's asctime (local time, ms) as epoch seconds."""
     return None if found is None else datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def median_of(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each key's median over the runs that measured it (None where none did)."""
+    return {k: statistics.median(known) if (known := [r[k] for r in runs if r.get(k) is not None]) else None
+            for k in runs[0]}
 
 
 def main() -> None:
@@ -155,8 +222,7 @@ def main() -> None:
                     tempfile.TemporaryDirectory(prefix="recovery-bench-", dir="/dev/shm") as shm:
                 runs.append(run(scenario, Path(tmp), shm))
             print(f"{scenario} #{i + 1}: {runs[-1]} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
-        table[scenario] = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
-                           for k in runs[0]}
+        table[scenario] = median_of(runs)
     print(json.dumps(table, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps({"repeats": args.repeats, "medians": table}, indent=2))

@@ -31,6 +31,7 @@ from .optim_names import param_names
 from .ownership import claim, refusal
 from .plan import RestorePlan, ShardNeed
 from .reshard import ReshardStats, create_optimizer_state, load_resharded
+from .restarts import mark
 from .restore import load_plan, open_shard, restore_agreed
 from .shm_budget import check_room, lazy_optimizer_bytes, refusal_of
 from .state import flatten, load_into
@@ -335,6 +336,7 @@ class CheckpointManager:
 
     def _restore(self, state: dict, step: int | None) -> int | None:
         t0 = time.monotonic()
+        mark("restore_start")  # restart timing (ckpt.restarts)
         tiers = self._restore_tiers()
         if self.peering is not None:
             tiers = self.peering.restore_tiers(self.coord, tiers)
@@ -356,6 +358,7 @@ class CheckpointManager:
         generation = self.coord.max(newest.generation)
         # Resuming anything but the newest abandons a branch: later saves start a new lineage.
         self._generation = generation if self.coord.all(plan.ckpt_id == newest) else generation + 1
+        mark("restore_done")
         return plan.ckpt_id.step
 
     def _load(self, plan: RestorePlan, state: dict) -> dict:

@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .restarts import mark
+
 log = logging.getLogger(__name__)
 
 _ADDRESS_KEY = "ckpt-guard/round-store"
@@ -37,12 +39,14 @@ def init_process_group(backend: str | None = None, timeout: timedelta = timedelt
     """``dist.init_process_group`` for torchrun workers (any number of nodes) that survives
     restarts; outside torchrun's agent store it is the plain call."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    mark("pg_init_start")  # restart timing (ckpt.restarts)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = round_store(rank, world, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = round_store(rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    mark("pg_init_done")
 
 
 def round_store(rank: int, world: int, timeout: timedelta) -> "dist.Store":

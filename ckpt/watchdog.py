@@ -7,15 +7,16 @@ rank runs a ``Watchdog`` thread that talks through the job's key-value store onl
 (never a collective: it would block on the hung rank):
 
 * **Progress** costs the training thread two attribute writes per step boundary
-  (``boundary()``); the thread publishes ``<boundaries> <beat>`` under its rank once
-  per ``interval_s``: one store write per rank per interval, whatever the step rate.
+  (``boundary()``); the thread publishes ``<boundaries> <beat>`` once per
+  ``interval_s``, aggregated per node (``ckpt.heartbeat``): one store write per node
+  per interval, whatever the step rate and the number of ranks.
 * **Deadline**: ``factor`` × the median of the measured step times, at least
   ``floor_s`` (or ``deadline_s``, fixed). Until ``warmup_steps`` steps are measured
   the deadline is at least ``first_steps_s``: compilation and data loading in the
   first steps of every incarnation never trip it.
 * **Verdict**: a rank whose own training thread has not reached a boundary within
   the deadline declares the job hung. Only then (from four intervals before) does it
-  read every rank's key, once per interval, to name the culprit: a rank whose beat
+  read every rank's beat (the nodes' keys), once per interval, to name the culprit: a rank whose beat
   stopped changing is *frozen* (stopped, or wedged with its interpreter); else the
   ranks with fewest boundaries are *behind*; else no single rank is to blame (a hang
   inside a collective or a kernel). A live culprit, or every rank when none is named,
@@ -25,16 +26,21 @@ rank runs a ``Watchdog`` thread that talks through the job's key-value store onl
   a frozen one that is not stopped is asked for its stacks first with SIGUSR2, which
   faulthandler answers without the interpreter; a stopped one cannot answer), and
   ``os._exit(EXIT_HUNG)``: unwinding could block in teardown barriers. A culprit
-  alone on its host is not killed here: its agent stops it after its shutdown grace
-  (torchrun ``--shutdown-timeout``, 30 s by default).
+  alone on its host is not killed here: its agent stops it after the grace it gives
+  workers it stops for a restart (30 s, fixed in torch 2.13; ``--shutdown-timeout``
+  applies only when the agent itself exits).
+* **Restart timing** (``ckpt.restarts``): the fault and the exits go to the node's
+  restart file; the next incarnation logs one line with the restart's phases.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import json
 import logging
 import os
+import shutil
 import signal
-import socket
 import statistics
 import sys
 import threading
@@ -46,7 +52,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import quarantine
 from .distributed import store_connector
+from .heartbeat import DONE, NodeBeats
+from .process_identity import Identity, proc_stat, started, this_process
+from .restarts import EVENTS_FILE, RestartRecorder, previous_records, process_marks, restart_reporter
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -55,7 +65,6 @@ log = logging.getLogger(__name__)
 
 EXIT_HUNG = 86  # this rank ended the job: some rank stopped reaching step boundaries
 EXIT_NODE_FAILED = 87  # this rank ended the job: a node of the job failed (the predictor said so)
-_FAILED = "failed"  # the store key that stops every rank of the job (its value: why)
 _DUMP_SIGNAL = signal.SIGUSR2  # faulthandler dumps the Python stacks of a rank on it
 _OBSERVE_INTERVALS = 4  # start reading peers' beats this many intervals before the deadline
 _FROZEN_POLLS = 3  # a beat unchanged over this many polls: that rank's process is not running
@@ -67,13 +76,15 @@ class HangDetection:
 
     enabled: bool = True
     factor: float = 5.0
-    floor_s: float = 30.0
+    floor_s: float = 10.0
     deadline_s: float | None = None  # fixed deadline, replaces factor × median and the floor
     warmup_steps: int = 3
     first_steps_s: float = 600.0
     interval_s: float = 1.0
-    poll_s: float = 0.25  # how often each rank looks for a "job failed" key (node_failed)
+    poll_s: float = 0.25  # how often each node looks for a "job failed" key (node_failed)
     kill_grace_s: float = 1.0  # time the culprit gets to dump its stacks before SIGKILL
+    quarantine_strikes: int = 3  # a node blamed this often (0: never) ...
+    quarantine_window_s: float = 3600.0  # ... within this window is kept out of restarts (ckpt.quarantine)
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.poll_s <= 0 or self.factor <= 0 or self.floor_s < 0 or self.warmup_steps < 0:
@@ -90,38 +101,21 @@ class HangDetection:
         return steady if len(step_times) >= self.warmup_steps else max(steady, self.first_steps_s)
 
 
-@dataclass(frozen=True)
-class Identity:
-    """Where a rank runs: enough to name it in a log and to kill it safely from its host."""
-
-    rank: int
-    node: str
-    host: str  # hostname, boot id and pid namespace: pids mean the same thing only within one
-    pid: int
-    started: str  # the process start time (/proc/<pid>/stat): a reused pid is never killed
-
-    def encode(self) -> str:
-        return "\t".join(map(str, (self.rank, self.node, self.host, self.pid, self.started)))
-
-    @classmethod
-    def decode(cls, text: str) -> Identity:
-        rank, node, host, pid, started = text.split("\t")
-        return cls(int(rank), node, host, int(pid), started)
-
-
-def this_process(rank: int) -> Identity:
-    node = os.environ.get("CKPT_GUARD_NODE") or socket.gethostname().split(".")[0]
-    return Identity(rank, node, _host_key(), os.getpid(), _started(os.getpid()))
-
-
 class Watchdog:
     """One rank's hang detector; ``store`` returns the calling thread's client of the job's
-    store, keys private to this incarnation (``distributed.store_connector``)."""
+    store, keys private to this incarnation (``distributed.store_connector``); ``beats``
+    this rank's side of its node's beats; ``recorder`` takes the fault and exit records
+    for the next incarnation's restart timing; ``on_first_boundary`` is called with the
+    time of this incarnation's first step boundary."""
 
-    def __init__(self, store: Callable[[], object], rank: int, world_size: int,
-                 options: HangDetection = HangDetection(), *, exit: Callable[[int], None] = os._exit) -> None:
+    def __init__(self, store: Callable[[], object], beats: NodeBeats, rank: int, world_size: int,
+                 options: HangDetection = HangDetection(), *, exit: Callable[[int], None] = os._exit,
+                 recorder: RestartRecorder | None = None,
+                 on_first_boundary: Callable[[float], None] | None = None) -> None:
         self.options, self.rank, self.world_size = options, rank, world_size
-        self._store, self._exit = store, exit
+        self._store, self.beats, self._exit = store, beats, exit
+        self.recorder = recorder or RestartRecorder(None, "", rank, beats.node)
+        self._on_first_boundary = on_first_boundary
         self.me = this_process(rank)
         self._boundaries = 0
         self._last = time.monotonic()  # the last boundary (or start) on the training thread
@@ -130,6 +124,8 @@ class Watchdog:
         self._warned = 0.0  # the boundary (its time) after which a stall was last announced
         self._step_times: deque[float] = deque(maxlen=64)
         self._seen: dict[int, tuple[bytes, int]] = {}  # rank -> (its last value, polls unchanged)
+        self._woke = self._next_beat = time.monotonic()  # the thread's last turn, its next beat
+        self._beat_count, self._unreachable = 0, False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckpt-watchdog", daemon=True)
 
@@ -139,6 +135,7 @@ class Watchdog:
         self._store().set(f"who/{self.rank}", self.me.encode())
         self._last = time.monotonic()
         self._thread.start()
+        atexit.register(self._ended)
         return self
 
     def boundary(self) -> None:
@@ -149,55 +146,90 @@ class Watchdog:
             self._step_times.append(now - self._last)
         self._boundaries += 1
         self._last, self._paused, self._frozen_s = now, False, 0.0
+        if self._boundaries == 1 and self._on_first_boundary is not None:
+            self._on_first_boundary(time.time())
 
     def progress(self) -> None:
         """Progress that is not a training step (an evaluation batch): resets the clock;
         the next step time is not measured, since it includes the evaluation."""
         self._last, self._paused = time.monotonic(), True
 
-    def close(self) -> None:
-        """Training is over on this rank (or unwinding): stop watching, tell the peers."""
+    def close(self, *, finished: bool = True) -> None:
+        """Training is over on this rank (``finished``), or unwinding: stop watching, tell
+        the peers. Unwinding, an uncaught exception that ends the process is recorded for
+        the next incarnation's restart timing (at exit)."""
         if self._stop.is_set():
             return
         self._stop.set()
+        if finished:
+            atexit.unregister(self._ended)
         self._thread.join(timeout=self.options.interval_s + 5.0)
         try:
-            self._store().set(f"beat/{self.rank}", "done")
+            self.beats.done()
         except (RuntimeError, OSError) as e:  # the store may be gone at the end of a job
             log.debug("watchdog: could not say done: %s", e)
+
+    def _ended(self) -> None:
+        """The interpreter exits before training was over: an uncaught exception (a peer
+        died, or the program's own error) ends this rank, which the restart timing counts
+        as the fault's detection."""
+        error = getattr(sys, "last_value", None)
+        if error is not None:
+            self.recorder.fault(f"rank {self.rank} ended by {type(error).__name__}: {str(error)[:200]}", time.time())
+            self.recorder.left()
 
     def deadline(self) -> float:
         return self.options.deadline(list(self._step_times))
 
-    def fail(self, reason: str) -> None:
-        """Stop the whole job now (a node failed): every rank's watchdog sees the key within
-        ``poll_s`` and exits with EXIT_NODE_FAILED. Any thread may call it."""
-        self._store().set(_FAILED, reason)
+    def fail(self, reason: str, *, node: str | None = None, fault_t: float | None = None) -> None:
+        """Stop the whole job now (``node`` failed, at ``fault_t``): every rank's watchdog
+        sees it within two polls (its node's aggregator's, then its own of the relay) and
+        exits with EXIT_NODE_FAILED. Any thread may call it."""
+        now = time.time()
+        self.beats.fail(json.dumps({"reason": reason, "node": node, "t": fault_t or now, "at": now}))
 
     def _run(self) -> None:
-        beat, interval, tick = 0, self.options.interval_s, min(self.options.interval_s, self.options.poll_s)
-        woke = next_beat = time.monotonic()
-        unreachable = False
+        tick = min(self.options.interval_s, self.options.poll_s)
+        self._woke = self._next_beat = time.monotonic()
         while not self._stop.wait(tick):
-            now = time.monotonic()
-            if now - woke > 2 * interval:  # this thread did not run: the whole process was stopped
-                self._frozen_s = now - woke
-            woke = now
-            try:
-                store = self._store()
-                if store.check([_FAILED]):
-                    self._leave(EXIT_NODE_FAILED, "rank %d: job stopped: %s", self.rank, store.get(_FAILED).decode())
-                if now >= next_beat:
-                    next_beat, beat = now + interval, beat + 1
-                    self._beat(store, beat)
-                unreachable = False
-            except (RuntimeError, OSError) as e:  # the store unreachable: the job is ending anyway
-                if not unreachable:
-                    log.warning("watchdog: job store unreachable (%s); hang detection paused", e)
-                unreachable = True
+            self.tick(time.monotonic())
 
-    def _beat(self, store: object, beat: int) -> None:
-        store.set(f"beat/{self.rank}", f"{self._boundaries} {beat}")
+    def tick(self, now: float) -> None:
+        """One turn of the watchdog thread at monotonic time ``now``: the failed key each
+        poll, a beat (and, when stalled, the verdict) each interval."""
+        interval = self.options.interval_s
+        if now - self._woke > 2 * interval:  # this thread did not run: the whole process was stopped
+            self._frozen_s = now - self._woke
+        self._woke = now
+        try:
+            failed = self.beats.failed()
+            if failed is not None:
+                self._stopped_by(failed)
+            if now >= self._next_beat:
+                self._next_beat, self._beat_count = now + interval, self._beat_count + 1
+                self._beat(self._beat_count)
+            self._unreachable = False
+        except (RuntimeError, OSError) as e:  # the store unreachable: the job is ending anyway
+            if not self._unreachable:
+                log.warning("watchdog: job store unreachable (%s); hang detection paused", e)
+            self._unreachable = True
+
+    def _stopped_by(self, failed: str) -> None:
+        try:
+            why = json.loads(failed)
+        except ValueError:
+            why = {"reason": failed}
+        self.recorder.fault(why.get("reason", ""), why.get("t") or time.time(), [why["node"]] if why.get("node")
+                            else [])
+        log.critical("rank %d: job stopped: %s; exiting with code %d", self.rank, why.get("reason"), EXIT_NODE_FAILED)
+        # Every rank leaves at the same moment, once all have seen the key: one that left at
+        # once would break its peers' collectives before they could say why they stop.
+        together = 2 * self.options.poll_s + 0.1
+        time.sleep(min(together, max(0.0, (why.get("at") or 0.0) + together - time.time())))
+        self._leave(EXIT_NODE_FAILED)
+
+    def _beat(self, beat: int) -> None:
+        self.beats.publish(f"{self._boundaries} {beat}")
         last = self._last
         stalled, deadline, interval = time.monotonic() - last, self.deadline(), self.options.interval_s
         if stalled >= deadline / 2 and self._warned != last:  # never wait silently
@@ -206,22 +238,20 @@ class Watchdog:
         if stalled < deadline - _OBSERVE_INTERVALS * interval:
             self._seen.clear()
             return
-        self._observe(store)
+        self._observe()
         if stalled >= deadline and not self._stop.is_set():
-            self._declare(store, stalled, deadline)
+            self._declare(self._store(), stalled, deadline)
 
-    def _observe(self, store: object) -> None:
+    def _observe(self) -> None:
         """Read every rank's beat; count the polls each has stayed unchanged."""
-        keys = [f"beat/{r}" for r in range(self.world_size)]
-        present = keys if store.check(keys) else [k for k in keys if store.check([k])]
-        values = dict(zip(present, store.multi_get(present))) if present else {}
-        for r, key in enumerate(keys):
-            value = values.get(key, b"")
+        beats = self.beats.read_all()
+        for r in range(self.world_size):
+            value = beats.get(r, "")
             old, unchanged = self._seen.get(r, (None, -1))
             self._seen[r] = (value, unchanged + 1 if value == old else 0)
 
     def _culprits(self) -> tuple[str, list[int]]:
-        live = {r: v for r, (v, _) in self._seen.items() if v != b"done"}
+        live = {r: v for r, (v, _) in self._seen.items() if v != DONE}
         frozen = [r for r, (v, n) in self._seen.items() if r in live and n >= _FROZEN_POLLS]
         if frozen:
             return "frozen (its process has not run for the last polls)", frozen
@@ -246,6 +276,9 @@ class Watchdog:
                      "%s; exiting with code %d", self.rank, stalled, deadline, median,
                      f"{why}: {names}" if culprits else "every rank is alive at the same boundary (a hang inside "
                      "a collective or a kernel)", EXIT_HUNG)
+        self.recorder.fault(f"hang: {why or 'every rank alive at the same boundary'}: "
+                            f"{names or 'no culprit named'}", time.time() - stalled,
+                            [who[r].node for r in culprits if r in who])
         if self.rank in culprits or not culprits:
             log.critical("rank %d: this rank's Python stacks follow", self.rank)
             _flush_logs()
@@ -259,6 +292,7 @@ class Watchdog:
         """Exit at once (unwinding could block in a collective or a teardown barrier)."""
         if message:
             log.critical(f"{message[0]}; exiting with code {code}", *message[1:])
+        self.recorder.left()
         _flush_logs()
         self._stop.set()
         self._exit(code)
@@ -267,11 +301,11 @@ class Watchdog:
         """SIGKILL a hung rank of this host. A frozen one that is not stopped is asked for
         its stacks first (faulthandler's handler runs without the interpreter's lock); a
         live one dumps its own; a stopped one can give none without running again."""
-        if not target.started or _started(target.pid) != target.started:
+        if not target.started or started(target.pid) != target.started:
             log.warning("watchdog: rank %d (pid %d) is gone already, or its start time is unknown: not killed",
                         target.rank, target.pid)
             return
-        stopped = _proc_stat(target.pid)[:1] in (["T"], ["t"])
+        stopped = proc_stat(target.pid)[:1] in (["T"], ["t"])
         try:
             if stopped:
                 log.critical("watchdog: rank %d (pid %d) is stopped (SIGSTOP or a debugger): no stack dump",
@@ -280,10 +314,11 @@ class Watchdog:
                 if ask_stacks:
                     os.kill(target.pid, _DUMP_SIGNAL)
                 deadline = time.monotonic() + self.options.kill_grace_s
-                while time.monotonic() < deadline and _started(target.pid) == target.started:
+                while time.monotonic() < deadline and started(target.pid) == target.started:
                     time.sleep(0.05)
-            if _started(target.pid) == target.started:
+            if started(target.pid) == target.started:
                 os.kill(target.pid, signal.SIGKILL)
+                self.recorder.left(target.rank)
                 log.critical("watchdog: SIGKILLed hung rank %d (pid %d on node %s)", target.rank, target.pid,
                              target.node)
         except ProcessLookupError:
@@ -293,14 +328,37 @@ class Watchdog:
 
 
 def start_watchdog(mgr: CheckpointManager, options: HangDetection | None) -> Watchdog | None:
-    """Every rank's watchdog for ``mgr``'s job (call at the same point on every rank: one
-    all-gather agrees on a namespace for this incarnation); None when alone or disabled."""
+    """Every rank's watchdog for ``mgr``'s job (call at the same point on every rank, after
+    the restore: one all-gather agrees on a namespace for this incarnation and brings the
+    last restart's records to rank 0, which logs its timing); None when alone or disabled."""
     options = options or HangDetection()
-    if not options.enabled or mgr.world_size == 1:
+    if mgr.world_size == 1:
         return None
-    incarnation = mgr.coord.gather(uuid.uuid4().hex)[0]
+    me, ns = this_process(mgr.rank), Path(mgr._ns)  # the job's node-local shared-memory directory
+    events = ns / EVENTS_FILE
+    strikes = quarantine.record_path(mgr.disk.root if mgr.disk is not None else ns, mgr.run)
+    gathered = mgr.coord.gather((uuid.uuid4().hex, me.node, previous_records(events), process_marks(),
+                                 quarantine.read(strikes)))
+    incarnation, nodes = gathered[0][0], [g[1] for g in gathered]
+    records = list({json.dumps(r, sort_keys=True): r for g in gathered for r in g[2]}.values())
+    quarantine.enforce(strikes, [g[4] for g in gathered], records, nodes, me.node,
+                       limit=options.quarantine_strikes, window_s=options.quarantine_window_s,
+                       barrier=mgr.coord.barrier)
+    report = None
+    if mgr.rank == 0 and (records or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
+        report = restart_reporter(records, [g[3] for g in gathered])
+    for old in ns.glob("beats-*"):
+        if old.name != f"beats-{incarnation}":
+            shutil.rmtree(old, ignore_errors=True)
+    if not options.enabled:
+        if report is not None:
+            report(None)
+        return None
     store = store_connector(f"{mgr.run}/{incarnation}/watchdog", timeout_s=30.0)
-    return Watchdog(store, mgr.rank, mgr.world_size, options).start()
+    beats = NodeBeats(store, ns / f"beats-{incarnation}", mgr.rank, me.node, nodes, options.interval_s)
+    recorder = RestartRecorder(events, incarnation, mgr.rank, me.node)
+    return Watchdog(store, beats, mgr.rank, mgr.world_size, options, recorder=recorder,
+                    on_first_boundary=report).start()
 
 
 def on_node_failed(watchdog: Watchdog | None) -> Callable[[dict], None]:
@@ -308,8 +366,10 @@ def on_node_failed(watchdog: Watchdog | None) -> Callable[[dict], None]:
     (through the watchdogs' store key), or this lone process at once."""
     def stop(event: dict) -> None:
         reason = f"the predictor reports node {event.get('node')} failed ({event.get('reason')})"
-        if watchdog is not None:
-            watchdog.fail(reason)
+        if watchdog is not None:  # the agent's sample time: the fault, for the restart timing
+            sampled = event.get("sampled_at_ms")
+            watchdog.fail(reason, node=event.get("node"),
+                          fault_t=sampled / 1000 if isinstance(sampled, (int, float)) else None)
         else:
             log.critical("%s; exiting with code %d", reason, EXIT_NODE_FAILED)
             _flush_logs()
@@ -329,32 +389,3 @@ def _flush_logs() -> None:
         handler.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-
-
-def _host_key() -> str:
-    """This host and pid namespace: two ranks with the same key see the same pids."""
-    boot = _read("/proc/sys/kernel/random/boot_id") or uuid.getnode()
-    try:
-        ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        ns = ""
-    return f"{socket.gethostname()}/{boot}/{ns}"
-
-
-def _proc_stat(pid: int) -> list[str]:
-    """/proc/<pid>/stat after the command name: [0] the state, [19] the start time in
-    clock ticks since boot ([] when unknown or gone)."""
-    stat = _read(f"/proc/{pid}/stat")
-    return stat.rsplit(")", 1)[1].split() if stat else []
-
-
-def _started(pid: int) -> str:
-    """When ``pid`` started ('' when unknown or gone): with the pid, names one process."""
-    return "".join(_proc_stat(pid)[19:20])
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""

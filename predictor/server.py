@@ -120,11 +120,13 @@ class Service:
         """A critical XID means a lost GPU: the jobs on its node hear "node_failed" now, not
         after scoring (the job stops at once; a lost GPU never reaches a step boundary)."""
         seen = set()
-        for node, gpu, xid in zip(*(table.column(k).to_pylist() for k in ("node", "gpu", "xid"))):
+        sampled = wire.timestamps_ms(table.column("timestamp")).tolist()  # when the agent saw it
+        for node, gpu, xid, at in zip(*(table.column(k).to_pylist() for k in ("node", "gpu", "xid")), sampled):
             if is_critical_xid(xid) and node not in seen:
                 seen.add(node)
                 payload = {"event": "node_failed", "node": node, "gpu": gpu, "xid": xid,
-                           "reason": f"critical XID {xid} on GPU {gpu}", "sent_at_ms": int(time.time() * 1000)}
+                           "reason": f"critical XID {xid} on GPU {gpu}", "sampled_at_ms": at,
+                           "sent_at_ms": int(time.time() * 1000)}
                 if self.jobs.fail(node, payload):
                     log.warning("node %s failed (XID %d on GPU %d): told its jobs", node, xid, gpu)
 

@@ -23,7 +23,7 @@ def test_a_lost_node_and_the_job_goes_on_with_the_other(tmp_path: Path) -> None:
     try:
         nodes = [start_node(SCRIPT, i, "1:2", port, ["--root", str(root), "--memory-dir", shms[i], "--steps", "24",
                                                     "--every", "4", "--step-time", "0.3", "--out", str(out)],
-                            restarts=2, rdzv_conf=",last_call_timeout=2") for i in range(2)]
+                            restarts=2, rdzv_conf="last_call_timeout=2") for i in range(2)]
         tier = LocalDiskTier(root)
         assert wait_for(lambda: root.exists() and any(i.id.step >= 8 for i in tier.list()), timeout=240), \
             "no checkpoint of step 8"

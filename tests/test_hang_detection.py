@@ -10,13 +10,20 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from ckpt import CheckpointManager
+from ckpt.errors import Preempted
+from ckpt.heartbeat import NodeBeats
+from ckpt.integrations.loop import save_at_boundary
+from ckpt.integrations.urgency import SaveRequests
 from ckpt.watchdog import EXIT_HUNG, HangDetection, Watchdog
 from tests.integration_helpers import REPO, torchrun
 from tests.procs import wait_for
@@ -59,15 +66,17 @@ def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tu
     assert f"exitcode: {EXIT_HUNG}" in log, log[-4000:]
     assert "watchdog: rank 1 (pid" in log and "is stopped (SIGSTOP or a debugger): no stack dump" in log, log[-4000:]
     assert "watchdog: SIGKILLed hung rank 1" in log, log[-4000:]
+    timing = json.loads(re.search(r"rank0 restart timing: (\{.*\})", log).group(1))  # ckpt.restarts
+    assert timing["cause"].startswith("hang: frozen") and timing["total_s"] > 0, timing
     assert re.search(r"rank0 incarnation 1: first step 10\b", log), log[-3000:]
     assert json.loads((base / "hung.json").read_text())["digest"] == \
         json.loads((base / "slow.json").read_text())["digest"], "the resumed run diverged from the uninterrupted one"
 
 
 def test_deadline_follows_the_measured_steps() -> None:
-    opts = HangDetection(floor_s=30.0, factor=5.0, warmup_steps=3, first_steps_s=600.0)
+    opts = HangDetection()  # the defaults: floor 10 s, 5x the median, 600 s for the first 3 steps
     assert opts.deadline([]) == opts.deadline([20.0, 20.0]) == 600.0  # warming up: compile, data loading
-    assert opts.deadline([1.0, 1.0, 1.0]) == 30.0  # the floor
+    assert opts.deadline([1.0, 1.0, 1.0]) == 10.0  # the floor
     assert opts.deadline([10.0, 12.0, 500.0]) == 60.0  # 5x the median: one slow step moves it little
     assert HangDetection(deadline_s=4.0).deadline([1.0] * 5) == 4.0
     assert HangDetection(deadline_s=1.0, interval_s=1.0).deadline([1.0] * 5) == 4.0  # 4 beats tell a frozen rank
@@ -75,7 +84,7 @@ def test_deadline_follows_the_measured_steps() -> None:
         HangDetection(deadline_s=0)
 
 
-def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixture) -> None:
+def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     """Two watchdogs on one TCPStore, both alive; rank 1 stopped two boundaries earlier:
     rank 0 names it as behind and exits with EXIT_HUNG (exit is a stub here)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -90,7 +99,8 @@ def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixt
 
     exits: list[int] = []
     opts = HangDetection(deadline_s=2.0, warmup_steps=0, interval_s=0.5, poll_s=0.1)
-    dogs = [Watchdog(client, rank, 2, opts, exit=exits.append) for rank in (0, 1)]
+    dogs = [Watchdog(client, NodeBeats(client, tmp_path, rank, "n", ["n"], opts.interval_s), rank, 2, opts,
+                     exit=exits.append) for rank in (0, 1)]
     dogs[1]._exit = lambda code: None  # rank 1 is the culprit; only rank 0's verdict is checked
     for dog in dogs:
         dog.start()
@@ -118,3 +128,27 @@ def test_rank_asleep_in_a_call_dumps_its_stacks(slow_start: tuple[Path, str, str
     assert "rank1 rank 1: this rank's Python stacks follow" in log, log[-4000:]
     assert re.search(r'File ".*train_torchrun\.py", line \d+ in main', log), "no stack dump"
     assert f"exitcode: {EXIT_HUNG}" in log and re.search(r"rank0 incarnation 1: first step 10\b", log), log[-4000:]
+
+
+def test_a_preempted_rank_saving_longer_than_the_deadline_is_not_hung(tmp_path: Path, shm_dir: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM: the rank saves, waits until durable and flushes, however long that takes;
+    its watchdog must not call that a hang (it did: the flush outlived the deadline, exit 86)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = dist.PrefixStore("p", dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                timeout=timedelta(seconds=10)))
+    exits: list[int] = []
+    opts = HangDetection(deadline_s=0.4, warmup_steps=0, interval_s=0.1, poll_s=0.05)
+    dog = Watchdog(lambda: store, NodeBeats(lambda: store, tmp_path / "beats", 0, "n", ["n"], opts.interval_s), 0,
+                   2, opts, exit=exits.append).start()
+    state = {"w": torch.zeros(4)}
+    with CheckpointManager(tmp_path / "root", memory_dir=shm_dir) as mgr:
+        real_flush = mgr.flush
+        monkeypatch.setattr(mgr, "flush", lambda: (time.sleep(1.5), real_flush()))  # a slow upload
+        requests = SaveRequests()
+        requests.on_sigterm(15, None)  # what SIGTERM does
+        dog.boundary()
+        with pytest.raises(Preempted):
+            save_at_boundary(mgr, requests, 1, lambda: state, every=None, watchdog=dog)
+    dog.close()
+    assert exits == [], "a preempted rank's durable save was declared a hang"

@@ -123,6 +123,7 @@ def test_job_hears_checkpoint_now_once_per_interval(shared_server):
     (failed_name, failed), (name, ev) = read_events(stream, 2)  # the lost GPU first: the job stops at once
     assert time.monotonic() - sent < 5
     assert failed_name == "node_failed" and failed["node"] == "j1" and failed["xid"] == 79
+    assert failed["sampled_at_ms"] == T0 + 2000  # the agent's sample time: the job times its restart from it
     assert name == "checkpoint" and ev["node"] == "j1" and ev["gpu"] == 3 and ev["risk"] == 1.0
     assert ev["reason"] == "critical XID 79"
     # a second GPU of the same node crossing inside the job's interval is rate-limited

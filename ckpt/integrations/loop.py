@@ -53,7 +53,11 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
     interval = elevated_every if elevated and elevated_every else every
     if not (urgent or due or (isinstance(interval, int) and step % interval == 0)):
         return False
+    if preempted and watchdog is not None:
+        watchdog.close()  # the durable save and unwinding may take long: that is no hang
     handle = mgr.save(step, state(), urgent=urgent)
+    if watchdog is not None:
+        watchdog.progress()  # a save's blocking time is not a step's: the hang deadline counts from here
     if isinstance(every, IntervalPolicy):
         every.saved(blocking_s=handle.blocking_s)
     if urgent:
@@ -65,8 +69,6 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
                 handle.wait(tier)
         mgr.flush()
         log.warning("preempted: step %d is durable; exiting", step)
-        if watchdog is not None:
-            watchdog.close()  # unwinding may wait in teardown: that is no hang
         raise Preempted(step)
     return True
 
@@ -92,14 +94,16 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | I
     watchdog = start_watchdog(mgr, hang)
     if listener is not None:
         listener.on_node_failed = on_node_failed(watchdog)
+    finished = False
     try:
         for step in range(start, total):
             yield step
             save_at_boundary(mgr, requests, step + 1, lambda: state, every, listener=listener,
                              elevated_every=elevated_every, watchdog=watchdog)
+        finished = True
     finally:
         if watchdog is not None:
-            watchdog.close()
+            watchdog.close(finished=finished)
     if save_at_end and total > start and not (isinstance(every, int) and total % every == 0):
         mgr.save(total, state)
     mgr.flush()  # the newest step off-node too, if an upload was pending when it was saved
