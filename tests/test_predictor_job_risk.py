@@ -71,6 +71,7 @@ class _Heard:
     """What the loop reads from a RiskListener (whose ratio comes from the live stream below)."""
 
     elevated = False
+    at_risk_nodes: set[str] = set()
 
     def __init__(self, ratio: float) -> None:
         self.hazard_ratio = ratio
