@@ -89,10 +89,11 @@ def render(host: str, gpus: list[Gpu], *, extra_fields: bool = False, xid_totals
 
 
 class FakeExporter:
-    """Serves ``page`` at /metrics; ``status``/``delay_s`` make it fail or hang."""
+    """Serves ``page`` at /metrics; ``status``, ``delay_s`` (before answering) and ``drip_s``
+    (between 256-byte pieces of the body) make it fail, hang or crawl."""
 
     def __init__(self, page: str = ""):
-        self.page, self.status, self.delay_s, self.requests = page, 200, 0.0, 0
+        self.page, self.status, self.delay_s, self.drip_s, self.requests = page, 200, 0.0, 0.0, 0
         exporter = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -108,7 +109,13 @@ class FakeExporter:
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                try:
+                    for i in range(0, len(body), 256 if exporter.drip_s else len(body) or 1):
+                        self.wfile.write(body[i:i + 256] if exporter.drip_s else body)
+                        self.wfile.flush()
+                        time.sleep(exporter.drip_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass                        # the scraper gave up: what it should do
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

@@ -118,14 +118,15 @@ def test_failed_scrapes_are_counted_and_leave_the_other_exporters(exporter, capl
     other = FakeExporter(render("dgx-b", [gpu(0, "b")]))
     src = DcgmExporterSource([exporter.url, other.url], timeout_s=0.5, max_bytes=64 << 10)
     try:
-        for page, status, delay in (("", 500, 0), ("# TYPE x gauge\nx{gpu=\"0\" 1\n", 200, 0),
-                                    (render("dgx-a", [gpu(i) for i in range(8)]) * 20, 200, 0),
-                                    (render("dgx-a", [gpu(0)]), 200, 1.5)):
-            exporter.page, exporter.status, exporter.delay_s = page, status, delay
+        for page, status, delay, drip in (("", 500, 0, 0), ("# TYPE x gauge\nx{gpu=\"0\" 1\n", 200, 0, 0),
+                                          (render("dgx-a", [gpu(i) for i in range(8)]) * 20, 200, 0, 0),
+                                          (render("dgx-a", [gpu(0)]), 200, 1.5, 0),   # no answer in time
+                                          (render("dgx-a", [gpu(0)]), 200, 0, 0.1)):  # bytes dripping
+            exporter.page, exporter.status, exporter.delay_s, exporter.drip_s = page, status, delay, drip
             rows = src.read()
             assert [(r["node"], r["gpu"]) for r in rows] == [("dgx-b", 0)]
-        assert src.scrape_errors == 4
-        exporter.page, exporter.status, exporter.delay_s = render("dgx-a", [gpu(0)]), 200, 0
+        assert src.scrape_errors == 5
+        exporter.page, exporter.status, exporter.delay_s, exporter.drip_s = render("dgx-a", [gpu(0)]), 200, 0, 0
         assert sorted(r["node"] for r in src.read()) == ["dgx-a", "dgx-b"]
     finally:
         src.close()

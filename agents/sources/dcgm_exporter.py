@@ -61,14 +61,20 @@ def fetch(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_bytes: int = DEFAU
     try:
         conn.request("GET", (u.path or "/metrics") + (f"?{u.query}" if u.query else ""),
                      headers={"Accept": "text/plain"})
+        sock = conn.sock                        # the response keeps it after a "Connection: close"
         resp = conn.getresponse()
         chunks, size = [], 0
-        while chunk := resp.read(_READ_CHUNK):
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ScrapeError(f"{url}: page not read within {timeout_s:g} s")
+            sock.settimeout(left)          # a server that drips bytes cannot stretch the limit
+            chunk = resp.read1(_READ_CHUNK)
+            if not chunk:
+                break
             size += len(chunk)
             if size > max_bytes:
                 raise ScrapeError(f"{url}: page larger than the {max_bytes}-byte cap")
-            if time.monotonic() > deadline:
-                raise ScrapeError(f"{url}: page not read within {timeout_s:g} s")
             chunks.append(chunk)
         body = b"".join(chunks)
         if resp.status != 200:
@@ -174,6 +180,8 @@ class DcgmExporterSource(Source):
             return parse_page(fetch(target.url, self.timeout_s, self.max_bytes), self.node_label, default)
         except ScrapeError as e:
             return e
+        except Exception as e:  # a page the parser chokes on otherwise must not cost the other exporters' rows
+            return ScrapeError(f"{target.url}: {type(e).__name__}: {e}")
 
     def read(self) -> list[dict]:
         now = int(self._clock() * 1000)
