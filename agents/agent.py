@@ -29,7 +29,8 @@ class Agent:
                 raise ValueError("sending to a predictor needs a token and a spool directory")
             spool = Spool(spool_dir, spool_max_bytes)
             self.sender = Sender(predictor, token, spool, self.stats, batch_s=batch_s)
-        self.exporter = Exporter(self.stats, spool, source.model_name, stale_s=max(60.0, 3 * interval_s))
+        self.exporter = Exporter(self.stats, spool, source.model_name, stale_s=max(60.0, 3 * interval_s),
+                                 source_metrics=source.metrics)
         self.metrics_port = self.exporter.serve(metrics_port, metrics_addr) if metrics_port is not None else None
         all_sinks = [self.exporter.observe] + ([self.sender.put] if self.sender else []) + list(sinks)
         self.sampler = Sampler(source, all_sinks, interval_s, self.stats)

@@ -142,7 +142,19 @@ def _default_spool_dir(node: str) -> str:
     return os.path.join(state, "ckpt-guard", f"agent-spool-{node}")
 
 
-def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet, model_clock=False):
+def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet, model_clock=False,
+                 dcgm=None):
+    if source == "dcgm-exporter":
+        from urllib.parse import urlsplit
+
+        from agents.sources.dcgm_exporter import DcgmExporterSource
+
+        try:
+            src = DcgmExporterSource(dcgm["urls"], node_label=dcgm["node_label"], default_node=node_name,
+                                     timeout_s=dcgm["timeout"], max_bytes=int(dcgm["max_mb"] * (1 << 20)))
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        return src, node_name or urlsplit(src.urls[0]).hostname
     if source == "nvml":
         from agents.sources.nvml import NvmlSource, NvmlUnavailable
 
@@ -170,7 +182,8 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
 
 
 @main.command()
-@click.option("--source", type=click.Choice(["nvml", "sim", "replay"]), default="nvml", show_default=True)
+@click.option("--source", type=click.Choice(["nvml", "sim", "replay", "dcgm-exporter"]), default="nvml",
+              show_default=True)
 @click.option("--predictor", default=None, metavar="URL",
               help="Predictor base URL; without it only /metrics is served.")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -198,6 +211,14 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
 @click.option("--model-clock", is_flag=True,
               help="Sim: stamp samples with the simulated clock, --time-scale times faster "
               "than the wall clock, so a predictor sees sped-up precursors at their natural pace (demos).")
+@click.option("--dcgm-url", "dcgm_urls", multiple=True, metavar="URL",
+              help="dcgm-exporter: a page to scrape, e.g. http://gpu-node-1:9400/metrics (repeatable).")
+@click.option("--dcgm-node-label", default="Hostname", show_default=True,
+              help="dcgm-exporter: the label that names the node (--node-name, else the URL's host, where absent).")
+@click.option("--dcgm-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="dcgm-exporter: seconds a scrape may take in all.")
+@click.option("--dcgm-max-mb", type=click.FloatRange(min=0, min_open=True), default=8.0, show_default=True,
+              help="dcgm-exporter: largest page accepted, in MiB.")
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop after this many seconds.")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=5.0, show_default=True,
@@ -207,8 +228,8 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
               show_default=True)
 @fleet_options
 def run(source, predictor, token_file, token_argv, interval, metrics_port, metrics_addr, node_name, spool_dir,
-        spool_max_mb, batch_seconds, trace, speed, replay_nodes, retime, model_clock, duration, drain_seconds, as_json,
-        log_level, **fleet) -> None:
+        spool_max_mb, batch_seconds, trace, speed, replay_nodes, retime, model_clock, dcgm_urls, dcgm_node_label,
+        dcgm_timeout, dcgm_max_mb, duration, drain_seconds, as_json, log_level, **fleet) -> None:
     """Run the node agent: sample GPUs, stream to the predictor, serve /metrics."""
     import logging
     import signal
@@ -222,7 +243,11 @@ def run(source, predictor, token_file, token_argv, interval, metrics_port, metri
         raise click.UsageError(f"--token is refused: a token in argv is visible to every user (ps); "
                                f"use --token-file PATH or ${TOKEN_ENV}")
     token = _read_token(token_file) if predictor else None
-    src, node = _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet, model_clock)
+    if dcgm_urls and source != "dcgm-exporter":
+        raise click.UsageError("--dcgm-url is for --source dcgm-exporter")
+    dcgm = {"urls": dcgm_urls, "node_label": dcgm_node_label, "timeout": dcgm_timeout, "max_mb": dcgm_max_mb}
+    src, node = _make_source(source, interval, node_name, trace, speed, replay_nodes, retime, fleet, model_clock,
+                             dcgm)
     from tqdm import tqdm
 
     # a replay has an end: show how far it got, on a terminal only

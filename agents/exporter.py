@@ -64,10 +64,12 @@ def _number(v: float) -> str:
 
 
 class _AgentCollector:
-    def __init__(self, stats: AgentStats, spool: Spool | None, shm_dir: str | None):
-        self.stats, self.spool, self.shm_dir = stats, spool, shm_dir
+    def __init__(self, stats: AgentStats, spool: Spool | None, shm_dir: str | None,
+                 source_metrics: Callable[[], list]):
+        self.stats, self.spool, self.shm_dir, self.source_metrics = stats, spool, shm_dir, source_metrics
 
     def collect(self):
+        yield from self.source_metrics()
         for name, value in self.stats.snapshot().items():
             c = CounterMetricFamily(f"ckpt_guard_agent_{name}", COUNTER_HELP[name])
             c.add_metric([], value)
@@ -91,14 +93,15 @@ class Exporter:
 
     def __init__(self, stats: AgentStats, spool: Spool | None = None,
                  model_name: Callable[[str, int], str] = lambda node, gpu: "unknown", stale_s: float = 60.0,
-                 shm_dir: str | None = "/dev/shm"):
-        """``shm_dir``: where checkpoint jobs keep their shared memory (None: do not report it)."""
+                 shm_dir: str | None = "/dev/shm", source_metrics: Callable[[], list] = list):
+        """``shm_dir``: where checkpoint jobs keep their shared memory (None: do not report it);
+        ``source_metrics``: the source's own metric families (Source.metrics)."""
         self._model_name, self.stale_s = model_name, stale_s
         self._latest: dict[tuple[str, int], tuple[float, dict]] = {}
         self._last_xid: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
         self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_AgentCollector(stats, spool, shm_dir))
+        self._registry.register(_AgentCollector(stats, spool, shm_dir, source_metrics))
         ProcessCollector(registry=self._registry)
         self._server: ThreadingHTTPServer | None = None
 

@@ -180,6 +180,53 @@ def eval_(model_path: str | None, trace: Path | None, threshold: str, alarms_out
 
 
 @main.command()
+@click.option("--trace", required=True, type=_trace_dir, help="trace directory to label (telemetry, xid)")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="directory to write: failures.parquet plus links to the trace's files, a labelled trace "
+                   "that train and eval read")
+@click.option("--merge", "merge_csv", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="operator's failure record to merge: CSV with header node,gpu,time,cause[,xid] "
+                   "(cause maintenance or none removes the derived label it matches)")
+@click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a true failures.parquet (a simulator's) to measure the labels against")
+@click.option("--json", "as_json", is_flag=True)
+def label(trace: Path, out: Path, merge_csv: Path | None, against: Path | None, as_json: bool) -> None:
+    """Derive failure labels from the telemetry: critical XIDs, vanished and replaced GPUs."""
+    import pyarrow.parquet as pq
+
+    from predictor import labels
+    if (out / "failures.parquet").exists():
+        raise click.ClickException(f"{out / 'failures.parquet'} exists: pick another --out")
+    try:
+        samples, xids = labels.load_trace(trace)
+        derived = labels.derive(samples, xids)
+        merged = None
+        if merge_csv:
+            derived, merged = labels.merge(derived, labels.read_operator_csv(merge_csv))
+    except (labels.LabelError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("telemetry.parquet", "xid.parquet", "trace.json"):
+        if (trace / name).exists() and not (out / name).exists():
+            (out / name).symlink_to((trace / name).resolve())
+    pq.write_table(derived, out / "failures.parquet")
+    res = {"out": str(out), **labels.summary(derived)}
+    if merged is not None:
+        res["merged"] = merged
+    if against:
+        res["against"] = labels.agreement(derived, pq.read_table(against))
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    click.echo(f"{res['failures']} failures -> {out / 'failures.parquet'} by source {res['by_source']}"
+               + (f", operator record: {merged}" if merged is not None else ""))
+    if against:
+        a = res["against"]
+        click.echo(f"against {against}: precision {a['precision']}, recall {a['recall']} ({a['matched']} of "
+                   f"{a['true_failures']}), time offset median {a['offset_s_median']} s, by mode {a['recall_by_mode']}")
+
+
+@main.command()
 @_model_opt
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=9410, show_default=True)

@@ -236,7 +236,7 @@ class PrometheusHistory:
         for t, node, gpu, v in rows:
             order = np.argsort(t, kind="stable")
             t, v = t[order], v[order]
-            new = dcgm.xid_changes(v, self._xid_last.get((node, gpu)))
+            new = np.asarray(dcgm.xid_changes(v, self._xid_last.get((node, gpu))), dtype=bool)
             readable = v[~np.isnan(v)]
             if len(readable):
                 self._xid_last[(node, gpu)] = float(readable[-1])

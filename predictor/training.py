@@ -42,6 +42,16 @@ FALSE_ALARM_BUDGET = 1.0             # per 1000 node-days on validation: half th
 #: kept as negatives: they teach the model "not yet", where early alarms come from.
 HARD_NEGATIVE_S = 6 * 3600.0
 ALARM_FLOOR = 1e-3                   # validation replay keeps alarms above this for the sweep
+#: A failure whose precursor is unknown (NaN: labels derived from the telemetry, predictor.labels)
+#: is trained on as if its signs spanned the horizon: positive over the last LABEL_HORIZON_S, and
+#: counted as predictable when the thresholds are picked.
+UNKNOWN_PRECURSOR_S = HORIZON_S
+
+
+def known_precursor_s(values) -> np.ndarray:
+    """precursor_s with unknown (NaN) read as UNKNOWN_PRECURSOR_S."""
+    p = np.asarray(values, dtype=float)
+    return np.where(np.isnan(p), UNKNOWN_PRECURSOR_S, p)
 
 
 def is_validation_node(node: str, share: float = VALIDATION_SHARE) -> bool:
@@ -69,7 +79,7 @@ class _Collector:
         self.rng = np.random.default_rng(seed)
         t = timestamps_ms(failures.column("timestamp"))
         keys = list(zip(pc.cast(failures.column("node"), pa.string()).to_pylist(), failures.column("gpu").to_pylist()))
-        pre = np.asarray(failures.column("precursor_s").to_pylist(), dtype=float)
+        pre = known_precursor_s(failures.column("precursor_s").to_pylist())
         order = np.argsort(t)
         self.fail: dict[tuple[str, int], tuple[list[int], list[float]]] = {}
         for i in order.tolist():
@@ -145,10 +155,11 @@ class _Sweep:
             self.alarms.setdefault(k, []).append(i)
         self.alarms = {k: (t[i], score[i]) for k, i in ((k, np.asarray(v)) for k, v in self.alarms.items())}
         f = truth.failures
+        pre = known_precursor_s(f["precursor_s"])
         self.fails: dict = {}
         for i in range(len(f["timestamp"])):
             self.fails.setdefault(key(f["node"][i], f["gpu"][i]), []).append(
-                (int(f["timestamp"][i]), f["precursor_s"][i] * 1000 >= MIN_LEAD_S * 1000))
+                (int(f["timestamp"][i]), pre[i] >= MIN_LEAD_S))
         self.node_days = truth.node_days
 
     def __call__(self, thr: float) -> tuple[int, int, int]:

@@ -85,3 +85,6 @@ FAILURE_SCHEMA = pa.schema(
 )
 
 FAILURE_MODES = ("hbm", "thermal", "pcie", "nvlink", "sudden")
+#: The failure mode an XID points to, where it points to one (HBM errors, NVLink); 79 "fallen
+#: off the bus", GSP and the rest end several modes. For labels derived from XIDs alone.
+XID_FAILURE_MODE = {48: "hbm", 63: "hbm", 64: "hbm", 92: "hbm", 94: "hbm", 95: "hbm", 74: "nvlink"}

@@ -32,6 +32,10 @@ class Source(ABC):
         """The GPU's marketing name (dcgm-exporter's ``modelName`` label)."""
         return "unknown"
 
+    def metrics(self) -> list:
+        """Prometheus metric families about the source itself (scrape errors, missing fields)."""
+        return []
+
     @property
     def finished(self) -> bool:
         """True once a finite source (a replay) has nothing more to give."""
