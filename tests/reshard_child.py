@@ -1,5 +1,6 @@
 """torchrun child for test_reshard: saves and restores DTensor state (Shard(0), Shard(1),
-an FSDP2 ``fully_shard`` MLP with AdamW moments) at whatever world size it is started with.
+an FSDP2 ``fully_shard`` MLP with AdamW moments, an FSDP2 language-model stub whose head
+is tied to its embedding) at whatever world size it is started with.
 
     reshard_child.py MEMORY_DIR [--restore ROOT STEP] [--save ROOT] [--damage]
 
@@ -27,14 +28,29 @@ from ckpt.distributed import init_process_group
 CHUNK = 64 << 10  # the smallest checksum chunk: "big" spans 16 of them
 
 
+class TiedLM(torch.nn.Module):
+    """A language-model stub: the output head shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
 def fresh_state(seed: int, mesh) -> dict:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 10))
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh)
+    lm = TiedLM()
+    fully_shard(lm, mesh=mesh)
     big = torch.randn(256, 1024)  # 1 MiB, rows split unevenly at 3
     wide = torch.randn(6, 10)
     return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2),
+            "lm": lm, "lm_optim": torch.optim.AdamW(lm.parameters(), lr=1e-2),
             "big": distribute_tensor(big, mesh, [Shard(0)]), "wide": distribute_tensor(wide, mesh, [Shard(1)]),
             "epoch": seed}
 
@@ -45,6 +61,9 @@ def train(state: dict, steps: int) -> None:
         state["model"](x).square().mean().backward()
         state["optim"].step()
         state["optim"].zero_grad()
+        state["lm"](torch.arange(10) % (i + 2)).square().mean().backward()
+        state["lm_optim"].step()
+        state["lm_optim"].zero_grad()
     with torch.no_grad():
         state["big"].mul_(1.5)
         state["wide"].add_(1.0)
@@ -56,6 +75,11 @@ def full(state: dict) -> dict:
     for i, p in enumerate(state["model"].parameters()):
         for k, v in state["optim"].state[p].items():
             out[f"optim.{i}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v
+    out.update({f"lm.{k}": v.full_tensor() for k, v in state["lm"].state_dict().items()})
+    for i, p in enumerate(state["lm"].parameters()):
+        for k, v in state["lm_optim"].state[p].items():
+            out[f"lm_optim.{i}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v
+    assert state["lm"].head.weight is state["lm"].emb.weight, "the tie was broken"
     out["big"], out["wide"] = state["big"].full_tensor(), state["wide"].full_tensor()
     return out
 

@@ -1,5 +1,5 @@
-"""Restore at another world size (issue 18): DTensor Shard(0)/Shard(1) and an FSDP2 MLP with
-AdamW moments, saved at 4 ranks restored at 2 and 3, at 3 restored at 4, at 2 restored in
+"""Restore at another world size (issue 18): DTensor Shard(0)/Shard(1), an FSDP2 MLP with
+AdamW moments and an FSDP2 model with tied weights, saved at 4 ranks restored at 2 and 3, at 3 restored at 4, at 2 restored in
 one process, each bitwise equal to the saved ``full_tensor()``; a damaged chunk inside a
 partial read; a checkpoint from before the layout record refused with its reason.
 
@@ -21,6 +21,7 @@ from ckpt.reshard import NotReshardable
 from ckpt.tiers.local import LocalDiskTier
 from ckpt.tiers.object_store import ObjectStoreTier
 from tests.integration_helpers import torchrun
+from tests.reshard_child import TiedLM
 
 CHILD = Path(__file__).with_name("reshard_child.py")
 
@@ -29,7 +30,9 @@ def plain_state(seed: int) -> dict:
     """The child's state without a mesh: what one process restores into."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 10))
+    lm = TiedLM()
     return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2),
+            "lm": lm, "lm_optim": torch.optim.AdamW(lm.parameters(), lr=1e-2),
             "big": torch.zeros(256, 1024), "wide": torch.zeros(6, 10), "epoch": -1}
 
 
@@ -46,6 +49,10 @@ def whole(state: dict) -> dict:
     out = {f"model.{k}": v for k, v in model.state_dict().items()}
     for i, p in enumerate(model.parameters()):
         out.update({f"optim.{i}.{k}": v for k, v in state["optim"].state[p].items()})
+    out.update({f"lm.{k}": v for k, v in state["lm"].state_dict().items()})
+    for i, p in enumerate(state["lm"].parameters()):
+        out.update({f"lm_optim.{i}.{k}": v for k, v in state["lm_optim"].state[p].items()})
+    assert state["lm"].head.weight is state["lm"].emb.weight, "the tie was broken"
     out["big"], out["wide"] = state["big"], state["wide"]
     return out
 
