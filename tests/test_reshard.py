@@ -1,7 +1,8 @@
 """Restore at another world size (issue 18): DTensor Shard(0)/Shard(1), an FSDP2 MLP with
-AdamW moments and an FSDP2 model with tied weights, saved at 4 ranks restored at 2 and 3, at 3 restored at 4, at 2 restored in
-one process, each bitwise equal to the saved ``full_tensor()``; a damaged chunk inside a
-partial read; a checkpoint from before the layout record refused with its reason.
+AdamW moments and an FSDP2 model with tied weights, saved at 4 ranks restored at 2 and 3,
+at 3 restored at 4, at 2 restored in one process, each bitwise equal to the saved
+``full_tensor()``; a damaged chunk inside a partial read; a checkpoint from before the
+layout record refused with its reason.
 
 Four torchrun launches in all, each doing several cases (reshard_child.py)."""
 from __future__ import annotations
