@@ -1,7 +1,11 @@
 """Child process for test_ckpt_hostile: check_restorable compares a DTensor by its local
 shard and tells DTensors from plain tensors. Runs alone because it starts a (one-rank,
 in-memory) process group, which would change how every later CheckpointManager in the
-test process sees the world."""
+test process sees the world. It leaves with os._exit: gloo's threads can abort the
+interpreter's own teardown ("terminate called without an active exception", seen once in CI)."""
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,3 +30,5 @@ try:
 except StateMismatch as e:
     print(e, flush=True)
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
