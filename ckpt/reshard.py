@@ -38,7 +38,7 @@ from .manifest import ShardManifest
 from .optim_names import renumber
 from .plan import ChunkRead, RestorePlan, canonical_path, reshard_reads
 from .restore import first_sound, open_shard, shard_manifest
-from .state import DTensor, check_restorable, tensor_targets, tree_holds, unflatten
+from .state import DTensor, check_restorable, local_tensor, tensor_targets, tree_holds, unflatten
 from .tensor_io import read_chunks, read_tensors
 from .tiers.base import CheckpointId, TierReader
 
@@ -140,7 +140,7 @@ def _layout(t: torch.Tensor, path: str) -> Layout:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = local_tensor(t)
     return local.reshape(1) if local.dim() == 0 else local
 
 
