@@ -16,7 +16,7 @@ import torch
 
 from .errors import CheckpointError
 from .tiers.memory.copier import ALIGN
-from .tiers.memory.namespace import slot_file_bytes
+from .tiers.memory.namespace import free_bytes, slot_file_bytes
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -54,8 +54,7 @@ def check_room(ns: "Path", pool: "SlotPool", shard_bytes: int, peering: "Peering
     is short of this node's need."""
     need = need_of(shard_bytes, pool, peering)
     allocated = slot_file_bytes(ns) + (slot_file_bytes(peering.replica_ns) if peering is not None else 0)
-    st = os.statvfs(ns)
-    free = st.f_bavail * st.f_frsize
+    free = free_bytes(ns)
     if need.bytes - allocated > free:
         raise CheckpointError(
             f"{ns.parent} cannot hold this node's checkpoints: shared memory needed, (2 + 2 x peers) x the node's "

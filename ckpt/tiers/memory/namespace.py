@@ -109,6 +109,12 @@ def slot_file_bytes(ns: Path) -> int:
     return sum(p.stat().st_size for d in rank_dirs(ns) for p in d.glob("slot-*.bin") if not p.is_symlink())
 
 
+def free_bytes(directory: Path) -> int:
+    """Space an unprivileged writer can still allocate under ``directory`` (a tmpfs: memory)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 def namespaces_of_root(root_key: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[Path]:
     """Every trusted namespace whose owner recorded ``root_key`` (any run id)."""
     found = []

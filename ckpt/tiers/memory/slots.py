@@ -31,7 +31,7 @@ from ...errors import CheckpointError
 from ...fsutil import atomic_write
 from ...manifest import ManifestError, ShardManifest
 from .copier import TensorCopier
-from .namespace import OWNER_FILE, make_private_dir, rank_dir, read_private
+from .namespace import OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_private
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,7 @@ class ShmSlot:
 def _check_free(directory: Path, need: int) -> None:
     if need <= 0:
         return
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
+    free = free_bytes(directory)
     if need > free:
         raise CheckpointError(f"not enough space in {directory}: a checkpoint slot needs {need / 2**20:.0f} MiB more, "
                               f"{free / 2**20:.0f} MiB free (enlarge /dev/shm or pass memory_dir=)")
