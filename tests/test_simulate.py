@@ -1,6 +1,6 @@
 """ckpt.goodput, the simulator: the analytic waste against Young's and Daly's closed forms,
-the Monte Carlo against both, the inputs' scaling, the ``ckpt simulate`` command, and
-its separation from the engine."""
+the Monte Carlo against both, the inputs' scaling, the restart's phases per kind of failure
+and strategy, the ``ckpt simulate`` command, and its separation from the engine."""
 from __future__ import annotations
 
 import json
@@ -17,24 +17,27 @@ from click.testing import CliRunner
 from ckpt.cli import cli
 from ckpt.goodput import inputs
 from ckpt.goodput.model import KINDS, Lead, Recovery, Run, Skill, Strategy, _play, analytic, monte_carlo
+from ckpt.goodput.restart import RestartCosts
 from ckpt.policy import IntervalPolicy
 from tests.test_policy import daly_exact_wall
 
 DEFAULT_RUN = Run()
 
 
-def plain(cost: float, restore: float = 0.0) -> Strategy:
-    """One kind of recovery for every failure, durable when the save returns: Young's setting."""
-    rec = Recovery(cost, restore)
+def plain(cost: float, restart: float = 0.0) -> Strategy:
+    """One kind of recovery for every failure, durable when the save returns, restarting in
+    ``restart`` seconds: Young's setting (Daly's with a restart)."""
+    rec = Recovery(cost, 0.0, relaunch_s=restart)
     return Strategy("x", "x", cost, rec, rec, rec)
 
 
-def defaults() -> list[Strategy]:
-    return inputs.strategies(DEFAULT_RUN, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR, inputs.STATE_GB_PER_GPU)
+def defaults(restart: RestartCosts = inputs.DEFAULT_RESTART, objstore_gbps: float | None = None) -> list[Strategy]:
+    return inputs.strategies(DEFAULT_RUN, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR, inputs.STATE_GB_PER_GPU,
+                             objstore_gbps, restart=restart)
 
 
 def test_analytic_is_youngs_waste() -> None:
-    run = replace(DEFAULT_RUN, restart_s=0.0)
+    run = DEFAULT_RUN
     cost, lam = 40.0, run.failure_rate
     for formula in ("young", "daly"):
         out = analytic(run, plain(cost), formula)
@@ -47,9 +50,9 @@ def test_analytic_is_youngs_waste() -> None:
 
 @pytest.mark.parametrize("cost,restart", [(5.0, 300.0), (40.0, 300.0), (120.0, 600.0), (40.0, 1200.0)])
 def test_analytic_against_dalys_exact_model(cost: float, restart: float) -> None:
-    run = replace(DEFAULT_RUN, restart_s=restart)
+    run = DEFAULT_RUN
     lam = run.failure_rate
-    out = analytic(run, plain(cost))
+    out = analytic(run, plain(cost, restart))
     exact = 1.0 / daly_exact_wall(out.interval_s, cost, 1 / lam, restart)
     # first order against exact: off by second-order terms, and on the safe side
     assert exact - (lam * cost + (lam * (restart + cost)) ** 2) < out.ettr <= exact
@@ -58,15 +61,15 @@ def test_analytic_against_dalys_exact_model(cost: float, restart: float) -> None
 
 def test_monte_carlo_plays_dalys_process() -> None:
     # frequent failures (M = 720 s), a heavy save: the exact model and the first order differ here
-    run = Run(days=5.0, failures=600, restart_s=120.0, host_down_share=0.0)
-    s = plain(30.0)
+    run = Run(days=5.0, failures=600, host_down_share=0.0)
+    s = plain(30.0, 120.0)
     mc = monte_carlo(run, s, runs=10, seed=1)
     exact = 1.0 / daly_exact_wall(mc.interval_s, 30.0, 1 / run.failure_rate, 120.0)
     assert mc.ettr == pytest.approx(exact, abs=0.01)
     assert abs(analytic(run, s).ettr - exact) > abs(mc.ettr - exact)  # the play is the better model here
 
 
-@pytest.mark.parametrize("index", [0, 1, 2, 3])
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 4])
 def test_monte_carlo_agrees_with_analytic_at_defaults(index: int) -> None:
     s = defaults()[index]
     a, mc = analytic(DEFAULT_RUN, s), monte_carlo(DEFAULT_RUN, s, runs=10, seed=2)
@@ -83,13 +86,13 @@ def test_a_play_accounts_for_every_second() -> None:
 
 
 def test_predictor_that_catches_nothing_changes_nothing() -> None:
-    _, b, c, _ = defaults()
+    _, b, c, _, _ = defaults()
     blind = replace(c, skill=replace(c.skill, recall_of_predictable=0.0, false_alarms_per_1000_node_days=0.0))
     assert analytic(DEFAULT_RUN, blind).waste == pytest.approx(analytic(DEFAULT_RUN, b).waste)
 
 
 def test_a_perfect_predictor_covers_the_off_node_lag() -> None:
-    _, b, c, _ = defaults()
+    _, b, c, _, _ = defaults()
     run = replace(DEFAULT_RUN, precursor_share=1.0)
     sharp = replace(c, skill=Skill(1.0, 0.0, Lead(150.0, 125.0)))  # every failure, 2.5 min ahead, no false alarm
     out = analytic(run, sharp)
@@ -113,8 +116,8 @@ def test_lead_distribution() -> None:
 
 
 def test_costs_scale_with_the_checkpoint_and_the_store() -> None:
-    a, b, _, _ = defaults()
-    a2, b2, _, _ = inputs.strategies(DEFAULT_RUN, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR,
+    a, b, *_ = defaults()
+    a2, b2, *_ = inputs.strategies(DEFAULT_RUN, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR,
                                   2 * inputs.STATE_GB_PER_GPU)
     assert b2.blocking_s == pytest.approx(2 * b.blocking_s)
     assert a2.blocking_s == pytest.approx(2 * a.blocking_s)
@@ -125,14 +128,19 @@ def test_costs_scale_with_the_checkpoint_and_the_store() -> None:
 
 
 def test_each_kind_of_failure_reads_the_copy_that_survives_it() -> None:
-    a, b, c, d = defaults()
+    a, b, c, d, e = defaults()
     assert sum(DEFAULT_RUN.shares.values()) == pytest.approx(1.0)
     assert {a.recovery(k).reads for k in KINDS} == {"object store (DCP)"}
-    for s in (b, c, d):
+    for s in (b, c, d, e):
         assert s.crash.reads == "local memory"  # the node is fine: its memory survives the process
+
+    def copy(rec: Recovery) -> tuple:
+        return rec.reads, rec.lag_s, rec.restore_s
+
     for s in (b, c):  # a replaced node's memory is gone even when its host lives: off-node copies only
-        assert s.gpu == s.host and s.gpu.reads == "object store" and s.gpu.lag_s > s.crash.lag_s
-    assert d.gpu == d.host and d.gpu.reads == "peer memory" and d.gpu.lag_s < b.gpu.lag_s
+        assert copy(s.gpu) == copy(s.host) and s.gpu.reads == "object store" and s.gpu.lag_s > s.crash.lag_s
+    for s in (d, e):
+        assert copy(s.gpu) == copy(s.host) and s.gpu.reads == "peer memory" and s.gpu.lag_s < b.gpu.lag_s
     assert analytic(DEFAULT_RUN, d).waste < analytic(DEFAULT_RUN, c).waste
 
 
@@ -140,7 +148,8 @@ def test_peers_at_memory_speed_make_a_lost_node_cost_a_crash() -> None:
     run = replace(DEFAULT_RUN, precursor_share=0.0)  # the predictor out of the picture
     d = inputs.strategies(run, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR, inputs.STATE_GB_PER_GPU,
                           peer_gbps=1e9)[3]
-    all_crash = replace(d, gpu=d.crash, host=d.crash)
+    all_crash = replace(d, gpu=replace(d.crash, **{k: getattr(d.gpu, k) for k in ("detect_s", "replace_s")}),
+                        host=replace(d.crash, **{k: getattr(d.host, k) for k in ("detect_s", "replace_s")}))
     assert analytic(run, d).lost == pytest.approx(analytic(run, all_crash).lost, rel=1e-3)
     slow = inputs.strategies(run, inputs.BENCH, inputs.OBJSTORE, inputs.PREDICTOR, inputs.STATE_GB_PER_GPU,
                              peer_gbps=0.01)[3]
@@ -158,8 +167,8 @@ def test_cli_defaults_and_json(tmp_path: Path) -> None:
     assert "| (d) ckpt tiers + peers + predictor | local memory" in text  # which copy each kind reads
     code, out = run_cli("--json", "--monte-carlo", "2")
     data = json.loads(out)
-    assert code == 0 and [o["strategy"] for o in data["analytic"]] == ["a", "b", "c", "d"]
-    assert len(data["monte_carlo"]) == 4 and "met" in data["target"] and "met" in data["best_target"]
+    assert code == 0 and [o["strategy"] for o in data["analytic"]] == ["a", "b", "c", "d", "e"]
+    assert len(data["monte_carlo"]) == 5 and "met" in data["target"] and "met" in data["best_target"]
     assert data["strategies"][2]["policy"]["formula"].startswith("Daly")
 
 
@@ -235,11 +244,103 @@ def test_each_policy_saves_at_its_own_optimum(objstore_gbps: float | None, monke
         assert all(analytic(DEFAULT_RUN, s).waste > w for s, w in zip(strategies, at_optimum))
 
 
-def test_restart_overhead_bounds_the_best_ratio() -> None:
-    # why issue 17's 0.4 is out of reach at --objstore-gbps 1: the restarts' fixed cost,
-    # the same under every policy, is already more than 0.4 x (a)'s waste
-    code, out = run_cli("--objstore-gbps", "1", "--json")
-    best = json.loads(out)["best_target"]
-    assert code == 0 and not best["met"]
-    assert best["restart_overhead_over_a_waste"] > best["at_most"]
-    assert best["best_waste_over_a_waste"] > best["restart_overhead_over_a_waste"]
+def test_fail_fast_lowers_only_gpu_failure_restarts() -> None:
+    # (e) is (d) with fail-fast: a hung GPU is seen by its XID or the hang deadline instead of
+    # the collective timeout; crashes (seen at once) and hosts down restart exactly as before
+    costs = RestartCosts()
+    *_, d, e = defaults(costs)
+    assert not d.fail_fast and e.fail_fast
+    assert e.crash == d.crash and e.host == d.host
+    assert replace(e.gpu, detect_s=d.gpu.detect_s) == d.gpu
+    assert d.gpu.detect_s == pytest.approx(costs.gpu_hang_share * costs.collective_timeout_s)
+    assert e.gpu.detect_s == pytest.approx(costs.gpu_hang_share * (
+        costs.xid_share * costs.xid_reaction_s + (1 - costs.xid_share) * costs.hang_deadline_s))
+    assert analytic(DEFAULT_RUN, e).restart < analytic(DEFAULT_RUN, d).restart
+    assert analytic(DEFAULT_RUN, e).lost == pytest.approx(analytic(DEFAULT_RUN, d).lost, rel=0.05)
+    # with no GPU failure that hangs there is nothing to fail fast on
+    *_, d0, e0 = defaults(replace(costs, gpu_hang_share=0.0))
+    assert analytic(DEFAULT_RUN, e0).waste == pytest.approx(analytic(DEFAULT_RUN, d0).waste)
+
+
+def test_restart_phases_per_kind() -> None:
+    # a crash restarts in place, seen at once; a node out of the job waits for a spare; every
+    # restart relaunches, then reads the copy its strategy keeps for that kind
+    costs = RestartCosts()
+    for s in defaults(costs):
+        assert (s.crash.detect_s, s.crash.replace_s) == (0.0, 0.0)
+        assert s.gpu.replace_s == s.host.replace_s == costs.replace_s
+        assert s.host.detect_s == costs.host_detect_s
+        for k in KINDS:
+            rec = s.recovery(k)
+            assert rec.relaunch_s == costs.relaunch_s
+            assert rec.restart_s == pytest.approx(rec.detect_s + rec.replace_s + rec.relaunch_s + rec.restore_s)
+    slower = defaults(replace(costs, replace_s=costs.replace_s + 600))
+    for s, s2 in zip(defaults(costs), slower):
+        extra = analytic(DEFAULT_RUN, s2).restart - analytic(DEFAULT_RUN, s).restart
+        replaced = DEFAULT_RUN.shares["gpu"] + DEFAULT_RUN.shares["host"]
+        assert extra == pytest.approx(DEFAULT_RUN.failure_rate * replaced * 600)
+    with pytest.raises(ValueError, match="gpu_hang_share"):
+        RestartCosts(gpu_hang_share=1.5)
+
+
+def test_monte_carlo_plays_each_kinds_restart() -> None:
+    # the play's downtime follows each failure's own restart: what fail-fast saves on hung GPUs
+    *_, d, e = defaults()
+    played = [monte_carlo(DEFAULT_RUN, s, runs=10, seed=5).restart for s in (d, e)]
+    expected = [analytic(DEFAULT_RUN, s).restart for s in (d, e)]
+    assert played[0] - played[1] == pytest.approx(expected[0] - expected[1], rel=0.15)
+
+
+# issue 17's tables under the earlier model (every restart 300 s plus its restore), as the README had them
+FLAT_300 = {None: {"a": 12.48, "b": 5.34, "c": 5.36, "d": 4.26}, 1.0: {"a": 6.16, "b": 4.30, "c": 4.32, "d": 4.26}}
+
+
+@pytest.mark.parametrize("objstore_gbps", [None, 1.0])
+def test_flat_restart_what_if_reproduces_the_earlier_tables(objstore_gbps: float | None) -> None:
+    args = ["--restart-s", "300", "--json"] + (["--objstore-gbps", str(objstore_gbps)] if objstore_gbps else [])
+    code, out = run_cli(*args)
+    data = json.loads(out)
+    waste = {o["strategy"]: round(100 * o["waste"], 2) for o in data["analytic"]}
+    assert code == 0 and {k: waste[k] for k in "abcd"} == FLAT_300[objstore_gbps]
+    assert waste["e"] == waste["d"]  # a flat restart leaves fail-fast nothing to shorten
+    for phases in data["restart_phases"].values():
+        for kind in KINDS:
+            assert phases["seconds"][kind]["detect"] == phases["seconds"][kind]["replace"] == 0.0
+            assert phases["seconds"][kind]["relaunch"] == 300.0
+
+
+def test_cli_json_carries_the_restart_phases() -> None:
+    code, out = run_cli("--json", "--objstore-gbps", "1", "--relaunch-s", "60", "--gpu-hang-share", "0.5")
+    data = json.loads(out)
+    assert code == 0 and data["restart"]["relaunch_s"] == 60.0 and data["restart"]["gpu_hang_share"] == 0.5
+    d, e = data["restart_phases"]["d"], data["restart_phases"]["e"]
+    assert not d["fail_fast"] and e["fail_fast"]
+    assert d["seconds"]["gpu"]["detect"] == pytest.approx(0.5 * 600.0)
+    assert e["seconds"]["gpu"]["detect"] < 5.0 and e["seconds"]["crash"] == d["seconds"]["crash"]
+    for name, o in zip("abcde", data["analytic"]):
+        assert data["restart_phases"][name]["waste"]["total"] == pytest.approx(o["restart"])
+        assert sum(data["waste_split"][name].values()) == pytest.approx(o["waste"])
+    best = data["best_target"]
+    assert best["best"] == "e" and best["dominant"] in data["waste_split"]["e"]
+    code, text = run_cli("--objstore-gbps", "1")
+    assert code == 0 and "| (e) ckpt tiers + peers + predictor + fail-fast | 0 + 0 + 300" in text
+
+
+def test_sensitivity_grids_move_the_right_way() -> None:
+    code, out = run_cli("--json", "--objstore-gbps", "1", "--sensitivity")
+    data = json.loads(out)
+    grid = data["sensitivity"]
+    assert code == 0 and grid["relaunch_s"] == sorted(grid["relaunch_s"])
+    costs = RestartCosts()
+    hang, spare = grid["gpu_hang_share"], grid["replace_s"]
+    # the defaults' cell is the verdict's own ratio
+    at_defaults = hang["best_over_a"][hang["values"].index(costs.gpu_hang_share)][grid["relaunch_s"].index(
+        costs.relaunch_s)]
+    assert at_defaults == pytest.approx(data["best_target"]["best_waste_over_a_waste"])
+    for rows in (hang["best_over_a"], spare["best_over_a"]):
+        assert all(row == sorted(row) for row in rows)  # a longer relaunch, shared by all, dilutes the gains
+    columns = list(zip(*hang["best_over_a"]))
+    assert all(list(c) == sorted(c, reverse=True) for c in columns)  # more hangs: more for fail-fast to save
+    columns = list(zip(*spare["best_over_a"]))
+    assert all(list(c) == sorted(c) for c in columns)
+    assert run_cli("--json")[1] and json.loads(run_cli("--json")[1])["sensitivity"] is None

@@ -1,4 +1,4 @@
-"""``ckpt simulate``: ETTR and the waste split of four checkpointing strategies over a run.
+"""``ckpt simulate``: ETTR and the waste split of five checkpointing strategies over a run.
 
 Runs with no inputs on the packaged measurements (``data/``, read by ``inputs.py``);
 exit 0 ok, 1 for an unreadable input file, 2 usage. ``ckpt/simulate_cli.py`` loads this
@@ -8,17 +8,45 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import click
 
 from . import inputs
-from .model import Run, analytic, monte_carlo, reads_table, table
+from .model import Run, analytic, monte_carlo
+from .report import phases_table, reads_table, restart_phases, table
+from .restart import RestartCosts
+from .sensitivity import grid_tables, grids
 
 TARGET = 0.5  # issue 7: (c)'s waste at most half of (a)'s
 BEST_TARGET = 0.4  # issue 17: the best strategy's waste at most 0.4 of (a)'s, at --objstore-gbps 1
 _defaults = Run()
+_restart = RestartCosts()
 _file = dict(type=click.Path(exists=True, dir_okay=False), default=None)
+_seconds = click.FloatRange(min=0)
+# the restart's phases (restart.RestartCosts; sources in docs/goodput.md, "Restart phases")
+_RESTART_OPTIONS = [
+    ("--gpu-hang-share", click.FloatRange(0, 1), "Share of GPU failures that leave the rank alive and silent "
+     "(off the bus, hung kernel, stuck collective) rather than crash it."),
+    ("--collective-timeout-s", _seconds, "How long a hung rank holds the job without fail-fast."),
+    ("--hang-deadline-s", _seconds, "With fail-fast: the hang detector's deadline (5 x the median step)."),
+    ("--xid-share", click.FloatRange(0, 1), "With fail-fast: share of hangs whose fault posts a critical XID."),
+    ("--xid-reaction-s", _seconds, "With fail-fast: critical XID -> every rank exits."),
+    ("--host-detect-s", _seconds, "A host down: until the job's survivors give up on it."),
+    ("--replace-s", _seconds, "A spare node joining, for a node taken out of the job (GPU failure, host down)."),
+    ("--relaunch-s", _seconds, "Process exit, relaunch, rendezvous, process-group init, setup."),
+]
+
+
+def _restart_options(command):
+    """The ``RestartCosts`` fields as options, defaults shown; ``--restart-s`` is the flat what-if."""
+    for flag, kind, text in reversed(_RESTART_OPTIONS):
+        name = flag[2:].replace("-", "_")
+        command = click.option(flag, name, type=kind, default=getattr(_restart, name), show_default=True,
+                               help=text)(command)
+    return click.option("--restart-s", "flat_s", type=_seconds, default=None,
+                        help="What-if: every restart takes this long before its restore, whatever the failure "
+                        "and the policy (the earlier model: 300).")(command)
 
 
 @click.command("simulate")
@@ -33,8 +61,6 @@ _file = dict(type=click.Path(exists=True, dir_okay=False), default=None)
               "stays up. The rest, after host down, are process crashes on healthy nodes.")
 @click.option("--precursor-share", type=click.FloatRange(0, 1), default=_defaults.precursor_share, show_default=True,
               help="Share of failures with a precursor a predictor could see.")
-@click.option("--restart-s", type=click.FloatRange(min=0), default=_defaults.restart_s, show_default=True,
-              help="Restart overhead per failure (rendezvous, process start, data loader).")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=_defaults.gpus_per_node, show_default=True)
 @click.option("--state-gb-per-gpu", type=click.FloatRange(min=0, min_open=True), default=inputs.STATE_GB_PER_GPU,
               show_default=True, help="Checkpoint bytes per GPU, in GB (default: Llama 3 405B with Adam).")
@@ -48,23 +74,32 @@ _file = dict(type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--monte-carlo", "plays", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also play the run this many times with sampled failures.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--sensitivity", is_flag=True, help="Also best/(a) over the share of GPU failures that hang, "
+              "the wait for a spare and the relaunch.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_restart_options
 def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, gpu_failure_share: float,
-                 precursor_share: float, restart_s: float, gpus_per_node: int, state_gb_per_gpu: float,
+                 precursor_share: float, gpus_per_node: int, state_gb_per_gpu: float,
                  bench: str | None, objstore_bench: str | None, predictor_eval: str | None,
-                 objstore_gbps: float | None, peer_gbps: float | None, plays: int, seed: int, as_json: bool) -> None:
+                 objstore_gbps: float | None, peer_gbps: float | None, plays: int, seed: int, sensitivity: bool,
+                 as_json: bool, **restart_phases_s: float | None) -> None:
     """ETTR and waste (stalls, lost work, restarts) of (a) DCP to the object store,
     (b) our tiers, (c) our tiers + the failure predictor, (d) our tiers + peer replicas +
-    the predictor, each at its optimal interval; and which copy each restart reads."""
+    the predictor, (e) (d) with fail-fast, each at its optimal interval; which copy each
+    restart reads, and what each restart's phases cost."""
     try:
-        run = Run(gpus, days, failures, host_down_share, gpu_failure_share, precursor_share, restart_s, gpus_per_node)
+        run = Run(gpus, days, failures, host_down_share, gpu_failure_share, precursor_share, gpus_per_node)
+        restart = RestartCosts(**{f.name: restart_phases_s[f.name] for f in fields(RestartCosts)})
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     peer_gbps = peer_gbps or inputs.peer_gbps_default(run)
     try:
         sources = [inputs.load_json(bench, inputs.BENCH), inputs.load_json(objstore_bench, inputs.OBJSTORE),
                    inputs.load_json(predictor_eval, inputs.PREDICTOR)]
-        strategies = inputs.strategies(run, *sources, state_gb_per_gpu, objstore_gbps, peer_gbps)
+        def build(costs: RestartCosts) -> list:
+            return inputs.strategies(run, *sources, state_gb_per_gpu, objstore_gbps, peer_gbps, costs)
+
+        strategies = build(restart)
         notes = inputs.eval_notes(sources[2])
     except (OSError, ValueError, KeyError, TypeError) as e:
         click.echo(f"error: unusable input: {e!r}", err=True)
@@ -74,31 +109,45 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
     ratio = outcomes[2].waste / outcomes[0].waste
     best = min(outcomes[1:], key=lambda o: o.waste)
     best_ratio = best.waste / outcomes[0].waste
-    restart_floor = run.failure_rate * run.restart_s / outcomes[0].waste  # what no policy can remove
-    payload = {"run": asdict(run), "state_gb_per_gpu": state_gb_per_gpu, "objstore_gbps": objstore_gbps,
-               "peer_gbps": peer_gbps,
+    phases = {s.name: restart_phases(run, s) for s in strategies}
+    split = {o.strategy: {"stalls": o.stall, "lost work": o.lost}
+             | {f"restart {p}": w for p, w in phases[o.strategy]["waste"].items() if p != "total"} for o in outcomes}
+    dominant = max(split[best.strategy], key=split[best.strategy].get)
+    payload = {"run": asdict(run), "restart": asdict(restart), "state_gb_per_gpu": state_gb_per_gpu,
+               "objstore_gbps": objstore_gbps, "peer_gbps": peer_gbps,
                "sources": {k: src["source"] for k, src in zip(("bench", "objstore", "predictor"), sources)},
                "strategies": [asdict(s) | {"policy": s.policy(run).explain()} for s in strategies],
+               "restart_phases": phases, "waste_split": split,
                "notes": notes, "analytic": [o.to_dict() for o in outcomes],
                "monte_carlo": [o.to_dict() for o in played],
+               "sensitivity": grids(run, build, restart) if sensitivity else None,
                "target": {"c_waste_over_a_waste": ratio, "at_most": TARGET, "met": ratio <= TARGET},
                "best_target": {"best": best.strategy, "best_waste_over_a_waste": best_ratio,
-                               "at_most": BEST_TARGET, "met": best_ratio <= BEST_TARGET,
-                               "restart_overhead_over_a_waste": restart_floor}}
+                               "at_most": BEST_TARGET, "met": best_ratio <= BEST_TARGET, "dominant": dominant,
+                               "best_restart_over_a_waste": best.restart / outcomes[0].waste}}
     if as_json:
         click.echo(json.dumps(payload, indent=2))
         return
+    restarts = (f"every restart {restart.flat_s:g} s before its restore (flat what-if)" if restart.flat_s is not None
+                else f"restart phases per kind (relaunch {restart.relaunch_s:g} s, spare {restart.replace_s:g} s, "
+                f"{restart.gpu_hang_share:.0%} of GPU failures hang)")
     lines = [f"{run.gpus} GPUs, {run.days:g} days, {run.failures} failures (MTBF {1 / run.failure_rate / 3600:.2f} h), "
-             f"{state_gb_per_gpu:.3f} GB/GPU, restart {run.restart_s:g} s, peer {peer_gbps:.3g} GB/s per GPU",
+             f"{state_gb_per_gpu:.3f} GB/GPU, peer {peer_gbps:.3g} GB/s per GPU, {restarts}",
              *notes, "", table(outcomes), "", "Which copy the restart reads (lost node's shards):", "",
-             reads_table(run, strategies)]
+             reads_table(run, strategies), "",
+             "Failure to training again, seconds (detect + replace + relaunch + restore), and each phase's "
+             "share of the wall clock:", "", phases_table(run, strategies)]
+    if sensitivity:
+        lines += ["", "best / (a) waste; rows: the share of GPU failures that hang, then the wait for a spare (s); "
+                  f"columns: the relaunch (s); bold where <= {BEST_TARGET}:", "",
+                  grid_tables(payload["sensitivity"], BEST_TARGET)]
     if played:
         lines += ["", f"Monte Carlo, {plays} runs, seed {seed}:", "", table(played)]
     verdict = "met" if ratio <= TARGET else "NOT met"
     best_verdict = "met" if best_ratio <= BEST_TARGET else "NOT met"
     lines += ["", f"(c) waste / (a) waste = {ratio:.2f} (target <= {TARGET}: {verdict})",
               f"best ({best.strategy}) waste / (a) waste = {best_ratio:.2f} "
-              f"(target <= {BEST_TARGET} at --objstore-gbps 1: {best_verdict}); the restart overhead alone, "
-              f"{run.failure_rate * run.restart_s:.2%} of the wall clock under every policy, is {restart_floor:.2f} "
-              "x (a)'s waste"]
+              f"(target <= {BEST_TARGET}, set at --objstore-gbps 1: {best_verdict} here); "
+              f"its largest term: {dominant}, {split[best.strategy][dominant]:.2%} of the wall clock; its restarts are "
+              f"{best.restart / outcomes[0].waste:.2f} x (a)'s waste"]
     click.echo("\n".join(lines))

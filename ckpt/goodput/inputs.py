@@ -1,4 +1,4 @@
-"""The simulator's inputs: measured costs scaled to a run's checkpoint, and the four
+"""The simulator's inputs: measured costs scaled to a run's checkpoint, and the five
 strategies compared. Defaults are our own measurements, kept as dated data files in
 ``data/`` (each names its source); ``--bench``, ``--objstore-bench`` and
 ``--predictor-eval`` replace them.
@@ -7,16 +7,19 @@ Scaling: every node writes its own GPUs' share of the checkpoint at the same tim
 node is taken to do on its share what the benchmark machine did on the benchmark's
 bytes (times scale with bytes per node); the object store is taken to serve every node
 at the per-client throughput measured (it scales out by key prefix); a peer replica
-travels over a node's front-end NIC, shared by its GPUs.
+travels over a node's front-end NIC, shared by its GPUs. A restart's phases before
+the restore come from ``restart.RestartCosts``, per kind of failure and strategy.
 """
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
 
-from .model import Lead, Recovery, Run, Skill, Strategy
+from .model import KINDS, Lead, Recovery, Run, Skill, Strategy
+from .restart import RestartCosts
 
 
 def _packaged(name: str) -> dict:
@@ -32,6 +35,7 @@ PREDICTOR = _packaged("predictor_reference.json")
 # Llama 3 405B: 405e9 parameters x 14 bytes (bf16 weights, fp32 master copy, two fp32
 # Adam moments) over 16,384 GPUs.
 STATE_GB_PER_GPU = round(405e9 * 14 / 16384 / 1e9, 3)
+DEFAULT_RESTART = RestartCosts()  # the restart phases' defaults (docs/goodput.md, "Restart phases")
 NIC_GBIT_PER_NODE = 100.0  # the front-end NIC replicas travel over (the GPUs' own fabric is the job's)
 
 
@@ -87,10 +91,18 @@ def peer_gbps_default(run: Run) -> float:
     return NIC_GBIT_PER_NODE / 8 / run.gpus_per_node
 
 
+def _with_restarts(s: Strategy, costs: RestartCosts) -> Strategy:
+    """``s`` with each kind's recovery carrying its restart phases (``restart.PHASES``)."""
+    return replace(s, **{k: replace(s.recovery(k), **{f"{p}_s": v for p, v in costs.phases(k, s.fail_fast).items()})
+                         for k in KINDS})
+
+
 def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb_per_gpu: float,
-               objstore_gbps: float | None = None, peer_gbps: float | None = None) -> list[Strategy]:
+               objstore_gbps: float | None = None, peer_gbps: float | None = None,
+               restart: RestartCosts = DEFAULT_RESTART) -> list[Strategy]:
     """(a) DCP straight to the object store, (b) our tiers, (c) our tiers + the predictor,
-    (d) our tiers + one peer replica per shard + the predictor."""
+    (d) our tiers + one peer replica per shard + the predictor, (e) all of ours: (d) with
+    fail-fast (issue 19). (a)-(d) wait out the collective timeout when a GPU hangs."""
     node_bytes = state_gb_per_gpu * 1e9 * run.gpus_per_node
     scale = node_bytes / bench["state_bytes"]
 
@@ -110,7 +122,9 @@ def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb
     peer_s = state_gb_per_gpu / (peer_gbps or peer_gbps_default(run))
     peer = Recovery(block + peer_s, peer_s, "peer memory")
     skill = skill_of(evaluation)
-    return [Strategy("a", "(a) DCP to object store, periodic", dcp_save, dcp, dcp, dcp),
-            Strategy("b", "(b) ckpt tiers, periodic", block, memory, off_node, off_node),
-            Strategy("c", "(c) ckpt tiers + predictor", block, memory, off_node, off_node, skill),
-            Strategy("d", "(d) ckpt tiers + peers + predictor", block, memory, peer, peer, skill)]
+    peers = Strategy("d", "(d) ckpt tiers + peers + predictor", block, memory, peer, peer, skill)
+    compared = [Strategy("a", "(a) DCP to object store, periodic", dcp_save, dcp, dcp, dcp),
+                Strategy("b", "(b) ckpt tiers, periodic", block, memory, off_node, off_node),
+                Strategy("c", "(c) ckpt tiers + predictor", block, memory, off_node, off_node, skill),
+                peers, replace(peers, name="e", label="(e) ckpt tiers + peers + predictor + fail-fast", fail_fast=True)]
+    return [_with_restarts(s, restart) for s in compared]

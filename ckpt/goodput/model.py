@@ -9,7 +9,8 @@ Three kinds of waste, as fractions of the wall clock (Young 1974; Daly 2006):
   T/2 plus how long after its save's end a checkpoint becomes durable in the copy that
   survives the failure (see ``KINDS``: a crashed process leaves its node's memory, a
   replaced node leaves only copies held elsewhere);
-- **restarts**: the restart overhead R plus reading the checkpoint back, per failure.
+- **restarts**: per failure, its restart's phases (``restart.RestartCosts``: detecting it,
+  replacing a node taken out of the job, relaunching) plus reading the checkpoint back.
 
 ``analytic`` is the first-order model: without a predictor, with no restart cost and a
 checkpoint durable when its save returns, it is exactly Young's waste ``C/T + λ·T/2``.
@@ -49,7 +50,6 @@ class Run:
     host_down_share: float = 0.21
     gpu_failure_share: float = 0.64
     precursor_share: float = 0.58
-    restart_s: float = 300.0
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
@@ -78,11 +78,20 @@ class Run:
 @dataclass(frozen=True)
 class Recovery:
     """How a restart recovers from one kind of failure: it ``reads`` a copy that is durable
-    ``lag_s`` after a save's start, in ``restore_s``."""
+    ``lag_s`` after a save's start, in ``restore_s``, after the failure was detected, its
+    node replaced where it left the job, and the job relaunched (``restart.PHASES``)."""
 
     lag_s: float
     restore_s: float
     reads: str = ""
+    detect_s: float = 0.0
+    replace_s: float = 0.0
+    relaunch_s: float = 0.0
+
+    @property
+    def restart_s(self) -> float:
+        """Failure to training again: every phase and the restore."""
+        return self.detect_s + self.replace_s + self.relaunch_s + self.restore_s
 
 
 @dataclass(frozen=True)
@@ -136,7 +145,8 @@ class Skill:
 @dataclass(frozen=True)
 class Strategy:
     """A checkpointing strategy: its save's blocking cost, how each kind of failure
-    (``KINDS``) is recovered, and optionally a predictor."""
+    (``KINDS``) is recovered, optionally a predictor, and whether the job fails fast on a
+    hung rank or a dead GPU (issue 19; it shortens the recoveries' detection)."""
 
     name: str
     label: str
@@ -145,6 +155,7 @@ class Strategy:
     gpu: Recovery
     host: Recovery
     skill: Skill | None = None
+    fail_fast: bool = False
 
     def recovery(self, kind: str) -> Recovery:
         return getattr(self, kind)
@@ -199,7 +210,7 @@ def analytic(run: Run, s: Strategy, formula: str = "daly") -> Outcome:
     pol = s.policy(run, formula)
     period, risk_period = pol.interval_s + c, pol.risk_interval_s + c
     classes = s.classes(run)
-    restart = sum(lam * share * (run.restart_s + rec.restore_s) for share, rec, _ in classes)
+    restart = sum(lam * share * rec.restart_s for share, rec, _ in classes)
     running = 1.0 - restart
     true_rate, false_rate = pol.predictor.alarms_per_s(lam) if pol.predictor else (0.0, 0.0)
     lost_per_failure, risk_time = 0.0, false_rate * RISK_WINDOW_S
@@ -309,7 +320,7 @@ def _play(run: Run, s: Strategy, rng: random.Random) -> tuple[float, float, floa
                 lost += done - best
                 kept[:] = [(best, -math.inf)]
                 down_from = t
-            up_at = t + run.restart_s + rec.restore_s
+            up_at = t + rec.restart_s
         elif kind == 0 and down_from is None:
             switch(t, risk_tau, urgent=True)
             risk_until = t + RISK_WINDOW_S
@@ -327,27 +338,3 @@ def monte_carlo(run: Run, s: Strategy, runs: int = 20, seed: int = 0) -> Outcome
     pol = s.policy(run)
     return Outcome(s.name, s.label, 1.0 - stall - lost - restart, stall, lost, restart,
                    pol.interval_s, pol.risk_interval_s, s.blocking_s, f"monte-carlo ({runs} runs, seed {seed})")
-
-
-def table(outcomes: list[Outcome]) -> str:
-    """A Markdown table: ETTR and the waste split, percent of the wall clock."""
-    rows = ["| policy | ETTR | waste | stalls | lost work | restarts | interval | blocking per save |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for o in outcomes:
-        risk = f" ({o.risk_interval_s:.0f} s at risk)" if o.risk_interval_s < o.interval_s else ""
-        rows.append(f"| {o.label} | {o.ettr:.2%} | {o.waste:.2%} | {o.stall:.2%} | {o.lost:.2%} | "
-                    f"{o.restart:.2%} | {o.interval_s:.0f} s{risk} | {o.blocking_s:.2f} s |")
-    return "\n".join(rows)
-
-
-def reads_table(run: Run, strategies: list[Strategy]) -> str:
-    """A Markdown table: per kind of failure, the copy each strategy's restart reads, how
-    long after a save's start it is durable there, and how long reading it takes."""
-    shares = run.shares
-    rows = ["| policy | " + " | ".join(f"{KINDS[k]}, {shares[k]:.0%}" for k in KINDS) + " |",
-            "|---|" + "---|" * len(KINDS)]
-    for s in strategies:
-        cells = [f"{r.reads}: durable after {r.lag_s:.1f} s, read in {r.restore_s:.1f} s"
-                 for r in map(s.recovery, KINDS)]
-        rows.append(f"| {s.label} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
