@@ -177,6 +177,7 @@ def test_cli_help_through_the_stand_in() -> None:
     assert res.exit_code == 0 and "simulate" in res.output
     code, out = run_cli("--help")
     assert code == 0 and "--peer-gbps" in out and "--gpu-failure-share" in out
+    assert all(flag in out for flag in ("--gpu-hang-share", "--replace-s", "--relaunch-s", "--restart-s"))
 
 
 def test_cli_reads_measurements(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, fields
 
 import click
@@ -21,7 +22,6 @@ from .sensitivity import grid_tables, grids
 TARGET = 0.5  # issue 7: (c)'s waste at most half of (a)'s
 BEST_TARGET = 0.4  # issue 17: the best strategy's waste at most 0.4 of (a)'s, at --objstore-gbps 1
 _defaults = Run()
-_restart = RestartCosts()
 _file = dict(type=click.Path(exists=True, dir_okay=False), default=None)
 _seconds = click.FloatRange(min=0)
 # the restart's phases (restart.RestartCosts; sources in docs/goodput.md, "Restart phases")
@@ -38,11 +38,11 @@ _RESTART_OPTIONS = [
 ]
 
 
-def _restart_options(command):
+def _restart_options(command: Callable) -> Callable:
     """The ``RestartCosts`` fields as options, defaults shown; ``--restart-s`` is the flat what-if."""
     for flag, kind, text in reversed(_RESTART_OPTIONS):
         name = flag[2:].replace("-", "_")
-        command = click.option(flag, name, type=kind, default=getattr(_restart, name), show_default=True,
+        command = click.option(flag, name, type=kind, default=getattr(inputs.DEFAULT_RESTART, name), show_default=True,
                                help=text)(command)
     return click.option("--restart-s", "flat_s", type=_seconds, default=None,
                         help="What-if: every restart takes this long before its restore, whatever the failure "
