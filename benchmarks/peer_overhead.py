@@ -13,15 +13,17 @@ processes, see the same machine: on a machine shared with other jobs this is wha
 the noise out of the comparison. A block's figure is its mean step time (the overhead
 lives in the steps that save and in those the background work slows, not in the median
 step), the CPU seconds rank 0's process spent per step (its training, its own drain,
-sending its replica and receiving rank 1's) and those its training thread alone spent
-(the trainer's own share: on a cluster the background work runs on idle cores, the
-receiving half on another node). Replication threads run at nice ``--nice`` (a job's
-default: 10, ``CKPT_GUARD_PEER_NICE``). The first A and B blocks allocate the slots and
-are dropped. Reported: each arm's median over blocks with min and max, the ratio of
-medians, and the spread of the per-pair ratios B/A. The issue's target: ``peers=1`` at
-most 5 % slower. ``--aa`` runs the same with ``peers=0`` in both arms: the spread it
-shows is the noise floor of the comparison on this machine. An idle ``peers=1`` manager
-costs nothing measurable (a thread in ``accept``), so A blocks are ``peers=0`` training.
+sending its replica and receiving rank 1's: each block waits, untimed, for its drain and
+its replicas before the next one starts, so none of its work is counted in the next) and
+those its training thread alone spent (the trainer's own share: on a cluster the
+background work runs on idle cores, the receiving half on another node). Replication
+threads run at nice ``--nice`` (a job's default: 10, ``CKPT_GUARD_PEER_NICE``). The
+first A and B blocks allocate the slots and are dropped. Reported: each arm's median
+over blocks with min and max, the ratio of medians, and the spread of the per-pair
+ratios B/A. The issue's target: ``peers=1`` at most 5 % slower. ``--aa`` runs the same
+with ``peers=0`` in both arms: the spread it shows is the noise floor of the comparison
+on this machine. An idle ``peers=1`` manager costs nothing measurable (a thread in
+``accept``), so A blocks are ``peers=0`` training.
 
 Not a test: nothing here asserts a speed. On one machine the replica's bytes cross
 loopback, so sender and receiver compete with training for the same cores (a real
@@ -84,9 +86,12 @@ def worker(args: argparse.Namespace) -> None:
             opt.zero_grad()
             ddp(x).square().mean().backward()
             opt.step()
-            if step % args.every == 0:
+            if step % args.every == args.every // 2:  # mid-interval: its background work overlaps timed steps
                 handles.append((peers, mgr.save(step, state)))
             times.append(time.perf_counter() - t0)
+        mgr.wait()  # the block's background work (drain; replicas below) is counted in its own CPU
+        if mgr.peering is not None:
+            mgr.peering.replicator.join()
         blocks.append({"peers": peers, "mean_step_s": statistics.fmean(times),
                        "cpu_per_step_s": (time.process_time() - c0) / len(times),
                        "train_thread_cpu_per_step_s": (time.thread_time() - tc0) / len(times)})
