@@ -21,10 +21,15 @@ GB/s, the ratio of medians, and the replicate/copy ratio paired per round (both 
 back to back), which a noisy machine disturbs least; ``cpu_s`` is this process's CPU
 (both ends of the loopback) per run, and ``replicate_vs_copy_cpu`` the copy's CPU over
 replication's: the throughput ratio to expect where both ends share too few cores
-(replication also checks every byte's CRC32C, ~14 GB/s a core). Not a test: nothing
-here asserts a speed; the issue's target is replicate >= 0.8x the copy.
+(replication also checks every byte's CRC32C, ~14 GB/s a core). Both move the bytes with
+the same receive loop (``wire.recv_into``: blocking, MSG_WAITALL, 8 MiB a call), so the
+ratio is the cost of what replication adds (authentication, manifest, checksums, seal).
+Replication runs at normal priority here (``--nice 0``, as the copy does); a job's
+periodic replicas run at nice 10 (``CKPT_GUARD_PEER_NICE``), yielding to training on
+busy cores: ``--nice 10`` measures that. Not a test: nothing here asserts a speed; the
+issue's target is replicate >= 0.8x the copy.
 
-    PYTHONPATH=. python benchmarks/peer_bench.py --mb 256 --repeats 7 [--json out.json | --json -]
+    PYTHONPATH=. python benchmarks/peer_bench.py --mb 256 --repeats 7 [--nice 0] [--json out.json | --json -]
 """
 from __future__ import annotations
 
@@ -95,6 +100,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256, help="checkpoint size")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-object", action="store_true", help="skip the object-store restore (no moto server)")
+    ap.add_argument("--nice", type=int, default=0, help="nice value of the replication threads (a job's periodic "
+                                                          "replicas: 10)")
     ap.add_argument("--json", default=None, help="also write the results as JSON to this path ('-': stdout)")
     args = ap.parse_args()
 
@@ -122,10 +129,10 @@ def main() -> None:
         ns = Path(shm) / "ckpt-guard-bench-replicas"
         replicas = ReplicaSlots(ns, {"root": root, "run": "bench"})  # checker threads as Peering has them
         stack.callback(replicas.close)
-        server = PeerServer(replicas, PeerTier(ns), host="127.0.0.1", timeout_s=120)
+        server = PeerServer(replicas, PeerTier(ns), host="127.0.0.1", timeout_s=120, nice=args.nice)
         server.start(secret)
         stack.callback(server.close)
-        rep = Replicator([server.addr], secret, bytes_per_s=None, timeout_s=120)
+        rep = Replicator([server.addr], secret, bytes_per_s=None, timeout_s=120, nice=args.nice)
         stack.callback(rep.close)
         # the trainer's own mapping of its slot, as the manager hands it to the replicator
         slot = next(s for s in mgr.memory.pool.slots if s.holds == (ckpt_id.generation, ckpt_id.step))
@@ -162,7 +169,8 @@ def main() -> None:
                     times[name].append(t)
             print(f"round {i}: " + ", ".join(f"{k} {w:.3f} s" for k, (w, _) in got.items())
                   + ("" if i > 1 else " (warm-up, dropped)"), file=sys.stderr, flush=True)
-    out: dict = {"bytes": nbytes, "repeats": args.repeats, "loadavg_1min": [load_before, os.getloadavg()[0]],
+    out: dict = {"bytes": nbytes, "repeats": args.repeats, "nice": args.nice,
+                 "loadavg_1min": [load_before, os.getloadavg()[0]],
                  "cpus": os.cpu_count()}
     out |= {k: summary(v, nbytes) for k, v in times.items() if v}
     out["replicate_vs_copy"] = out["tcp_copy"]["median_s"] / out["replicate"]["median_s"]

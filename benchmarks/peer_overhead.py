@@ -12,19 +12,24 @@ save's blocking copy counts in its step). Blocks a few seconds long, in the same
 processes, see the same machine: on a machine shared with other jobs this is what keeps
 the noise out of the comparison. A block's figure is its mean step time (the overhead
 lives in the steps that save and in those the background work slows, not in the median
-step) and the CPU seconds rank 0's process spent per step (its training, its own drain,
-sending its replica and receiving rank 1's). The first A and B blocks allocate the slots
-and are dropped. Reported: each arm's median over blocks with min and max, the ratio of
-medians, and the spread of the per-pair ratios B/A. The issue's target: ``peers=1`` at
-most 5 % slower. ``--aa`` runs the same with ``peers=0`` in both arms: the spread it
-shows is the noise floor of the comparison on this machine. An idle ``peers=1`` manager
-costs nothing measurable (a thread in ``accept``), so A blocks are ``peers=0`` training.
+step), the CPU seconds rank 0's process spent per step (its training, its own drain,
+sending its replica and receiving rank 1's: each block waits, untimed, for its drain and
+its replicas before the next one starts, so none of its work is counted in the next) and
+those its training thread alone spent (the trainer's own share: on a cluster the
+background work runs on idle cores, the receiving half on another node). Replication
+threads run at nice ``--nice`` (a job's default: 10, ``CKPT_GUARD_PEER_NICE``). The
+first A and B blocks allocate the slots and are dropped. Reported: each arm's median
+over blocks with min and max, the ratio of medians, and the spread of the per-pair
+ratios B/A. The issue's target: ``peers=1`` at most 5 % slower. ``--aa`` runs the same
+with ``peers=0`` in both arms: the spread it shows is the noise floor of the comparison
+on this machine. An idle ``peers=1`` manager costs nothing measurable (a thread in
+``accept``), so A blocks are ``peers=0`` training.
 
 Not a test: nothing here asserts a speed. On one machine the replica's bytes cross
 loopback, so sender and receiver compete with training for the same cores (a real
 node's NIC moves them by DMA): a harsher setting than a cluster.
 
-    PYTHONPATH=. python benchmarks/peer_overhead.py [--pairs 8] [--every 10] [--json out.json | --json -]
+    PYTHONPATH=. python benchmarks/peer_overhead.py [--pairs 8] [--every 10] [--nice 10] [--json out.json | --json -]
 """
 from __future__ import annotations
 
@@ -73,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
     blocks, step, handles = [], 0, []
     for peers in arms(args.pairs):
         mgr, times = mgrs[peers], []
-        c0 = time.process_time()
+        c0, tc0 = time.process_time(), time.thread_time()
         for _ in range(args.every * args.block_saves):
             step += 1
             x = torch.randn(args.batch, args.width, generator=gen)
@@ -81,11 +86,15 @@ def worker(args: argparse.Namespace) -> None:
             opt.zero_grad()
             ddp(x).square().mean().backward()
             opt.step()
-            if step % args.every == 0:
+            if step % args.every == args.every // 2:  # mid-interval: its background work overlaps timed steps
                 handles.append((peers, mgr.save(step, state)))
             times.append(time.perf_counter() - t0)
+        mgr.wait()  # the block's background work (drain; replicas below) is counted in its own CPU
+        if mgr.peering is not None:
+            mgr.peering.replicator.join()
         blocks.append({"peers": peers, "mean_step_s": statistics.fmean(times),
-                       "cpu_per_step_s": (time.process_time() - c0) / len(times)})
+                       "cpu_per_step_s": (time.process_time() - c0) / len(times),
+                       "train_thread_cpu_per_step_s": (time.thread_time() - tc0) / len(times)})
     for mgr in mgrs.values():
         mgr.wait()
     rep = mgrs[1].peering.replicator if mgrs[1].peering is not None else None
@@ -118,7 +127,7 @@ def run_job(args: argparse.Namespace, out: Path) -> dict:
         for rank in range(2):
             env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-                   "CKPT_GUARD_NODE": f"node{rank}", "OMP_NUM_THREADS": "1"}
+                   "CKPT_GUARD_NODE": f"node{rank}", "OMP_NUM_THREADS": "1", "CKPT_GUARD_PEER_NICE": str(args.nice)}
             procs.append(subprocess.Popen(argv, env=env, cwd=REPO))
         while any(p.poll() is None for p in procs):  # one failed rank leaves the other in a collective
             if any(p.returncode not in (None, 0) for p in procs):
@@ -147,6 +156,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--aa", action="store_true", help="A/A: both arms peers=0, to see the noise floor")
+    ap.add_argument("--nice", type=int, default=10, help="nice value of the replication threads (0: normal)")
     ap.add_argument("--json", default=None, help="also write the results as JSON to this path ('-': stdout)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -162,8 +172,10 @@ def main() -> None:
     by = {p: [b for b in got["blocks"] if b["peers"] == p] for p in (0, 1)}
     step = {p: [b["mean_step_s"] for b in bs] for p, bs in by.items()}
     cpu = {p: [b["cpu_per_step_s"] for b in bs] for p, bs in by.items()}
+    thread_cpu = {p: [b["train_thread_cpu_per_step_s"] for b in bs] for p, bs in by.items()}
     paired = [b / a for a, b in zip(step[0], step[1])]  # blocks are adjacent pairs: A B, B A, ...
-    out = {"aa": args.aa, "pairs": args.pairs, "every": args.every, "block_steps": args.every * args.block_saves,
+    out = {"aa": args.aa, "nice": args.nice, "pairs": args.pairs, "every": args.every,
+           "block_steps": args.every * args.block_saves,
            "width": args.width, "layers": args.layers, "batch": args.batch,
            "state_bytes_per_rank": got["state_bytes"], "loadavg_1min": [load_before, os.getloadavg()[0]],
            "cpus": os.cpu_count(),
@@ -172,6 +184,9 @@ def main() -> None:
            "paired_ratio": spread(paired),
            "peers0_cpu_per_step_s": spread(cpu[0]), "peers1_cpu_per_step_s": spread(cpu[1]),
            "cpu_ratio": statistics.median(cpu[1]) / statistics.median(cpu[0]),
+           "peers0_train_thread_cpu_per_step_s": spread(thread_cpu[0]),
+           "peers1_train_thread_cpu_per_step_s": spread(thread_cpu[1]),
+           "train_thread_cpu_ratio": statistics.median(thread_cpu[1]) / statistics.median(thread_cpu[0]),
            "save_blocking_s": got["blocking_s"], "peer_durable_s": got["peer_durable_s"],
            "replicas": got["replicas"], "blocks": got["blocks"]}
     p = out["paired_ratio"]
@@ -179,7 +194,8 @@ def main() -> None:
     print(f"A (peers=0): mean step {1e3 * out['peers0_mean_step_s']['median']:.1f} ms (median of {args.pairs} blocks)\n"
           f"{b_arm}: mean step {1e3 * out['peers1_mean_step_s']['median']:.1f} ms\n"
           f"ratio {out['overhead_ratio']:.3f} (per pair: median {p['median']:.3f}, {p['min']:.3f}..{p['max']:.3f}); "
-          f"CPU per step ratio {out['cpu_ratio']:.3f}; replicas {out['replicas']}")
+          f"CPU per step ratio {out['cpu_ratio']:.3f} (training thread's: {out['train_thread_cpu_ratio']:.3f}); "
+          f"replicas {out['replicas']}")
     if args.json:
         text = json.dumps(out, indent=1)
         print(text) if args.json == "-" else Path(args.json).write_text(text)

@@ -28,6 +28,7 @@ from ..tiers.memory.slots import ShmSlot
 from ..tiers.peer import PeerTier, replica_namespace
 from . import wire
 from .placement import node_name, ring_targets
+from .priority import replication_nice
 from .remote import Held, RemoteTier
 from .replicas import ReplicaSlots
 from .replicator import ReplicaJob, Replicator
@@ -54,7 +55,8 @@ class Peering:
         self.held = PeerTier(ns)
         # the job's object store too: there every rank's shard of a step is durable, so gc may drop its replicas
         self.replicas = ReplicaSlots(ns, {"root": owner_root, "run": run, "object": object_store})
-        self.server = PeerServer(self.replicas, self.held, host=_bind_host(), timeout_s=timeout_s)
+        nice = replication_nice()
+        self.server = PeerServer(self.replicas, self.held, host=_bind_host(), timeout_s=timeout_s, nice=nice)
         secret = wire.new_secret().hex() if coord.rank == 0 else None
         everyone = coord.gather((self.node, self.server.addr, secret))
         self._secret = bytes.fromhex(everyone[0][2])
@@ -70,7 +72,7 @@ class Peering:
             log.info("rank %d (node %s) replicates to %s", self.rank, self.node,
                      ", ".join(f"rank {r} (node {self.nodes[r]})" for r in self.holders))
         self.replicator = Replicator([self.addrs[r] for r in self.holders], self._secret, bytes_per_s=bytes_per_s,
-                                     timeout_s=timeout_s, count=_counter(registry, self.rank))
+                                     timeout_s=timeout_s, count=_counter(registry, self.rank), nice=nice)
         if registry is not None:
             _shm_gauge(registry, self.rank, ns)
         self._remote: RemoteTier | None = None

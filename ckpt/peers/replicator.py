@@ -8,7 +8,8 @@ counted, never an error in training.
 An urgent snapshot (the predictor expects this node to fail: evacuation) goes ahead
 of everything: a periodic send in flight is cut off (its connection shut down; the
 holder keeps its newest sealed replica), and the urgent one is sent unpaced, ignoring
-the bandwidth cap."""
+the bandwidth cap. Periodic sends run on a thread with nice ``nice`` (``priority``), so
+on busy cores training runs first; urgent ones at normal priority."""
 from __future__ import annotations
 
 import logging
@@ -16,11 +17,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from ..restore import DAMAGE
 from ..tiers.base import ShardReader
 from . import wire
+from .priority import at_low_priority
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +42,8 @@ class Replicator:
     """``count`` is told each outcome ("sent", "failed" per holder; "superseded"): metrics."""
 
     def __init__(self, holders: list[str], secret: bytes, *, bytes_per_s: float | None, timeout_s: float,
-                 count: Callable[[str], None] = lambda outcome: None) -> None:
-        self.holders, self._secret = holders, secret
+                 count: Callable[[str], None] = lambda outcome: None, nice: int = 0) -> None:
+        self.holders, self._secret, self.nice = holders, secret, nice
         self.bytes_per_s, self.timeout_s = bytes_per_s, timeout_s
         self.sent = self.failed = self.superseded = 0  # counted per holder, per snapshot
         self._count = count
@@ -75,11 +78,8 @@ class Replicator:
                 if self._pending is None:
                     return
                 job, self._pending, self._busy = self._pending, None, self._pending
-            sealed = []
-            for addr in job.to if job.to is not None else self.holders:
-                if job.cut.is_set():
-                    break
-                sealed.append(self._send(job, addr))  # every holder, even after a failure
+            sealed = at_low_priority(partial(self._send_all, job), 0 if job.urgent else self.nice,
+                                     "ckpt-replicate-periodic")
             with self._cond:
                 self._busy = None
                 self._cond.notify_all()
@@ -88,6 +88,14 @@ class Replicator:
                 self.superseded += 1
                 self._count("superseded")
             job.done(all(sealed) and not cut)
+
+    def _send_all(self, job: ReplicaJob) -> list[bool]:
+        sealed = []
+        for addr in job.to if job.to is not None else self.holders:
+            if job.cut.is_set():
+                break
+            sealed.append(self._send(job, addr))  # every holder, even after a failure
+        return sealed
 
     def _send(self, job: ReplicaJob, addr: str) -> bool:
         t0 = time.monotonic()

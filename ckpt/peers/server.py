@@ -1,7 +1,9 @@
 """Each rank's peer server: a small thread on an address published at start-up that
 takes replicas from the ranks it holds for (``put``) and hands out the replicas it
 holds at restore (``get``). One short-lived thread per connection; every connection
-first proves it knows the job's secret (``wire.handshake``)."""
+first proves it knows the job's secret (``wire.handshake``). A ``put`` is received at
+nice ``nice`` (``priority``: training on this node runs first), a ``get`` (a restore
+waiting for it) at normal priority."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +17,7 @@ from ..restore import DAMAGE, open_shard
 from ..tiers.base import CheckpointId
 from ..tiers.peer import PeerTier
 from . import wire
+from .priority import lower_this_thread
 from .replicas import ReplicaSlots
 
 log = logging.getLogger(__name__)
@@ -23,8 +26,8 @@ log = logging.getLogger(__name__)
 class PeerServer:
     """Bound at construction (so the address can be gathered), serving after ``start``."""
 
-    def __init__(self, replicas: ReplicaSlots, held: PeerTier, *, host: str, timeout_s: float) -> None:
-        self.replicas, self.held, self.timeout_s = replicas, held, timeout_s
+    def __init__(self, replicas: ReplicaSlots, held: PeerTier, *, host: str, timeout_s: float, nice: int = 0) -> None:
+        self.replicas, self.held, self.timeout_s, self.nice = replicas, held, timeout_s, nice
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.5)  # the accept loop looks at the stop flag this often
         self.addr = f"{host}:{self._sock.getsockname()[1]}"
@@ -55,6 +58,7 @@ class PeerServer:
                 wire.handshake(conn, self._secret, server=True)
                 req = wire.recv_frame(conn)
                 if req.get("op") == "put":
+                    lower_this_thread(self.nice)  # this connection's thread only; its checkers inherit it
                     self._put(conn, req, peer)
                 elif req.get("op") == "get":
                     self._get(conn, req, peer)

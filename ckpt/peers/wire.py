@@ -20,11 +20,15 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 _NONCE = 16
 _MAX_FRAME = 256 << 20  # a shard manifest's limit
-PIECE = 1 << 20
+# Shard bytes move in pieces this big, each one blocking call that sleeps in the kernel
+# until the whole piece is through (MSG_WAITALL on receipt): the thread wakes, and takes
+# the GIL from the trainer, once per piece instead of once per batch of TCP segments.
+PIECE = 8 << 20
 
 
 class PeerError(ConnectionError):
@@ -76,11 +80,15 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_into(sock: socket.socket, out: memoryview, *, deadline: float | None) -> None:
-    """Fill ``out`` from ``sock``; PeerError when the peer closes or ``deadline`` passes."""
+    """Fill ``out`` from ``sock``; PeerError when the peer closes or ``deadline`` passes
+    (None: each piece within the socket's own timeout)."""
     got = 0
     while got < len(out):
-        _check(deadline)
-        n = sock.recv_into(out[got : got + PIECE])
+        with _kernel_timeout(sock, deadline):
+            try:
+                n = sock.recv_into(out[got : got + PIECE], 0, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError):
+                raise PeerError("peer transfer took longer than its timeout; abandoned") from None
         if n == 0:
             raise PeerError(f"peer closed the connection after {got} of {len(out)} bytes")
         got += n
@@ -91,25 +99,39 @@ def send_paced(sock: socket.socket, data: memoryview, *, bytes_per_s: float | No
     """Send ``data`` in pieces, at most ``bytes_per_s`` on average, giving up at ``deadline``
     or as soon as ``stop`` is set (another thread also shuts the socket down then)."""
     t0 = time.monotonic()
-    if not bytes_per_s:  # one call: sendall's timeout bounds the whole send
-        _check(deadline)
-        if deadline is not None:
-            sock.settimeout(max(0.001, deadline - t0))
-        try:
-            sock.sendall(data)
-        except TimeoutError:
-            raise PeerError("peer transfer took longer than its timeout; abandoned") from None
-        return
     for lo in range(0, len(data), PIECE):
-        _check(deadline)
-        piece = data[lo : lo + PIECE]
-        sock.sendall(piece)
+        hi, sent = min(len(data), lo + PIECE), lo
+        while sent < hi:  # one call per piece unless the kernel timeout cut it short
+            with _kernel_timeout(sock, deadline):
+                try:
+                    sent += sock.send(data[sent:hi])
+                except (BlockingIOError, TimeoutError):
+                    raise PeerError("peer transfer took longer than its timeout; abandoned") from None
         if bytes_per_s:
-            ahead = (lo + len(piece)) / bytes_per_s - (time.monotonic() - t0)
+            ahead = hi / bytes_per_s - (time.monotonic() - t0)
             if ahead > 0 and stop is None:
                 time.sleep(ahead)
             elif ahead > 0 and stop.wait(ahead):
                 raise PeerError("send stopped")
+
+
+@contextmanager
+def _kernel_timeout(sock: socket.socket, deadline: float | None) -> Iterator[None]:
+    """The socket in blocking mode for one call, bounded in the kernel (SO_RCVTIMEO and
+    SO_SNDTIMEO) by what is left until ``deadline`` (None: the socket's own timeout). A
+    socket with a Python timeout is non-blocking and polled: MSG_WAITALL would not wait,
+    and a large sendall would wake once per send-buffer's worth."""
+    _check(deadline)
+    before = sock.gettimeout()
+    left = before if deadline is None else max(0.001, deadline - time.monotonic())
+    timeval = struct.pack("ll", int(left), int(left % 1 * 1e6)) if left else struct.pack("ll", 0, 0)
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    try:
+        yield
+    finally:
+        sock.settimeout(before)
 
 
 def _check(deadline: float | None) -> None:
