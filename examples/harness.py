@@ -66,7 +66,8 @@ class Faults:
         if step in self.at and not marker.exists():
             self.root.mkdir(parents=True, exist_ok=True)
             marker.touch()
-            logging.info("fault injector: %s at step %d", self.at[step], step)
             if self.at[step] == RAISE:
+                logging.info("fault injector: RuntimeError at step %d", step)
                 raise RuntimeError(f"fault injector: an exception at step {step}")
+            logging.info("fault injector: %s at step %d", SIGNALS[self.at[step]].name, step)
             os.kill(os.getpid(), SIGNALS[self.at[step]])
