@@ -7,8 +7,10 @@ injector hits rank 1 at step 12, and the job restarts once. Scenarios, each agai
 today's behaviour where it differs:
 
 * ``killed``: SIGKILL (peers' sockets close: noticed at once).
-* ``hung``: SIGSTOP (alive and silent, as on a dead GPU) with the hang detector's
-  default deadline (10 s floor; 30 s before issue 19.3), ``hung_4s`` with ``--hang-deadline 4``, and
+* ``hung``: SIGSTOP (the process frozen: declared once its beat stopped, ``frozen_fast``;
+  before, at the 10 s floor) with the hang detector's defaults; ``hung_alive``: rank 1
+  asleep in a call (alive, beating, as in a stuck kernel: declared at the 10 s floor);
+  ``hung_4s`` with ``--hang-deadline 4``, and
   ``hung_baseline``: today's behaviour, without the detector (the training group's
   timeout set to 10 s; measured 161 s all the same: the survivor still waits out a
   collective timeout, likely the checkpoint coordinator's 120 s group, then torchrun's
@@ -22,7 +24,10 @@ today's behaviour where it differs:
   and one rank each); past step 17, node 1 is lost (agent and rank SIGKILLed, its
   memory and disk wiped) and a replacement agent with empty directories starts at once;
   its rank's own shard comes from node 0's memory (``--peers 1``) or, today, from the
-  object store (a file:// directory). The phases count from the loss.
+  object store (a file:// directory). The phases count from the loss;
+  ``replacement_agent_startup_s`` is the replacement agent's own start-up (launched ->
+  its "Starting elastic_operator" log line: the interpreter and torch's imports), part
+  of ``phase_relaunch_s``: in a real cluster the scheduler's, not the job's, cost.
 
 From the ranks' own log lines: ``detect_s`` (fault -> hang declared), ``relaunch_s``
 (fault -> rank 0 restored a checkpoint in the new incarnation), ``total_s`` (fault ->
@@ -57,6 +62,7 @@ from tests.procs import free_port, stop_process, wait_for  # noqa: E402
 SCENARIOS = {
     "killed": ["--faults", "12"],
     "hung": ["--faults", "12:stop"],
+    "hung_alive": ["--faults", "12:hang"],
     "hung_4s": ["--faults", "12:stop", "--hang-deadline", "4"],
     "hung_baseline": ["--faults", "12:stop", "--no-hang-detection", "--pg-timeout", "10"],
     "xid79": [],  # run_xid
@@ -67,6 +73,7 @@ SCENARIOS = {
 # without a heartbeat (5 s x 3 by default): the next round waits that long for it.
 RDZV_CONF = os.environ.get("RECOVERY_RDZV_CONF", "keep_alive_interval=1,keep_alive_max_attempt=3")
 _STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+MONITOR_INTERVAL = os.environ.get("RECOVERY_MONITOR_INTERVAL", "0.1")  # torchrun's default (was 0.5 here)
 
 
 def run(scenario: str, workdir: Path, memory_dir: str) -> dict[str, float | None]:
@@ -76,7 +83,7 @@ def run(scenario: str, workdir: Path, memory_dir: str) -> dict[str, float | None
     if scenario.startswith("lost_node"):
         return run_lost_node(workdir, peer=scenario == "lost_node_peer")
     log = _torchrun(scenario, workdir, memory_dir, *SCENARIOS[scenario])
-    fault = re.search(r"fault injector: SIG\w+ rank 1 at step 12 \(([\d.]+)\)", log)
+    fault = re.search(r"fault injector: (?:SIG\w+|hang) rank 1 at step 12 \(([\d.]+)\)", log)
     first = re.search(r"rank0 incarnation 1: first step \d+ at ([\d.]+)", log)
     if not (fault and first):
         raise SystemExit(f"{scenario}: no fault, or no restart, in the log:\n{log[-3000:]}")
@@ -91,7 +98,7 @@ def _torchrun(scenario: str, workdir: Path, memory_dir: str, *extra: str) -> str
     """The example under torchrun (2 ranks, one restart allowed): its log."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.5",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--monitor-interval={MONITOR_INTERVAL}",
            str(REPO / "examples" / "train_torchrun.py"), "--root", str(workdir / "root"), "--memory-dir",
            memory_dir, "--steps", "30", "--every", "5", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
@@ -169,8 +176,10 @@ def run_lost_node(workdir: Path, *, peer: bool) -> dict[str, float | None]:
         shutil.rmtree(shm[1])
         shm[1].mkdir(mode=0o700)
         shutil.rmtree(workdir / "node1")
-        nodes[1] = start_node(script, 1, 2, port, args[1], restarts=1, env=REPLACEABLE, rdzv_conf=RDZV_CONF)
-        log = finish_nodes(nodes, timeout=400)[0]
+        replaced = time.time()  # LOGLEVEL=INFO: the agent logs when its own start-up is done
+        nodes[1] = start_node(script, 1, 2, port, args[1], restarts=1, env={**REPLACEABLE, "LOGLEVEL": "INFO"},
+                              rdzv_conf=RDZV_CONF)
+        log, replacement_log = finish_nodes(nodes, timeout=400)
     finally:
         for d in shm:
             shutil.rmtree(d, ignore_errors=True)
@@ -178,7 +187,11 @@ def run_lost_node(workdir: Path, *, peer: bool) -> dict[str, float | None]:
     restored = _stamp(re.search(_STAMP + r"rank0 rank 0 restored step", log))
     if not (first and restored):
         raise SystemExit(f"lost node: no restart in node 0's log:\n{log[-3000:]}")
-    return {"detect_s": None, "relaunch_s": restored - lost, "total_s": float(first.group(1)) - lost, **_phases(log)}
+    ready = re.search(r"^I(\d{4} \d\d:\d\d:\d\d\.\d+) .*Starting elastic_operator", replacement_log, re.M)
+    agent_s = None if ready is None else datetime.strptime(f"{datetime.now().year}{ready.group(1)}",
+                                                           "%Y%m%d %H:%M:%S.%f").timestamp() - replaced
+    return {"detect_s": None, "relaunch_s": restored - lost, "total_s": float(first.group(1)) - lost,
+            "replacement_agent_startup_s": agent_s, **_phases(log)}
 
 
 def healthy(url: str) -> bool:

@@ -16,8 +16,10 @@ everything to rank 0, which logs one line per restart once the first step is don
     restart timing: {"cause": "...", "detect_s": 4.1, "exit_s": 0.3, "relaunch_s": 1.2, ...}
 
 Phases are consecutive, so they add up to ``total_s``: detect (fault -> detected), exit
-(-> the last rank of the old generation left), relaunch (-> the last new process
-started: torchrun's monitor, stop, rendezvous and spawn), startup (-> init_process_group
+(-> the last rank of the old generation left), agent (-> the newest torchrun agent's
+process started: a replacement node's, whose arrival is the scheduler's cost; null when
+every agent survived), relaunch (-> the last new process started: torchrun's monitor,
+stop, rendezvous and spawn; for a replacement agent, its own start-up too), startup (-> init_process_group
 called: interpreter and imports), pg_init, setup (-> restore started: model, checkpoint
 manager), restore, first_step (-> the first resumed step done). Each mark is the slowest
 rank's: the collectives wait for it. A phase whose mark is missing (a lost node's file,
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 EVENTS_FILE = "restarts.jsonl"
 _COMPACT_BYTES = 1 << 20  # rewrite the node's file beyond this (a few KB per restart)
-PHASES = ("detect", "exit", "relaunch", "startup", "pg_init", "setup", "restore", "first_step")
+PHASES = ("detect", "exit", "agent", "relaunch", "startup", "pg_init", "setup", "restore", "first_step")
 _marks: dict[str, float] = {}  # this process's own marks (wall clock, seconds)
 
 
@@ -48,9 +50,10 @@ def mark(name: str) -> None:
 
 
 def process_marks() -> dict[str, float]:
-    """This process's marks, with its start time from the kernel."""
-    started = process_start_time()
-    return {**_marks, **({"started": started} if started is not None else {})}
+    """This process's marks, with its start time and (under torchrun) its agent's, from the kernel."""
+    times = {"started": process_start_time(),
+             "agent_started": process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None}
+    return {**_marks, **{k: t for k, t in times.items() if t is not None}}
 
 
 def process_start_time(pid: int | None = None) -> float | None:
@@ -144,8 +147,11 @@ def summarize(records: list[dict], marks: list[dict[str, float]], first_step_t: 
         values = [m[name] for m in marks if name in m]
         return max(values) if values else None
 
-    points = [("fault", min(f["t"] for f in faults) if faults else None),
-              ("detect", faults[0]["detected"] if faults else None), ("exit", max(exits) if exits else None),
+    fault_t = min(f["t"] for f in faults) if faults else None
+    agent_t = slowest("agent_started")  # an agent older than the fault survived it: no agent phase
+    points = [("fault", fault_t), ("detect", faults[0]["detected"] if faults else None),
+              ("exit", max(exits) if exits else None),
+              ("agent", agent_t if agent_t is not None and fault_t is not None and agent_t > fault_t else None),
               ("relaunch", slowest("started")), ("startup", slowest("pg_init_start")),
               ("pg_init", slowest("pg_init_done")), ("setup", slowest("restore_start")),
               ("restore", slowest("restore_done")), ("first_step", first_step_t)]

@@ -10,10 +10,10 @@ rank runs a ``Watchdog`` thread that talks through the job's key-value store onl
   (``boundary()``); the thread publishes ``<boundaries> <beat>`` once per
   ``interval_s``, aggregated per node (``ckpt.heartbeat``): one store write per node
   per interval, whatever the step rate and the number of ranks.
-* **Deadline**: ``factor`` × the median of the measured step times, at least
-  ``floor_s`` (or ``deadline_s``, fixed). Until ``warmup_steps`` steps are measured
-  the deadline is at least ``first_steps_s``: compilation and data loading in the
-  first steps of every incarnation never trip it.
+* **Deadline** (``ckpt.hang_policy``, which says why): ``factor`` × the median of the
+  measured step times, at least ``floor_s`` (or ``deadline_s``, fixed); at least
+  ``first_steps_s`` until ``warmup_steps`` steps are measured; longer while a blocking
+  save runs on any rank (``saving()``); a frozen peer is declared before it.
 * **Verdict**: a rank whose own training thread has not reached a boundary within
   the deadline declares the job hung. Only then (from four intervals before) does it
   read every rank's beat (the nodes' keys), once per interval, to name the culprit: a rank whose beat
@@ -47,13 +47,14 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import quarantine
 from .distributed import store_connector
+from .hang_policy import FROZEN_POLLS, OBSERVE_INTERVALS, HangDetection
 from .heartbeat import DONE, NodeBeats
 from .process_identity import Identity, proc_stat, started, this_process
 from .restarts import EVENTS_FILE, RestartRecorder, previous_records, process_marks, restart_reporter
@@ -65,40 +66,8 @@ log = logging.getLogger(__name__)
 
 EXIT_HUNG = 86  # this rank ended the job: some rank stopped reaching step boundaries
 EXIT_NODE_FAILED = 87  # this rank ended the job: a node of the job failed (the predictor said so)
+_DEFAULTS = HangDetection()
 _DUMP_SIGNAL = signal.SIGUSR2  # faulthandler dumps the Python stacks of a rank on it
-_OBSERVE_INTERVALS = 4  # start reading peers' beats this many intervals before the deadline
-_FROZEN_POLLS = 3  # a beat unchanged over this many polls: that rank's process is not running
-
-
-@dataclass(frozen=True)
-class HangDetection:
-    """The hang detector's knobs (see the module docstring); ``enabled=False`` turns it off."""
-
-    enabled: bool = True
-    factor: float = 5.0
-    floor_s: float = 10.0
-    deadline_s: float | None = None  # fixed deadline, replaces factor × median and the floor
-    warmup_steps: int = 3
-    first_steps_s: float = 600.0
-    interval_s: float = 1.0
-    poll_s: float = 0.25  # how often each node looks for a "job failed" key (node_failed)
-    kill_grace_s: float = 1.0  # time the culprit gets to dump its stacks before SIGKILL
-    quarantine_strikes: int = 3  # a node blamed this often (0: never) ...
-    quarantine_window_s: float = 3600.0  # ... within this window is kept out of restarts (ckpt.quarantine)
-
-    def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.poll_s <= 0 or self.factor <= 0 or self.floor_s < 0 or self.warmup_steps < 0:
-            raise ValueError(f"invalid hang detection settings: {self}")
-        if self.deadline_s is not None and self.deadline_s <= 0:
-            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
-
-    def deadline(self, step_times: list[float]) -> float:
-        """Seconds a rank may spend between two boundaries, given the step times measured;
-        never under ``_OBSERVE_INTERVALS`` beats, the time it takes to tell a frozen rank."""
-        steady = self.deadline_s if self.deadline_s is not None else max(
-            self.floor_s, self.factor * statistics.median(step_times) if step_times else 0.0)
-        steady = max(steady, _OBSERVE_INTERVALS * self.interval_s)
-        return steady if len(step_times) >= self.warmup_steps else max(steady, self.first_steps_s)
 
 
 class Watchdog:
@@ -109,7 +78,7 @@ class Watchdog:
     time of this incarnation's first step boundary."""
 
     def __init__(self, store: Callable[[], object], beats: NodeBeats, rank: int, world_size: int,
-                 options: HangDetection = HangDetection(), *, exit: Callable[[int], None] = os._exit,
+                 options: HangDetection = _DEFAULTS, *, exit: Callable[[int], None] = os._exit,
                  recorder: RestartRecorder | None = None,
                  on_first_boundary: Callable[[float], None] | None = None) -> None:
         self.options, self.rank, self.world_size = options, rank, world_size
@@ -123,6 +92,8 @@ class Watchdog:
         self._frozen_s = 0.0  # how long this process itself did not run, seen by the watchdog thread
         self._warned = 0.0  # the boundary (its time) after which a stall was last announced
         self._step_times: deque[float] = deque(maxlen=64)
+        self._save_times: deque[float] = deque(maxlen=16)  # blocking saves measured (``saving``)
+        self._saving_since: float | None = None  # a blocking save runs on the training thread
         self._seen: dict[int, tuple[bytes, int]] = {}  # rank -> (its last value, polls unchanged)
         self._woke = self._next_beat = time.monotonic()  # the thread's last turn, its next beat
         self._beat_count, self._unreachable = 0, False
@@ -154,6 +125,19 @@ class Watchdog:
         the next step time is not measured, since it includes the evaluation."""
         self._last, self._paused = time.monotonic(), True
 
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """A blocking save on the training thread: not a step, not a hang. Meanwhile the
+        deadline grows by the save's allowance (``HangDetection.save_allowance``) and the
+        beat says so, for peers that wait for this save in their next collective."""
+        self._saving_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._save_times.append(time.monotonic() - self._saving_since)
+            self._saving_since = None
+            self.progress()
+
     def close(self, *, finished: bool = True) -> None:
         """Training is over on this rank (``finished``), or unwinding: stop watching, tell
         the peers. Unwinding, an uncaught exception that ends the process is recorded for
@@ -179,7 +163,12 @@ class Watchdog:
             self.recorder.left()
 
     def deadline(self) -> float:
-        return self.options.deadline(list(self._step_times))
+        """This rank's own deadline now (a save's allowance added while one runs)."""
+        saving = self._saving_since is not None
+        return self.options.deadline(list(self._step_times)) + (self._allowance() if saving else 0.0)
+
+    def _allowance(self) -> float:
+        return self.options.save_allowance(list(self._save_times))
 
     def fail(self, reason: str, *, node: str | None = None, fault_t: float | None = None) -> None:
         """Stop the whole job now (``node`` failed, at ``fault_t``): every rank's watchdog
@@ -205,6 +194,7 @@ class Watchdog:
             failed = self.beats.failed()
             if failed is not None:
                 self._stopped_by(failed)
+                return
             if now >= self._next_beat:
                 self._next_beat, self._beat_count = now + interval, self._beat_count + 1
                 self._beat(self._beat_count)
@@ -229,18 +219,31 @@ class Watchdog:
         self._leave(EXIT_NODE_FAILED)
 
     def _beat(self, beat: int) -> None:
-        self.beats.publish(f"{self._boundaries} {beat}")
+        saving = f" saving {self._allowance():.1f}" if self._saving_since is not None else ""
+        self.beats.publish(f"{self._boundaries} {beat}{saving}")
         last = self._last
         stalled, deadline, interval = time.monotonic() - last, self.deadline(), self.options.interval_s
         if stalled >= deadline / 2 and self._warned != last:  # never wait silently
             self._warned = last
             log.warning("rank %d: no step boundary for %.1f s; declared hung at %.1f s", self.rank, stalled, deadline)
-        if stalled < deadline - _OBSERVE_INTERVALS * interval:
+        watch = self.options.frozen_watch(list(self._step_times))
+        if stalled < min(deadline - OBSERVE_INTERVALS * interval, float("inf") if watch is None else watch):
             self._seen.clear()
             return
         self._observe()
-        if stalled >= deadline and not self._stop.is_set():
+        deadline += self._peers_saving()
+        frozen = watch is not None and stalled >= watch and bool(self._frozen())
+        if (frozen or stalled >= deadline) and not self._stop.is_set():
             self._declare(self._store(), stalled, deadline)
+
+    def _peers_saving(self) -> float:
+        """The longest allowance of a peer whose beat says it is in a blocking save."""
+        fields = [v.split() for v, _ in self._seen.values() if v and v != DONE]
+        return max((float(f[3]) for f in fields if len(f) == 4 and f[2] == "saving"), default=0.0)
+
+    def _frozen(self) -> list[int]:
+        """Live ranks whose beat stayed unchanged for ``FROZEN_POLLS`` polls."""
+        return [r for r, (v, n) in self._seen.items() if v and v != DONE and n >= FROZEN_POLLS]
 
     def _observe(self) -> None:
         """Read every rank's beat; count the polls each has stayed unchanged."""
@@ -252,7 +255,7 @@ class Watchdog:
 
     def _culprits(self) -> tuple[str, list[int]]:
         live = {r: v for r, (v, _) in self._seen.items() if v != DONE}
-        frozen = [r for r, (v, n) in self._seen.items() if r in live and n >= _FROZEN_POLLS]
+        frozen = self._frozen()
         if frozen:
             return "frozen (its process has not run for the last polls)", frozen
         steps = {r: int(v.split()[0]) for r, v in live.items() if v}

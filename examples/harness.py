@@ -13,6 +13,7 @@ import torch
 from ckpt.distributed import init_process_group
 
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+RAISE = "raise"  # a crash by an exception (the program's own error, or a peer's failure)
 
 
 def parse_args(doc: str) -> argparse.Namespace:
@@ -25,7 +26,7 @@ def parse_args(doc: str) -> argparse.Namespace:
     ap.add_argument("--batches-per-epoch", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory-dir", default="/dev/shm")
-    ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '6:kill,10:term'")
+    ap.add_argument("--faults", default="", help="fault injection for tests, e.g. '6:kill,10:term,12:raise'")
     ap.add_argument("--out", default=None, help="write the final weights digest here (JSON)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO,
@@ -45,14 +46,17 @@ def world_size() -> int:
 
 
 class Faults:
-    """``"6:kill,10:term"``: SIGKILL this process when training completes step 6,
-    SIGTERM it (a preemption notice) at step 10. Each fault fires once per checkpoint
+    """``"6:kill,10:term,12:raise"``: SIGKILL this process when training completes step 6,
+    SIGTERM it (a preemption notice) at step 10, raise a RuntimeError at step 12. Each fault fires once per checkpoint
     root, remembered by a marker file there, so a restarted run goes past it. Under
     torchrun only the last rank faults: the others must follow it."""
 
     def __init__(self, spec: str, root: str | os.PathLike) -> None:
         self.root = Path(root)
-        self.at = {int(step): SIGNALS[kind] for step, kind in (f.split(":") for f in spec.split(",") if f)}
+        self.at = {int(step): kind for step, kind in (f.split(":") for f in spec.split(",") if f)}
+        unknown = set(self.at.values()) - {*SIGNALS, RAISE}
+        if unknown:
+            raise SystemExit(f"--faults: unknown kind(s) {sorted(unknown)} (one of {', '.join([*SIGNALS, RAISE])})")
         if int(os.environ.get("RANK", "0")) != int(os.environ.get("WORLD_SIZE", "1")) - 1:
             self.at = {}
 
@@ -62,5 +66,8 @@ class Faults:
         if step in self.at and not marker.exists():
             self.root.mkdir(parents=True, exist_ok=True)
             marker.touch()
-            logging.info("fault injector: %s at step %d", self.at[step].name, step)
-            os.kill(os.getpid(), self.at[step])
+            if self.at[step] == RAISE:
+                logging.info("fault injector: RuntimeError at step %d", step)
+                raise RuntimeError(f"fault injector: an exception at step {step}")
+            logging.info("fault injector: %s at step %d", SIGNALS[self.at[step]].name, step)
+            os.kill(os.getpid(), SIGNALS[self.at[step]])

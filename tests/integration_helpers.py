@@ -178,6 +178,18 @@ def assert_ddp_resumes_exactly(module: str, tmp_path: Path, memory_dir: str, res
         "the resumed DDP run diverged from the uninterrupted one"
 
 
+def assert_crash_is_timed(module: str, tmp_path: Path, memory_dir: str) -> None:
+    """Under torchrun (2 ranks) the last rank raises at step 6: the restart timing line
+    (``ckpt.restarts``) names the exception as the fault and counts the total from it."""
+    script = REPO / "examples" / f"{module.rsplit('.', 1)[-1]}.py"
+    log = torchrun(script, "--root", str(tmp_path / "crash"), "--memory-dir", memory_dir, "--faults", "6:raise",
+                   restarts=1)
+    found = re.search(r"rank0 \S+ restart timing: (\{.*\})", log)
+    assert found, log[-4000:]
+    timing = json.loads(found.group(1))
+    assert "ended by RuntimeError: fault injector" in timing["cause"] and timing["total_s"] is not None, timing
+
+
 def faulty_and_clean(module: str, tmp_path: Path, memory_dir: str) -> tuple[list[Run], str, str]:
     """An interrupted run, restarted after each fault until done, and an uninterrupted
     one with the same seed: the runs and both final weight digests."""

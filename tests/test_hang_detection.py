@@ -84,23 +84,29 @@ def test_deadline_follows_the_measured_steps() -> None:
         HangDetection(deadline_s=0)
 
 
-def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
-    """Two watchdogs on one TCPStore, both alive; rank 1 stopped two boundaries earlier:
-    rank 0 names it as behind and exits with EXIT_HUNG (exit is a stub here)."""
+def watchdogs(tmp_path: Path, opts: HangDetection, exits: list[int], world: int = 2) -> list[Watchdog]:
+    """``world`` watchdogs of one node on a real TCPStore, one connection per thread (as
+    distributed.store_connector gives); each exit is appended to ``exits`` (a stub)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-
     local = threading.local()
 
-    def client() -> dist.Store:  # one connection per thread, as distributed.store_connector gives
+    def client() -> dist.Store:
         if not hasattr(local, "store"):
             local.store = dist.PrefixStore("t", dist.TCPStore("127.0.0.1", server.port, is_master=False,
                                                               timeout=timedelta(seconds=10)))
         return local.store
 
+    client.server = server  # lives as long as the watchdogs
+    return [Watchdog(client, NodeBeats(client, tmp_path, rank, "n", ["n"], opts.interval_s), rank, world, opts,
+                     exit=exits.append) for rank in range(world)]
+
+
+def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """Two watchdogs on one TCPStore, both alive; rank 1 stopped two boundaries earlier:
+    rank 0 names it as behind and exits with EXIT_HUNG (exit is a stub here)."""
     exits: list[int] = []
     opts = HangDetection(deadline_s=2.0, warmup_steps=0, interval_s=0.5, poll_s=0.1)
-    dogs = [Watchdog(client, NodeBeats(client, tmp_path, rank, "n", ["n"], opts.interval_s), rank, 2, opts,
-                     exit=exits.append) for rank in (0, 1)]
+    dogs = watchdogs(tmp_path, opts, exits)
     dogs[1]._exit = lambda code: None  # rank 1 is the culprit; only rank 0's verdict is checked
     for dog in dogs:
         dog.start()
@@ -113,6 +119,63 @@ def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixt
         assert exits == [EXIT_HUNG]
         assert any("rank 0: no step boundary for" in r.message for r in caplog.records), "a silent wait"
         assert any("behind (at boundary 1, others further): rank 1 on node" in r.message for r in caplog.records)
+    finally:
+        for dog in dogs:
+            dog.close()
+
+
+FAST = HangDetection(deadline_s=0.5, warmup_steps=0, interval_s=0.1, poll_s=0.05)  # 4 beats: 0.4 s
+
+
+def test_a_save_longer_than_the_deadline_is_not_a_hang(tmp_path: Path, shm_dir: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's blocking save (the copy into shared memory) outlasts the deadline several
+    times, and rank 1, whose own save was quick, waits for it in its next collective:
+    neither is a hang (both were declared before saves reported themselves in the beat)."""
+    exits: list[int] = []
+    dogs = watchdogs(tmp_path / "beats", FAST, exits)
+    for dog in dogs:
+        dog.start()
+    try:
+        with CheckpointManager(tmp_path / "root", memory_dir=shm_dir) as mgr:
+            real_save = mgr.save
+            monkeypatch.setattr(mgr, "save", lambda *a, **k: (time.sleep(2.0), real_save(*a, **k))[1])
+            for _ in range(3):
+                for dog in dogs:
+                    dog.boundary()
+            with dogs[1].saving():  # rank 1's own save, quick; it then waits for rank 0's
+                pass
+            assert save_at_boundary(mgr, SaveRequests(), 5, lambda: {"w": torch.zeros(4)}, every=5, watchdog=dogs[0])
+            for dog in dogs:
+                dog.boundary()
+        assert exits == [], "a long save was declared a hang"
+        with dogs[1].saving():  # rank 1's saves took ~0 s: a save that never returns is a hang
+            assert wait_for(lambda: exits, timeout=10), "a hang inside a save was never declared"
+    finally:
+        for dog in dogs:
+            dog.close()
+
+
+def test_a_frozen_peer_is_declared_before_the_deadline_and_a_slow_live_one_is_not(tmp_path: Path) -> None:
+    """Deadline 60 s. Rank 1 alive but slow for longer than the frozen watch: nothing
+    declared. Rank 1's watchdog thread stops (its process no longer runs): rank 0 names
+    it frozen within a few beats."""
+    exits: list[int] = []
+    opts = HangDetection(deadline_s=60.0, warmup_steps=1, interval_s=0.1, poll_s=0.05)
+    dogs = watchdogs(tmp_path, opts, exits)
+    dogs[1]._exit = lambda code: None
+    for dog in dogs:
+        dog.start()
+    try:
+        for _ in range(3):
+            for dog in dogs:
+                dog.boundary()
+        time.sleep(1.5)  # a slow step, both alive: 15 beats, well past the frozen watch (0.1 s)
+        assert exits == [], "a slow step of live ranks was declared a hang"
+        dogs[1]._stop.set()  # rank 1's thread stops beating, as a stopped process's does
+        dogs[1]._thread.join()
+        assert wait_for(lambda: exits, timeout=10), "a frozen rank was not declared before the deadline"
+        assert exits == [EXIT_HUNG] and dogs[0]._frozen() == [1]
     finally:
         for dog in dogs:
             dog.close()

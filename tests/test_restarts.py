@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ckpt.restarts import RestartRecorder, previous_records, summarize
+from ckpt.restarts import PHASES, RestartRecorder, previous_records, summarize
 
 
 def test_phases_add_up_from_the_records_of_every_node(tmp_path: Path) -> None:
@@ -25,11 +25,14 @@ def test_phases_add_up_from_the_records_of_every_node(tmp_path: Path) -> None:
     out = summarize(records, marks, first_step_t=exited + 6)
     assert out["cause"].startswith("hang: frozen") and out["culprit_nodes"] == ["node1"]
     assert out["detect_s"] == round(detected - 90.0, 3)
-    assert (out["relaunch_s"], out["startup_s"], out["pg_init_s"], out["setup_s"], out["restore_s"],
-            out["first_step_s"]) == (2.0, 1.0, 0.5, 1.5, 0.25, 0.75)  # the slowest rank's marks
-    phases = sum(out[f"{p}_s"] for p in ("detect", "exit", "relaunch", "startup", "pg_init", "setup", "restore",
-                                          "first_step"))
+    assert (out["agent_s"], out["relaunch_s"], out["startup_s"], out["pg_init_s"], out["setup_s"], out["restore_s"],
+            out["first_step_s"]) == (None, 2.0, 1.0, 0.5, 1.5, 0.25, 0.75)  # the slowest rank's marks
+    phases = sum(out[f"{p}_s"] for p in PHASES if out[f"{p}_s"] is not None)
     assert abs(phases - out["total_s"]) < 0.01
+    marks[1]["agent_started"] = exited + 1.5  # node 1's agent is a replacement, started after the fault
+    marks[0]["agent_started"] = 5.0  # node 0's survived it
+    out = summarize(records, marks, first_step_t=exited + 6)
+    assert (out["agent_s"], out["relaunch_s"]) == (1.5, 0.5), "the replacement agent's start is its own phase"
     json.dumps(out)  # one log line
 
 

@@ -104,7 +104,7 @@ class LightningCheckpoint(pl.Callback):
             self._watchdog.progress()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop_watchdog()
+        self._stop_watchdog(finished=False)  # the crash is recorded for the restart timing, as in ckpt.resumable
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -127,9 +127,9 @@ class LightningCheckpoint(pl.Callback):
             self.mgr.save(trainer.global_step, _resumable_state(trainer))
         self.mgr.wait()
 
-    def _stop_watchdog(self) -> None:
+    def _stop_watchdog(self, *, finished: bool = True) -> None:
         if self._watchdog is not None:
-            self._watchdog.close()
+            self._watchdog.close(finished=finished)
             self._watchdog = None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import nullcontext
 from typing import Any, Callable, Iterator, Mapping
 
 from ..drain import SaveHandle
@@ -55,9 +56,8 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
         return False
     if preempted and watchdog is not None:
         watchdog.close()  # the durable save and unwinding may take long: that is no hang
-    handle = mgr.save(step, state(), urgent=urgent)
-    if watchdog is not None:
-        watchdog.progress()  # a save's blocking time is not a step's: the hang deadline counts from here
+    with watchdog.saving() if watchdog is not None else nullcontext():  # a save's blocking time: not a step's
+        handle = mgr.save(step, state(), urgent=urgent)
     if isinstance(every, IntervalPolicy):
         every.saved(blocking_s=handle.blocking_s)
     if urgent:
