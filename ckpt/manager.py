@@ -34,7 +34,8 @@ from .reshard import ReshardStats, create_optimizer_state, load_resharded
 from .restarts import mark
 from .restore import load_plan, open_shard, restore_agreed
 from .shm_budget import check_room, lazy_optimizer_bytes, refusal_of
-from .state import flatten, load_into
+from .state import flatten
+from .state_load import load_into
 from .tensor_io import with_checksums
 from .tiers.base import CheckpointId, DurableTier, ShardReader, TierReader, complete_shards
 from .tiers.local import LocalDiskTier

@@ -38,7 +38,8 @@ from .manifest import ShardManifest
 from .optim_names import renumber
 from .plan import ChunkRead, RestorePlan, canonical_path, reshard_reads
 from .restore import first_sound, open_shard, shard_manifest
-from .state import DTensor, check_restorable, local_tensor, tensor_targets, tree_holds, unflatten
+from .state import DTensor, local_tensor, tensor_targets, tree_holds, unflatten
+from .state_load import check_restorable
 from .tensor_io import read_chunks, read_tensors
 from .tiers.base import CheckpointId, TierReader
 

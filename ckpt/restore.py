@@ -166,7 +166,7 @@ def shard_manifest(shard: ShardPlan, ckpt_id: CheckpointId) -> ShardManifest:
 def check_plan(plan: RestorePlan, state: Mapping[str, Any]) -> None:
     """Raise StateMismatch unless each shard's saved layout fits the state keys it covers
     (a shard with ``keys`` covers those; the others cover the rest)."""
-    from .state import check_restorable
+    from .state_load import check_restorable
 
     elsewhere = set().union(*(s.keys for s in plan.shards if s.keys is not None))
     for shard in plan.shards:
