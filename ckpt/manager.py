@@ -16,6 +16,7 @@ import logging
 import os
 import time
 import uuid
+from functools import partial
 from typing import Any, Iterable, Mapping
 
 from .checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
@@ -29,7 +30,7 @@ from .metrics import CheckpointMetrics
 from .offload import Offloader
 from .optim_names import param_names
 from .ownership import claim, refusal
-from .plan import RestorePlan, ShardNeed
+from .plan import RestorePlan, shard_needs
 from .reshard import ReshardStats, create_optimizer_state, load_resharded
 from .restarts import mark
 from .restore import load_plan, open_shard, restore_agreed
@@ -341,7 +342,9 @@ class CheckpointManager:
         tiers = self._restore_tiers()
         if self.peering is not None:
             tiers = self.peering.restore_tiers(self.coord, tiers)
-        found = restore_agreed(self.coord, tiers, self._needs, lambda plan: self._load(plan, state), step=step)
+        needs = partial(shard_needs, rank=self.rank, world=self.world_size, replicated=self.replicated,
+                        holder=self._replica_holder)
+        found = restore_agreed(self.coord, tiers, needs, lambda plan: self._load(plan, state), step=step)
         if found is None:
             if step is not None:
                 raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
@@ -379,15 +382,6 @@ class CheckpointManager:
         handle = SaveHandle(ckpt_id.step, [], nbytes=manifest.data_bytes)
         self._drainer.submit(lambda: self._checksum(slot, manifest, handle, urgent=True).close(), handle, urgent=True,
                              on_exit=slot.idle.set)
-
-    def _needs(self, saved_world: int) -> list[ShardNeed]:
-        """This rank's own shard and the replicated keys from their holder's; at another world size, all."""
-        if saved_world != self.world_size:
-            return [ShardNeed(r) for r in range(saved_world)]
-        holder = self._replica_holder
-        if not self.replicated or holder == self.rank:
-            return [ShardNeed(self.rank)]
-        return [ShardNeed(self.rank), ShardNeed(holder, self.replicated)]
 
     def _restore_tiers(self) -> list[TierReader]:
         """Every tier a needed shard may come from, fastest first: this rank's memory and the

@@ -57,6 +57,17 @@ class ReadItem:
 Needs = Callable[[int], "list[ShardNeed]"]  # saved world size -> shards to read
 
 
+def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozenset[str], holder: int) -> list[ShardNeed]:
+    """A rank's ``Needs``: its own shard, plus the ``replicated`` keys from the shard of their
+    ``holder`` (the first rank of its volume, which alone stores them); at another world size,
+    every saved shard (resharding reads the overlaps)."""
+    if saved_world != world:
+        return [ShardNeed(r) for r in range(saved_world)]
+    if not replicated or holder == rank:
+        return [ShardNeed(rank)]
+    return [ShardNeed(rank), ShardNeed(holder, replicated)]
+
+
 class Inventory:
     """What each tier lists as complete, taken once, fastest tier first."""
 
