@@ -30,10 +30,10 @@ from .metrics import CheckpointMetrics
 from .offload import Offloader
 from .optim_names import param_names
 from .ownership import claim, refusal
-from .plan import RestorePlan, shard_needs
-from .reshard import ReshardStats, create_optimizer_state, load_resharded
+from .plan import shard_needs
+from .reshard import ReshardStats, load_values
 from .restarts import mark
-from .restore import load_plan, open_shard, restore_agreed
+from .restore import log_restored, open_shard, restore_agreed
 from .shm_budget import check_room, lazy_optimizer_bytes, refusal_of
 from .state import flatten
 from .state_load import load_into
@@ -344,7 +344,9 @@ class CheckpointManager:
             tiers = self.peering.restore_tiers(self.coord, tiers)
         needs = partial(shard_needs, rank=self.rank, world=self.world_size, replicated=self.replicated,
                         holder=self._replica_holder)
-        found = restore_agreed(self.coord, tiers, needs, lambda plan: self._load(plan, state), step=step)
+        self.last_reshard = None
+        load = partial(load_values, state=state, rank=self.rank, world_size=self.world_size, threads=self.threads)
+        found = restore_agreed(self.coord, tiers, needs, load, step=step)
         if found is None:
             if step is not None:
                 raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
@@ -352,9 +354,12 @@ class CheckpointManager:
                 self.peering.nothing_readable(self.coord, tiers)
             refuse_if_present(self.coord, tiers)
             return None
-        plan, values = found
+        plan, (values, self.last_reshard) = found
         load_into(state, values)
-        self._log_restored(plan, time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        log_restored(plan, seconds, self.rank, self.world_size)
+        if self.metrics is not None:
+            self.metrics.restored(plan.shards[0].sources[0].name, seconds)
         # a resharded step is not this rank's saved shard: it is protected by the next save
         if self.peering is not None and self.peering.restored(plan) and plan.world_size == self.world_size:
             self._reprotect(plan.ckpt_id, state)
@@ -364,15 +369,6 @@ class CheckpointManager:
         self._generation = generation if self.coord.all(plan.ckpt_id == newest) else generation + 1
         mark("restore_done")
         return plan.ckpt_id.step
-
-    def _load(self, plan: RestorePlan, state: dict) -> dict:
-        """Values for ``load_into``: the same world size reads whole shards, another reshards."""
-        self.last_reshard = None
-        if plan.world_size == self.world_size:
-            create_optimizer_state(state, sharded_only=True)
-            return load_plan(plan, state, threads=self.threads)
-        values, self.last_reshard = load_resharded(plan, state, self.rank, threads=self.threads)
-        return values
 
     def _reprotect(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> None:
         """This rank's shard of the restored step came from another node: one copy is left.
@@ -389,16 +385,6 @@ class CheckpointManager:
         holder = self._replica_holder
         others = [MemoryTier(self._ns, holder)] if self.replicated and holder != self.rank else []
         return [self.memory, *others, *self.tiers[1:]]
-
-    def _log_restored(self, plan: RestorePlan, seconds: float) -> None:
-        sources = ", ".join(f"shard {s.rank} from {s.sources[0].name}" for s in plan.shards)
-        if self.world_size == 1:
-            log.info("restored step %d from %s (%s) in %.2f s", plan.ckpt_id.step, plan.shards[0].sources[0].name,
-                     plan.shards[0].sources[0].location, seconds)
-        else:
-            log.info("rank %d restored step %d (%s) in %.2f s", self.rank, plan.ckpt_id.step, sources, seconds)
-        if self.metrics is not None:
-            self.metrics.restored(plan.shards[0].sources[0].name, seconds)
 
     def list(self) -> list[dict]:
         """Every checkpoint: step, generation, time, size, the tiers holding it, and status."""

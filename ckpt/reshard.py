@@ -37,7 +37,7 @@ from .layout import Layout, full_layout, layout_of
 from .manifest import ShardManifest
 from .optim_names import renumber
 from .plan import ChunkRead, RestorePlan, canonical_path, reshard_reads
-from .restore import first_sound, open_shard, shard_manifest
+from .restore import first_sound, load_plan, open_shard, shard_manifest
 from .state import DTensor, local_tensor, tensor_targets, tree_holds, unflatten
 from .state_load import check_restorable
 from .tensor_io import read_chunks, read_tensors
@@ -60,6 +60,16 @@ class ReshardStats:
     @property
     def amplification(self) -> float:
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+def load_values(plan: RestorePlan, state: dict, rank: int, world_size: int, *,
+                threads: int = 4) -> tuple[dict, ReshardStats | None]:
+    """Values for ``load_into`` on ``rank`` of a job of ``world_size``: at the saving world size
+    its whole shards, at another the overlaps (with what resharding read; None when it did not)."""
+    if plan.world_size == world_size:
+        create_optimizer_state(state, sharded_only=True)  # FSDP2's moments must be DTensors to read into
+        return load_plan(plan, state, threads=threads), None
+    return load_resharded(plan, state, rank, threads=threads)
 
 
 def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,

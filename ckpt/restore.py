@@ -101,6 +101,16 @@ def _nothing_left(coord: Agreement, step: int | None, rejected: dict[CheckpointI
                               ["(on another rank)"]))
 
 
+def log_restored(plan: RestorePlan, seconds: float, rank: int, world_size: int) -> None:
+    """One line per rank saying where each shard came from: the first question after a restart."""
+    if world_size == 1:
+        first = plan.shards[0].sources[0]
+        log.info("restored step %d from %s (%s) in %.2f s", plan.ckpt_id.step, first.name, first.location, seconds)
+    else:
+        sources = ", ".join(f"shard {s.rank} from {s.sources[0].name}" for s in plan.shards)
+        log.info("rank %d restored step %d (%s) in %.2f s", rank, plan.ckpt_id.step, sources, seconds)
+
+
 def read_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, *, state: Mapping[str, Any] | None = None,
                threads: int = 4, progress: Progress | None = None) -> dict:
     """Read and verify one saved rank's shard; tensors land in ``state``'s own tensors where they fit."""
