@@ -12,7 +12,6 @@ paths), ``plan.py``/``restore.py`` (what to read, and reading it).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 import uuid
@@ -37,14 +36,13 @@ from .restore import log_restored, open_shard, restore_agreed
 from .shm_budget import check_room, lazy_optimizer_bytes, refusal_of
 from .state import flatten
 from .state_load import load_into
+from .sweep import remove_leftovers
 from .tensor_io import with_checksums
-from .tiers.base import CheckpointId, DurableTier, ShardReader, TierReader, complete_shards
+from .tiers.base import CheckpointId, DurableTier, ShardReader, TierReader
 from .tiers.local import LocalDiskTier
-from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir, namespaces_of_root, sweep_orphans
+from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
 from .tiers.memory.slots import ShmSlot
-
-log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -119,7 +117,8 @@ class CheckpointManager:
         self.memory = MemoryTier.own(self._ns, self.rank, slots=2 if self.disk is not None else 3,
                                      owner={"root": self._owner_root, "run": self.run})
         self.tiers: list[TierReader] = [self.memory, *durable]  # fastest first
-        self._remove_leftovers(memory_dir)
+        remove_leftovers(self.disk, self.object, self.committer.leads, root=self._owner_root, own=self._ns,
+                         memory_dir=memory_dir)
         self.coord.barrier()  # nobody writes before the leftovers are gone
         self._offload = None if self.object is None else Offloader(self.object, self.committer,
                                                                    interval_s=object_interval_s)
@@ -158,19 +157,6 @@ class CheckpointManager:
         if self.coord.any(any(other is not None for _, other in others))[0]:
             tier, other = next(((t, o) for t, o in others if o is not None), (durable[0], "another run"))
             raise refusal(tier, self.run, other)
-
-    def _remove_leftovers(self, memory_dir: str) -> None:
-        """Each volume's leader sweeps its own volume: interrupted writes, and memory slots
-        of dead jobs on this root whose steps are on disk."""
-        leftovers: list[str] = []
-        if self.object is not None and self.committer.leads(self.object):
-            leftovers += self.object.cleanup()
-        if self.disk is not None and self.committer.leads(self.disk):
-            on_disk = complete_shards(self.disk)
-            others = [n for n in namespaces_of_root(self._owner_root, memory_dir) if n != self._ns]
-            leftovers += self.disk.cleanup() + sweep_orphans(others, on_disk)
-        for leftover in leftovers:
-            log.info("removed leftover of an interrupted save: %s", leftover)
 
     # -- saving -------------------------------------------------------------------
 
