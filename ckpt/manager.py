@@ -24,6 +24,7 @@ from .distributed import Coordinator, store_connector
 from .drain import Drainer, Lease, SaveHandle
 from .errors import BackgroundError, CheckpointError
 from .fresh_start import refuse_if_present, set_aside
+from .locations import object_store_tier
 from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
@@ -98,8 +99,8 @@ class CheckpointManager:
             self.disk.root.mkdir(parents=True, exist_ok=True)
         self.object: DurableTier | None = None
         if object_store is not None:
-            self.object = object_store if isinstance(object_store, DurableTier) else _object_tier(object_store,
-                                                                                                  storage_options)
+            self.object = (object_store if isinstance(object_store, DurableTier)
+                           else object_store_tier(object_store, storage_options))
         durable = [t for t in (self.disk, self.object) if t is not None]
         self._claim(durable)
         # Alone, each tier is one volume: nothing is written to the root to find out.
@@ -415,9 +416,3 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _object_tier(url: str, storage_options: dict | None) -> DurableTier:
-    from .tiers.object_store import ObjectStoreTier  # fsspec/s3fs only for jobs that use a store
-
-    return ObjectStoreTier(url, storage_options)
