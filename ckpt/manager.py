@@ -23,14 +23,14 @@ from .commit import Committer
 from .distributed import Coordinator, store_connector
 from .drain import Drainer, Lease, SaveHandle
 from .errors import BackgroundError, CheckpointError
-from .fresh_start import refuse_if_present, set_aside
+from .fresh_start import JobListing, refuse_if_present, set_aside
 from .locations import object_store_tier
 from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
 from .optim_names import param_names
 from .ownership import claim, refusal
-from .plan import shard_needs
+from .plan import Inventory, shard_needs
 from .reshard import ReshardStats, load_values
 from .restarts import mark
 from .restore import log_restored, open_shard, restore_agreed
@@ -333,13 +333,15 @@ class CheckpointManager:
                         holder=self._replica_holder)
         self.last_reshard = None
         load = partial(load_values, state=state, rank=self.rank, world_size=self.world_size, threads=self.threads)
-        found = restore_agreed(self.coord, tiers, needs, load, step=step)
+        inventory = Inventory(tiers)
+        found = restore_agreed(self.coord, inventory, needs, load, step=step)
         if found is None:
             if step is not None:
                 raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
+            listing = JobListing(self.coord, inventory)  # what was there, from every rank: why none was used
             if self.peering is not None:
-                self.peering.nothing_readable(self.coord, tiers)
-            refuse_if_present(self.coord, tiers)
+                self.peering.nothing_readable(listing)
+            refuse_if_present(listing)
             return None
         plan, (values, self.last_reshard) = found
         load_into(state, values)

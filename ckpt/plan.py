@@ -69,12 +69,13 @@ def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozense
 
 
 class Inventory:
-    """What each tier lists as complete, taken once, fastest tier first."""
+    """What each tier lists, taken once, fastest tier first; plans use the complete ones."""
 
     def __init__(self, tiers: Sequence[TierReader]) -> None:
         self.tiers = list(tiers)
+        self.listings: list[list[CheckpointInfo]] = [t.list() for t in self.tiers]  # unreadable ones too
         self._listed: list[dict[CheckpointId, CheckpointInfo]] = [
-            {i.id: i for i in t.list() if i.complete} for t in self.tiers]
+            {i.id: i for i in listing if i.complete} for listing in self.listings]
 
     def ids(self, step: int | None = None) -> set[CheckpointId]:
         return {i for listed in self._listed for i in listed if step is None or i.step == step}

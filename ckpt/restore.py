@@ -53,14 +53,15 @@ class _Alone:
 LOCAL: Agreement = _Alone()
 
 
-def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, execute: Callable[[RestorePlan], T],
-                   *, step: int | None = None,
+def restore_agreed(coord: Agreement, tiers: Sequence[TierReader] | Inventory, needs: Needs,
+                   execute: Callable[[RestorePlan], T], *, step: int | None = None,
                    on_skip: Callable[[CheckpointId, str], None] | None = None) -> tuple[RestorePlan, T] | None:
     """Run ``execute`` on the newest plan that succeeds on every rank; None when no
     checkpoint is there. Each checkpoint skipped is logged with its reason (and passed to
     ``on_skip``). Raises CheckpointError when checkpoints exist but none can be read
-    (every one damaged)."""
-    inventory = Inventory(tiers)
+    (every one damaged). ``tiers`` may be listed already (an ``Inventory`` the caller keeps
+    to explain, when nothing is found, what was there)."""
+    inventory = tiers if isinstance(tiers, Inventory) else Inventory(tiers)
     rejected: dict[CheckpointId, str] = {}
     while True:
         mine = plans(inventory, needs, step, skip=rejected)
