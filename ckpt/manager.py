@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Iterable, Mapping
 
 from .checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
-from .commit import Committer
+from .commit import Committer, retention
 from .distributed import Coordinator, store_connector
 from .drain import Drainer, Lease, SaveHandle
 from .errors import BackgroundError, CheckpointError
@@ -29,7 +29,7 @@ from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
 from .optim_names import param_names
-from .ownership import claim, refusal
+from .ownership import claim_for_job
 from .plan import Inventory, shard_needs
 from .reshard import ReshardStats, load_values
 from .restarts import mark
@@ -85,10 +85,7 @@ class CheckpointManager:
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
-        keep_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
-        default_keep = keep_last if isinstance(keep_last, int) else 3  # for tiers not named
-        if min([default_keep, *keep_by_tier.values()]) < 1:
-            raise ValueError("keep_last must be >= 1: the newest complete checkpoint is never deleted")
+        keep_by_tier, default_keep = retention(keep_last)
         self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
         self.replicated = frozenset(replicated)
         self.coord = Coordinator()
@@ -102,7 +99,7 @@ class CheckpointManager:
             self.object = (object_store if isinstance(object_store, DurableTier)
                            else object_store_tier(object_store, storage_options))
         durable = [t for t in (self.disk, self.object) if t is not None]
-        self._claim(durable)
+        claim_for_job(self.coord, durable, self.run)  # before anything is swept or pruned
         # Alone, each tier is one volume: nothing is written to the root to find out.
         mine = [t.volume for t in durable] if self.world_size > 1 else ["local"] * len(durable)
         job, *volumes = zip(*self.coord.gather([uuid.uuid4().hex, *mine]))
@@ -150,14 +147,6 @@ class CheckpointManager:
             if refused:
                 self._release()
                 raise CheckpointError(refused[0])
-
-    def _claim(self, durable: list[DurableTier]) -> None:
-        """Refuse (on every rank alike) a root that belongs to another run, before anything
-        of that run's is swept or pruned."""
-        others = [(t, claim(t, self.run)) for t in durable]
-        if self.coord.any(any(other is not None for _, other in others))[0]:
-            tier, other = next(((t, o) for t, o in others if o is not None), (durable[0], "another run"))
-            raise refusal(tier, self.run, other)
 
     # -- saving -------------------------------------------------------------------
 
