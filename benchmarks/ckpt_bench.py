@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.restore import read_shard  # noqa: E402
-from ckpt.state import load_into  # noqa: E402
+from ckpt.state_load import load_into  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 PIECE = 16 << 20

@@ -37,6 +37,16 @@ from .tiers.base import CheckpointId, DurableTier
 log = logging.getLogger(__name__)
 
 
+def retention(keep_last: int | Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """``keep_last`` (one number, or per tier name) as (per tier name, default for tiers not
+    named). Each is at least 1: the newest complete checkpoint is never deleted."""
+    by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
+    default = keep_last if isinstance(keep_last, int) else 3
+    if min([default, *by_tier.values()]) < 1:
+        raise ValueError("keep_last must be >= 1: the newest complete checkpoint is never deleted")
+    return by_tier, default
+
+
 class Committer:
     """Owns commit and retention for every durable tier of one rank.
 

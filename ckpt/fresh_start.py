@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import CheckpointError
+from .plan import Inventory
 from .restore import Agreement
-from .tiers.base import CheckpointId, DurableTier, TierReader
+from .tiers.base import CheckpointId, DurableTier
 
 log = logging.getLogger(__name__)
 
@@ -36,28 +38,65 @@ def fresh_start_allowed(fresh_ok: bool | None) -> bool:
     return os.environ.get(START_FRESH_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def refuse_if_present(coord: Agreement, tiers: Sequence[TierReader]) -> None:
+@dataclass(frozen=True)
+class Listed:
+    """What one rank's tiers list of one checkpoint."""
+
+    complete: frozenset[int] | None  # saved ranks whose shards a tier lists complete; None: no tier does
+    durable: tuple[str, str | None] | None  # (where, why unreadable) in a durable tier; None: in none
+
+
+class JobListing:
+    """Every rank's listings of the restore's tiers, gathered once after a restore found
+    nothing: what the refusals to start over (here and ``Peering.nothing_readable``) read.
+    Collective: every rank builds it, at the same point."""
+
+    def __init__(self, coord: Agreement, inventory: Inventory) -> None:
+        complete: dict[CheckpointId, set[int]] = {}
+        durable: dict[CheckpointId, tuple[str, str | None]] = {}
+        for tier, listing in zip(inventory.tiers, inventory.listings):
+            for info in listing:
+                if info.complete:
+                    complete.setdefault(info.id, set()).update(info.ranks)
+                if isinstance(tier, DurableTier) and (info.id not in durable or durable[info.id][1] is not None):
+                    durable[info.id] = (f"{tier.name} ({tier.location})", info.error)  # a readable copy first
+        mine = {i: Listed(frozenset(complete[i]) if i in complete else None, durable.get(i))
+                for i in complete.keys() | durable.keys()}
+        self.world_size = coord.world_size
+        self.by_rank: list[dict[CheckpointId, Listed]] = coord.gather(mine)
+
+    def held(self) -> dict[CheckpointId, set[int]]:
+        """Per checkpoint, the saved ranks whose shards some rank's tier lists complete."""
+        held: dict[CheckpointId, set[int]] = {}
+        for theirs in self.by_rank:
+            for ckpt_id, listed in theirs.items():
+                if listed.complete is not None:
+                    held.setdefault(ckpt_id, set()).update(listed.complete)
+        return held
+
+    def durable(self) -> dict[CheckpointId, dict[int, tuple[str, str | None]]]:
+        """Per checkpoint in some durable tier, each listing rank's (where, why unreadable)."""
+        seen: dict[CheckpointId, dict[int, tuple[str, str | None]]] = {}
+        for rank, theirs in enumerate(self.by_rank):
+            for ckpt_id, listed in theirs.items():
+                if listed.durable is not None:
+                    seen.setdefault(ckpt_id, {})[rank] = listed.durable
+        return seen
+
+
+def refuse_if_present(listing: JobListing) -> None:
     """After restore found nothing every rank can read: raise (on every rank alike) if any
     rank's durable tiers list a checkpoint at all, saying for each why it was not used.
     Memory slots alone do not count: a step sealed in memory but committed nowhere is an
     interrupted save (some rank may never have sealed it), not a checkpoint."""
-    mine: dict[CheckpointId, tuple[str, str | None]] = {}
-    for tier in (t for t in tiers if isinstance(t, DurableTier)):
-        for info in tier.list():
-            where = f"{tier.name} ({tier.location})"
-            if info.id not in mine or mine[info.id][1] is not None:
-                mine[info.id] = (where, info.error)
-    seen: dict[CheckpointId, dict[int, tuple[str, str | None]]] = {}
-    for rank, theirs in enumerate(coord.gather(mine)):
-        for ckpt_id, found in theirs.items():
-            seen.setdefault(ckpt_id, {})[rank] = found
+    seen = listing.durable()
     if not seen:
         return
     lines = []
     for ckpt_id in sorted(seen, reverse=True)[:5]:
         by_rank = seen[ckpt_id]
         broken = next((f"unreadable in {where}: {error}" for where, error in by_rank.values() if error), None)
-        lacking = ", ".join(str(r) for r in range(coord.world_size) if r not in by_rank)
+        lacking = ", ".join(str(r) for r in range(listing.world_size) if r not in by_rank)
         why = broken or (f"rank(s) {lacking} have no copy of it" if lacking else
                          "some rank has no copy of a shard it needs")
         lines.append(f"step {ckpt_id}: {why}")

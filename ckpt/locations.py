@@ -24,13 +24,17 @@ def is_url(location: str | os.PathLike) -> bool:
     return split_protocol(text)[0] is not None
 
 
+def object_store_tier(location: str | os.PathLike, storage_options: dict | None = None) -> DurableTier:
+    """The object-store tier at ``location``: any fsspec URL, a plain path meaning fsspec's
+    local files (``CheckpointManager(object_store=...)`` means a store whatever is typed)."""
+    from .tiers.object_store import ObjectStoreTier  # fsspec/s3fs: only for jobs that use a store
+
+    return ObjectStoreTier(os.fspath(location), storage_options)
+
+
 def durable_tier_for(location: str | os.PathLike, storage_options: dict | None = None) -> DurableTier:
     """The durable tier at ``location``: its disk tier, or the object store at a URL."""
-    if is_url(location):
-        from .tiers.object_store import ObjectStoreTier  # fsspec/s3fs: only for URLs
-
-        return ObjectStoreTier(os.fspath(location), storage_options)
-    return LocalDiskTier(location)
+    return object_store_tier(location, storage_options) if is_url(location) else LocalDiskTier(location)
 
 
 def tiers_for(location: str | os.PathLike, storage_options: dict | None = None, *, run: str | None = None,

@@ -12,37 +12,38 @@ paths), ``plan.py``/``restore.py`` (what to read, and reading it).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 import uuid
+from functools import partial
 from typing import Any, Iterable, Mapping
 
 from .checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
-from .commit import Committer
+from .commit import Committer, retention
 from .distributed import Coordinator, store_connector
 from .drain import Drainer, Lease, SaveHandle
 from .errors import BackgroundError, CheckpointError
-from .fresh_start import refuse_if_present, set_aside
+from .fresh_start import JobListing, refuse_if_present, set_aside
+from .locations import object_store_tier
 from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
 from .optim_names import param_names
-from .ownership import claim, refusal
-from .plan import RestorePlan, ShardNeed
-from .reshard import ReshardStats, create_optimizer_state, load_resharded
+from .ownership import claim_for_job
+from .plan import Inventory, shard_needs
+from .reshard import ReshardStats, load_values
 from .restarts import mark
-from .restore import load_plan, open_shard, restore_agreed
+from .restore import log_restored, open_shard, restore_agreed
 from .shm_budget import check_room, lazy_optimizer_bytes, refusal_of
-from .state import flatten, load_into
+from .state import flatten
+from .state_load import load_into
+from .sweep import remove_leftovers
 from .tensor_io import with_checksums
-from .tiers.base import CheckpointId, DurableTier, ShardReader, TierReader, complete_shards
+from .tiers.base import CheckpointId, DurableTier, ShardReader, TierReader
 from .tiers.local import LocalDiskTier
-from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir, namespaces_of_root, sweep_orphans
+from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
 from .tiers.memory.slots import ShmSlot
-
-log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -84,10 +85,7 @@ class CheckpointManager:
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
-        keep_by_tier = dict(keep_last) if isinstance(keep_last, Mapping) else {}
-        default_keep = keep_last if isinstance(keep_last, int) else 3  # for tiers not named
-        if min([default_keep, *keep_by_tier.values()]) < 1:
-            raise ValueError("keep_last must be >= 1: the newest complete checkpoint is never deleted")
+        keep_by_tier, default_keep = retention(keep_last)
         self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
         self.replicated = frozenset(replicated)
         self.coord = Coordinator()
@@ -98,10 +96,10 @@ class CheckpointManager:
             self.disk.root.mkdir(parents=True, exist_ok=True)
         self.object: DurableTier | None = None
         if object_store is not None:
-            self.object = object_store if isinstance(object_store, DurableTier) else _object_tier(object_store,
-                                                                                                  storage_options)
+            self.object = (object_store if isinstance(object_store, DurableTier)
+                           else object_store_tier(object_store, storage_options))
         durable = [t for t in (self.disk, self.object) if t is not None]
-        self._claim(durable)
+        claim_for_job(self.coord, durable, self.run)  # before anything is swept or pruned
         # Alone, each tier is one volume: nothing is written to the root to find out.
         mine = [t.volume for t in durable] if self.world_size > 1 else ["local"] * len(durable)
         job, *volumes = zip(*self.coord.gather([uuid.uuid4().hex, *mine]))
@@ -117,7 +115,8 @@ class CheckpointManager:
         self.memory = MemoryTier.own(self._ns, self.rank, slots=2 if self.disk is not None else 3,
                                      owner={"root": self._owner_root, "run": self.run})
         self.tiers: list[TierReader] = [self.memory, *durable]  # fastest first
-        self._remove_leftovers(memory_dir)
+        remove_leftovers(self.disk, self.object, self.committer.leads, root=self._owner_root, own=self._ns,
+                         memory_dir=memory_dir)
         self.coord.barrier()  # nobody writes before the leftovers are gone
         self._offload = None if self.object is None else Offloader(self.object, self.committer,
                                                                    interval_s=object_interval_s)
@@ -148,27 +147,6 @@ class CheckpointManager:
             if refused:
                 self._release()
                 raise CheckpointError(refused[0])
-
-    def _claim(self, durable: list[DurableTier]) -> None:
-        """Refuse (on every rank alike) a root that belongs to another run, before anything
-        of that run's is swept or pruned."""
-        others = [(t, claim(t, self.run)) for t in durable]
-        if self.coord.any(any(other is not None for _, other in others))[0]:
-            tier, other = next(((t, o) for t, o in others if o is not None), (durable[0], "another run"))
-            raise refusal(tier, self.run, other)
-
-    def _remove_leftovers(self, memory_dir: str) -> None:
-        """Each volume's leader sweeps its own volume: interrupted writes, and memory slots
-        of dead jobs on this root whose steps are on disk."""
-        leftovers: list[str] = []
-        if self.object is not None and self.committer.leads(self.object):
-            leftovers += self.object.cleanup()
-        if self.disk is not None and self.committer.leads(self.disk):
-            on_disk = complete_shards(self.disk)
-            others = [n for n in namespaces_of_root(self._owner_root, memory_dir) if n != self._ns]
-            leftovers += self.disk.cleanup() + sweep_orphans(others, on_disk)
-        for leftover in leftovers:
-            log.info("removed leftover of an interrupted save: %s", leftover)
 
     # -- saving -------------------------------------------------------------------
 
@@ -340,17 +318,26 @@ class CheckpointManager:
         tiers = self._restore_tiers()
         if self.peering is not None:
             tiers = self.peering.restore_tiers(self.coord, tiers)
-        found = restore_agreed(self.coord, tiers, self._needs, lambda plan: self._load(plan, state), step=step)
+        needs = partial(shard_needs, rank=self.rank, world=self.world_size, replicated=self.replicated,
+                        holder=self._replica_holder)
+        self.last_reshard = None
+        load = partial(load_values, state=state, rank=self.rank, world_size=self.world_size, threads=self.threads)
+        inventory = Inventory(tiers)
+        found = restore_agreed(self.coord, inventory, needs, load, step=step)
         if found is None:
             if step is not None:
                 raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
+            listing = JobListing(self.coord, inventory)  # what was there, from every rank: why none was used
             if self.peering is not None:
-                self.peering.nothing_readable(self.coord, tiers)
-            refuse_if_present(self.coord, tiers)
+                self.peering.nothing_readable(listing)
+            refuse_if_present(listing)
             return None
-        plan, values = found
+        plan, (values, self.last_reshard) = found
         load_into(state, values)
-        self._log_restored(plan, time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        log_restored(plan, seconds, self.rank, self.world_size)
+        if self.metrics is not None:
+            self.metrics.restored(plan.shards[0].sources[0].name, seconds)
         # a resharded step is not this rank's saved shard: it is protected by the next save
         if self.peering is not None and self.peering.restored(plan) and plan.world_size == self.world_size:
             self._reprotect(plan.ckpt_id, state)
@@ -361,15 +348,6 @@ class CheckpointManager:
         mark("restore_done")
         return plan.ckpt_id.step
 
-    def _load(self, plan: RestorePlan, state: dict) -> dict:
-        """Values for ``load_into``: the same world size reads whole shards, another reshards."""
-        self.last_reshard = None
-        if plan.world_size == self.world_size:
-            create_optimizer_state(state, sharded_only=True)
-            return load_plan(plan, state, threads=self.threads)
-        values, self.last_reshard = load_resharded(plan, state, self.rank, threads=self.threads)
-        return values
-
     def _reprotect(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> None:
         """This rank's shard of the restored step came from another node: one copy is left.
         Snapshot the restored state into memory now (before training changes it) and
@@ -379,31 +357,12 @@ class CheckpointManager:
         self._drainer.submit(lambda: self._checksum(slot, manifest, handle, urgent=True).close(), handle, urgent=True,
                              on_exit=slot.idle.set)
 
-    def _needs(self, saved_world: int) -> list[ShardNeed]:
-        """This rank's own shard and the replicated keys from their holder's; at another world size, all."""
-        if saved_world != self.world_size:
-            return [ShardNeed(r) for r in range(saved_world)]
-        holder = self._replica_holder
-        if not self.replicated or holder == self.rank:
-            return [ShardNeed(self.rank)]
-        return [ShardNeed(self.rank), ShardNeed(holder, self.replicated)]
-
     def _restore_tiers(self) -> list[TierReader]:
         """Every tier a needed shard may come from, fastest first: this rank's memory and the
         replica holder's (read-only), then the durable tiers."""
         holder = self._replica_holder
         others = [MemoryTier(self._ns, holder)] if self.replicated and holder != self.rank else []
         return [self.memory, *others, *self.tiers[1:]]
-
-    def _log_restored(self, plan: RestorePlan, seconds: float) -> None:
-        sources = ", ".join(f"shard {s.rank} from {s.sources[0].name}" for s in plan.shards)
-        if self.world_size == 1:
-            log.info("restored step %d from %s (%s) in %.2f s", plan.ckpt_id.step, plan.shards[0].sources[0].name,
-                     plan.shards[0].sources[0].location, seconds)
-        else:
-            log.info("rank %d restored step %d (%s) in %.2f s", self.rank, plan.ckpt_id.step, sources, seconds)
-        if self.metrics is not None:
-            self.metrics.restored(plan.shards[0].sources[0].name, seconds)
 
     def list(self) -> list[dict]:
         """Every checkpoint: step, generation, time, size, the tiers holding it, and status."""
@@ -448,9 +407,3 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _object_tier(url: str, storage_options: dict | None) -> DurableTier:
-    from .tiers.object_store import ObjectStoreTier  # fsspec/s3fs only for jobs that use a store
-
-    return ObjectStoreTier(url, storage_options)

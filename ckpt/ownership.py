@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 import socket
 import time
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import CheckpointError
 from .tiers.base import DurableTier
+
+if TYPE_CHECKING:
+    from .restore import Agreement
 
 RUN_MARKER = ".ckpt-guard-run"
 _MAX_MARKER_BYTES = 4096
@@ -40,6 +44,15 @@ def claim(tier: DurableTier, run: str) -> str | None:
         return None
     owner = owner_run(tier)
     return None if owner == run else owner
+
+
+def claim_for_job(coord: Agreement, tiers: Sequence[DurableTier], run: str) -> None:
+    """``claim`` each of a job's tiers; raise on every rank alike when any rank found one of
+    them another run's (a rank that found none says "another run": the others name it)."""
+    others = [(t, claim(t, run)) for t in tiers]
+    if coord.any(any(other is not None for _, other in others))[0]:
+        tier, other = next(((t, o) for t, o in others if o is not None), (tiers[0], "another run"))
+        raise refusal(tier, run, other)
 
 
 def refusal(tier: DurableTier, run: str, other: str) -> CheckpointError:

@@ -57,13 +57,25 @@ class ReadItem:
 Needs = Callable[[int], "list[ShardNeed]"]  # saved world size -> shards to read
 
 
+def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozenset[str], holder: int) -> list[ShardNeed]:
+    """A rank's ``Needs``: its own shard, plus the ``replicated`` keys from the shard of their
+    ``holder`` (the first rank of its volume, which alone stores them); at another world size,
+    every saved shard (resharding reads the overlaps)."""
+    if saved_world != world:
+        return [ShardNeed(r) for r in range(saved_world)]
+    if not replicated or holder == rank:
+        return [ShardNeed(rank)]
+    return [ShardNeed(rank), ShardNeed(holder, replicated)]
+
+
 class Inventory:
-    """What each tier lists as complete, taken once, fastest tier first."""
+    """What each tier lists, taken once, fastest tier first; plans use the complete ones."""
 
     def __init__(self, tiers: Sequence[TierReader]) -> None:
         self.tiers = list(tiers)
+        self.listings: list[list[CheckpointInfo]] = [t.list() for t in self.tiers]  # unreadable ones too
         self._listed: list[dict[CheckpointId, CheckpointInfo]] = [
-            {i.id: i for i in t.list() if i.complete} for t in self.tiers]
+            {i.id: i for i in listing if i.complete} for listing in self.listings]
 
     def ids(self, step: int | None = None) -> set[CheckpointId]:
         return {i for listed in self._listed for i in listed if step is None or i.step == step}

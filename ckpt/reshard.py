@@ -37,8 +37,9 @@ from .layout import Layout, full_layout, layout_of
 from .manifest import ShardManifest
 from .optim_names import renumber
 from .plan import ChunkRead, RestorePlan, canonical_path, reshard_reads
-from .restore import first_sound, open_shard, shard_manifest
-from .state import DTensor, check_restorable, local_tensor, tensor_targets, tree_holds, unflatten
+from .restore import OpenShards, first_sound, load_plan, shard_manifest
+from .state import DTensor, local_tensor, tensor_targets, tree_holds, unflatten
+from .state_load import check_restorable
 from .tensor_io import read_chunks, read_tensors
 from .tiers.base import CheckpointId, TierReader
 
@@ -61,13 +62,30 @@ class ReshardStats:
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
 
+def load_values(plan: RestorePlan, state: dict, rank: int, world_size: int, *,
+                threads: int = 4) -> tuple[dict, ReshardStats | None]:
+    """Values for ``load_into`` on ``rank`` of a job of ``world_size``: at the saving world size
+    its whole shards, at another the overlaps (with what resharding read; None when it did not)."""
+    if plan.world_size == world_size:
+        create_optimizer_state(state, sharded_only=True)  # FSDP2's moments must be DTensors to read into
+        return load_plan(plan, state, threads=threads), None
+    return load_resharded(plan, state, rank, threads=threads)
+
+
 def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,
                    threads: int = 4) -> tuple[dict, ReshardStats]:
     """Execute ``plan`` (every saved shard, ``plan.world_size`` of them) into ``state``'s own
-    tensors on this ``rank``; returns the values for ``load_into`` and what was read."""
+    tensors on this ``rank``; returns the values for ``load_into`` and what was read. Each
+    saved shard is opened once: its manifest for the checks and plan, then its bytes."""
+    with OpenShards(plan.ckpt_id) as opened:
+        return _load_resharded(plan, state, rank, threads, opened)
+
+
+def _load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, threads: int,
+                    opened: OpenShards) -> tuple[dict, ReshardStats]:
     ckpt_id = plan.ckpt_id
     shards = {s.rank: s for s in plan.shards}
-    manifests = {r: shard_manifest(s, ckpt_id) for r, s in shards.items()}
+    manifests = {r: shard_manifest(s, ckpt_id, opened) for r, s in shards.items()}
     first = manifests[0]
     _require_layouts(manifests, ckpt_id)
     renumber(manifests, state)
@@ -85,12 +103,14 @@ def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,
     dests = {by_id[i].path: _local(t) for i, t in sharded.items()}
     reads = reshard_reads(manifests, layouts, rank)
     plain_ids = {i for i in by_id if i not in sharded}
-    plain = first_sound(shards[0], ckpt_id, partial(_read_plain, ckpt_id=ckpt_id, targets=targets, only=plain_ids,
-                                                    threads=threads))
+    by_rank = {r: list(group) for r, group in groupby(sorted(reads, key=lambda rd: rd.rank), key=lambda rd: rd.rank)}
+    plain: list[torch.Tensor | None] = []
     read_bytes = sum(by_id[i].nbytes for i in plain_ids)
-    for r, group in groupby(sorted(reads, key=lambda rd: rd.rank), key=lambda rd: rd.rank):
-        read_bytes += first_sound(shards[r], ckpt_id, partial(_read_overlaps, ckpt_id=ckpt_id, rank=r,
-                                                              reads=list(group), dests=dests, threads=threads))
+    for r in sorted(by_rank.keys() | {0}):
+        got, n = first_sound(shards[r], ckpt_id, partial(_read_saved, opened=opened, rank=r, reads=by_rank.get(r, []),
+                                                         dests=dests, targets=targets if r == 0 else None,
+                                                         only=plain_ids, threads=threads))
+        plain, read_bytes = got if got is not None else plain, read_bytes + n
     values = unflatten(first.tree, lambda i: sharded[i] if i in sharded else plain[i])
     if not isinstance(values, dict):
         raise StateMismatch(f"step {ckpt_id.step}: the checkpoint's top level is not a dict")
@@ -144,20 +164,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local.reshape(1) if local.dim() == 0 else local
 
 
-def _read_plain(tier: TierReader, *, ckpt_id: CheckpointId, targets: dict[int, torch.Tensor], only: set[int],
-                threads: int) -> list[torch.Tensor | None]:
-    reader = open_shard(tier, ckpt_id, 0)
+def _read_saved(tier: TierReader, *, opened: OpenShards, rank: int, reads: list[ChunkRead],
+                dests: dict[str, torch.Tensor], targets: dict[int, torch.Tensor] | None, only: set[int],
+                threads: int) -> tuple[list[torch.Tensor | None] | None, int]:
+    """Saved rank ``rank``'s shard, from one opening: with ``targets`` (saved rank 0), its
+    unsharded tensors ``only``; then the chunks overlapping this rank's shards. Returns
+    the unsharded tensors (None without ``targets``) and the overlaps' bytes read."""
+    reader = opened.take(tier, rank)
+    step = opened.ckpt_id.step
     try:
-        return read_tensors(reader, {i: t for i, t in targets.items() if i in only}, step=ckpt_id.step,
-                            tier=tier.name, threads=threads, only=only)
-    finally:
-        reader.close()
-
-
-def _read_overlaps(tier: TierReader, *, ckpt_id: CheckpointId, rank: int, reads: list[ChunkRead],
-                   dests: dict[str, torch.Tensor], threads: int) -> int:
-    reader = open_shard(tier, ckpt_id, rank)
-    try:
-        return read_chunks(reader, reads, dests, step=ckpt_id.step, tier=tier.name, threads=threads)
+        plain = None if targets is None else read_tensors(
+            reader, {i: t for i, t in targets.items() if i in only}, step=step, tier=tier.name, threads=threads,
+            only=only)
+        return plain, read_chunks(reader, reads, dests, step=step, tier=tier.name, threads=threads) if reads else 0
     finally:
         reader.close()

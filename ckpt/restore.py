@@ -9,6 +9,7 @@ with a plan differs (load into a state, or copy into another tier).
 from __future__ import annotations
 
 import logging
+from contextlib import suppress
 from functools import partial
 from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
@@ -53,14 +54,15 @@ class _Alone:
 LOCAL: Agreement = _Alone()
 
 
-def restore_agreed(coord: Agreement, tiers: Sequence[TierReader], needs: Needs, execute: Callable[[RestorePlan], T],
-                   *, step: int | None = None,
+def restore_agreed(coord: Agreement, tiers: Sequence[TierReader] | Inventory, needs: Needs,
+                   execute: Callable[[RestorePlan], T], *, step: int | None = None,
                    on_skip: Callable[[CheckpointId, str], None] | None = None) -> tuple[RestorePlan, T] | None:
     """Run ``execute`` on the newest plan that succeeds on every rank; None when no
     checkpoint is there. Each checkpoint skipped is logged with its reason (and passed to
     ``on_skip``). Raises CheckpointError when checkpoints exist but none can be read
-    (every one damaged)."""
-    inventory = Inventory(tiers)
+    (every one damaged). ``tiers`` may be listed already (an ``Inventory`` the caller keeps
+    to explain, when nothing is found, what was there)."""
+    inventory = tiers if isinstance(tiers, Inventory) else Inventory(tiers)
     rejected: dict[CheckpointId, str] = {}
     while True:
         mine = plans(inventory, needs, step, skip=rejected)
@@ -101,13 +103,52 @@ def _nothing_left(coord: Agreement, step: int | None, rejected: dict[CheckpointI
                               ["(on another rank)"]))
 
 
+def log_restored(plan: RestorePlan, seconds: float, rank: int, world_size: int) -> None:
+    """One line per rank saying where each shard came from: the first question after a restart."""
+    if world_size == 1:
+        first = plan.shards[0].sources[0]
+        log.info("restored step %d from %s (%s) in %.2f s", plan.ckpt_id.step, first.name, first.location, seconds)
+    else:
+        sources = ", ".join(f"shard {s.rank} from {s.sources[0].name}" for s in plan.shards)
+        log.info("rank %d restored step %d (%s) in %.2f s", rank, plan.ckpt_id.step, sources, seconds)
+
+
+class OpenShards:
+    """One restore's saved shards, each opened once (its manifest read and parsed once): the
+    layout check before any byte lands (``manifest``) and the read (``take``) share the
+    reader. Whoever takes a reader reads and closes it inside that shard's fallback (a
+    memory slot re-checks its seal at close); leaving the block closes those never read."""
+
+    def __init__(self, ckpt_id: CheckpointId) -> None:
+        self.ckpt_id = ckpt_id
+        self._open: dict[tuple[TierReader, int], ShardReader] = {}
+
+    def manifest(self, tier: TierReader, rank: int) -> ShardManifest:
+        if (tier, rank) not in self._open:
+            self._open[(tier, rank)] = open_shard(tier, self.ckpt_id, rank)
+        return self._open[(tier, rank)].manifest
+
+    def take(self, tier: TierReader, rank: int) -> ShardReader:
+        reader = self._open.pop((tier, rank), None)
+        return reader if reader is not None else open_shard(tier, self.ckpt_id, rank)
+
+    def __enter__(self) -> "OpenShards":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for reader in self._open.values():
+            with suppress(*DAMAGE):  # nothing was read from it
+                reader.close()
+        self._open.clear()
+
+
 def read_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, *, state: Mapping[str, Any] | None = None,
-               threads: int = 4, progress: Progress | None = None) -> dict:
+               threads: int = 4, progress: Progress | None = None, opened: OpenShards | None = None) -> dict:
     """Read and verify one saved rank's shard; tensors land in ``state``'s own tensors where they fit."""
     from .state import tensor_targets, unflatten
     from .tensor_io import read_tensors
 
-    reader = open_shard(tier, ckpt_id, rank)
+    reader = opened.take(tier, rank) if opened is not None else open_shard(tier, ckpt_id, rank)
     try:
         targets = tensor_targets(state, reader.manifest.tree) if state is not None else {}
         tensors = read_tensors(reader, targets, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
@@ -144,18 +185,23 @@ def load_plan(plan: RestorePlan, state: Mapping[str, Any] | None, *, threads: in
     """Execute ``plan`` into plain values (tensors in ``state``'s own where they fit).
     With a ``state``, every shard's layout is checked against the part of the state it
     covers before any byte is read into it: a mismatch changes nothing."""
-    if state is not None:
-        check_plan(plan, state)
     values: dict = {}
-    for shard in plan.shards:
-        got = first_sound(shard, plan.ckpt_id, partial(read_shard, ckpt_id=plan.ckpt_id, rank=shard.rank, state=state,
-                                                       threads=threads, progress=progress))
-        values.update(got if shard.keys is None else {k: v for k, v in got.items() if k in shard.keys})
+    with OpenShards(plan.ckpt_id) as opened:
+        if state is not None:
+            check_plan(plan, state, opened)
+        for shard in plan.shards:
+            got = first_sound(shard, plan.ckpt_id, partial(read_shard, ckpt_id=plan.ckpt_id, rank=shard.rank,
+                                                           state=state, threads=threads, progress=progress,
+                                                           opened=opened))
+            values.update(got if shard.keys is None else {k: v for k, v in got.items() if k in shard.keys})
     return values
 
 
-def shard_manifest(shard: ShardPlan, ckpt_id: CheckpointId) -> ShardManifest:
-    """The saved shard's manifest, from its first sound source (no tensor bytes read)."""
+def shard_manifest(shard: ShardPlan, ckpt_id: CheckpointId, opened: OpenShards | None = None) -> ShardManifest:
+    """The saved shard's manifest, from its first sound source (no tensor bytes read); with
+    ``opened``, that source stays open for the read."""
+    if opened is not None:
+        return first_sound(shard, ckpt_id, partial(opened.manifest, rank=shard.rank))
     reader = first_sound(shard, ckpt_id, partial(open_shard, ckpt_id=ckpt_id, rank=shard.rank))
     try:
         return reader.manifest
@@ -163,15 +209,15 @@ def shard_manifest(shard: ShardPlan, ckpt_id: CheckpointId) -> ShardManifest:
         reader.close()
 
 
-def check_plan(plan: RestorePlan, state: Mapping[str, Any]) -> None:
+def check_plan(plan: RestorePlan, state: Mapping[str, Any], opened: OpenShards | None = None) -> None:
     """Raise StateMismatch unless each shard's saved layout fits the state keys it covers
     (a shard with ``keys`` covers those; the others cover the rest)."""
-    from .state import check_restorable
+    from .state_load import check_restorable
 
     elsewhere = set().union(*(s.keys for s in plan.shards if s.keys is not None))
     for shard in plan.shards:
         covered = shard.keys if shard.keys is not None else {k for k in state if k not in elsewhere}
-        manifest = shard_manifest(shard, plan.ckpt_id)
+        manifest = shard_manifest(shard, plan.ckpt_id, opened)
         tree = manifest.tree
         if shard.keys is not None and isinstance(tree, dict):
             tree = {k: v for k, v in tree.items() if k in shard.keys}

@@ -7,26 +7,50 @@ process is gone, without knowing the roots: those whose root no longer exists, a
 those whose steps are all durable in it; the rest (steps held nowhere else) only
 with ``force``. A live job's slots (its lock is held) are never touched.
 
+At start-up, ``remove_leftovers`` also removes each durable volume's interrupted writes.
+
 Peer replicas hold *other* nodes' shards, never on this root's disk: they go once
 their (saved rank, step) is in the job's object store (which their owner record
 names: ``durable_elsewhere``), or when the root is gone.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .locations import durable_tier_for, is_url
-from .tiers.base import complete_shards
+from .tiers.base import DurableTier, complete_shards
+from .tiers.local import LocalDiskTier
 from .tiers.memory.namespace import (
     DEFAULT_SHM_DIR,
+    namespaces_of_root,
     owner_gone,
     rank_dirs,
     read_owner,
     sweep_orphans,
     trusted_namespaces,
 )
+
+log = logging.getLogger(__name__)
+
+
+def remove_leftovers(disk: LocalDiskTier | None, store: DurableTier | None, leads: Callable[[DurableTier], bool], *,
+                     root: str, own: Path, memory_dir: str) -> None:
+    """A job's start-up sweep, before anything is written: each volume's leader (``leads``)
+    sweeps its own volume (nobody touches another node's disk): interrupted writes, and the
+    memory slots of this root's dead jobs (namespaces but ``own``) whose steps are on disk."""
+    leftovers: list[str] = []
+    if store is not None and leads(store):
+        leftovers += store.cleanup()
+    if disk is not None and leads(disk):
+        on_disk = complete_shards(disk)
+        others = [n for n in namespaces_of_root(root, memory_dir) if n != own]
+        leftovers += disk.cleanup() + sweep_orphans(others, on_disk)
+    for leftover in leftovers:
+        log.info("removed leftover of an interrupted save: %s", leftover)
 
 
 @dataclass

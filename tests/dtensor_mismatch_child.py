@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ckpt.state import StateMismatch, check_restorable, flatten
+from ckpt.state import flatten
+from ckpt.state_load import StateMismatch, check_restorable
 from ckpt.tiers.memory.copier import plan_layout
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -15,8 +15,9 @@ import torch
 import ckpt
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.errors import StateMismatch
-from ckpt.fresh_start import START_FRESH_ENV, refuse_if_present
+from ckpt.fresh_start import START_FRESH_ENV, JobListing, refuse_if_present
 from ckpt.locations import tiers_for
+from ckpt.plan import Inventory
 from ckpt.tiers.local import LocalDiskTier
 
 
@@ -89,10 +90,14 @@ class _TwoRanks:
         return [obj, {}]
 
 
+def _refuse_on_rank_0(tiers: list) -> None:
+    refuse_if_present(JobListing(_TwoRanks(), Inventory(tiers)))
+
+
 def test_a_checkpoint_one_rank_has_no_copy_of_is_named(saved: Path) -> None:
     with pytest.raises(CheckpointError, match=r"step 10 \(generation 0\): rank\(s\) 1 have no copy of it"):
-        refuse_if_present(_TwoRanks(), [LocalDiskTier(saved)])
-    refuse_if_present(_TwoRanks(), [LocalDiskTier(saved.parent / "empty")])  # nothing anywhere: a first start
+        _refuse_on_rank_0([LocalDiskTier(saved)])
+    _refuse_on_rank_0([LocalDiskTier(saved.parent / "empty")])  # nothing anywhere: a first start
 
 
 def test_a_step_sealed_in_memory_but_committed_nowhere_is_no_checkpoint(root: Path, shm_dir: str) -> None:
@@ -102,4 +107,4 @@ def test_a_step_sealed_in_memory_but_committed_nowhere_is_no_checkpoint(root: Pa
         mgr.save(5, {"model": model(3)}).wait()
     memory = [t for t in tiers_for(root, memory_dir=shm_dir) if t.name == "memory"]
     assert [i.id.step for t in memory for i in t.list()] == [5]
-    refuse_if_present(_TwoRanks(), memory)
+    _refuse_on_rank_0(memory)

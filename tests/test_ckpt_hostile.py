@@ -34,7 +34,8 @@ from ckpt.manifest import (
     dumps,
     loads_bounded,
 )
-from ckpt.state import StateMismatch, check_restorable, flatten, load_into, tensor_targets, unflatten
+from ckpt.state import flatten, tensor_targets, unflatten
+from ckpt.state_load import StateMismatch, check_restorable, load_into
 from ckpt.tiers.memory.copier import plan_layout
 from tests.ckpt_helpers import REPO, assert_same, ckpt_dir, plant_shard_manifest, restored, rewrite_json, step_state
 from tests.ckpt_helpers import SAVED_NEWEST as NEWEST

@@ -13,7 +13,12 @@ import torch
 
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.manifest import DTYPES
+from ckpt.plan import RestorePlan, ShardNeed
+from ckpt.reshard import load_values
+from ckpt.restore import LOCAL, restore_agreed
 from ckpt.state import is_stateful
+from ckpt.state_load import load_into
+from ckpt.tiers.local import LocalDiskTier
 from tests.ckpt_helpers import assert_same, ckpt_dir, flip_byte, restored
 
 
@@ -255,3 +260,38 @@ def test_cuda_restore_from_each_tier_skips_damage_and_unpins_slots(root: Path, s
         target = zeros()
         assert mgr.restore(target) == 1  # step 2's damage detected on the way in, step 1 loaded
         assert_same({k: target[k] for k in ("big", "half")}, {k: state_at(1)[k] for k in ("big", "half")})
+
+
+class _CountingDisk(LocalDiskTier):
+    """A disk tier that counts how often each saved rank's shard is opened (its shard
+    manifest read from disk and parsed)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.opened: dict[int, int] = {}
+
+    def open_shard(self, ckpt_id, ref):  # type: ignore[no-untyped-def]
+        self.opened[ref.rank] = self.opened.get(ref.rank, 0) + 1
+        return super().open_shard(ckpt_id, ref)
+
+
+@pytest.mark.parametrize("resharded", [False, True], ids=["same-world", "resharded"])
+def test_each_shard_is_opened_once_per_restore(root: Path, shm_dir: str, resharded: bool) -> None:
+    """The layout check before any byte lands and the read share one opened shard: its
+    manifest is read and parsed once (a restore of many small tensors paid for it twice)."""
+    model, opt, _ = trained(1)
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        mgr.save(3, {"model": model, "opt": opt, "epoch": 2}).wait()
+    disk = _CountingDisk(root)
+    target_model, target_opt, _ = trained(2)
+    target = {"model": target_model, "opt": target_opt, "epoch": 0}
+
+    def execute(plan: RestorePlan) -> dict:
+        # at another world size (as rank 0 of 2), the same shard goes through the resharding path
+        return load_values(plan, target, 0, 2 if resharded else 1)[0]
+
+    found = restore_agreed(LOCAL, [disk], lambda world: [ShardNeed(0)], execute)
+    assert found is not None and found[0].ckpt_id.step == 3
+    load_into(target, found[1])
+    assert_same(target_model.state_dict(), model.state_dict())
+    assert disk.opened == {0: 1}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from ..distributed import Coordinator
 from ..drain import SaveHandle
 from ..errors import CheckpointError
+from ..fresh_start import JobListing
 from ..manifest import ShardManifest, ShardRef
 from ..plan import RestorePlan
 from ..tiers.base import CheckpointId, TierReader
@@ -169,23 +170,15 @@ class Peering:
         self._unprotected = (plan.ckpt_id.step, time.monotonic())
         return True
 
-    def nothing_readable(self, coord: Coordinator, tiers: Sequence[TierReader]) -> None:
+    def nothing_readable(self, listing: JobListing) -> None:
         """Restore found no step every rank can read. If the job has checkpoints, raise,
         naming the shards no rank holds anywhere, rather than let training start over and
-        drop what the other ranks still hold. Collective (every rank gets None together)."""
-        mine: dict[CheckpointId, set[int]] = {}
-        for tier in tiers:
-            for info in tier.list():
-                if info.complete:
-                    mine.setdefault(info.id, set()).update(info.ranks)
-        held: dict[CheckpointId, set[int]] = {}
-        for theirs in coord.gather(mine):
-            for ckpt_id, ranks in theirs.items():
-                held.setdefault(ckpt_id, set()).update(ranks)
+        drop what the other ranks still hold (``listing``: every rank's, gathered once)."""
+        held = listing.held()
         if not held:
             return
         newest = max(held)
-        missing = sorted(set(range(coord.world_size)) - held[newest])
+        missing = sorted(set(range(listing.world_size)) - held[newest])
         raise CheckpointError(
             f"no checkpoint that every rank can read, yet step {newest.step} (generation {newest.generation}) "
             f"exists: no copy of the shard(s) of rank(s) {', '.join(map(str, missing)) or '(none)'} is left in any "

@@ -25,7 +25,6 @@ class RangedReader(ShardReader):
         self._fetch, self._block, self._depth, self._pool = fetch, block, depth, pool
         self._size = manifest.data_bytes
         self._count = -(-self._size // block)
-        self._served = [0] * self._count
         self._blocks: dict[int, Future] = {}
         self._lock = threading.Lock()
         self.expect([(t.offset, t.nbytes) for t in manifest.tensors])
@@ -38,7 +37,7 @@ class RangedReader(ShardReader):
             for i in range(offset // self._block, -(-(offset + n) // self._block)):
                 need[i] += min(offset + n, (i + 1) * self._block) - max(offset, i * self._block)
         with self._lock:
-            self._need = need
+            self._need, self._served = need, [0] * self._count  # a new pass (one reader serves several)
 
     def _get(self, i: int) -> Future:
         """Block ``i``'s future, started if needed (call with the lock held)."""
