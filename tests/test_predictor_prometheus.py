@@ -103,8 +103,9 @@ def test_missing_series_are_named_and_read_as_missing(history, tmp_path):
     _, _, prom, window, _ = history
     out = str(tmp_path / "a.parquet")
     partial = run_cli("predictor.cli", "score", "--out", out, "--prometheus", prom.url, *window,
-                      "--match", '__name__!="DCGM_FI_DEV_PCIE_REPLAY_COUNTER"')
-    assert "no series for DCGM_FI_DEV_PCIE_REPLAY_COUNTER" in partial.stderr
+                      "--match", '__name__!~"DCGM_FI_DEV_PCIE_REPLAY_COUNTER|DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"')
+    assert "no series for DCGM_FI_DEV_ECC_SBE_VOL_TOTAL, DCGM_FI_DEV_PCIE_REPLAY_COUNTER" in partial.stderr
+    assert "the model misses most HBM and NVLink failures" in partial.stderr
     usage = run_cli("predictor.cli", "score", "--out", out, "--prometheus", prom.url, check=False)
     assert usage.returncode == 2 and "--start" in usage.stderr
 
