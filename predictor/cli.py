@@ -5,12 +5,14 @@ import contextlib
 import ipaddress
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import click
 
 from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
 from predictor.history_cli import history_trace, prometheus_options
+from predictor.label_cli import label, write_labelled
 
 # scikit-learn, skops and pyarrow are imported inside the commands: `--help` and usage
 # errors answer at once.
@@ -82,16 +84,55 @@ def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool, failure
 
 @main.command()
 @_model_opt
-@click.option("--trace", "traces", multiple=True, required=True, type=_trace_dir,
+@click.option("--trace", "traces", multiple=True, type=_trace_dir,
               help="labelled trace the model was not trained on (repeatable)")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="model file to write")
 @click.option("--json", "as_json", is_flag=True)
-def calibrate(model_path: str | None, traces: tuple[Path, ...], out: Path, as_json: bool) -> None:
-    """Fit the node-probability map behind job-level risk on held-out labelled traces; write
-    the model with it (`train` does this on its validation nodes)."""
+@_failures_opt
+@click.option("--derive-labels", is_flag=True,
+              help="label the --prometheus window (or a --trace without failures.parquet) from its own telemetry, "
+                   "as `predictor label` does")
+@prometheus_options
+def calibrate(model_path: str | None, traces: tuple[Path, ...], out: Path, as_json: bool, failures: Path | None,
+              derive_labels: bool, history: dict) -> None:
+    """Fit the node-probability map behind job-level risk on held-out labelled traces (and/or a
+    Prometheus window); write the model with it (`train` does this on its validation nodes)."""
+    if not traces and not history["prom_url"]:
+        raise click.UsageError("give --trace (repeatable) and/or --prometheus")
+    if failures is not None and not history["prom_url"]:
+        raise click.UsageError("--failures goes with --prometheus (a trace directory has its own)")
+    if history["prom_url"] and (failures is None) == (not derive_labels):
+        raise click.UsageError("calibrating on --prometheus history needs its labels: --failures failures.parquet, "
+                               "or --derive-labels to derive them from the window (as `predictor label` does)")
     for t in traces:
-        if not (t / "failures.parquet").exists():
-            raise click.ClickException(f"{t}: no failures.parquet, cannot calibrate on an unlabelled trace")
+        if not (t / "failures.parquet").exists() and not derive_labels:
+            raise click.ClickException(f"{t}: no failures.parquet, cannot calibrate on an unlabelled trace "
+                                       "(--derive-labels labels it from its telemetry)")
+    sources = [str(t) for t in traces] + ([f"{history['prom_url']} {history['prom_start']}..{history['prom_end']}"]
+                                          if history["prom_url"] else [])
+    with contextlib.ExitStack() as stack:
+        labelled = []
+        for t in traces:
+            if not (t / "failures.parquet").exists():
+                labelled.append(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="labelled-"))))
+                write_labelled(t, labelled[-1])
+            else:
+                labelled.append(t)
+        if history["prom_url"]:
+            window = stack.enter_context(history_trace(None, history, failures))
+            if derive_labels:
+                derived, _ = write_labelled(window, window)
+                click.echo(f"{derived.num_rows} failures derived from the window's telemetry", err=True)
+            labelled.append(window)
+        summary = _calibrate(model_path, labelled, sources, out)
+    click.echo(json.dumps(summary, indent=1) if as_json else
+               f"wrote {out}: {summary['breakpoints']} breakpoints, base rate {summary['base_rate_per_node_day']} "
+               f"failures per node-day, in-sample Brier {summary['in_sample']['brier']} "
+               f"(base rate alone {summary['in_sample']['brier_of_base_rate']})")
+
+
+def _calibrate(model_path: str | None, traces: list[Path], sources: list[str], out: Path) -> dict:
+    """Fit the node calibration on labelled `traces` (recorded as `sources`), write the model with it to `out`."""
     import numpy as np
 
     from predictor import job_risk
@@ -101,17 +142,13 @@ def calibrate(model_path: str | None, traces: tuple[Path, ...], out: Path, as_js
         cal = job_risk.fit(instants)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    m.info[job_risk.INFO_KEY] = {**cal.to_info(), "traces": [str(t) for t in traces]}
+    m.info[job_risk.INFO_KEY] = {**cal.to_info(), "traces": sources}
     m.save(out)
     fit_quality = job_risk.reliability(cal.probability(np.concatenate([i.score for i in instants])),
                                        np.concatenate([i.failed for i in instants]))
-    summary = {"model": str(out), "base_rate_per_node_day": round(cal.base_rate_per_s * 86400, 5),
-               "base_probability": round(cal.base_probability, 6), "breakpoints": len(cal.score),
-               "in_sample": fit_quality}
-    click.echo(json.dumps(summary, indent=1) if as_json else
-               f"wrote {out}: {len(cal.score)} breakpoints, base rate {summary['base_rate_per_node_day']} "
-               f"failures per node-day, in-sample Brier {fit_quality['brier']} "
-               f"(base rate alone {fit_quality['brier_of_base_rate']})")
+    return {"model": str(out), "base_rate_per_node_day": round(cal.base_rate_per_s * 86400, 5),
+            "base_probability": round(cal.base_probability, 6), "breakpoints": len(cal.score),
+            "in_sample": fit_quality}
 
 
 def _alarms(model, trace: Path, threshold: str):
@@ -180,53 +217,6 @@ def eval_(model_path: str | None, trace: Path | None, threshold: str, alarms_out
 
 
 @main.command()
-@click.option("--trace", required=True, type=_trace_dir, help="trace directory to label (telemetry, xid)")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="directory to write: failures.parquet plus links to the trace's files, a labelled trace "
-                   "that train and eval read")
-@click.option("--merge", "merge_csv", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="operator's failure record to merge: CSV with header node,gpu,time,cause[,xid] "
-                   "(cause maintenance or none removes the derived label it matches)")
-@click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="a true failures.parquet (a simulator's) to measure the labels against")
-@click.option("--json", "as_json", is_flag=True)
-def label(trace: Path, out: Path, merge_csv: Path | None, against: Path | None, as_json: bool) -> None:
-    """Derive failure labels from the telemetry: critical XIDs, vanished and replaced GPUs."""
-    import pyarrow.parquet as pq
-
-    from predictor import labels
-    if (out / "failures.parquet").exists():
-        raise click.ClickException(f"{out / 'failures.parquet'} exists: pick another --out")
-    try:
-        samples, xids = labels.load_trace(trace)
-        derived = labels.derive(samples, xids)
-        merged = None
-        if merge_csv:
-            derived, merged = labels.merge(derived, labels.read_operator_csv(merge_csv))
-    except (labels.LabelError, OSError) as e:
-        raise click.ClickException(str(e)) from None
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("telemetry.parquet", "xid.parquet", "trace.json"):
-        if (trace / name).exists() and not (out / name).exists():
-            (out / name).symlink_to((trace / name).resolve())
-    pq.write_table(derived, out / "failures.parquet")
-    res = {"out": str(out), **labels.summary(derived)}
-    if merged is not None:
-        res["merged"] = merged
-    if against:
-        res["against"] = labels.agreement(derived, pq.read_table(against))
-    if as_json:
-        click.echo(json.dumps(res, indent=1))
-        return
-    click.echo(f"{res['failures']} failures -> {out / 'failures.parquet'} by source {res['by_source']}"
-               + (f", operator record: {merged}" if merged is not None else ""))
-    if against:
-        a = res["against"]
-        click.echo(f"against {against}: precision {a['precision']}, recall {a['recall']} ({a['matched']} of "
-                   f"{a['true_failures']}), time offset median {a['offset_s_median']} s, by mode {a['recall_by_mode']}")
-
-
-@main.command()
 @_model_opt
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=9410, show_default=True)
@@ -266,6 +256,8 @@ def _is_loopback(host: str) -> bool:
     except ValueError:
         return False
 
+
+main.add_command(label)
 
 if __name__ == "__main__":
     sys.exit(main())

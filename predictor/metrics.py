@@ -12,6 +12,8 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from predictor.job_risk import node_scores
+
 if TYPE_CHECKING:
     from predictor.server import Service
 
@@ -53,6 +55,32 @@ class _RiskCollector:
         yield GaugeMetricFamily("predictor_jobs", "Registered training jobs", value=len(self.service.jobs.jobs))
         yield GaugeMetricFamily("predictor_alerts_firing", "GPUs over the strict threshold, paged",
                                 value=len(self.service.alerts.firing))
+        yield from self._job_risk()
+
+    def _job_risk(self):
+        """Each registered job's calibrated risk (as on /v1/risk?job=), so dashboards and rules
+        see what the jobs' checkpoint intervals follow; none without a node calibration."""
+        svc = self.service
+        yield GaugeMetricFamily("predictor_job_risk_calibrated",
+                                "1 when the model states job-level risk (it has a node calibration)",
+                                value=float(svc.calibration is not None))
+        labels = ["job_id", "job_name"]
+        prob = GaugeMetricFamily("predictor_job_failure_probability",
+                                 "P(a node of the job fails within the horizon), calibrated", labels=labels)
+        base = GaugeMetricFamily("predictor_job_base_probability",
+                                 "The same for as many nodes at the fleet's base rate", labels=labels)
+        ratio = GaugeMetricFamily("predictor_job_hazard_ratio",
+                                  "The job's failure hazard over as many nodes' at the base rate", labels=labels)
+        jobs = list(svc.jobs.jobs.values())
+        if svc.calibration is not None and jobs:
+            scores = node_scores(svc.scorer)
+            for job in jobs:
+                r = svc.job_risk(job, scores)
+                prob.add_metric([job.id, job.name], r["probability"])
+                base.add_metric([job.id, job.name], r["base_probability"])
+                if r["hazard_ratio"] is not None:
+                    ratio.add_metric([job.id, job.name], r["hazard_ratio"])
+        yield from (prob, base, ratio)
 
 
 class ServiceMetrics:

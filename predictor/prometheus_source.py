@@ -32,10 +32,12 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from telemetry import dcgm
-from telemetry.schema import METRICS, TELEMETRY_SCHEMA, XID_ERRORS, XID_SCHEMA
+from telemetry.schema import METRICS, TELEMETRY_SCHEMA, THROTTLE, XID_ERRORS, XID_SCHEMA
 
 log = logging.getLogger(__name__)
 _NAMES = METRICS + (XID_ERRORS,)
+#: Fields whose absence costs the model whole failure modes (docs/predictor.md, "Only dcgm-exporter's default fields").
+_BLIND_WITHOUT = {m for m in dcgm.NOT_IN_DEFAULT if m != THROTTLE}
 #: Bytes of JSON per sample a response may hold on average before it is refused unread
 #: (a sample is about 30 bytes: `[1780000000.123,"65.5"],`; labels add per series).
 _BYTES_PER_SAMPLE = 64
@@ -139,8 +141,10 @@ class PrometheusHistory:
                                   "window, and that dcgm-exporter is scraped by this Prometheus")
         missing = [m for m in _NAMES if m not in names]
         if missing:
-            log.warning("no series for %s in the window: read as missing%s", ", ".join(missing),
-                        " (no XID events)" if XID_ERRORS in missing else "")
+            log.warning("no series for %s in the window: read as missing%s%s", ", ".join(missing),
+                        " (no XID events)" if XID_ERRORS in missing else "",
+                        "; without the ECC and NVLink counters the model misses most HBM and NVLink failures "
+                        "(enable them in dcgm-exporter's counters CSV)" if set(missing) & _BLIND_WITHOUT else "")
         return present
 
     # ------------------------------------------------------------ chunks

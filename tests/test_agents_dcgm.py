@@ -126,8 +126,12 @@ def test_failed_scrapes_are_counted_and_leave_the_other_exporters(exporter, capl
             rows = src.read()
             assert [(r["node"], r["gpu"]) for r in rows] == [("dgx-b", 0)]
         assert src.scrape_errors == 5
+        up = {f.name: f for f in src.metrics()}["ckpt_guard_agent_dcgm_up"]
+        assert {s.labels["url"]: s.value for s in up.samples} == {exporter.url: 0.0, other.url: 1.0}
         exporter.page, exporter.status, exporter.delay_s, exporter.drip_s = render("dgx-a", [gpu(0)]), 200, 0, 0
         assert sorted(r["node"] for r in src.read()) == ["dgx-a", "dgx-b"]
+        up = {f.name: f for f in src.metrics()}["ckpt_guard_agent_dcgm_up"]
+        assert {s.labels["url"]: s.value for s in up.samples} == {exporter.url: 1.0, other.url: 1.0}
     finally:
         src.close()
         other.stop()

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from ckpt.integrations.risk import RiskListener
 from ckpt.integrations.urgency import SaveRequests
@@ -143,6 +144,13 @@ def test_job_risk_on_the_endpoint_and_the_stream(live_server, calibrated_model):
         assert hot["top_nodes"][0]["probability"] == pytest.approx(cal.probability(np.array([1.0]))[0], abs=1e-6)
         now = requests.get(url, headers=srv.headers("operator"), timeout=5).json()
         assert now["probability"] == hot["probability"]
+        # the same on /metrics, for dashboards and alert rules
+        metrics = {(f.name, s.labels.get("job_id")): s.value for f in text_string_to_metric_families(
+            requests.get(f"{srv.url}/metrics", timeout=5).text) for s in f.samples}
+        assert metrics[("predictor_job_failure_probability", job["id"])] == now["probability"]
+        assert metrics[("predictor_job_hazard_ratio", job["id"])] == now["hazard_ratio"]
+        assert metrics[("predictor_job_base_probability", job["id"])] == now["base_probability"]
+        assert metrics[("predictor_job_risk_calibrated", None)] == 1.0
         # the training side: the listener's ratio shortens the policy's interval, with no "at risk" flag
         assert wait_for(lambda: (listener.hazard_ratio or 0) > 1), listener.risk
         policy = IntervalPolicy(blocking_s=5, mtbf_s=7 * 86400)

@@ -19,7 +19,8 @@ What an exporter page cannot give, and how it is handled:
   reporting, which is what SCHEMA.md says a failed GPU does.
 
 Every scrape has a time limit and a size cap; a failed scrape is counted, logged on the
-change from working to failing (not every tick) and leaves the other exporters' rows.
+change from working to failing (not every tick) and leaves the other exporters' rows;
+``ckpt_guard_agent_dcgm_up{url}`` says which exporter is failing now (for alerts).
 """
 from __future__ import annotations
 
@@ -264,10 +265,15 @@ class DcgmExporterSource(Source):
         missing = GaugeMetricFamily("ckpt_guard_agent_dcgm_field_missing",
                                     "1 for each telemetry field a scraped dcgm-exporter does not serve.",
                                     labels=["url", "field"])
+        up = GaugeMetricFamily("ckpt_guard_agent_dcgm_up",
+                               "1 when the last scrape of this dcgm-exporter page succeeded, 0 when it failed "
+                               "(absent before the first scrape).", labels=["url"])
         for t in self._targets:
             for name in sorted(t.missing):
                 missing.add_metric([t.url, name], 1)
-        return [errors, vanished, missing]
+            if t.scrapes or t.failing:
+                up.add_metric([t.url], 0.0 if t.failing else 1.0)
+        return [errors, vanished, missing, up]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
