@@ -22,7 +22,7 @@ import numpy as np
 
 from predictor import evaluation
 from predictor.features import COUNTERS, FleetState
-from predictor.ramps import RAMP_BURST_FACTOR, RAMP_BURST_FLOOR, RAMP_GAP_S, Ramps
+from predictor.ramps import Ramps
 from predictor.replay import score_trace
 from predictor.scoring import Scorer
 
@@ -40,19 +40,10 @@ class MidpointRamps(Ramps):
         super().reset(slots)
         self.read_t[slots] = -1
 
-    def update(self, s, t, ok, delta, expected) -> None:
-        counted = np.minimum(delta, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * expected)
-        hit = ok & (counted > 0)
+    def event_time(self, s: np.ndarray, t: np.ndarray, ok: np.ndarray) -> np.ndarray:
         prev = self.read_t[s]
-        tt = np.where(prev >= 0, (t[:, None] + prev) // 2, t[:, None])      # when the events happened, expected
-        woke = hit & ((self.last_t[s] < 0) | (tt - self.last_t[s] > RAMP_GAP_S * 1000))
-        r_first = np.where(woke, tt, self.first_t[s])
-        self.first_t[s] = r_first
-        self.events[s] = np.where(woke, 0.0, self.events[s]) + np.where(hit, counted, 0.0)
-        self.moment[s] = np.where(woke, 0.0, self.moment[s]) + \
-            np.where(hit, counted * (tt - r_first) / 1000.0, 0.0)
-        self.last_t[s] = np.where(hit, tt, self.last_t[s])
         self.read_t[s] = np.where(ok, t[:, None], prev)
+        return np.where(prev >= 0, (t[:, None] + prev) // 2, t[:, None])   # expected time of the events
 
 
 def main() -> None:
