@@ -73,7 +73,7 @@ class Ramps:
         one-off burst of replays is no ramp. Events after RAMP_GAP_S of silence start a new ramp."""
         counted = np.minimum(delta, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * expected)
         hit = ok & (counted > 0)
-        tt = t[:, None]
+        tt = self.event_time(s, t, ok)
         woke = hit & ((self.last_t[s] < 0) | (tt - self.last_t[s] > RAMP_GAP_S * 1000))
         r_first = np.where(woke, tt, self.first_t[s])
         self.first_t[s] = r_first
@@ -81,6 +81,11 @@ class Ramps:
         self.moment[s] = np.where(woke, 0.0, self.moment[s]) + \
             np.where(hit, counted * (tt - r_first) / 1000.0, 0.0)
         self.last_t[s] = np.where(hit, tt, self.last_t[s])
+
+    def event_time(self, s: np.ndarray, t: np.ndarray, ok: np.ndarray) -> np.ndarray:
+        """[n, counters]: when the events of a read at `t` are dated: at the read (a subclass in
+        benchmarks/ramp_cadence.py dates them mid-interval, to measure what the cadence does)."""
+        return np.broadcast_to(t[:, None], ok.shape)
 
     def window(self, s: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Counter k's current ramp at times t: live mask, events in it, seconds since its first
