@@ -152,12 +152,15 @@ class Scorer:
         return crit
 
     def _features(self, chunk: Chunk) -> tuple[Chunk, np.ndarray, np.ndarray]:
+        """The chunk's features and, per row, the critical XID holding it at risk 1 (0:
+        none), read now: a later chunk of the same call may reset a replaced GPU."""
         st = self.state
         fresh = st.replaced(chunk)
         if fresh.any():
             st.reset(chunk.slots[fresh])
         feats = st.apply(chunk)
-        return chunk, feats, rules.critical_mask(st.critical_t[chunk.slots], chunk.t_ms)
+        held = rules.critical_mask(st.critical_t[chunk.slots], chunk.t_ms)
+        return chunk, feats, np.where(held, st.critical_xid[chunk.slots], 0)
 
     def _risk(self, parts: list, events: list[tuple[int, int, str]]) -> Scored:
         """One model call for all chunks; critical XIDs (as events and as holds) and due
@@ -166,7 +169,8 @@ class Scorer:
         slots = np.concatenate([c.slots for c, _, _ in parts] + [ev_slots])
         t = np.concatenate([c.t_ms for c, _, _ in parts] + [np.asarray([e[1] for e in events], np.int64)])
         feats = np.concatenate([f for _, f, _ in parts] + [np.zeros((len(events), len(FEATURE_NAMES)))])
-        crit = np.concatenate([m for _, _, m in parts] + [np.ones(len(events), bool)])
+        crit_xid = np.concatenate([x for _, _, x in parts] + [np.zeros(len(events), np.int64)])
+        crit = np.concatenate([x != 0 for _, _, x in parts] + [np.ones(len(events), bool)])
         n_samples = len(t) - len(events)
         risk = np.ones(len(t))
         if n_samples and self.model is not None:
@@ -185,7 +189,7 @@ class Scorer:
             for i in hot[~crit[hot] & (due[hot] >= 0)].tolist():
                 reasons[i] = rules.ramp_reason(int(due[i]), feats[i])
             for i in hot[crit[hot]].tolist():
-                reasons[i] = rules.critical_reason(self.state.critical_xid[slots[i]])
+                reasons[i] = rules.critical_reason(crit_xid[i])
         self._remember(slots, t, risk, reasons)
         for slot, te, why in events:        # news whatever the GPU's newest sample: risk 1 now
             self.risk[slot] = 1.0

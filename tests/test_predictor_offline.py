@@ -232,6 +232,18 @@ def test_critical_xid_sets_risk_to_one(trained_model):
     assert s.node_risk("n0")["risk"] == 1.0
 
 
+def test_critical_reason_is_read_before_a_later_reset(trained_model):
+    """A GPU held by XID 79, then replaced later in the same batch: the held row's reason
+    names the XID it was held by (it read 'critical XID 0' once the reset had run)."""
+    s = Scorer(model_io.load(trained_model))
+    vals = np.full((2, len(METRICS)), 1.0)
+    s.score_rows(np.array([60_000]), ["n0"], np.array([0]), vals[:1], ["GPU-old"])
+    s.add_xids(Xids(np.array([61_000]), ["n0"], np.array([0]), np.array([79])))
+    r = s.score_rows(np.array([120_000, 180_000]), ["n0", "n0"], np.array([0, 0]), vals, ["GPU-old", "GPU-new"])
+    assert r.risk.tolist()[0] == 1.0 and r.reasons[0] == "critical XID 79"
+    assert r.reasons[1] != "critical XID 0"
+
+
 def test_usage_errors_exit_2_and_failures_exit_1(tmp_path):
     assert run_cli("predictor.cli", "eval", "--threshold", check=False).returncode == 2
     res = run_cli("predictor.cli", "train", "--trace", str(tmp_path), "--out", str(tmp_path / "m"), check=False)
