@@ -20,8 +20,10 @@ test-tools:
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# 2 pytest-xdist workers: one pytest keeps one core busy on average (it waits on torchrun,
+# servers, pip); loadfile keeps a module on one worker, so its module-scoped fixtures run once
 test: $(STAMP) test-tools lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

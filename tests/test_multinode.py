@@ -33,21 +33,27 @@ def run_nodes(base: Path, name: str, shm: list[str], *extra: str, restarts: int 
     return torchrun_nodes(SCRIPT, args, restarts=restarts)
 
 
-def test_each_node_commits_its_own_shards(tmp_path: Path, node_shm: list[str]) -> None:
-    run_nodes(tmp_path, "clean", node_shm)
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory, node_shm: list[str]) -> Path:
+    """The uninterrupted run ("clean"), once for both tests: a 2-node launch is the slow part."""
+    base = tmp_path_factory.mktemp("multinode")
+    run_nodes(base, "clean", node_shm)
+    return base
+
+
+def test_each_node_commits_its_own_shards(base: Path) -> None:
     for node in (0, 1):
-        disk = LocalDiskTier(tmp_path / "clean" / f"node{node}")
+        disk = LocalDiskTier(base / "clean" / f"node{node}")
         steps = [i.id.step for i in disk.list() if i.complete]
         assert steps == [15, 20], f"node{node}: {steps}"  # keep_last=2 of the commits at 5, 10, 15, 20
         manifest = disk.read_manifest(disk.list()[-1].id)
         assert manifest.world_size == 2 and [s.rank for s in manifest.shards] == [node]
 
 
-def test_a_killed_rank_resumes_exactly_from_its_own_nodes_memory(tmp_path: Path, node_shm: list[str]) -> None:
-    run_nodes(tmp_path, "clean", node_shm)
-    logs = run_nodes(tmp_path, "faulty", node_shm, "--faults", "13", restarts=2)
+def test_a_killed_rank_resumes_exactly_from_its_own_nodes_memory(base: Path, node_shm: list[str]) -> None:
+    logs = run_nodes(base, "faulty", node_shm, "--faults", "13", restarts=2)
     assert "fault injector: SIGKILL rank 1 at step 13" in logs[1], logs[1][-3000:]
     for node, log in enumerate(logs):
         assert f"rank {node} restored step 10" in log, log[-3000:]
-    clean, faulty = (json.loads((tmp_path / f"{n}.json").read_text())["digest"] for n in ("clean", "faulty"))
+    clean, faulty = (json.loads((base / f"{n}.json").read_text())["digest"] for n in ("clean", "faulty"))
     assert faulty == clean, "the resumed run diverged from the uninterrupted one"
