@@ -91,7 +91,7 @@ def test_predictor_counts_every_sample_and_xid(predictor, tmp_path):
                           "--fail", "it01/gpu3/sudden@+1s")
     after = ingested(url)
     assert "telemetry" in after, "predictor_ingested_rows_total not on the predictor's /metrics"
-    assert counters["samples_sent"] == counters["samples_collected"] > 50
+    assert counters["samples_sent"] == counters["samples_collected"] >= 16  # the count, not the rate
     assert after["telemetry"] - before.get("telemetry", 0) == counters["samples_sent"]
     assert after.get("xid", 0) - before.get("xid", 0) == counters["xid_events_sent"] >= 1
     assert counters["samples_rejected"] == counters["send_errors"] == 0
@@ -103,7 +103,7 @@ def test_a_model_clock_agent_is_accepted_with_the_demos_max_ahead(predictor, tmp
     url, token_file = predictor
     counters = agents_run(url, token_file, tmp_path, "--node-name", "mc01", "--duration", "3", "--time-scale", "600",
                           "--model-clock")
-    assert counters["samples_sent"] == counters["samples_collected"] > 50
+    assert counters["samples_sent"] == counters["samples_collected"] >= 16  # the count, not the rate
     assert counters["samples_rejected"] == counters["send_errors"] == 0
 
 
