@@ -105,6 +105,9 @@ class Watchdog:
             faulthandler.register(_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
         self._store().set(f"who/{self.rank}", self.me.encode())
         self._last = time.monotonic()
+        # Report at once, not at the thread's first turn: a rank stopped before that (fast
+        # first steps) would read "never reported", which only the full deadline can judge.
+        self._beat(self._beat_count)
         self._thread.start()
         atexit.register(self._ended)
         return self

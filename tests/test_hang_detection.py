@@ -181,6 +181,28 @@ def test_a_frozen_peer_is_declared_before_the_deadline_and_a_slow_live_one_is_no
             dog.close()
 
 
+def test_a_rank_frozen_before_its_first_beat_is_declared_frozen(tmp_path: Path) -> None:
+    """Rank 1's process stops before its watchdog thread ever ran (fast first steps; seen
+    in CI): it reported at start, so rank 0 names it frozen, not "never reported" at the
+    deadline (60 s here)."""
+    exits: list[int] = []
+    opts = HangDetection(deadline_s=60.0, warmup_steps=1, interval_s=0.5, poll_s=0.5)
+    dogs = watchdogs(tmp_path, opts, exits)
+    dogs[1]._exit = lambda code: None
+    dogs[1].start()
+    dogs[1]._stop.set()  # its thread never takes a turn, as in a process stopped at once
+    dogs[1]._thread.join()
+    dogs[0].start()
+    try:
+        for _ in range(3):
+            dogs[0].boundary()
+        assert wait_for(lambda: exits, timeout=15), "a rank stopped before its first beat waited for the deadline"
+        assert exits == [EXIT_HUNG] and dogs[0]._frozen() == [1]
+    finally:
+        for dog in dogs:
+            dog.close()
+
+
 def test_rank_asleep_in_a_call_dumps_its_stacks(slow_start: tuple[Path, str, str]) -> None:
     """Rank 1 alive but stuck (as in a kernel): it is named as behind (or, had its peer
     not got further, nobody is), and it dumps its own stacks, which show where it sleeps."""
