@@ -59,7 +59,7 @@ class LiveServer:
             try:
                 if requests.get(self.url + "/healthz", timeout=1).ok:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or busy loading its model
                 time.sleep(0.1)
         self.stop()
         raise AssertionError(f"predictor serve did not come up: {self.output()}")

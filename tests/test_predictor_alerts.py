@@ -52,7 +52,7 @@ def alertmanager(tmp_path):
 def _ready(url: str) -> bool:
     try:
         return requests.get(url + "/-/ready", timeout=1).ok
-    except requests.ConnectionError:
+    except (requests.ConnectionError, requests.Timeout):  # not listening yet, or still starting
         return False
 
 
