@@ -63,7 +63,8 @@ def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tu
     assert "fault injector: SIGSTOP rank 1 at step 12" in log, log[-3000:]
     assert re.search(r"rank0 hang detected by rank 0: no step boundary for [\d.]+ s \(deadline 4\.0 s.*"
                      r"frozen .*rank 1 on node \S+ \(pid \d+\); exiting with code 86", log), log[-4000:]
-    assert f"exitcode: {EXIT_HUNG}" in log, log[-4000:]
+    # torchrun reports the first worker it saw end: the detector (86), or the hung rank it SIGKILLed (-9)
+    assert re.search(rf"exitcode: ({EXIT_HUNG}|-9)\b", log), log[-4000:]
     assert "watchdog: rank 1 (pid" in log and "is stopped (SIGSTOP or a debugger): no stack dump" in log, log[-4000:]
     assert "watchdog: SIGKILLed hung rank 1" in log, log[-4000:]
     timing = json.loads(re.search(r"rank0 restart timing: (\{.*\})", log).group(1))  # ckpt.restarts
