@@ -6,44 +6,45 @@ Under torch.distributed every rank runs one manager: each writes its own shard
 (replicated keys, e.g. a DDP model, only on the first rank of each disk volume), the
 ``Committer`` makes a step visible once every shard is durable, and restore agrees
 on one step across ranks. The wiring is here; the mechanisms live in their modules:
-``tiers/`` (storage by role), ``commit.py``, ``drain.py``/``offload.py`` (background
-paths), ``plan.py``/``restore.py`` (what to read, and reading it).
+``tiers/`` (storage by role), ``commit.py``, ``save_path.py`` (a save's bytes, tier
+by tier), ``drain.py``/``offload.py`` (background queues), ``plan.py``/``restore.py``
+(what to read, and reading it).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import uuid
 from functools import partial
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .commit import Committer, retention
 from .distributed import Coordinator, store_connector
-from .drain import Drainer, Lease, SaveHandle
+from .drain import SaveHandle
 from .errors import BackgroundError, CheckpointError
 from .fresh_start import JobListing, refuse_if_present, set_aside
 from .locations import object_store_tier
-from .manifest import ShardManifest
 from .metrics import CheckpointMetrics
 from .offload import Offloader
-from .optim_names import param_names
 from .ownership import claim_for_job
 from .plan import Inventory, shard_needs
 from .reshard import ReshardStats, load_values
 from .restarts import mark
 from .restore import log_restored, open_shard, restore_agreed
+from .save_path import SavePath
 from .shm_budget import check_room, lazy_optimizer_bytes, refusal_of
 from .state import flatten
 from .state_load import load_into
 from .sweep import remove_leftovers
-from .tensor_io import with_checksums
-from .tiers.base import CheckpointId, DurableTier, ShardReader, TierReader
+from .tiers.base import CheckpointId, DurableTier, TierReader
 from .tiers.local import LocalDiskTier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
-from .tiers.memory.slots import ShmSlot
+
+if TYPE_CHECKING:
+    from .manifest import ShardManifest
+    from .tiers.memory.slots import ShmSlot
 
 
 class CheckpointManager:
@@ -120,12 +121,10 @@ class CheckpointManager:
         self.coord.barrier()  # nobody writes before the leftovers are gone
         self._offload = None if self.object is None else Offloader(self.object, self.committer,
                                                                    interval_s=object_interval_s)
-        self._drainer = Drainer()
         self._handles: list[SaveHandle] = []
         self._generation: int | None = None
         self._prepared = False
         self._closed = False
-        self.stall_s = 0.0  # total time save() waited for a slot still draining
         self.last_reshard: ReshardStats | None = None  # the last restore's, when it was at another world size
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
@@ -140,6 +139,10 @@ class CheckpointManager:
                                    registry=self.metrics.registry if self.metrics is not None else None,
                                    object_store=self.object.location if self.object is not None else None,
                                    avoid_at_risk=peer_avoid_at_risk)
+        self._saves = SavePath(rank=self.rank, world_size=self.world_size, memory=self.memory, disk=self.disk,
+                               offload=self._offload, committer=self.committer, peering=self.peering,
+                               metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
+                               replicated=self.replicated)
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small
@@ -200,67 +203,18 @@ class CheckpointManager:
         if upload:
             self._offload.claim(handle, urgent)
         self._handles = [h for h in self._handles if not h.done] + [handle]
-        lease = Lease(slot.idle.set)
-        self._drainer.submit(lambda: self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease), handle,
-                             urgent=urgent, on_exit=lease.release)
+        self._saves.submit(slot, manifest, ckpt_id, handle, upload=upload, urgent=urgent)
         return handle
 
+    @property
+    def stall_s(self) -> float:
+        """Total time ``save()`` waited for a slot still draining."""
+        return self._saves.stall_s
+
     def _snapshot(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
-        """Copy this rank's part of ``state`` into a reserved memory slot, sealed (no
-        checksums yet); the slot stays busy until its drain releases it."""
         if self._prepared:
             self.memory.wait_prepared()
-        flat = flatten(self._own_part(state))
-        entries, nbytes = plan_layout(flat.tensors)
-        entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
-        manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
-                                 self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
-                                 param_names=param_names(state))
-        slot, waited = self.memory.reserve(ckpt_id.step)
-        self.stall_s += waited
-        if self.metrics is not None and waited:
-            self.metrics.stall.inc(waited)
-        try:
-            self.memory.snapshot(slot, [t for _, t in flat.tensors], manifest)
-        except BaseException:
-            slot.idle.set()
-            raise
-        return slot, manifest
-
-    def _checksum(self, slot: ShmSlot, manifest: ShardManifest, handle: SaveHandle, urgent: bool) -> ShardReader:
-        """Background: checksum the slot and re-seal it (memory restores can now verify
-        too), then hand it to the peer replicator. Returns the open reader (the caller closes it)."""
-        reader = self.memory.open_slot(slot, manifest)
-        try:
-            reader.manifest = with_checksums(reader, self.threads)
-            self.memory.seal(slot, reader.manifest)
-            if self.peering is not None:
-                self.peering.replicate(slot, reader.manifest, handle, urgent=urgent)
-        except BaseException:
-            reader.close()
-            raise
-        return reader
-
-    def _drain(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle,
-               upload: bool, urgent: bool, lease: Lease) -> None:
-        """Background: checksum and re-seal the slot, then disk (committed), then the object
-        store (from disk; straight from memory when urgent or without a disk)."""
-        reader = self._checksum(slot, manifest, handle, urgent)
-        try:
-            sealed = reader.manifest
-            if upload and (urgent or self.disk is None):  # the slot waits for both drains
-                lease.hold()
-                self._offload.submit(ckpt_id, lambda: self.memory.open_slot(slot, sealed), handle, urgent=urgent,
-                                     on_exit=lease.release)
-            if self.disk is not None:
-                ref = self.disk.write_shard(ckpt_id, reader)
-                self.committer.commit(self.disk, ckpt_id, ref)
-                if upload and not urgent:
-                    self._offload.submit(ckpt_id, lambda: self.disk.open_shard(ckpt_id, ref), handle, urgent=False,
-                                         pin_in=self.disk.name)
-                handle.mark(self.disk.name)
-        finally:
-            reader.close()
+        return self._saves.snapshot(ckpt_id, self._own_part(state), state)
 
     def _newest_known(self) -> CheckpointId | None:
         return max((i.id for t in self.tiers for i in t.list()), default=None)
@@ -287,7 +241,7 @@ class CheckpointManager:
         self._raise_background_errors()
 
     def _raise_background_errors(self) -> None:
-        self._drainer.raise_error()
+        self._saves.drainer.raise_error()
         if self._offload is not None:
             self._offload.raise_error()
 
@@ -352,10 +306,7 @@ class CheckpointManager:
         """This rank's shard of the restored step came from another node: one copy is left.
         Snapshot the restored state into memory now (before training changes it) and
         replicate it at once, not at the next save; the peering logs the window."""
-        slot, manifest = self._snapshot(ckpt_id, state)
-        handle = SaveHandle(ckpt_id.step, [], nbytes=manifest.data_bytes)
-        self._drainer.submit(lambda: self._checksum(slot, manifest, handle, urgent=True).close(), handle, urgent=True,
-                             on_exit=slot.idle.set)
+        self._saves.protect(*self._snapshot(ckpt_id, state), ckpt_id)
 
     def _restore_tiers(self) -> list[TierReader]:
         """Every tier a needed shard may come from, fastest first: this rank's memory and the
@@ -375,7 +326,7 @@ class CheckpointManager:
         drain, upload the newest step if it was skipped for a pending upload, and wait
         until it is off-node. Then the newest committed step is in every tier (failures
         surface at the next ``save()``/``wait()``)."""
-        self._drainer.join()
+        self._saves.drainer.join()
         if self._offload is not None:
             source = self.disk or self.memory
             self._offload.flush(lambda ckpt_id: open_shard(source, ckpt_id, self.rank),
@@ -393,7 +344,7 @@ class CheckpointManager:
             self._release()
 
     def _release(self) -> None:
-        self._drainer.close()
+        self._saves.drainer.close()
         try:
             if self._offload is not None:
                 self._offload.close()
