@@ -20,8 +20,8 @@ from .errors import CheckpointError, DamagedCheckpoint
 from .listing import merge_listing, shm_usage
 from .locations import durable_tier_for, is_url, tiers_for
 from .manifest import Manifest, ShardRef
-from .plan import RestorePlan, ShardNeed
-from .restore import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
+from .plan import Inventory, RestorePlan, ShardNeed
+from .restore import DAMAGE, LOCAL, first_sound, open_shard, read, restore_agreed
 from .simulate_cli import simulate_cmd
 from .tiers.base import CheckpointId, TierReader, complete_shards
 from .tiers.local import LocalDiskTier
@@ -155,7 +155,7 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
         skipped.append({"step": ckpt_id.step, "generation": ckpt_id.generation, "reason": reason})
         click.echo(f"skipping step {ckpt_id.step}: {reason}", err=True)
 
-    found = restore_agreed(LOCAL, tiers_for(root, run=run, memory_dir=memory_dir),
+    found = restore_agreed(LOCAL, Inventory(tiers_for(root, run=run, memory_dir=memory_dir)),
                            lambda world: [ShardNeed(r) for r in range(world)], copy, step=step, on_skip=skip)
     if found is None:
         what = "" if step is None else f" for step {step}"
@@ -226,7 +226,7 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
     out = Path(dest)
     if out.exists() and any(out.iterdir()) and not force:
         raise click.UsageError(f"{dest} is not empty; pass --force to write into it")
-    ckpt_id, values, tree = export.read(root, step, run=run)
+    ckpt_id, values, tree = read(root, step, run=run)
     if fmt == "dcp":
         export.write_dcp(values, out)
         files = sorted(str(p) for p in out.iterdir())

@@ -39,7 +39,7 @@ from torch.futures import Future
 from .errors import CheckpointError
 from .locations import tiers_for
 from .manifest import ShardManifest, TensorEntry
-from .plan import RestorePlan, ShardNeed
+from .plan import Inventory, RestorePlan, ShardNeed
 from .restore import LOCAL, first_sound, open_shard, restore_agreed, shard_manifest
 from .state import tree_holds, unflatten
 from .tensor_io import read_tensors
@@ -75,7 +75,7 @@ class CheckpointReader(StorageReader):
         def manifest_of(plan: RestorePlan) -> ShardManifest:
             return shard_manifest(plan.shards[0], plan.ckpt_id)
 
-        found = restore_agreed(LOCAL, tiers_for(self.location, run=self.run, memory_dir=self.memory_dir),
+        found = restore_agreed(LOCAL, Inventory(tiers_for(self.location, run=self.run, memory_dir=self.memory_dir)),
                                lambda world: [ShardNeed(0)],
                                manifest_of, step=self.step)
         if found is None:

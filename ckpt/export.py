@@ -23,28 +23,12 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .errors import CheckpointError
-from .locations import tiers_for
-from .plan import RestorePlan, ShardNeed
-from .restore import LOCAL, load_plan, restore_agreed, shard_manifest
 from .state import tree_holds
-from .tiers.base import CheckpointId
 
 MODEL_KEYS = ("model", "state_dict")  # ckpt.resumable and the HF callback; Lightning
 PREFIXES = ("module.", "_orig_mod.")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default
 HF_CONFIG_KEY = "hf_config"  # the model's config.json as a string (integrations/huggingface.py saves it)
-
-
-def read(location: str, step: int | None = None, *, run: str | None = None) -> tuple[CheckpointId, dict, Any]:
-    """The newest valid checkpoint (or ``step``): its id, rank 0's values, and its tree."""
-    def execute(plan: RestorePlan) -> tuple[dict, Any]:
-        return load_plan(plan, None), shard_manifest(plan.shards[0], plan.ckpt_id).tree
-
-    found = restore_agreed(LOCAL, tiers_for(location, run=run), lambda world: [ShardNeed(0)], execute, step=step)
-    if found is None:
-        raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
-    plan, (values, tree) = found
-    return plan.ckpt_id, values, tree
 
 
 def model_key(values: Mapping[str, Any], key: str | None = None) -> str:

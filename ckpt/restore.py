@@ -9,9 +9,9 @@ with a plan differs (load into a state, or copy into another tier).
 from __future__ import annotations
 
 import logging
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from functools import partial
-from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Protocol, TypeVar
 
 from .errors import CheckpointError, DamagedCheckpoint, ManifestError, StateMismatch
 from .manifest import ShardManifest
@@ -54,15 +54,14 @@ class _Alone:
 LOCAL: Agreement = _Alone()
 
 
-def restore_agreed(coord: Agreement, tiers: Sequence[TierReader] | Inventory, needs: Needs,
+def restore_agreed(coord: Agreement, inventory: Inventory, needs: Needs,
                    execute: Callable[[RestorePlan], T], *, step: int | None = None,
                    on_skip: Callable[[CheckpointId, str], None] | None = None) -> tuple[RestorePlan, T] | None:
     """Run ``execute`` on the newest plan that succeeds on every rank; None when no
     checkpoint is there. Each checkpoint skipped is logged with its reason (and passed to
     ``on_skip``). Raises CheckpointError when checkpoints exist but none can be read
-    (every one damaged). ``tiers`` may be listed already (an ``Inventory`` the caller keeps
-    to explain, when nothing is found, what was there)."""
-    inventory = tiers if isinstance(tiers, Inventory) else Inventory(tiers)
+    (every one damaged). ``inventory`` is what the tiers list, fastest first (the caller
+    may keep it to explain, when nothing is found, what was there)."""
     rejected: dict[CheckpointId, str] = {}
     while True:
         mine = plans(inventory, needs, step, skip=rejected)
@@ -181,12 +180,13 @@ def first_sound(shard: ShardPlan, ckpt_id: CheckpointId, read: Callable[[TierRea
 
 
 def load_plan(plan: RestorePlan, state: Mapping[str, Any] | None, *, threads: int = 4,
-              progress: Progress | None = None) -> dict:
+              progress: Progress | None = None, opened: OpenShards | None = None) -> dict:
     """Execute ``plan`` into plain values (tensors in ``state``'s own where they fit).
     With a ``state``, every shard's layout is checked against the part of the state it
-    covers before any byte is read into it: a mismatch changes nothing."""
+    covers before any byte is read into it: a mismatch changes nothing. ``opened``: shards
+    the caller has opened already (and closes)."""
     values: dict = {}
-    with OpenShards(plan.ckpt_id) as opened:
+    with nullcontext(opened) if opened is not None else OpenShards(plan.ckpt_id) as opened:
         if state is not None:
             check_plan(plan, state, opened)
         for shard in plan.shards:
@@ -227,10 +227,22 @@ def check_plan(plan: RestorePlan, state: Mapping[str, Any], opened: OpenShards |
 def load(location: str, step: int | None = None, *, run: str | None = None) -> dict:
     """Read a checkpoint into plain tensors and values, without any training objects
     (inspection, export, inference): rank 0's shard of the newest valid one, or of ``step``."""
+    return read(location, step, run=run)[1]
+
+
+def read(location: str, step: int | None = None, *, run: str | None = None) -> tuple[CheckpointId, dict, Any]:
+    """``load``, with the checkpoint's id and its tree (export needs the layout); the
+    shard is opened once for both."""
     from .locations import tiers_for
 
-    found = restore_agreed(LOCAL, tiers_for(location, run=run), lambda world: [ShardNeed(0)],
-                           lambda plan: load_plan(plan, None), step=step)
+    def execute(plan: RestorePlan) -> tuple[dict, Any]:
+        with OpenShards(plan.ckpt_id) as opened:
+            tree = shard_manifest(plan.shards[0], plan.ckpt_id, opened).tree
+            return load_plan(plan, None, opened=opened), tree
+
+    found = restore_agreed(LOCAL, Inventory(tiers_for(location, run=run)), lambda world: [ShardNeed(0)], execute,
+                           step=step)
     if found is None:
         raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
-    return found[1]
+    plan, (values, tree) = found
+    return plan.ckpt_id, values, tree

@@ -13,7 +13,7 @@ import torch
 
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.manifest import DTYPES
-from ckpt.plan import RestorePlan, ShardNeed
+from ckpt.plan import Inventory, RestorePlan, ShardNeed
 from ckpt.reshard import load_values
 from ckpt.restore import LOCAL, restore_agreed
 from ckpt.state import is_stateful
@@ -290,7 +290,7 @@ def test_each_shard_is_opened_once_per_restore(root: Path, shm_dir: str, reshard
         # at another world size (as rank 0 of 2), the same shard goes through the resharding path
         return load_values(plan, target, 0, 2 if resharded else 1)[0]
 
-    found = restore_agreed(LOCAL, [disk], lambda world: [ShardNeed(0)], execute)
+    found = restore_agreed(LOCAL, Inventory([disk]), lambda world: [ShardNeed(0)], execute)
     assert found is not None and found[0].ckpt_id.step == 3
     load_into(target, found[1])
     assert_same(target_model.state_dict(), model.state_dict())
