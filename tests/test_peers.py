@@ -3,10 +3,12 @@
 damage (in transit or in a held replica) detected and never restored."""
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import stat
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,20 @@ def test_a_damaged_replica_is_detected_and_skipped(saved, holder) -> None:
     found = restore_agreed(LOCAL, Inventory([held, remote, src]), needs, lambda plan: load_plan(plan, None))
     assert found is not None and torch.equal(found[1]["w"], state_of(7)["w"])
     assert found[0].ckpt_id == CheckpointId(0, 7)
+
+
+def test_a_fetched_replica_is_not_kept_after_its_read(saved, holder) -> None:
+    """A replacement node's restore fetches a whole shard into process memory: once read and
+    closed it must be freed, not cached for the rest of the job."""
+    _, src = saved
+    server, held = holder
+    replicate(src, server.addr)
+    ckpt_id = held.list()[-1].id
+    ref = held.read_manifest(ckpt_id).shards[0]
+    remote = RemoteTier({ckpt_id: {0: Held(1, server.addr, 1, ref)}}, SECRET, timeout_s=20)
+    reader = remote.open_shard(ckpt_id, ref)
+    alive = weakref.ref(reader)
+    reader.close()
+    del reader
+    gc.collect()
+    assert alive() is None and len(remote.fetched) == 1

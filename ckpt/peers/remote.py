@@ -50,7 +50,6 @@ class RemoteTier(TierReader):
     def __init__(self, held: dict[CheckpointId, dict[int, Held]], secret: bytes, *, timeout_s: float) -> None:
         self.held, self._secret, self.timeout_s = held, secret, timeout_s
         self.fetched: list[tuple[CheckpointId, Held, float]] = []  # what restore read from here, and how long it took
-        self._last: dict[tuple[CheckpointId, int], FetchedShard] = {}  # one step's shards, fetched once
 
     @property
     def location(self) -> str:
@@ -72,9 +71,6 @@ class RemoteTier(TierReader):
         held = self.held.get(ckpt_id, {}).get(ref.rank)
         if held is None:
             raise FileNotFoundError(f"step {ckpt_id}: no peer holds rank {ref.rank}'s shard")
-        if (ckpt_id, ref.rank) in self._last:  # restore opens a shard twice (layout check, then the read)
-            return self._last[(ckpt_id, ref.rank)]
-        self._last = {k: v for k, v in self._last.items() if k[0] == ckpt_id}
         where = f"rank {held.holder}'s replica of rank {ref.rank} ({held.addr})"
         t0 = time.monotonic()
         with wire.connect(held.addr, self._secret, self.timeout_s) as sock:
@@ -95,5 +91,4 @@ class RemoteTier(TierReader):
             data = torch.empty(man.data_bytes, dtype=torch.uint8)  # not zeroed: every byte is received
             wire.recv_into(sock, memoryview(data.numpy()), deadline=t0 + self.timeout_s)
         self.fetched.append((ckpt_id, held, time.monotonic() - t0))
-        shard = self._last[(ckpt_id, ref.rank)] = FetchedShard(man, data, where)
-        return shard
+        return FetchedShard(man, data, where)  # restore opens each shard once (restore.OpenShards)
