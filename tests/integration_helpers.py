@@ -12,13 +12,16 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from base64 import b64decode
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from tests.ckpt_helpers import REPO
@@ -104,6 +107,20 @@ def kill_node(proc: subprocess.Popen) -> str:
         except ProcessLookupError:
             pass
     return proc.communicate()[0]
+
+
+def rendezvous_state(port: int) -> object | None:
+    """The simulated job's rendezvous state as torch's c10d backend keeps it in node 0's
+    store at ``port`` (``participants``, ``wait_list``, ``redundancy_list``, ``round``,
+    ``complete``): how a test sees that an agent is standing by. None before the first round."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    key = f"torch.rendezvous.sim-{port}"
+    if not store.check([key]):
+        return None
+    value = store.get(key)
+    return None if value == b"Y2FuaW1hZGFt" else pickle.loads(b64decode(value))  # torch's "no state" sentinel
 
 
 @dataclass
