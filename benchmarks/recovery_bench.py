@@ -174,7 +174,10 @@ def run_lost_node(workdir: Path, *, peer: bool, spare: bool = False) -> dict[str
     script = REPO / "examples" / "train_torchrun.py"
 
     def node(i: int, env: dict[str, str] = REPLACEABLE) -> subprocess.Popen:
-        return start_node(script, i, 2, port, args[i], restarts=1, env=env, rdzv_conf=RDZV_CONF)
+        # its own loopback address, in node order: torch ranks nodes by address, then by
+        # agent pid, and a replacement with a wrapped-around pid would take rank 0
+        return start_node(script, i, 2, port, args[i], restarts=1, env=env, rdzv_conf=RDZV_CONF,
+                          local_addr=f"127.0.0.{i + 1}")
 
     try:
         nodes = [node(0), node(1)]

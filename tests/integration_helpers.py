@@ -58,17 +58,21 @@ def torchrun_nodes(script: Path, node_args: list[list[str]], *, nproc: int = 1, 
 
 
 def start_node(script: Path, i: int, nodes: int | str, port: int, extra: list[str], *, nproc: int = 1,
-               restarts: int = 0, env: dict[str, str] | None = None, rdzv_conf: str = "") -> subprocess.Popen:
+               restarts: int = 0, env: dict[str, str] | None = None, rdzv_conf: str = "",
+               local_addr: str | None = None) -> subprocess.Popen:
     """Node ``i``'s torchrun agent (node 0 hosts the rendezvous at ``port``); started again
     with the same arguments, it replaces a lost node in the same job. For that, pass
     ``REPLACEABLE`` in ``env``: torch's shared rendezvous TCP store never publishes a new
     round's store address to a replacement agent (its host reuses the first round's), so
     the replacement waits forever; without sharing, each round's rank 0 hosts a fresh one.
-    ``nodes`` may be elastic ("1:2"); ``rdzv_conf``: more ``--rdzv-conf`` settings (``key=value,...``)."""
+    ``nodes`` may be elastic ("1:2"); ``rdzv_conf``: more ``--rdzv-conf`` settings (``key=value,...``).
+    ``local_addr`` (a loopback address, 127.0.0.x): the node's address in the rendezvous,
+    which orders the nodes into ranks (torch sorts them by address, then agent pid: without
+    it, a replacement's pid decides, and pids wrap)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            f"--rdzv-id=sim-{port}", f"--rdzv-conf=is_host={int(i == 0)}{',' + rdzv_conf if rdzv_conf else ''}",
-           "--monitor-interval=0.5",
+           "--monitor-interval=0.5", *([f"--local-addr={local_addr}"] if local_addr else []),
            str(script), *extra]
     env = {**os.environ, **_ENV, "CKPT_GUARD_NODE": f"node{i}", **(env or {})}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
