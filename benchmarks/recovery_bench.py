@@ -28,6 +28,10 @@ today's behaviour where it differs:
   ``replacement_agent_startup_s`` is the replacement agent's own start-up (launched ->
   its "Starting elastic_operator" log line: the interpreter and torch's imports), part
   of ``phase_relaunch_s``: in a real cluster the scheduler's, not the job's, cost.
+* ``lost_node_hot_spare``: as ``lost_node_peer``, but no agent starts after the loss: a
+  third one, started once the first round completed, stands by in the rendezvous (torch
+  keeps an agent that finds the round full in its redundancy list) and joins the next
+  round in node 1's place; ``ckpt simulate --replace-s 0``, measured.
 
 From the ranks' own log lines: ``detect_s`` (fault -> hang declared), ``relaunch_s``
 (fault -> rank 0 restored a checkpoint in the new incarnation), ``total_s`` (fault ->
@@ -56,7 +60,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.integration_helpers import REPLACEABLE, finish_nodes, kill_node, start_node  # noqa: E402
+from tests.integration_helpers import REPLACEABLE, finish_nodes, kill_node, rendezvous_state, start_node  # noqa: E402
 from tests.procs import free_port, stop_process, wait_for  # noqa: E402
 
 SCENARIOS = {
@@ -68,6 +72,7 @@ SCENARIOS = {
     "xid79": [],  # run_xid
     "lost_node_peer": [],  # run_lost_node
     "lost_node_objstore": [],
+    "lost_node_hot_spare": [],
 }
 # A lost agent stays in the rendezvous until keep_alive_interval x keep_alive_max_attempt
 # without a heartbeat (5 s x 3 by default): the next round waits that long for it.
@@ -81,7 +86,7 @@ def run(scenario: str, workdir: Path, memory_dir: str) -> dict[str, float | None
     if scenario == "xid79":
         return run_xid(workdir, memory_dir)
     if scenario.startswith("lost_node"):
-        return run_lost_node(workdir, peer=scenario == "lost_node_peer")
+        return run_lost_node(workdir, peer=scenario != "lost_node_objstore", spare=scenario == "lost_node_hot_spare")
     log = _torchrun(scenario, workdir, memory_dir, *SCENARIOS[scenario])
     fault = re.search(r"fault injector: (?:SIG\w+|hang) rank 1 at step 12 \(([\d.]+)\)", log)
     first = re.search(r"rank0 incarnation 1: first step \d+ at ([\d.]+)", log)
@@ -154,44 +159,65 @@ def _phases(log: str) -> dict[str, float | None]:
     return {f"phase_{k}": v for k, v in timing.items() if k.endswith("_s")}
 
 
-def run_lost_node(workdir: Path, *, peer: bool) -> dict[str, float | None]:
+def run_lost_node(workdir: Path, *, peer: bool, spare: bool = False) -> dict[str, float | None]:
     """Two simulated nodes (a torchrun agent and one rank each); once the job is past step
-    15, node 1 is lost (agent and worker SIGKILLed, its memory and disk wiped) and a
-    replacement agent with empty directories starts at once. Its rank's own shard comes
-    from node 0's memory (``--peers 1``), or from the object store (a file:// directory):
-    its phases from the loss."""
-    port, shm = free_port(), [Path(tempfile.mkdtemp(prefix=f"recovery-node{i}-", dir="/dev/shm")) for i in range(2)]
+    17, node 1 is lost (agent and worker SIGKILLed, its memory and disk wiped) and a
+    replacement agent with empty directories starts at once, or with ``spare`` a third
+    agent that has stood by in the rendezvous since the first round completed takes its
+    place. Its rank's own shard comes from node 0's memory (``--peers 1``), or from the
+    object store (a file:// directory): its phases from the loss."""
+    port, shm = free_port(), [Path(tempfile.mkdtemp(prefix=f"recovery-node{i}-", dir="/dev/shm")) for i in range(3)]
     timeline = workdir / "timeline.jsonl"
     tier = ["--peers", "1"] if peer else ["--object-store", f"file://{workdir / 'objstore'}"]
     args = [["--root", str(workdir / f"node{i}"), "--memory-dir", str(shm[i]), "--steps", "40", "--every", "5",
-             "--step-time", "0.2", *tier, *(["--timeline", str(timeline)] if i == 0 else [])] for i in range(2)]
+             "--step-time", "0.2", *tier, *(["--timeline", str(timeline)] if i == 0 else [])] for i in range(3)]
     script = REPO / "examples" / "train_torchrun.py"
+
+    def node(i: int, env: dict[str, str] = REPLACEABLE) -> subprocess.Popen:
+        # its own loopback address, in node order: torch ranks nodes by address, then by
+        # agent pid, and a replacement with a wrapped-around pid would take rank 0
+        return start_node(script, i, 2, port, args[i], restarts=1, env=env, rdzv_conf=RDZV_CONF,
+                          local_addr=f"127.0.0.{i + 1}")
+
     try:
-        nodes = [start_node(script, i, 2, port, args[i], restarts=1, env=REPLACEABLE, rdzv_conf=RDZV_CONF)
-                 for i in range(2)]
+        nodes = [node(0), node(1)]
+        if spare:
+            if not wait_for(lambda: (s := rendezvous_state(port)) is not None and s.complete, timeout=300):
+                _abandon(nodes, "hot spare: the first round never completed")
+            nodes.append(node(2))
+            if not wait_for(lambda: len(getattr(rendezvous_state(port), "redundancy_list", ())) == 1, timeout=300):
+                _abandon(nodes, "hot spare: the third agent never stood by")
         if not wait_for(lambda: _reached(timeline, 17), timeout=300, interval=0.05):
-            raise SystemExit("lost node: the job never reached step 17:\n" + kill_node(nodes[0])[-3000:])
+            _abandon(nodes, "lost node: the job never reached step 17")
         lost = time.time()
         kill_node(nodes[1])
         shutil.rmtree(shm[1])
         shm[1].mkdir(mode=0o700)
         shutil.rmtree(workdir / "node1")
         replaced = time.time()  # LOGLEVEL=INFO: the agent logs when its own start-up is done
-        nodes[1] = start_node(script, 1, 2, port, args[1], restarts=1, env={**REPLACEABLE, "LOGLEVEL": "INFO"},
-                              rdzv_conf=RDZV_CONF)
+        nodes[1] = nodes.pop() if spare else node(1, {**REPLACEABLE, "LOGLEVEL": "INFO"})
         log, replacement_log = finish_nodes(nodes, timeout=400)
     finally:
         for d in shm:
             shutil.rmtree(d, ignore_errors=True)
-    first = re.search(r"rank0 incarnation [1-9]\d*: first step \d+ at ([\d.]+)", log)
+    # the first step after the loss: not "incarnation >= 1", as torchrun counts a restart
+    # for a new member (the spare leaving its standby list first) as no restart at all
+    first = next((float(t) for t in re.findall(r"rank0 incarnation \d+: first step \d+ at ([\d.]+)", log)
+                  if float(t) > lost), None)
     restored = _stamp(re.search(_STAMP + r"rank0 rank 0 restored step", log))
     if not (first and restored):
         raise SystemExit(f"lost node: no restart in node 0's log:\n{log[-3000:]}")
     ready = re.search(r"^I(\d{4} \d\d:\d\d:\d\d\.\d+) .*Starting elastic_operator", replacement_log, re.M)
-    agent_s = None if ready is None else datetime.strptime(f"{datetime.now().year}{ready.group(1)}",
-                                                           "%Y%m%d %H:%M:%S.%f").timestamp() - replaced
-    return {"detect_s": None, "relaunch_s": restored - lost, "total_s": float(first.group(1)) - lost,
+    agent_s = None if ready is None or spare else datetime.strptime(
+        f"{datetime.now().year}{ready.group(1)}", "%Y%m%d %H:%M:%S.%f").timestamp() - replaced
+    return {"detect_s": None, "relaunch_s": restored - lost, "total_s": first - lost,
             "replacement_agent_startup_s": agent_s, **_phases(log)}
+
+
+def _abandon(nodes: list[subprocess.Popen], why: str) -> None:
+    """Stop every simulated node (by pid) and the benchmark, with node 0's output."""
+    logs = [kill_node(n) for n in nodes]
+    raise SystemExit(f"{why}:\n{logs[0][-3000:]}")
 
 
 def healthy(url: str) -> bool:

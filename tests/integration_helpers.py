@@ -12,13 +12,16 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from base64 import b64decode
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from tests.ckpt_helpers import REPO
@@ -55,17 +58,21 @@ def torchrun_nodes(script: Path, node_args: list[list[str]], *, nproc: int = 1, 
 
 
 def start_node(script: Path, i: int, nodes: int | str, port: int, extra: list[str], *, nproc: int = 1,
-               restarts: int = 0, env: dict[str, str] | None = None, rdzv_conf: str = "") -> subprocess.Popen:
+               restarts: int = 0, env: dict[str, str] | None = None, rdzv_conf: str = "",
+               local_addr: str | None = None) -> subprocess.Popen:
     """Node ``i``'s torchrun agent (node 0 hosts the rendezvous at ``port``); started again
     with the same arguments, it replaces a lost node in the same job. For that, pass
     ``REPLACEABLE`` in ``env``: torch's shared rendezvous TCP store never publishes a new
     round's store address to a replacement agent (its host reuses the first round's), so
     the replacement waits forever; without sharing, each round's rank 0 hosts a fresh one.
-    ``nodes`` may be elastic ("1:2"); ``rdzv_conf``: more ``--rdzv-conf`` settings (``key=value,...``)."""
+    ``nodes`` may be elastic ("1:2"); ``rdzv_conf``: more ``--rdzv-conf`` settings (``key=value,...``).
+    ``local_addr`` (a loopback address, 127.0.0.x): the node's address in the rendezvous,
+    which orders the nodes into ranks (torch sorts them by address, then agent pid: without
+    it, a replacement's pid decides, and pids wrap)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            f"--rdzv-id=sim-{port}", f"--rdzv-conf=is_host={int(i == 0)}{',' + rdzv_conf if rdzv_conf else ''}",
-           "--monitor-interval=0.5",
+           "--monitor-interval=0.5", *([f"--local-addr={local_addr}"] if local_addr else []),
            str(script), *extra]
     env = {**os.environ, **_ENV, "CKPT_GUARD_NODE": f"node{i}", **(env or {})}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
@@ -104,6 +111,20 @@ def kill_node(proc: subprocess.Popen) -> str:
         except ProcessLookupError:
             pass
     return proc.communicate()[0]
+
+
+def rendezvous_state(port: int) -> object | None:
+    """The simulated job's rendezvous state as torch's c10d backend keeps it in node 0's
+    store at ``port`` (``participants``, ``wait_list``, ``redundancy_list``, ``round``,
+    ``complete``): how a test sees that an agent is standing by. None before the first round."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    key = f"torch.rendezvous.sim-{port}"
+    if not store.check([key]):
+        return None
+    value = store.get(key)
+    return None if value == b"Y2FuaW1hZGFt" else pickle.loads(b64decode(value))  # torch's "no state" sentinel
 
 
 @dataclass

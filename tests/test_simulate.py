@@ -86,8 +86,10 @@ def test_a_play_accounts_for_every_second() -> None:
 
 
 def test_predictor_that_catches_nothing_changes_nothing() -> None:
-    _, b, c, _, _ = defaults()
-    blind = replace(c, skill=replace(c.skill, recall_of_predictable=0.0, false_alarms_per_1000_node_days=0.0))
+    _, b, _, _, _ = defaults()
+    evaluation = {**inputs.PREDICTOR, "node": {**inputs.PREDICTOR["node"], "recall_of_predictable": 0.0,
+                                               "false_alarms_per_1000_node_days": 0.0}}
+    blind = inputs.strategies(DEFAULT_RUN, inputs.BENCH, inputs.OBJSTORE, evaluation, inputs.STATE_GB_PER_GPU)[2]
     assert analytic(DEFAULT_RUN, blind).waste == pytest.approx(analytic(DEFAULT_RUN, b).waste)
 
 
@@ -265,8 +267,9 @@ def test_fail_fast_lowers_only_gpu_failure_restarts() -> None:
 
 def test_restart_phases_per_kind() -> None:
     # a crash restarts in place, seen at once; a node out of the job waits for a spare; every
-    # restart relaunches, then reads the copy its strategy keeps for that kind
-    costs = RestartCosts()
+    # restart relaunches, then reads the copy its strategy keeps for that kind (no spare staged
+    # at an alarm here: test_simulate_spare)
+    costs = RestartCosts(spare_on_alarm=False)
     for s in defaults(costs):
         assert (s.crash.detect_s, s.crash.replace_s) == (0.0, 0.0)
         assert s.gpu.replace_s == s.host.replace_s == costs.replace_s

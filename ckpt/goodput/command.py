@@ -44,6 +44,10 @@ def _restart_options(command: Callable) -> Callable:
         name = flag[2:].replace("-", "_")
         command = click.option(flag, name, type=kind, default=getattr(inputs.DEFAULT_RESTART, name), show_default=True,
                                help=text)(command)
+    command = click.option("--spare-on-alarm/--no-spare-on-alarm", "spare_on_alarm", show_default=True,
+                           default=inputs.DEFAULT_RESTART.spare_on_alarm,
+                           help="(c)-(e): a failure the predictor caught had its spare requested at the alarm, "
+                           "and waits for it only what is left of --replace-s after the alarm's lead.")(command)
     return click.option("--restart-s", "flat_s", type=_seconds, default=None,
                         help="What-if: every restart takes this long before its restore, whatever the failure "
                         "and the policy (the earlier model: 300).")(command)
@@ -82,7 +86,7 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
                  precursor_share: float, gpus_per_node: int, state_gb_per_gpu: float,
                  bench: str | None, objstore_bench: str | None, predictor_eval: str | None,
                  objstore_gbps: float | None, peer_gbps: float | None, plays: int, seed: int, sensitivity: bool,
-                 as_json: bool, **restart_phases_s: float | None) -> None:
+                 as_json: bool, **restart_phases_s: float | bool | None) -> None:
     """ETTR and waste (stalls, lost work, restarts) of (a) DCP to the object store,
     (b) our tiers, (c) our tiers + the failure predictor, (d) our tiers + peer replicas +
     the predictor, (e) (d) with fail-fast, each at its optimal interval; which copy each
@@ -129,7 +133,8 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
         click.echo(json.dumps(payload, indent=2))
         return
     restarts = (f"every restart {restart.flat_s:g} s before its restore (flat what-if)" if restart.flat_s is not None
-                else f"restart phases per kind (relaunch {restart.relaunch_s:g} s, spare {restart.replace_s:g} s, "
+                else f"restart phases per kind (relaunch {restart.relaunch_s:g} s, spare {restart.replace_s:g} s"
+                f"{', staged at alarms' if restart.spare_on_alarm else ''}, "
                 f"{restart.gpu_hang_share:.0%} of GPU failures hang)")
     lines = [f"{run.gpus} GPUs, {run.days:g} days, {run.failures} failures (MTBF {1 / run.failure_rate / 3600:.2f} h), "
              f"{state_gb_per_gpu:.3f} GB/GPU, peer {peer_gbps:.3g} GB/s per GPU, {restarts}",

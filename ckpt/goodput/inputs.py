@@ -91,10 +91,12 @@ def peer_gbps_default(run: Run) -> float:
     return NIC_GBIT_PER_NODE / 8 / run.gpus_per_node
 
 
-def _with_restarts(s: Strategy, costs: RestartCosts) -> Strategy:
-    """``s`` with each kind's recovery carrying its restart phases (``restart.PHASES``)."""
-    return replace(s, **{k: replace(s.recovery(k), **{f"{p}_s": v for p, v in costs.phases(k, s.fail_fast).items()})
-                         for k in KINDS})
+def _with_restarts(run: Run, s: Strategy, costs: RestartCosts) -> Strategy:
+    """``s`` with each kind's recovery carrying its restart phases (``restart.PHASES``);
+    a strategy with a predictor stages a spare at the alarms it raises."""
+    lead = s.skill.lead if s.skill else None
+    return replace(s, **{k: replace(s.recovery(k), **{f"{p}_s": v for p, v in costs.phases(
+        k, s.fail_fast, s.caught(run), lead).items()}) for k in KINDS})
 
 
 def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb_per_gpu: float,
@@ -127,4 +129,4 @@ def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb
                 Strategy("b", "(b) ckpt tiers, periodic", block, memory, off_node, off_node),
                 Strategy("c", "(c) ckpt tiers + predictor", block, memory, off_node, off_node, skill),
                 peers, replace(peers, name="e", label="(e) ckpt tiers + peers + predictor + fail-fast", fail_fast=True)]
-    return [_with_restarts(s, restart) for s in compared]
+    return [_with_restarts(run, s, restart) for s in compared]

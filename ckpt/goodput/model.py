@@ -126,6 +126,12 @@ class Lead:
         shifted = lambda x: _N.cdf((math.log(x) - mu - sigma**2) / sigma)  # noqa: E731 (partial moment)
         return (self._cdf(hi) - self._cdf(lo)) / z, math.exp(mu + sigma**2 / 2) * (shifted(hi) - shifted(lo)) / z
 
+    def shortfall(self, wait_s: float) -> float:
+        """E[max(0, wait_s − lead)] over caught failures: what is left of a wait started at
+        the alarm when the failure comes."""
+        below, lead_below = self.mean_below(0.0, wait_s)
+        return below * wait_s - lead_below
+
     def sample(self, rng: random.Random, lag_s: float) -> float:
         lo, hi = self._cdf(self._lo(lag_s)), self._cdf(RISK_WINDOW_S)
         mu, sigma = self._mu_sigma
@@ -164,11 +170,16 @@ class Strategy:
         """(share of failures, recovery, share of them predicted in time) per kind of failure."""
         return [(share, self.recovery(k), self._predicted(run, self.recovery(k))) for k, share in run.shares.items()]
 
-    def _predicted(self, run: Run, rec: Recovery) -> float:
-        """Caught, with lead enough to make the urgent save durable where the restart reads."""
+    def caught(self, run: Run) -> float:
+        """Share of failures the predictor raises an alarm for (lead of at least MIN_LEAD_S)."""
         if self.skill is None or self.skill.lead is None:
             return 0.0
-        return run.precursor_share * self.skill.recall_of_predictable * self.skill.lead.covered(rec.lag_s)
+        return run.precursor_share * self.skill.recall_of_predictable
+
+    def _predicted(self, run: Run, rec: Recovery) -> float:
+        """Caught, with lead enough to make the urgent save durable where the restart reads."""
+        caught = self.caught(run)
+        return caught * self.skill.lead.covered(rec.lag_s) if caught else 0.0
 
     def policy(self, run: Run, formula: str = "daly") -> IntervalPolicy:
         """This strategy's own optimum interval, as the training loop would use it."""

@@ -6,13 +6,19 @@ a failed GPU that leaves its rank alive and silent (off the bus, a hung kernel, 
 collective) holds every other rank in its next collective until the collective timeout,
 unless the job fails fast (issue 19: the hang detector's deadline, or the agent's
 critical XID turned into a "node failed" event within a second); a replaced node waits
-for a spare. Each phase below is a parameter with a default and its source
-(docs/goodput.md, "Restart phases"); the restore is the strategy's own (``Recovery``).
+for a spare, unless the predictor saw it coming: a spare requested at the alarm (by the
+job or the operator's hook) has had the alarm's lead to arrive. Each phase below is a
+parameter with a default and its source (docs/goodput.md, "Restart phases"); the restore
+is the strategy's own (``Recovery``).
 Phases enter the model as their expectation per kind of failure.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model import Lead
 
 PHASES = ("detect", "replace", "relaunch")  # before the restore, which the strategy's tier sets
 
@@ -32,6 +38,7 @@ class RestartCosts:
     host_detect_s: float = 30.0  # a host gone: the survivors' transport gives up on it
     replace_s: float = 120.0  # a spare node from the scheduler, for a node taken out of the job
     relaunch_s: float = 300.0  # process exit, relaunch, rendezvous, process-group init, setup
+    spare_on_alarm: bool = True  # with a predictor: a caught failure's spare is requested at its alarm
     flat_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -47,12 +54,21 @@ class RestartCosts:
         deadline = min(self.hang_deadline_s, self.collective_timeout_s)
         return self.xid_share * min(self.xid_reaction_s, deadline) + (1 - self.xid_share) * deadline
 
-    def phases(self, kind: str, fail_fast: bool) -> dict[str, float]:
+    def replace_wait_s(self, caught: float = 0.0, lead: Lead | None = None) -> float:
+        """The expected wait for a spare after a node leaves the job. A failure the
+        predictor caught (share ``caught``, alarm-to-failure times ``lead``) had its spare
+        requested at the alarm, with ``spare_on_alarm``: it waits max(0, replace_s − lead)."""
+        if not (self.spare_on_alarm and caught and lead):
+            return self.replace_s
+        return (1 - caught) * self.replace_s + caught * lead.shortfall(self.replace_s)
+
+    def phases(self, kind: str, fail_fast: bool, caught: float = 0.0, lead: Lead | None = None) -> dict[str, float]:
         """Expected seconds of each phase in ``PHASES`` for a failure of ``kind``
-        (``model.KINDS``): crashes restart in place, GPU failures and hosts down on a spare."""
+        (``model.KINDS``): crashes restart in place, GPU failures and hosts down on a spare,
+        staged at the alarm for the share ``caught`` (``replace_wait_s``)."""
         if self.flat_s is not None:
             return {"detect": 0.0, "replace": 0.0, "relaunch": self.flat_s}
         detect = {"crash": 0.0, "gpu": self.gpu_hang_share * self.hang_detect_s(fail_fast),
                   "host": self.host_detect_s}[kind]
-        return {"detect": detect, "replace": 0.0 if kind == "crash" else self.replace_s,
+        return {"detect": detect, "replace": 0.0 if kind == "crash" else self.replace_wait_s(caught, lead),
                 "relaunch": self.relaunch_s}
