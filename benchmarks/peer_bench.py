@@ -129,7 +129,7 @@ def main() -> None:
         ns = Path(shm) / "ckpt-guard-bench-replicas"
         replicas = ReplicaSlots(ns, {"root": root, "run": "bench"})  # checker threads as Peering has them
         stack.callback(replicas.close)
-        server = PeerServer(replicas, PeerTier(ns), host="127.0.0.1", timeout_s=120, nice=args.nice)
+        server = PeerServer(replicas, [PeerTier(ns)], host="127.0.0.1", timeout_s=120, nice=args.nice)
         server.start(secret)
         stack.callback(server.close)
         rep = Replicator([server.addr], secret, bytes_per_s=None, timeout_s=120, nice=args.nice)

@@ -11,8 +11,9 @@ run ends bitwise equal to an uninterrupted one. This is what ``ckpt simulate
 torch numbers the nodes of a round in the order of their addresses (then agent pids), so
 the spare's address decides its rank: placed after node 0, it takes the lost node's
 rank; placed before, it takes rank 0 and node 0 becomes rank 1 (on a cluster, a spare
-whose host name sorts first). That second case fails today (xfail): node 0 offers other
-ranks only the replicas it holds, not its own former shard, and the restore refuses."""
+whose host name sorts first). Then node 0 restores rank 1's shard from the replica it
+holds, and the spare fetches rank 0's from node 0's own memory slot, left there under
+its old number (``NodeMemoryTier``; before it, the restore refused)."""
 from __future__ import annotations
 
 import contextlib
@@ -47,13 +48,8 @@ def standing_by(port: int) -> bool:
     return bool(state and state.complete and len(state.participants) == 2 and len(state.redundancy_list) == 1)
 
 
-SORTS_FIRST = pytest.param(("127.0.0.2", "127.0.0.3", "127.0.0.1"), id="spare-sorts-first", marks=pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="ranks move between nodes: node 0's own shard of rank 0 is not offered to the spare's rank 0"))
-
-
 @pytest.mark.parametrize("addrs", [pytest.param(("127.0.0.1", "127.0.0.2", "127.0.0.3"), id="spare-sorts-last"),
-                                   SORTS_FIRST])
+                                   pytest.param(("127.0.0.2", "127.0.0.3", "127.0.0.1"), id="spare-sorts-first")])
 def test_a_hot_spare_takes_a_lost_nodes_place_and_the_job_ends_bitwise_equal(tmp_path: Path, shm: list[str],
                                                                               addrs: tuple[str, ...]) -> None:
     run_clean(tmp_path, shm, 1)
@@ -90,4 +86,8 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_job_ends_bitwise_equal(tmp
         found = re.search(r"rank 1 restored its shard of step (\d+) from rank 0's replica \(node node0\)", log2)
         assert found and int(found.group(1)) >= 15, log2[-4000:]
         assert re.search(rf"rank 0 restored step {found.group(1)} .*shard 0 from memory", log0), log0[-4000:]
+    else:  # node 0 is rank 1 now: rank 1's shard from the replica it holds, rank 0's old slot fetched by the spare
+        found = re.search(r"rank 0 restored its shard of step (\d+) from rank 1's replica \(node node0\)", log2)
+        assert found and int(found.group(1)) >= 15, log2[-4000:]
+        assert re.search(rf"rank 1 restored step {found.group(1)} .*shard 1 from peer", log0), log0[-4000:]
     assert digests(tmp_path, "lost", 2) == digests(tmp_path, "clean", 2), "the job diverged after losing node 1"

@@ -37,7 +37,7 @@ def held_replica(tmp_path: Path, shm_dir: str, *, object_store: bool) -> tuple[P
     holder.mkdir()
     ns = replica_namespace(os.path.realpath(holder), "default", shm_dir)
     replicas = ReplicaSlots(ns, {"root": os.path.realpath(holder), "run": "default", "object": store})
-    server = PeerServer(replicas, PeerTier(ns), host="127.0.0.1", timeout_s=20)
+    server = PeerServer(replicas, [PeerTier(ns)], host="127.0.0.1", timeout_s=20)
     server.start(SECRET)
     try:
         _, results = replicate(src, server.addr)

@@ -66,7 +66,7 @@ def holder(shm_dir: str):
     """A peer server with its replica slots in their own namespace."""
     ns = Path(shm_dir) / "ckpt-guard-holder"
     replicas = ReplicaSlots(ns, {"root": "/nowhere", "run": "t"})
-    server = PeerServer(replicas, PeerTier(ns), host="127.0.0.1", timeout_s=20)
+    server = PeerServer(replicas, [PeerTier(ns)], host="127.0.0.1", timeout_s=20)
     server.start(SECRET)
     yield server, PeerTier(ns)
     server.close()

@@ -22,11 +22,11 @@ from ..fresh_start import JobListing
 from ..manifest import ShardManifest, ShardRef
 from ..plan import RestorePlan
 from ..tiers.base import CheckpointId, TierReader
-from ..tiers.memory import MemoryTier
+from ..tiers.memory import MemoryTier, namespace_dir
 from ..tiers.memory.namespace import slot_file_bytes
 from ..tiers.memory.reader import SlotReader
 from ..tiers.memory.slots import ShmSlot
-from ..tiers.peer import PeerTier, replica_namespace
+from ..tiers.peer import NodeMemoryTier, PeerTier, replica_namespace
 from . import wire
 from .placement import node_name, ring_targets
 from .priority import replication_nice
@@ -54,10 +54,12 @@ class Peering:
         self._avoided: frozenset[str] = frozenset()
         ns = replica_namespace(owner_root, run, memory_dir)
         self.held = PeerTier(ns)
+        self.node_memory = NodeMemoryTier(namespace_dir(owner_root, run, memory_dir))  # every rank's own slots
         # the job's object store too: there every rank's shard of a step is durable, so gc may drop its replicas
         self.replicas = ReplicaSlots(ns, {"root": owner_root, "run": run, "object": object_store})
         nice = replication_nice()
-        self.server = PeerServer(self.replicas, self.held, host=_bind_host(), timeout_s=timeout_s, nice=nice)
+        self.server = PeerServer(self.replicas, [self.held, self.node_memory], host=_bind_host(), timeout_s=timeout_s,
+                                 nice=nice)
         secret = wire.new_secret().hex() if coord.rank == 0 else None
         everyone = coord.gather((self.node, self.server.addr, secret))
         self._secret = bytes.fromhex(everyone[0][2])
@@ -126,30 +128,33 @@ class Peering:
     # -- restoring ------------------------------------------------------------------
 
     def restore_tiers(self, coord: Coordinator, tiers: Sequence[TierReader]) -> list[TierReader]:
-        """``tiers`` plus the replicas held here (after memory) and those held by other
-        ranks (before the object store). Collective: ranks gather their inventories."""
-        mine = []
-        for info in self.held.list():
-            try:
-                manifest = self.held.read_manifest(info.id)
-            except (OSError, ValueError):
-                continue
-            mine += [(info.id.generation, info.id.step, manifest.world_size, ref.rank, ref.manifest_crc32c,
-                      ref.data_bytes) for ref in manifest.shards]
+        """``tiers`` plus what this node holds in memory beyond this rank's own slots (the
+        replicas, and every rank's own snapshots, which a rank renumbered by torchrun left
+        under its old number) and what other ranks hold so (fetched, before the object
+        store). Collective: ranks gather their inventories."""
+        mine = set()
+        for tier in (self.held, self.node_memory):
+            for info in tier.list():
+                try:
+                    manifest = tier.read_manifest(info.id)
+                except (OSError, ValueError):
+                    continue
+                mine |= {(info.id.generation, info.id.step, manifest.world_size, ref.rank, ref.manifest_crc32c,
+                          ref.data_bytes) for ref in manifest.shards}
         offers: dict[CheckpointId, dict[int, list[Held]]] = {}
-        for holder, inventory in enumerate(coord.gather(mine)):
+        for holder, inventory in enumerate(coord.gather(sorted(mine))):
             if holder == self.rank:
                 continue
             for gen, step, world, rank, crc, nbytes in inventory:
                 offers.setdefault(CheckpointId(gen, step), {}).setdefault(rank, []).append(
                     Held(holder, self.addrs[holder], world, ShardRef(rank, crc, nbytes)))
-        # Ranks of one node all list its replicas: spread the fetches over them.
+        # Ranks of one node all list its replicas and slots: spread the fetches over them.
         held = {i: {rank: found[rank % len(found)] for rank, found in by_rank.items()} for i, by_rank in offers.items()}
         self._remote = RemoteTier(held, self._secret, timeout_s=self.timeout_s)
         fast = [t for t in tiers if isinstance(t, MemoryTier)]
         slow = [t for t in tiers if not isinstance(t, MemoryTier) and t.name == "object"]
         rest = [t for t in tiers if t not in fast and t not in slow]
-        return [*fast, self.held, *rest, self._remote, *slow]
+        return [*fast, self.node_memory, self.held, *rest, self._remote, *slow]
 
     def restored(self, plan: RestorePlan) -> bool:
         """Whether this rank's own shard came from another node (a peer's replica, the object
@@ -179,11 +184,14 @@ class Peering:
             return
         newest = max(held)
         missing = sorted(set(range(listing.world_size)) - held[newest])
+        lost = (f"no copy of the shard(s) of rank(s) {', '.join(map(str, missing))} is left in any node's memory, "
+                "peer replicas or disk, or in the object store" if missing else
+                "every shard has a copy, but some only where the rank that needs it cannot read it (another node's "
+                "disk: ranks read only their own node's disk, other nodes' memory and the object store)")
         raise CheckpointError(
             f"no checkpoint that every rank can read, yet step {newest.step} (generation {newest.generation}) "
-            f"exists: no copy of the shard(s) of rank(s) {', '.join(map(str, missing)) or '(none)'} is left in any "
-            "node's memory, peer replicas or disk, or in the object store. Refusing to start over; bring back a copy "
-            "(or clear the checkpoints to start from scratch)")
+            f"exists: {lost}. Refusing to start over; bring back a copy (or clear the checkpoints to start from "
+            "scratch)")
 
     def close(self) -> None:
         """Send the last pending replica (bounded by the timeout), then stop serving."""

@@ -1,21 +1,23 @@
 """Each rank's peer server: a small thread on an address published at start-up that
-takes replicas from the ranks it holds for (``put``) and hands out the replicas it
-holds at restore (``get``). One short-lived thread per connection; every connection
-first proves it knows the job's secret (``wire.handshake``). A ``put`` is received at
-nice ``nice`` (``priority``: training on this node runs first), a ``get`` (a restore
-waiting for it) at normal priority."""
+takes replicas from the ranks it holds for (``put``) and hands out, at restore
+(``get``), the replicas it holds and this node's own snapshots of any rank (a rank
+numbered differently after a restart fetches its old shard from here). One
+short-lived thread per connection; every connection first proves it knows the job's
+secret (``wire.handshake``). A ``put`` is received at nice ``nice`` (``priority``:
+training on this node runs first), a ``get`` (a restore waiting for it) at normal
+priority."""
 from __future__ import annotations
 
 import logging
 import socket
 import threading
 import time
+from typing import Sequence
 
 from ..errors import CheckpointError
 from ..manifest import ShardManifest
 from ..restore import DAMAGE, open_shard
-from ..tiers.base import CheckpointId
-from ..tiers.peer import PeerTier
+from ..tiers.base import CheckpointId, ShardReader, TierReader
 from . import wire
 from .priority import lower_this_thread
 from .replicas import ReplicaSlots
@@ -26,8 +28,9 @@ log = logging.getLogger(__name__)
 class PeerServer:
     """Bound at construction (so the address can be gathered), serving after ``start``."""
 
-    def __init__(self, replicas: ReplicaSlots, held: PeerTier, *, host: str, timeout_s: float, nice: int = 0) -> None:
-        self.replicas, self.held, self.timeout_s, self.nice = replicas, held, timeout_s, nice
+    def __init__(self, replicas: ReplicaSlots, sources: Sequence[TierReader], *, host: str, timeout_s: float,
+                 nice: int = 0) -> None:
+        self.replicas, self.sources, self.timeout_s, self.nice = replicas, list(sources), timeout_s, nice
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.5)  # the accept loop looks at the stop flag this often
         self.addr = f"{host}:{self._sock.getsockname()[1]}"
@@ -82,7 +85,7 @@ class PeerServer:
     def _get(self, conn: socket.socket, req: dict, peer: str) -> None:
         try:
             ckpt_id = CheckpointId(int(req["generation"]), int(req["step"]))
-            reader = open_shard(self.held, ckpt_id, int(req["rank"]))
+            reader = self._open(ckpt_id, int(req["rank"]))
         except (KeyError, TypeError, ValueError, *DAMAGE) as e:
             wire.send_frame(conn, {"ok": False, "error": str(e)})
             return
@@ -93,6 +96,16 @@ class PeerServer:
         finally:
             reader.close()  # raises if the slot was overwritten meanwhile (the client's checksums fail too)
         log.info("sent the replica of rank %s's step %s to %s", req["rank"], ckpt_id.step, peer)
+
+    def _open(self, ckpt_id: CheckpointId, rank: int) -> ShardReader:
+        """The first of ``sources`` holding that shard (the sealed copy, checked at close)."""
+        missing = []
+        for tier in self.sources:
+            try:
+                return open_shard(tier, ckpt_id, rank)
+            except FileNotFoundError as e:
+                missing.append(str(e))
+        raise FileNotFoundError("; ".join(missing) or f"step {ckpt_id}: nothing served here")
 
     def close(self) -> None:
         self._stop.set()

@@ -1,4 +1,5 @@
-"""The peer tier: replicas of *other* ranks' shards held in this node's shared memory.
+"""The peer tier: replicas of *other* ranks' shards held in this node's shared memory
+(and, read the same way, a node's own slots of every rank: ``NodeMemoryTier``).
 
 Replicas live in a namespace of their own beside the job's memory namespace (same
 root and run, so ``ckpt gc`` and the start-up sweep find them), one ``rank-NNNNN/``
@@ -36,6 +37,7 @@ class PeerTier(TierReader):
     the memory tier's reader does)."""
 
     name = "peer"
+    _dir = _ReplicaDir
 
     def __init__(self, ns: Path) -> None:
         self.ns = ns
@@ -53,7 +55,7 @@ class PeerTier(TierReader):
                 rank = int(d.name.split("-", 1)[1])
             except ValueError:
                 continue
-            out[rank] = _ReplicaDir(self.ns, rank)
+            out[rank] = self._dir(self.ns, rank)
         return out
 
     def list(self) -> list[CheckpointInfo]:
@@ -85,5 +87,15 @@ class PeerTier(TierReader):
     def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
         tier = self._dirs().get(ref.rank)
         if tier is None:
-            raise FileNotFoundError(f"step {ckpt_id}: no replica of rank {ref.rank}'s shard in {self.ns}")
+            raise FileNotFoundError(f"step {ckpt_id}: no copy of rank {ref.rank}'s shard in {self.ns}")
         return tier.open_shard(ckpt_id, ref)
+
+
+class NodeMemoryTier(PeerTier):
+    """Read-only view of every rank's own slots in a job's memory namespace on this node.
+    torchrun may number the nodes differently after a restart: the snapshots a node's
+    ranks took under their old numbers are still here, sealed, and another rank (here or,
+    through the peer server, on another node) restores from them."""
+
+    name = "memory"
+    _dir = MemoryTier
