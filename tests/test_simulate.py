@@ -247,21 +247,24 @@ def test_each_policy_saves_at_its_own_optimum(objstore_gbps: float | None, monke
         assert all(analytic(DEFAULT_RUN, s).waste > w for s, w in zip(strategies, at_optimum))
 
 
-def test_fail_fast_lowers_only_gpu_failure_restarts() -> None:
+def test_fail_fast_lowers_only_hang_and_host_detection() -> None:
     # (e) is (d) with fail-fast: a hung GPU is seen by its XID or the hang deadline instead of
-    # the collective timeout; crashes (seen at once) and hosts down restart exactly as before
+    # the collective timeout, a host down by its stopped beats; crashes (seen at once) restart as before
     costs = RestartCosts()
     *_, d, e = defaults(costs)
     assert not d.fail_fast and e.fail_fast
-    assert e.crash == d.crash and e.host == d.host
+    assert e.crash == d.crash
+    # a host down: its ranks' beats stop, which fail-fast declares frozen before the transport gives up
+    assert e.host.detect_s == costs.frozen_detect_s < d.host.detect_s == costs.host_detect_s
+    assert replace(e.host, detect_s=d.host.detect_s) == d.host
     assert replace(e.gpu, detect_s=d.gpu.detect_s) == d.gpu
     assert d.gpu.detect_s == pytest.approx(costs.gpu_hang_share * costs.collective_timeout_s)
     assert e.gpu.detect_s == pytest.approx(costs.gpu_hang_share * (
         costs.xid_share * costs.xid_reaction_s + (1 - costs.xid_share) * costs.hang_deadline_s))
     assert analytic(DEFAULT_RUN, e).restart < analytic(DEFAULT_RUN, d).restart
     assert analytic(DEFAULT_RUN, e).lost == pytest.approx(analytic(DEFAULT_RUN, d).lost, rel=0.05)
-    # with no GPU failure that hangs there is nothing to fail fast on
-    *_, d0, e0 = defaults(replace(costs, gpu_hang_share=0.0))
+    # with no GPU failure that hangs and hosts seen as soon as beats stop, nothing is left to fail fast on
+    *_, d0, e0 = defaults(replace(costs, gpu_hang_share=0.0, host_detect_s=costs.frozen_detect_s))
     assert analytic(DEFAULT_RUN, e0).waste == pytest.approx(analytic(DEFAULT_RUN, d0).waste)
 
 
@@ -273,7 +276,7 @@ def test_restart_phases_per_kind() -> None:
     for s in defaults(costs):
         assert (s.crash.detect_s, s.crash.replace_s) == (0.0, 0.0)
         assert s.gpu.replace_s == s.host.replace_s == costs.replace_s
-        assert s.host.detect_s == costs.host_detect_s
+        assert s.host.detect_s == costs.host_gone_s(s.fail_fast)
         for k in KINDS:
             rec = s.recovery(k)
             assert rec.relaunch_s == costs.relaunch_s

@@ -33,6 +33,7 @@ _RESTART_OPTIONS = [
     ("--xid-share", click.FloatRange(0, 1), "With fail-fast: share of hangs whose fault posts a critical XID."),
     ("--xid-reaction-s", _seconds, "With fail-fast: critical XID -> every rank exits."),
     ("--host-detect-s", _seconds, "A host down: until the job's survivors give up on it."),
+    ("--frozen-detect-s", _seconds, "With fail-fast: a rank whose beats stopped (a host down) -> declared frozen."),
     ("--replace-s", _seconds, "A spare node joining, for a node taken out of the job (GPU failure, host down)."),
     ("--relaunch-s", _seconds, "Process exit, relaunch, rendezvous, process-group init, setup."),
 ]

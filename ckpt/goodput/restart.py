@@ -36,6 +36,7 @@ class RestartCosts:
     xid_share: float = 0.96  # hangs whose fault posts a critical XID the agent sees
     xid_reaction_s: float = 1.04  # agent sample -> every rank exits, p99 (xid_reaction_bench)
     host_detect_s: float = 30.0  # a host gone: the survivors' transport gives up on it
+    frozen_detect_s: float = 4.1  # fail-fast: a rank whose beats stopped is declared frozen (recovery table)
     replace_s: float = 120.0  # a spare node from the scheduler, for a node taken out of the job
     relaunch_s: float = 300.0  # process exit, relaunch, rendezvous, process-group init, setup
     spare_on_alarm: bool = True  # with a predictor: a caught failure's spare is requested at its alarm
@@ -54,6 +55,12 @@ class RestartCosts:
         deadline = min(self.hang_deadline_s, self.collective_timeout_s)
         return self.xid_share * min(self.xid_reaction_s, deadline) + (1 - self.xid_share) * deadline
 
+    def host_gone_s(self, fail_fast: bool) -> float:
+        """How long a host down holds the job: until the survivors' transport gives up on it,
+        or with fail-fast until the hang detector sees its ranks' beats stop (``frozen_fast``:
+        a host down is a frozen rank to it), whichever comes first."""
+        return min(self.host_detect_s, self.frozen_detect_s) if fail_fast else self.host_detect_s
+
     def replace_wait_s(self, caught: float = 0.0, lead: Lead | None = None) -> float:
         """The expected wait for a spare after a node leaves the job. A failure the
         predictor caught (share ``caught``, alarm-to-failure times ``lead``) had its spare
@@ -69,6 +76,6 @@ class RestartCosts:
         if self.flat_s is not None:
             return {"detect": 0.0, "replace": 0.0, "relaunch": self.flat_s}
         detect = {"crash": 0.0, "gpu": self.gpu_hang_share * self.hang_detect_s(fail_fast),
-                  "host": self.host_detect_s}[kind]
+                  "host": self.host_gone_s(fail_fast)}[kind]
         return {"detect": detect, "replace": 0.0 if kind == "crash" else self.replace_wait_s(caught, lead),
                 "relaunch": self.relaunch_s}
