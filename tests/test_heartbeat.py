@@ -68,9 +68,10 @@ def turn(dogs: list[Watchdog], now: float, frozen: tuple[int, ...] = ()) -> None
 
 def test_one_store_write_per_node_per_interval(job) -> None:
     dogs, ops, _ = job
-    t0 = time.monotonic()
-    for i in range(10):
-        turn(dogs, t0 + i * OPTS.interval_s)
+    now = time.monotonic()
+    for _ in range(10):  # each turn exactly one interval on: t0 + i * interval can round below the next beat
+        turn(dogs, now)
+        now += OPTS.interval_s
     assert ops["set"] == NODES * 10, ops  # not 8 ranks x 10
     assert ops["check"] <= NODES * 10, ops  # the "failed" key: polled by each node's aggregator only
     assert [d.rank for d in dogs if d.beats.aggregating] == [0, PER_NODE]
@@ -81,12 +82,13 @@ def test_a_frozen_rank_is_named_by_rank_and_its_node_gets_a_new_aggregator(job, 
     beats = dogs[0].beats  # an observer that reads the nodes' keys, as a stalled rank does
     observer = Watchdog(beats._store, NodeBeats(beats._store, tmp_path / "observer", 0, "elsewhere", beats.nodes,
                                                 OPTS.interval_s), 0, len(dogs), OPTS, exit=lambda code: None)
-    t0 = time.monotonic()
-    turn(dogs, t0)
+    now = time.monotonic()
+    turn(dogs, now)
     frozen = (PER_NODE,)  # node1's aggregator stops
     time.sleep(STALE_BEATS * OPTS.interval_s + 0.05)  # its file goes stale (the freshness is wall-clock)
-    for i in range(1, 5):
-        turn(dogs, t0 + i * OPTS.interval_s, frozen)
+    for _ in range(4):
+        now += OPTS.interval_s
+        turn(dogs, now, frozen)
         observer._observe()
     assert dogs[PER_NODE + 1].beats.aggregating, "node1 has no aggregator"
     assert observer._culprits() == ("frozen (its process has not run for the last polls)", [PER_NODE])
