@@ -17,7 +17,7 @@ from . import inputs
 from .model import Run, analytic, monte_carlo
 from .report import phases_table, reads_table, restart_phases, table
 from .restart import RestartCosts
-from .sensitivity import grid_tables, grids
+from .sensitivity import best_over_a, grid_tables, grids
 
 TARGET = 0.5  # issue 7: (c)'s waste at most half of (a)'s
 BEST_TARGET = 0.4  # issue 17: the best strategy's waste at most 0.4 of (a)'s, at --objstore-gbps 1
@@ -112,8 +112,7 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
     outcomes = [analytic(run, s) for s in strategies]
     played = [monte_carlo(run, s, plays, seed) for s in strategies] if plays else []
     ratio = outcomes[2].waste / outcomes[0].waste
-    best = min(outcomes[1:], key=lambda o: o.waste)
-    best_ratio = best.waste / outcomes[0].waste
+    best, best_ratio = best_over_a(outcomes)
     phases = {s.name: restart_phases(run, s) for s in strategies}
     split = {o.strategy: {"stalls": o.stall, "lost work": o.lost}
              | {f"restart {p}": w for p, w in phases[o.strategy]["waste"].items() if p != "total"} for o in outcomes}

@@ -7,18 +7,18 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from .model import Run, Strategy, analytic
+from .model import Outcome, Run, Strategy, analytic
 from .restart import RestartCosts
 
 RELAUNCH_S = (10.0, 30.0, 60.0, 120.0, 300.0)  # our small job's measured ~10 s up to issue 7's 5 min
 AXES = {"gpu_hang_share": (0.0, 0.32, 0.64, 1.0), "replace_s": (0.0, 60.0, 120.0, 300.0, 600.0)}
 
 
-def best_over_a(run: Run, strategies: list[Strategy]) -> tuple[str, float]:
-    """The strategy of least waste after (a), and its waste over (a)'s."""
-    outcomes = [analytic(run, s) for s in strategies]
+def best_over_a(outcomes: list[Outcome]) -> tuple[Outcome, float]:
+    """Of the strategies' outcomes, (a)'s first: the least waste after (a)'s, and its waste
+    over (a)'s (issue 17's ratio)."""
     best = min(outcomes[1:], key=lambda o: o.waste)
-    return best.strategy, best.waste / outcomes[0].waste
+    return best, best.waste / outcomes[0].waste
 
 
 def grids(run: Run, build: Callable[[RestartCosts], list[Strategy]], costs: RestartCosts) -> dict:
@@ -27,7 +27,8 @@ def grids(run: Run, build: Callable[[RestartCosts], list[Strategy]], costs: Rest
     out: dict = {"relaunch_s": list(RELAUNCH_S)}
     for axis, values in AXES.items():
         out[axis] = {"values": list(values), "best_over_a": [
-            [best_over_a(run, build(replace(costs, flat_s=None, relaunch_s=r, **{axis: v})))[1] for r in RELAUNCH_S]
+            [best_over_a([analytic(run, s) for s in build(replace(costs, flat_s=None, relaunch_s=r, **{axis: v}))])[1]
+             for r in RELAUNCH_S]
             for v in values]}
     return out
 
