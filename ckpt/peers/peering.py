@@ -154,7 +154,8 @@ class Peering:
         fast = [t for t in tiers if isinstance(t, MemoryTier)]
         slow = [t for t in tiers if not isinstance(t, MemoryTier) and t.name == "object"]
         rest = [t for t in tiers if t not in fast and t not in slow]
-        return [*fast, self.node_memory, self.held, *rest, self._remote, *slow]
+        others_here = NodeMemoryTier(self.node_memory.ns, besides=self.rank)  # this rank's slots are in ``fast``
+        return [*fast, others_here, self.held, *rest, self._remote, *slow]
 
     def restored(self, plan: RestorePlan) -> bool:
         """Whether this rank's own shard came from another node (a peer's replica, the object

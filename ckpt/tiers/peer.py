@@ -99,3 +99,10 @@ class NodeMemoryTier(PeerTier):
 
     name = "memory"
     _dir = MemoryTier
+
+    def __init__(self, ns: Path, *, besides: int | None = None) -> None:
+        super().__init__(ns)
+        self.besides = besides  # a rank whose own memory tier is a source already: not listed or read twice
+
+    def _dirs(self) -> dict[int, MemoryTier]:
+        return {rank: tier for rank, tier in super()._dirs().items() if rank != self.besides}
