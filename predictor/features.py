@@ -300,8 +300,8 @@ class FleetState:
         self.active_since[s] = np.where(quiet, -1, since)
         ev = np.where(onset, hour, self.onset_events[s] + delta)
         self.onset_events[s] = np.where(quiet, 0.0, ev)
-        # the events the 10 min rate predicts for this sample bound what a ramp may count
-        self.ramps.update(s, t, ok, delta, cnt[:, :, 0] * dec[:, :, 0] / RATE_TAUS_S[0] * cdt)
+        # the events the 10 min rate predicts for this read bound what a ramp may count
+        self.ramps.update(s, t, ok, delta, cnt[:, :, 0] * dec[:, :, 0] / RATE_TAUS_S[0] * cdt, cdt)
         self.counter_last[s] = np.where(ok, c, last)
         self.counter_t[s] = np.where(ok, t[:, None], self.counter_t[s])
 

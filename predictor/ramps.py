@@ -4,6 +4,15 @@ A precursor's event rate grows like exp(RAMP_GROWTH * progress) over its duratio
 the events seen so far date the ramp: their mean age against the time since the first
 one gives the progress, hence D and the time left. Per GPU and counter this needs four
 numbers (first and last event time, events, their summed age), never a list of events.
+
+The rule's cut and the model's ramp features were fitted on counters read every
+RAMP_REFERENCE_INTERVAL_S (most of the training data, and the shared sample), where a read's
+events are dated at the read. A counter read more often is folded into its ramp at that
+cadence: its reads add up until a reference interval has passed since the last fold, and
+the ramp is read as of that fold. Dated at every 30 s read instead, the same events gave a
+ramp that ended 2-3 min later than at 60 s, which cost lead on a warm 30 s fleet
+(docs/predictor.md, "Fleet shift on the hidden generator"). At the reference cadence or a
+coarser one every read is a fold, exactly as before.
 """
 from __future__ import annotations
 
@@ -14,7 +23,8 @@ import numpy as np
 #: estimate is tight.
 RAMP_GROWTH = 4.0
 RAMP_GAP_S = 3600.0                          # an hour without events ends a counter's ramp
-RAMP_BURST_FLOOR = 6.0                       # a sample adds at most FLOOR + FACTOR x the events
+RAMP_REFERENCE_INTERVAL_S = 60.0             # the cadence a ramp is folded at (above)
+RAMP_BURST_FLOOR = 6.0                       # a fold adds at most FLOOR + FACTOR x the events
 RAMP_BURST_FACTOR = 8.0                      # the last 10 min's rate predicts: a burst is no ramp
 RAMP_NONE_MIN = 1e4                          # "time left" when nothing is ramping (minutes)
 
@@ -42,14 +52,22 @@ def ramp_left_min(elapsed_s: np.ndarray, mean_age_s: np.ndarray) -> np.ndarray:
 
 
 class Ramps:
-    """Per GPU slot and counter: the current ramp's first/last event time, events, summed age."""
+    """Per GPU slot and counter: the current ramp's first/last event time, events, summed age,
+    and the reads not yet folded into it (their events and time, the last fold's time).
 
-    def __init__(self, counters: int):
+    `reference_s` = 0 folds every read (as the ramp was read before; benchmarks/ramp_cadence.py)."""
+
+    def __init__(self, counters: int, reference_s: float = RAMP_REFERENCE_INTERVAL_S):
         self.counters = counters
+        self.reference_ms = reference_s * 1000.0
         self.first_t = np.empty((0, counters), np.int64)
         self.last_t = np.empty((0, counters), np.int64)
         self.events = np.empty((0, counters))
         self.moment = np.empty((0, counters))       # events' summed age from the first one (s)
+        self.fold_t = np.empty((0, counters), np.int64)
+        self.read_t = np.empty((0, counters), np.int64)
+        self.pending = np.empty((0, counters))      # events read since the last fold
+        self.pending_expected = np.empty((0, counters))
 
     def grow(self, cap: int) -> None:
         """Room for `cap` slots; new slots have no ramp."""
@@ -59,44 +77,53 @@ class Ramps:
             return new
         self.first_t, self.last_t = grown(self.first_t, -1), grown(self.last_t, -1)
         self.events, self.moment = grown(self.events, 0.0), grown(self.moment, 0.0)
+        self.fold_t, self.read_t = grown(self.fold_t, -1), grown(self.read_t, -1)
+        self.pending, self.pending_expected = grown(self.pending, 0.0), grown(self.pending_expected, 0.0)
 
     def reset(self, slots: np.ndarray) -> None:
-        self.first_t[slots] = -1
-        self.last_t[slots] = -1
-        self.events[slots] = 0.0
-        self.moment[slots] = 0.0
+        for a in (self.first_t, self.last_t, self.fold_t, self.read_t):
+            a[slots] = -1
+        for a in (self.events, self.moment, self.pending, self.pending_expected):
+            a[slots] = 0.0
 
     def update(self, s: np.ndarray, t: np.ndarray, ok: np.ndarray, delta: np.ndarray,
-               expected: np.ndarray) -> None:
-        """Fold new events in: `delta` per counter at `t` (read where `ok`), of which at most what
-        `expected` (events the 10 min rate predicts for this sample) makes plausible count, so a
-        one-off burst of replays is no ramp. Events after RAMP_GAP_S of silence start a new ramp."""
-        counted = np.minimum(delta, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * expected)
-        hit = ok & (counted > 0)
-        tt = self.event_time(s, t, ok)
-        woke = hit & ((self.last_t[s] < 0) | (tt - self.last_t[s] > RAMP_GAP_S * 1000))
-        r_first = np.where(woke, tt, self.first_t[s])
+               expected: np.ndarray, interval_s: np.ndarray) -> None:
+        """Add a read: `delta` events per counter at `t` (where `ok`), `interval_s` after the
+        counter's previous read, and `expected` = what the 10 min rate predicts for it. Once a
+        reference interval has passed since the last fold (within half a read), the reads since
+        are folded in, dated at `t`: of their events at most what their expected count makes
+        plausible counts, so a one-off burst of replays is no ramp. Events after RAMP_GAP_S of
+        silence start a new ramp."""
+        tc = t[:, None]
+        pending = self.pending[s] + np.where(ok, delta, 0.0)
+        pending_expected = self.pending_expected[s] + np.where(ok, expected, 0.0)
+        fold_t = self.fold_t[s]
+        due = ok & ((fold_t < 0) | (tc - fold_t >= self.reference_ms - interval_s * 500.0))
+        counted = np.minimum(pending, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * pending_expected)
+        hit = due & (counted > 0)
+        woke = hit & ((self.last_t[s] < 0) | (tc - self.last_t[s] > RAMP_GAP_S * 1000))
+        r_first = np.where(woke, tc, self.first_t[s])
         self.first_t[s] = r_first
         self.events[s] = np.where(woke, 0.0, self.events[s]) + np.where(hit, counted, 0.0)
         self.moment[s] = np.where(woke, 0.0, self.moment[s]) + \
-            np.where(hit, counted * (tt - r_first) / 1000.0, 0.0)
-        self.last_t[s] = np.where(hit, tt, self.last_t[s])
-
-    def event_time(self, s: np.ndarray, t: np.ndarray, ok: np.ndarray) -> np.ndarray:
-        """[n, counters]: when the events of a read at `t` are dated: at the read (a subclass in
-        benchmarks/ramp_cadence.py dates them mid-interval, to measure what the cadence does)."""
-        return np.broadcast_to(t[:, None], ok.shape)
+            np.where(hit, counted * (tc - r_first) / 1000.0, 0.0)
+        self.last_t[s] = np.where(hit, tc, self.last_t[s])
+        self.fold_t[s] = np.where(due, tc, fold_t)
+        self.read_t[s] = np.where(ok, tc, self.read_t[s])
+        self.pending[s] = np.where(due, 0.0, pending)
+        self.pending_expected[s] = np.where(due, 0.0, pending_expected)
 
     def window(self, s: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Counter k's current ramp at times t: live mask, events in it, seconds since its first
-        event (0 where no ramp is live)."""
+        """Counter k's current ramp at times t, as of its last fold while reads wait to be folded:
+        live mask, events in it, seconds since its first event (0 where no ramp is live)."""
         n = self.events[s, k]
-        elapsed = (t - self.first_t[s, k]) / 1000.0
+        fold_t = self.fold_t[s, k]
+        now = np.where(self.read_t[s, k] > fold_t, fold_t, t)
+        elapsed = (now - self.first_t[s, k]) / 1000.0
         # a ramp is dated once it spans time: events in one sample say nothing of their trend
-        live = (self.last_t[s, k] >= 0) & (t - self.last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
+        live = (self.last_t[s, k] >= 0) & (now - self.last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
             & (elapsed > 0)
         return live, n, np.where(live, elapsed, 0.0)
-
     def features(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
         """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
         upper bound (few events date a ramp loosely), and log events in it."""
