@@ -10,14 +10,16 @@ generator"). "reference" (what `predictor/ramps.py` does) folds a finer cadence'
 60 s, as a 60 s read shows them. This replays a labelled trace through the online feature path
 with the model off (critical XIDs and the ramp rule only) and scores the alarms as EVAL.md does.
 
-With `--due-min 25,30,38` it scores the rule at each cut from one replay.
+With `--due-min 25,30,38 --sigma 1,2 --min-events 10,12` it scores the rule for each combination
+(the cut, the events' mean age bound in standard errors, the least events) from one replay.
 
 usage: PYTHONPATH=. python benchmarks/ramp_cadence.py --trace DIR [--dating reference|read]
-                                                    [--due-min 30[,38...]] [--json]
+           [--due-min 30[,38...]] [--sigma 1[,1.5...]] [--min-events 10[,12...]] [--json]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -26,54 +28,89 @@ import pyarrow as pa
 
 from predictor import evaluation, rules
 from predictor.features import COUNTERS, FleetState
-from predictor.ramps import RAMP_REFERENCE_INTERVAL_S, Ramps
+from predictor.ramps import RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps
 from predictor.replay import replay
 from predictor.scoring import Scored, Scorer
 
 FOLD_EVERY_S = {"reference": RAMP_REFERENCE_INTERVAL_S, "read": 0.0}
 
 
-def due_rows(trace: str, dating: str) -> tuple[pa.Table, np.ndarray, np.ndarray]:
-    """Replay with the model off; per row that a critical XID holds or whose earliest due ramp (of
-    >= RAMP_MIN_EVENTS events) ends within an hour: (timestamp, node, gpu), minutes left, critical."""
+class BoundRecorder(Ramps):
+    """Ramps that also keep, per scored row and counter, the minutes left at each of `sigmas` and
+    the events (features() runs once per counter for each chunk of samples, counters in order)."""
+
+    def __init__(self, counters: int, reference_s: float, sigmas: tuple[float, ...]):
+        super().__init__(counters, reference_s)
+        self.sigmas = sigmas
+        self.calls: list[np.ndarray] = []
+
+    def features(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
+        left, n = self.left(s, t, k, self.sigmas)
+        self.calls.append(np.column_stack([left, n]))
+        return super().features(s, t, k)
+
+
+def due_rows(trace: str, dating: str, sigmas: tuple[float, ...]) -> tuple[pa.Table, np.ndarray, np.ndarray,
+                                                                           np.ndarray]:
+    """Replay with the model off; the rows that a critical XID holds or where some ramp ends within
+    an hour at some bound: (timestamp, node, gpu), minutes left [rows, counters, sigmas], events
+    [rows, counters], critical."""
     scorer = Scorer(None)
-    scorer.state = FleetState(ramps=Ramps(len(COUNTERS), reference_s=FOLD_EVERY_S[dating]))
-    cols: dict[str, list] = {"t": [], "slot": [], "left": [], "crit": []}
+    ramps = BoundRecorder(len(COUNTERS), FOLD_EVERY_S[dating], sigmas)
+    scorer.state = FleetState(ramps=ramps)
+    nk, ns = len(COUNTERS), len(sigmas)
+    cols: dict[str, list] = {"t": [], "slot": [], "left": [], "events": [], "crit": []}
 
     def keep(scored: Scored) -> None:
-        f = scored.features
-        events = np.expm1(f[:, rules._EVENTS])
-        left = np.where(events >= rules.RAMP_MIN_EVENTS - 1e-6, np.expm1(f[:, rules._LEFT_HI]), np.inf).min(axis=1)
-        hot = scored.critical | (left <= 60)
-        for k, v in (("t", scored.t_ms), ("slot", scored.slots), ("left", left), ("crit", scored.critical)):
+        calls, ramps.calls = ramps.calls, []
+        rows = len(scored.slots)
+        stats = np.full((rows, nk, ns + 1), 0.0)
+        stats[:, :, :ns] = RAMP_NONE_MIN                   # XID-only rows after the samples: no ramp
+        if calls:
+            per_chunk = [np.stack(calls[i:i + nk], 1) for i in range(0, len(calls), nk)]
+            done = np.concatenate(per_chunk)
+            stats[: len(done)] = done
+        hot = scored.critical | (stats[:, :, :ns].min(axis=(1, 2)) <= 60)
+        for k, v in (("t", scored.t_ms), ("slot", scored.slots), ("left", stats[:, :, :ns]),
+                     ("events", stats[:, :, ns]), ("crit", scored.critical)):
             cols[k].append(v[hot])
 
     replay(trace, scorer, keep)
-    t, slot, left, crit = (np.concatenate(cols[k]) for k in ("t", "slot", "left", "crit"))
+    t, slot, left, events, crit = (np.concatenate(cols[k]) for k in ("t", "slot", "left", "events", "crit"))
     keys = [scorer.state.slot_key[s] for s in slot.tolist()]
     rows = pa.table({"timestamp": pa.array(t, pa.timestamp("ms", tz="UTC")),
                      "node": pa.array([k[0] for k in keys], pa.string()),
                      "gpu": pa.array([k[1] for k in keys], pa.int16())})
-    return rows, left, crit
+    return rows, left, events, crit
+
+
+def _floats(text: str) -> list[float]:
+    return [float(c) for c in text.split(",")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--dating", choices=tuple(FOLD_EVERY_S), default="reference")
-    ap.add_argument("--due-min", default=str(int(rules.RAMP_DUE_MIN)),
+    ap.add_argument("--due-min", default=f"{rules.RAMP_DUE_MIN:g}",
                     help="the rule's cut(s) in minutes, comma-separated (default: the rule's own)")
+    ap.add_argument("--sigma", default="1", help="upper bound(s) of the events' mean age, in standard errors "
+                                                   "(the rule: 1)")
+    ap.add_argument("--min-events", default=f"{rules.RAMP_MIN_EVENTS:g}", help="the rule's minimum event count(s)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     t0 = time.time()
-    rows, left, crit = due_rows(a.trace, a.dating)
+    sigmas = tuple(_floats(a.sigma))
+    rows, left, events, crit = due_rows(a.trace, a.dating, sigmas)
     truth = evaluation.load_truth(a.trace)
-    out: dict = {"trace": a.trace, "dating": a.dating, "cuts": {}}
-    for cut in (float(c) for c in a.due_min.split(",")):
-        r = evaluation.score(rows.filter(pa.array(crit | (left <= cut))), truth, "node")
-        out["cuts"][f"{cut:g}"] = {k: r[k] for k in ("caught", "predictable_failures", "recall_of_predictable",
-                                                     "false_alarms", "false_alarms_per_1000_node_days",
-                                                     "lead_s_median", "recall_by_mode")}
+    out: dict = {"trace": a.trace, "dating": a.dating, "rules": []}
+    for (i, sigma), cut, least in itertools.product(enumerate(sigmas), _floats(a.due_min), _floats(a.min_events)):
+        due = ((left[:, :, i] <= cut) & (events >= least - 1e-6)).any(axis=1)
+        r = evaluation.score(rows.filter(pa.array(crit | due)), truth, "node")
+        out["rules"].append({"sigma": sigma, "due_min": cut, "min_events": least,
+                             **{k: r[k] for k in ("caught", "predictable_failures", "recall_of_predictable",
+                                                  "false_alarms", "false_alarms_per_1000_node_days",
+                                                  "lead_s_median", "recall_by_mode")}})
     out["secs"] = round(time.time() - t0)
     print(json.dumps(out) if a.json else json.dumps(out, indent=1))
 

@@ -124,16 +124,20 @@ class Ramps:
         live = (self.last_t[s, k] >= 0) & (now - self.last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
             & (elapsed > 0)
         return live, n, np.where(live, elapsed, 0.0)
-    def features(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
-        """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
-        upper bound (few events date a ramp loosely), and log events in it."""
+    def left(self, s: np.ndarray, t: np.ndarray, k: int, sigmas: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Minutes left on counter k's ramp with its events' mean age at each of `sigmas` standard
+        errors above itself ([n, len(sigmas)]; few events date a ramp loosely), and the events in
+        it ([n]); RAMP_NONE_MIN and 0 where no ramp is live."""
         live, n, elapsed = self.window(s, t, k)
         n1 = np.maximum(n, 1.0)
         age = elapsed - self.moment[s, k] / n1
         # the mean of n ages spread over [0, elapsed] is uncertain by about elapsed / sqrt(12 n)
-        age_hi = age + elapsed / np.sqrt(12.0 * n1)
-        out = np.empty((len(s), 3))
-        out[:, 0] = np.log1p(np.where(live, ramp_left_min(elapsed, age), RAMP_NONE_MIN))
-        out[:, 1] = np.log1p(np.where(live, ramp_left_min(elapsed, age_hi), RAMP_NONE_MIN))
-        out[:, 2] = np.log1p(np.where(live, n, 0.0))
-        return out
+        err = elapsed / np.sqrt(12.0 * n1)
+        left = np.stack([np.where(live, ramp_left_min(elapsed, age + z * err), RAMP_NONE_MIN) for z in sigmas], 1)
+        return left, np.where(live, n, 0.0)
+
+    def features(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
+        """[n, 3]: log minutes left on counter k's ramp, the same at the events' 1-sigma
+        upper bound (the ramp rule's input), and log events in it."""
+        left, n = self.left(s, t, k, (0.0, 1.0))
+        return np.log1p(np.column_stack([left, n]))
