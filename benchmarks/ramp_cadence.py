@@ -7,8 +7,10 @@ read into the ramp, its events dated at t: at a finer cadence events look older 
 moved by minutes with the sample interval, and the cut turned that into catches 10-25 min
 later (or earlier) on the shifted sample (docs/predictor.md, "Fleet shift on the hidden
 generator"). "reference" (what `predictor/ramps.py` does) folds a finer cadence's reads every
-60 s, as a 60 s read shows them. This replays a labelled trace through the online feature path
-with the model off (critical XIDs and the ramp rule only) and scores the alarms as EVAL.md does.
+60 s, as a 60 s read shows them. Both cap a read's burst at 0.1 events per second of its
+interval (the code before the fold capped 6 a read at any cadence). This replays a labelled
+trace through the online feature path with the model off (critical XIDs and the ramp rule
+only) and scores the alarms as EVAL.md does.
 
 With `--due-min 25,30,38 --sigma 1,2 --min-events 10,12` it scores the rule for each combination
 (the cut, the events' mean age bound in standard errors, the least events) from one replay.

@@ -11,8 +11,10 @@ events are dated at the read. A counter read more often is folded into its ramp 
 cadence: its reads add up until a reference interval has passed since the last fold, and
 the ramp is read as of that fold. Dated at every 30 s read instead, the same events gave a
 ramp that ended 2-3 min later than at 60 s, which cost lead on a warm 30 s fleet
-(docs/predictor.md, "Fleet shift on the hidden generator"). At the reference cadence or a
-coarser one every read is a fold, exactly as before.
+(docs/predictor.md, "Fleet shift on the hidden generator"). The burst cap is a rate per
+second of each read's interval (6 events a read at 60 s), so a burst split over two 30 s
+reads counts no more than at 60 s. At the reference cadence or a coarser one every read is
+a fold, exactly as before.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ import numpy as np
 RAMP_GROWTH = 4.0
 RAMP_GAP_S = 3600.0                          # an hour without events ends a counter's ramp
 RAMP_REFERENCE_INTERVAL_S = 60.0             # the cadence a ramp is folded at (above)
-RAMP_BURST_FLOOR = 6.0                       # a fold adds at most FLOOR + FACTOR x the events
-RAMP_BURST_FACTOR = 8.0                      # the last 10 min's rate predicts: a burst is no ramp
+RAMP_BURST_RATE = 0.1                        # a read counts at most RATE per second of its interval
+RAMP_BURST_FACTOR = 8.0                      # + FACTOR x the events the last 10 min's rate predicts
+#                                              (6 + 8x at 60 s): a one-off burst is no ramp
 RAMP_NONE_MIN = 1e4                          # "time left" when nothing is ramping (minutes)
 
 
@@ -53,7 +56,7 @@ def ramp_left_min(elapsed_s: np.ndarray, mean_age_s: np.ndarray) -> np.ndarray:
 
 class Ramps:
     """Per GPU slot and counter: the current ramp's first/last event time, events, summed age,
-    and the reads not yet folded into it (their events and time, the last fold's time).
+    and the events read since the last fold (and when that and the last read were).
 
     `reference_s` = 0 folds every read (as the ramp was read before; benchmarks/ramp_cadence.py)."""
 
@@ -67,7 +70,6 @@ class Ramps:
         self.fold_t = np.empty((0, counters), np.int64)
         self.read_t = np.empty((0, counters), np.int64)
         self.pending = np.empty((0, counters))      # events read since the last fold
-        self.pending_expected = np.empty((0, counters))
 
     def grow(self, cap: int) -> None:
         """Room for `cap` slots; new slots have no ramp."""
@@ -78,40 +80,40 @@ class Ramps:
         self.first_t, self.last_t = grown(self.first_t, -1), grown(self.last_t, -1)
         self.events, self.moment = grown(self.events, 0.0), grown(self.moment, 0.0)
         self.fold_t, self.read_t = grown(self.fold_t, -1), grown(self.read_t, -1)
-        self.pending, self.pending_expected = grown(self.pending, 0.0), grown(self.pending_expected, 0.0)
+        self.pending = grown(self.pending, 0.0)
 
     def reset(self, slots: np.ndarray) -> None:
         for a in (self.first_t, self.last_t, self.fold_t, self.read_t):
             a[slots] = -1
-        for a in (self.events, self.moment, self.pending, self.pending_expected):
+        for a in (self.events, self.moment, self.pending):
             a[slots] = 0.0
 
     def update(self, s: np.ndarray, t: np.ndarray, ok: np.ndarray, delta: np.ndarray,
                expected: np.ndarray, interval_s: np.ndarray) -> None:
         """Add a read: `delta` events per counter at `t` (where `ok`), `interval_s` after the
-        counter's previous read, and `expected` = what the 10 min rate predicts for it. Once a
-        reference interval has passed since the last fold (within half a read), the reads since
-        are folded in, dated at `t`: of their events at most what their expected count makes
-        plausible counts, so a one-off burst of replays is no ramp. Events after RAMP_GAP_S of
-        silence start a new ramp."""
+        counter's previous read (0 at its first: taken as the reference interval). Of them at
+        most RAMP_BURST_RATE per second of the interval (never less than one) plus what
+        `expected` (the events the 10 min rate predicts for it) makes plausible count, so a
+        one-off burst of replays is no ramp. Once a reference interval has passed since the
+        last fold (within half a read), the events read since are folded in, dated at `t`.
+        Events after RAMP_GAP_S of silence start a new ramp."""
         tc = t[:, None]
-        pending = self.pending[s] + np.where(ok, delta, 0.0)
-        pending_expected = self.pending_expected[s] + np.where(ok, expected, 0.0)
+        interval = np.where(interval_s > 0, interval_s, RAMP_REFERENCE_INTERVAL_S)
+        cap = np.maximum(RAMP_BURST_RATE * interval, 1.0) + RAMP_BURST_FACTOR * expected
+        pending = self.pending[s] + np.where(ok, np.minimum(delta, cap), 0.0)
         fold_t = self.fold_t[s]
         due = ok & ((fold_t < 0) | (tc - fold_t >= self.reference_ms - interval_s * 500.0))
-        counted = np.minimum(pending, RAMP_BURST_FLOOR + RAMP_BURST_FACTOR * pending_expected)
-        hit = due & (counted > 0)
+        hit = due & (pending > 0)
         woke = hit & ((self.last_t[s] < 0) | (tc - self.last_t[s] > RAMP_GAP_S * 1000))
         r_first = np.where(woke, tc, self.first_t[s])
         self.first_t[s] = r_first
-        self.events[s] = np.where(woke, 0.0, self.events[s]) + np.where(hit, counted, 0.0)
+        self.events[s] = np.where(woke, 0.0, self.events[s]) + np.where(hit, pending, 0.0)
         self.moment[s] = np.where(woke, 0.0, self.moment[s]) + \
-            np.where(hit, counted * (tc - r_first) / 1000.0, 0.0)
+            np.where(hit, pending * (tc - r_first) / 1000.0, 0.0)
         self.last_t[s] = np.where(hit, tc, self.last_t[s])
         self.fold_t[s] = np.where(due, tc, fold_t)
         self.read_t[s] = np.where(ok, tc, self.read_t[s])
         self.pending[s] = np.where(due, 0.0, pending)
-        self.pending_expected[s] = np.where(due, 0.0, pending_expected)
 
     def window(self, s: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Counter k's current ramp at times t, as of its last fold while reads wait to be folded:

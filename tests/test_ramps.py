@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from predictor.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState
-from predictor.ramps import RAMP_BURST_FLOOR, RAMP_REFERENCE_INTERVAL_S, Ramps
+from predictor.ramps import RAMP_BURST_RATE, RAMP_REFERENCE_INTERVAL_S, Ramps
 
 _DURATION_MIN = 120
 
@@ -55,20 +55,21 @@ def _read(ramps: Ramps, t_s: float, delta: float, interval_s: float) -> None:
 
 def test_reads_at_the_reference_interval_fold_at_every_read():
     """At 60 s (or coarser) the model's and the rule's inputs are exactly those they were fitted
-    on: each read's events dated at the read, at most RAMP_BURST_FLOOR (+ what the rate predicts)."""
+    on: each read's events dated at the read, at most 6 (+ what the rate predicts)."""
     assert RAMP_REFERENCE_INTERVAL_S == 60.0
     ramps = Ramps(1)
     ramps.grow(1)
     for i, (t_s, delta) in enumerate([(600, 50.0), (660, 2.0), (780, 1.0)]):
         _read(ramps, t_s, delta, 0.0 if i == 0 else t_s - 600 - (60 if i == 2 else 0))
         assert ramps.last_t[0, 0] == t_s * 1000 and ramps.pending[0, 0] == 0.0
-    assert ramps.events[0, 0] == RAMP_BURST_FLOOR + 2 + 1
+    assert ramps.events[0, 0] == RAMP_BURST_RATE * 60 + 2 + 1 == 6 + 2 + 1
     assert ramps.moment[0, 0] == 2 * 60 + 1 * 180
 
 
 def test_faster_reads_fold_once_a_reference_interval_has_passed():
     """Read every 30 s or 10 s, the events add up and are folded every 60 s (within half a read of
-    jitter), a burst capped per fold; until the next fold the ramp is read as of the last one."""
+    jitter), each read's burst capped at its share of the 6 a 60 s read may count; until the
+    next fold the ramp is read as of the last one."""
     for interval in (30.0, 10.0, 29.7):
         ramps = Ramps(1)
         ramps.grow(1)
@@ -80,9 +81,22 @@ def test_faster_reads_fold_once_a_reference_interval_has_passed():
             if ramps.pending[0, 0] == 0.0:
                 folds.append(t_s - 600)
         assert [round(f) for f in folds] == ([59, 119, 178] if interval == 29.7 else [60, 120, 180])
-        assert ramps.events[0, 0] == 3 * RAMP_BURST_FLOOR
+        per_read = max(RAMP_BURST_RATE * interval, 1.0)
+        assert ramps.events[0, 0] == pytest.approx(3 * 60 / round(interval) * per_read)
         t_last = 600 + (int(180 / interval) + 1) * interval     # a read that does not fold
         _read(ramps, t_last, 50.0, interval)
-        assert ramps.pending[0, 0] == 50.0
+        assert ramps.pending[0, 0] == pytest.approx(per_read)
         _, _, elapsed = ramps.window(np.array([0]), np.array([int(t_last * 1000)]), 0)
         assert elapsed[0] == pytest.approx(folds[-1] - folds[0], abs=0.01)
+
+
+def test_a_burst_split_over_two_reads_counts_no_more_than_in_one():
+    """7 events in one 60 s read count 6; split 3 + 4 over two 30 s reads they count 3 + 3."""
+    at_60, at_30 = Ramps(1), Ramps(1)
+    for ramps in (at_60, at_30):
+        ramps.grow(1)
+        _read(ramps, 600, 0.0, 0.0)
+    _read(at_60, 660, 7.0, 60.0)
+    _read(at_30, 630, 3.0, 30.0)
+    _read(at_30, 660, 4.0, 30.0)
+    assert at_60.events[0, 0] == at_30.events[0, 0] == 6.0
