@@ -58,7 +58,8 @@ class Ramps:
     """Per GPU slot and counter: the current ramp's first/last event time, events, summed age,
     and the events read since the last fold (and when that and the last read were).
 
-    `reference_s` = 0 folds every read (as the ramp was read before; benchmarks/ramp_cadence.py)."""
+    `reference_s` = 0 folds every read, its events dated at the read at any cadence (as before
+    the fold; benchmarks/ramp_cadence.py compares the two)."""
 
     def __init__(self, counters: int, reference_s: float = RAMP_REFERENCE_INTERVAL_S):
         self.counters = counters
@@ -126,6 +127,7 @@ class Ramps:
         live = (self.last_t[s, k] >= 0) & (now - self.last_t[s, k] <= RAMP_GAP_S * 1000) & (n > 0) \
             & (elapsed > 0)
         return live, n, np.where(live, elapsed, 0.0)
+
     def left(self, s: np.ndarray, t: np.ndarray, k: int, sigmas: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Minutes left on counter k's ramp with its events' mean age at each of `sigmas` standard
         errors above itself ([n, len(sigmas)]; few events date a ramp loosely), and the events in
