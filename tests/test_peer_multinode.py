@@ -48,12 +48,14 @@ def lose_node1(base: Path, shm: list[str], *, restarts: int, replacement_restart
                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Callable[[], subprocess.Popen], PeerTier]:
     """Run the job, wait until node 0 holds a replica of node 1's ranks' step >= 15, lose node 1
     (every process by pid, then its memory and disk). Returns node 0's agent, a function
-    that starts node 1's replacement, and node 0's replicas."""
+    that starts node 1's replacement, and node 0's replicas. Node 1 and its replacement sort
+    after node 0 by address, so they keep node 1's ranks (by pid, the replacement could take
+    rank 0: tests/test_hot_spare.py covers that)."""
     port = free_port()
     args = [node_args(base, "lost", shm, i, 0.15) for i in range(2)]
     env = {**REPLACEABLE, **(env or {})}
-    node0 = start_node(SCRIPT, 0, 2, port, args[0], nproc=nproc, restarts=restarts, env=env)
-    node1 = start_node(SCRIPT, 1, 2, port, args[1], nproc=nproc, restarts=restarts, env=env)
+    node0 = start_node(SCRIPT, 0, 2, port, args[0], nproc=nproc, restarts=restarts, env=env, local_addr="127.0.0.1")
+    node1 = start_node(SCRIPT, 1, 2, port, args[1], nproc=nproc, restarts=restarts, env=env, local_addr="127.0.0.2")
     held = PeerTier(replica_namespace(os.path.realpath(args[0][0]), "default", shm[0]))
     lost = set(range(nproc, 2 * nproc))
     assert wait_for(lambda: any(lost <= i.ranks and i.id.step >= 15 for i in held.list()), timeout=120), \
@@ -63,7 +65,7 @@ def lose_node1(base: Path, shm: list[str], *, restarts: int, replacement_restart
     os.mkdir(shm[1], 0o700)
     shutil.rmtree(args[1][0])
     return node0, lambda: start_node(SCRIPT, 1, 2, port, args[1], nproc=nproc, restarts=replacement_restarts,
-                                     env=env), held
+                                     env=env, local_addr="127.0.0.2"), held
 
 
 def run_clean(base: Path, shm: list[str], nproc: int) -> None:
