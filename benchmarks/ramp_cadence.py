@@ -12,11 +12,13 @@ interval (the code before the fold capped 6 a read at any cadence). This replays
 trace through the online feature path with the model off (critical XIDs and the ramp rule
 only) and scores the alarms as EVAL.md does.
 
-With `--due-min 25,30,38 --sigma 1,2 --min-events 10,12` it scores the rule for each combination
-(the cut, the events' mean age bound in standard errors, the least events) from one replay.
+With `--due-min 25,30,38 --sigma 1,2 --min-events 10,12 --bound-span 0,150` it scores the rule for
+each combination (the cut, the events' mean age bound in standard errors, the least events, how
+long a ramp's events must span before it is bounded) from one replay.
 
 usage: PYTHONPATH=. python benchmarks/ramp_cadence.py --trace DIR [--dating reference|read]
-           [--due-min 30[,38...]] [--sigma 1[,1.5...]] [--min-events 10[,12...]] [--json]
+           [--due-min 30[,38...]] [--sigma 1[,1.5...]] [--min-events 10[,12...]]
+           [--bound-span 150[,0...]] [--json]
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import pyarrow as pa
 
 from predictor import evaluation, rules
 from predictor.features import COUNTERS, FleetState
-from predictor.ramps import RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps
+from predictor.ramps import RAMP_BOUND_SPAN_S, RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps
 from predictor.replay import replay
 from predictor.scoring import Scored, Scorer
 
@@ -38,8 +40,10 @@ FOLD_EVERY_S = {"reference": RAMP_REFERENCE_INTERVAL_S, "read": 0.0}
 
 
 class BoundRecorder(Ramps):
-    """Ramps that also keep, per scored row and counter, the minutes left at each of `sigmas` and
-    the events (features() runs once per counter for each chunk of samples, counters in order)."""
+    """Ramps that also keep, per scored row and counter, the minutes left at each of `sigmas` (every
+    ramp bounded, whatever its span), the seconds its events span and the events (features() runs
+    once per counter for each chunk of samples, counters in order); the features themselves are
+    the default ones."""
 
     def __init__(self, counters: int, reference_s: float, sigmas: tuple[float, ...]):
         super().__init__(counters, reference_s)
@@ -47,26 +51,27 @@ class BoundRecorder(Ramps):
         self.calls: list[np.ndarray] = []
 
     def features(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
-        left, n = self.left(s, t, k, self.sigmas)
-        self.calls.append(np.column_stack([left, n]))
+        left, n = self.left(s, t, k, self.sigmas, bound_span_s=0.0)
+        _, _, span = self.window(s, t, k)
+        self.calls.append(np.column_stack([left, span, n]))
         return super().features(s, t, k)
 
 
 def due_rows(trace: str, dating: str, sigmas: tuple[float, ...]) -> tuple[pa.Table, np.ndarray, np.ndarray,
-                                                                           np.ndarray]:
+                                                                           np.ndarray, np.ndarray]:
     """Replay with the model off; the rows that a critical XID holds or where some ramp ends within
-    an hour at some bound: (timestamp, node, gpu), minutes left [rows, counters, sigmas], events
-    [rows, counters], critical."""
+    an hour at some bound: (timestamp, node, gpu), minutes left [rows, counters, sigmas], seconds
+    spanned and events [rows, counters], critical."""
     scorer = Scorer(None)
     ramps = BoundRecorder(len(COUNTERS), FOLD_EVERY_S[dating], sigmas)
     scorer.state = FleetState(ramps=ramps)
     nk, ns = len(COUNTERS), len(sigmas)
-    cols: dict[str, list] = {"t": [], "slot": [], "left": [], "events": [], "crit": []}
+    cols: dict[str, list] = {"t": [], "slot": [], "left": [], "span": [], "events": [], "crit": []}
 
     def keep(scored: Scored) -> None:
         calls, ramps.calls = ramps.calls, []
         rows = len(scored.slots)
-        stats = np.full((rows, nk, ns + 1), 0.0)
+        stats = np.full((rows, nk, ns + 2), 0.0)
         stats[:, :, :ns] = RAMP_NONE_MIN                   # XID-only rows after the samples: no ramp
         if calls:
             per_chunk = [np.stack(calls[i:i + nk], 1) for i in range(0, len(calls), nk)]
@@ -74,16 +79,17 @@ def due_rows(trace: str, dating: str, sigmas: tuple[float, ...]) -> tuple[pa.Tab
             stats[: len(done)] = done
         hot = scored.critical | (stats[:, :, :ns].min(axis=(1, 2)) <= 60)
         for k, v in (("t", scored.t_ms), ("slot", scored.slots), ("left", stats[:, :, :ns]),
-                     ("events", stats[:, :, ns]), ("crit", scored.critical)):
+                     ("span", stats[:, :, ns]), ("events", stats[:, :, ns + 1]), ("crit", scored.critical)):
             cols[k].append(v[hot])
 
     replay(trace, scorer, keep)
-    t, slot, left, events, crit = (np.concatenate(cols[k]) for k in ("t", "slot", "left", "events", "crit"))
+    t, slot, left, span, events, crit = (np.concatenate(cols[k]) for k in ("t", "slot", "left", "span", "events",
+                                                                            "crit"))
     keys = [scorer.state.slot_key[s] for s in slot.tolist()]
     rows = pa.table({"timestamp": pa.array(t, pa.timestamp("ms", tz="UTC")),
                      "node": pa.array([k[0] for k in keys], pa.string()),
                      "gpu": pa.array([k[1] for k in keys], pa.int16())})
-    return rows, left, events, crit
+    return rows, left, span, events, crit
 
 
 def _floats(text: str) -> list[float]:
@@ -99,17 +105,22 @@ def main() -> None:
     ap.add_argument("--sigma", default="1", help="upper bound(s) of the events' mean age, in standard errors "
                                                    "(the rule: 1)")
     ap.add_argument("--min-events", default=f"{rules.RAMP_MIN_EVENTS:g}", help="the rule's minimum event count(s)")
+    ap.add_argument("--bound-span", default=f"{RAMP_BOUND_SPAN_S:g}",
+                    help="seconds a ramp's events must span before its bound counts (the rule: "
+                         f"{RAMP_BOUND_SPAN_S:g})")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     t0 = time.time()
     sigmas = tuple(_floats(a.sigma))
-    rows, left, events, crit = due_rows(a.trace, a.dating, sigmas)
+    rows, left, span, events, crit = due_rows(a.trace, a.dating, sigmas)
     truth = evaluation.load_truth(a.trace)
     out: dict = {"trace": a.trace, "dating": a.dating, "rules": []}
-    for (i, sigma), cut, least in itertools.product(enumerate(sigmas), _floats(a.due_min), _floats(a.min_events)):
-        due = ((left[:, :, i] <= cut) & (events >= least - 1e-6)).any(axis=1)
+    for (i, sigma), cut, least, least_span in itertools.product(enumerate(sigmas), _floats(a.due_min),
+                                                                 _floats(a.min_events), _floats(a.bound_span)):
+        bounded = (span >= least_span) | (sigma <= 0)
+        due = ((left[:, :, i] <= cut) & bounded & (events >= least - 1e-6)).any(axis=1)
         r = evaluation.score(rows.filter(pa.array(crit | due)), truth, "node")
-        out["rules"].append({"sigma": sigma, "due_min": cut, "min_events": least,
+        out["rules"].append({"sigma": sigma, "due_min": cut, "min_events": least, "bound_span_s": least_span,
                              **{k: r[k] for k in ("caught", "predictable_failures", "recall_of_predictable",
                                                   "false_alarms", "false_alarms_per_1000_node_days",
                                                   "lead_s_median", "recall_by_mode")}})

@@ -30,6 +30,10 @@ RAMP_BURST_RATE = 0.1                        # a read counts at most RATE per se
 RAMP_BURST_FACTOR = 8.0                      # + FACTOR x the events the last 10 min's rate predicts
 #                                              (6 + 8x at 60 s): a one-off burst is no ramp
 RAMP_NONE_MIN = 1e4                          # "time left" when nothing is ramping (minutes)
+#: The upper bound dates a ramp once its events span this long (3 folds after the first, within
+#: jitter): the first fold holds part of an interval, and a few folds' counts cannot tell a
+#: ramp from a step up in rate (Ramps.left).
+RAMP_BOUND_SPAN_S = 2.5 * RAMP_REFERENCE_INTERVAL_S
 
 
 def _ramp_x_table() -> tuple[np.ndarray, np.ndarray]:
@@ -128,16 +132,20 @@ class Ramps:
             & (elapsed > 0)
         return live, n, np.where(live, elapsed, 0.0)
 
-    def left(self, s: np.ndarray, t: np.ndarray, k: int, sigmas: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    def left(self, s: np.ndarray, t: np.ndarray, k: int, sigmas: tuple[float, ...],
+             bound_span_s: float = RAMP_BOUND_SPAN_S) -> tuple[np.ndarray, np.ndarray]:
         """Minutes left on counter k's ramp with its events' mean age at each of `sigmas` standard
         errors above itself ([n, len(sigmas)]; few events date a ramp loosely), and the events in
-        it ([n]); RAMP_NONE_MIN and 0 where no ramp is live."""
+        it ([n]); RAMP_NONE_MIN and 0 where no ramp is live. Above the estimate itself, a ramp
+        whose events span less than `bound_span_s` has no end in sight."""
         live, n, elapsed = self.window(s, t, k)
         n1 = np.maximum(n, 1.0)
         age = elapsed - self.moment[s, k] / n1
         # the mean of n ages spread over [0, elapsed] is uncertain by about elapsed / sqrt(12 n)
         err = elapsed / np.sqrt(12.0 * n1)
-        left = np.stack([np.where(live, ramp_left_min(elapsed, age + z * err), RAMP_NONE_MIN) for z in sigmas], 1)
+        spans = elapsed >= bound_span_s
+        left = np.stack([np.where(live & (spans | (z <= 0)), ramp_left_min(elapsed, age + z * err), RAMP_NONE_MIN)
+                         for z in sigmas], 1)
         return left, np.where(live, n, 0.0)
 
     def features(self, s: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
