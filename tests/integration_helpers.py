@@ -88,8 +88,9 @@ def finish_nodes(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     finally:
         for proc in procs:
             stop_process(proc)
-    for i, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"node{i}:\n{log[-4000:]}"
+    failed = [f"node{i} (exit {proc.returncode}):\n{log[-4000:]}" for i, (proc, log) in enumerate(zip(procs, logs))
+              if proc.returncode != 0]
+    assert not failed, "\n\n".join(failed)     # every failed node: the first to fail is often not node 0
     return logs
 
 
