@@ -62,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from ckpt import CheckpointManager
-    from ckpt.distributed import init_process_group
+    from ckpt.distributed import exit_rank, init_process_group
 
     torch.set_num_threads(1)
     init_process_group("gloo")
@@ -109,9 +109,9 @@ def worker(args: argparse.Namespace) -> None:
            "replicas": {"sent": rep.sent, "failed": rep.failed, "superseded": rep.superseded} if rep else None}
     for mgr in mgrs.values():
         mgr.close()
-    dist.destroy_process_group()
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
+    exit_rank()
 
 
 def run_job(args: argparse.Namespace, out: Path) -> dict:

@@ -65,7 +65,7 @@ def phase(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ckpt import CheckpointManager
-    from ckpt.distributed import init_process_group
+    from ckpt.distributed import exit_rank, init_process_group
 
     init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -113,8 +113,7 @@ def phase(args: argparse.Namespace) -> None:
                       "ratio_to_same": {k: med[k] / med["same"] for k in med},
                       "reshard_read_amplification": amplification}
             Path(args.out).write_text(json.dumps(result, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()
 
 
 def main() -> None:

@@ -16,9 +16,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .leaving import exit_rank
 from .process_group import init_process_group
 
-__all__ = ["Coordinator", "init_process_group", "store_connector"]  # init_process_group: its documented path
+__all__ = ["Coordinator", "exit_rank", "init_process_group", "store_connector"]  # the first two: documented path
 
 
 class Coordinator:

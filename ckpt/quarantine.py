@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .leaving import flush_logs
+
 log = logging.getLogger(__name__)
 
 EXIT_QUARANTINED = 88  # this rank left the job: a node of the job is quarantined
@@ -117,8 +119,7 @@ def leave(node: str, me: str, why: str, path: Path, exit: Callable[[int], None] 
     log.critical("node %s is quarantined (%s): it is kept out of the job's restarts%s; clear it once repaired "
                  "with `python -m ckpt.quarantine clear --record %s --node %s`; exiting with code %d", node, why,
                  " (this node: stopping its torchrun agent)" if node == me else "", path, node, EXIT_QUARANTINED)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
+    flush_logs()
     if node == me and "TORCHELASTIC_RUN_ID" in os.environ:
         try:
             os.kill(os.getppid(), signal.SIGTERM)  # torchrun leaves without closing the rendezvous

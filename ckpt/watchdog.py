@@ -56,6 +56,7 @@ from . import quarantine
 from .distributed import store_connector
 from .hang_policy import FROZEN_POLLS, OBSERVE_INTERVALS, HangDetection
 from .heartbeat import DONE, NodeBeats
+from .leaving import flush_logs
 from .process_identity import Identity, proc_stat, started, this_process
 from .restarts import EVENTS_FILE, RestartRecorder, previous_records, process_marks, restart_reporter
 
@@ -287,7 +288,7 @@ class Watchdog:
                             [who[r].node for r in culprits if r in who])
         if self.rank in culprits or not culprits:
             log.critical("rank %d: this rank's Python stacks follow", self.rank)
-            _flush_logs()
+            flush_logs()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         for r in culprits:
             if r in who and who[r].pid != self.me.pid and who[r].host == self.me.host:
@@ -299,7 +300,7 @@ class Watchdog:
         if message:
             log.critical(f"{message[0]}; exiting with code {code}", *message[1:])
         self.recorder.left()
-        _flush_logs()
+        flush_logs()
         self._stop.set()
         self._exit(code)
 
@@ -378,7 +379,7 @@ def on_node_failed(watchdog: Watchdog | None) -> Callable[[dict], None]:
                           fault_t=sampled / 1000 if isinstance(sampled, (int, float)) else None)
         else:
             log.critical("%s; exiting with code %d", reason, EXIT_NODE_FAILED)
-            _flush_logs()
+            flush_logs()
             os._exit(EXIT_NODE_FAILED)
     return stop
 
@@ -387,11 +388,3 @@ def _identities(store: object, ranks: list[int]) -> dict[int, Identity]:
     keys = [f"who/{r}" for r in ranks]
     present = [k for k in keys if store.check([k])]
     return {i.rank: i for i in (Identity.decode(v.decode()) for v in store.multi_get(present))} if present else {}
-
-
-def _flush_logs() -> None:
-    """What was logged reaches its files before ``os._exit`` (which skips every flush)."""
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()

@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
-from ckpt.distributed import init_process_group  # noqa: E402
+from ckpt.distributed import exit_rank, init_process_group  # noqa: E402
 
 
 def main() -> None:
@@ -96,8 +96,7 @@ def main() -> None:
             out.write(json.dumps({"step": step + 1, "world": world, "loss": loss.item()}) + "\n")
         time.sleep(max(0.0, args.step_time - (time.monotonic() - t0)))
     mgr.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()  # barrier, destroy the group, exit without teardown (gloo can abort it)
 
 
 if __name__ == "__main__":

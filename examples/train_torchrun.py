@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
-from ckpt.distributed import init_process_group  # noqa: E402
+from ckpt.distributed import exit_rank, init_process_group  # noqa: E402
 from ckpt.watchdog import HangDetection  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -179,8 +179,7 @@ def main() -> None:
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps({"digest": weights_digest(model.module), "first_step": first,
                                               "incarnation": incarnation, "seconds": time.time() - t_start}))
-    dist.barrier()  # no rank tears gloo down while its peer is still in a collective
-    dist.destroy_process_group()
+    exit_rank()  # barrier, destroy the group, exit without teardown (gloo can abort it)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from ckpt.distributed import init_process_group
+from ckpt.distributed import exit_rank, init_process_group
 from tests.test_ckpt_import import Net
 
 out, reference = sys.argv[1], sys.argv[2]
@@ -33,5 +33,4 @@ whole.update({f"optim/state/{p}/{k}": v.full_tensor() if isinstance(v, DTensor) 
               for p, moments in osd["state"].items() for k, v in moments.items()})
 if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in whole.items()}, reference)
-dist.barrier()
-dist.destroy_process_group()
+exit_rank()

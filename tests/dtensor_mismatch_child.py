@@ -1,16 +1,14 @@
 """Child process for test_ckpt_hostile: check_restorable compares a DTensor by its local
 shard and tells DTensors from plain tensors. Runs alone because it starts a (one-rank,
 in-memory) process group, which would change how every later CheckpointManager in the
-test process sees the world. It leaves with os._exit: gloo's threads can abort the
-interpreter's own teardown ("terminate called without an active exception", seen once in CI)."""
-import os
-import sys
+test process sees the world. It leaves through exit_rank (ckpt/leaving.py)."""
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from ckpt.leaving import exit_rank
 from ckpt.state import flatten
 from ckpt.state_load import StateMismatch, check_restorable
 from ckpt.tiers.memory.copier import plan_layout
@@ -30,6 +28,4 @@ try:
     check_restorable({"w": dtensor(8, 5), "p": dtensor(3)}, flat.tree, entries)
 except StateMismatch as e:
     print(e, flush=True)
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
+exit_rank()

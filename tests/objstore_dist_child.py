@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointManager
-from ckpt.distributed import init_process_group
+from ckpt.distributed import exit_rank, init_process_group
 
 out, shm = sys.argv[1], sys.argv[2]
 init_process_group("gloo")
@@ -23,4 +23,4 @@ with CheckpointManager(f"{out}/fresh", object_store=url, memory_dir=shm, run="a"
     assert mgr.restore(got) == 3
 assert torch.equal(got["w"], torch.full((1000,), rank + 3.0)) and got["step"] == 3, got
 print(f"objstore dist ok rank {rank}", flush=True)
-dist.destroy_process_group()
+exit_rank()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointManager
-from ckpt.distributed import init_process_group
+from ckpt.distributed import exit_rank, init_process_group
 
 root, memory_dir, out_dir = sys.argv[1:4]
 steps, every, step_time = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
@@ -65,5 +65,4 @@ digest = hashlib.sha256()
 for name, t in sorted(model.state_dict().items()):
     digest.update(name.encode() + t.numpy().tobytes())
 Path(out_dir, f"rank-{rank}.json").write_text(json.dumps({"digest": digest.hexdigest(), "start": start}))
-dist.barrier()
-dist.destroy_process_group()
+exit_rank()

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ckpt import CheckpointManager
-from ckpt.distributed import init_process_group
+from ckpt.distributed import exit_rank, init_process_group
 
 CHUNK = 64 << 10  # the smallest checksum chunk: "big" spans 16 of them
 
@@ -168,8 +168,7 @@ def main() -> None:
                     torch.save(ref, root / f"ref-{step}.pt")
         print(f"rank {rank} saved at {world}", flush=True)
         restore_and_check(root, 2, args.memory_dir + "-same", mesh)  # the same world size, fresh optimizer
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_rank()
 
 
 if __name__ == "__main__":

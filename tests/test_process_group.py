@@ -3,6 +3,8 @@ round's, past an address an earlier round left in the job's store, whatever thei
 restart counts (which torchrun does not agree across nodes)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -38,3 +40,17 @@ def test_ranks_meet_on_this_rounds_store_past_a_stale_address(monkeypatch) -> No
         store.wait([f"hello/{o}" for o in range(3)], timedelta(seconds=10))
         assert [store.get(f"hello/{o}").decode() for o in range(3)] == ["0", "1", "2"], r
     del job
+
+
+def test_a_finished_rank_exits_with_its_output_flushed() -> None:
+    """exit_rank skips the interpreter's teardown (where gloo can abort), not what was printed."""
+    script = ("import logging, torch.distributed as dist\n"
+              "from ckpt.distributed import exit_rank\n"
+              "logging.basicConfig(level=logging.INFO)\n"
+              "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+              "print('trained', end='')\n"
+              "logging.info('closing')\n"
+              "exit_rank(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "trained" and "closing" in done.stderr
