@@ -45,7 +45,7 @@ def load_truth(trace_dir: str | Path, nodes: set[str] | None = None) -> Truth:
     fails = pq.read_table(trace_dir / "failures.parquet", columns=["timestamp", "node", "gpu", "mode", "precursor_s"])
     days = score_alarms.node_days(str(trace_dir))
     if nodes is not None:
-        fails = fails.filter(pc.is_in(pc.cast(fails.column("node"), pa.string()), pa.array(sorted(nodes))))
+        fails = fails.filter(pc.is_in(pc.cast(fails.column("node"), pa.string()), pa.array(sorted(nodes), pa.string())))
         meta = trace_dir / "trace.json"
         total_nodes = json.loads(meta.read_text())["nodes"] if meta.exists() else None
         days = days * len(nodes) / total_nodes if total_nodes else days

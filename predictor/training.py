@@ -241,8 +241,9 @@ def train(traces: list[str | Path], seed: int = 0, progress: bool | None = None)
     scale = np.maximum(np.percentile(healthy, 99, axis=0) - np.percentile(healthy, 1, axis=0), 1e-3)
     model = Model(fit_estimator(x, y, xv, yv, seed), sensitive=1.0, strict=1.0,
                   feature_center=center, feature_scale=scale)
-    model.sensitive, model.strict, val_info = choose_thresholds(traces, model, progress)
-    calibration = job_risk.fit([job_risk.node_instants(t, model, validation_nodes(t), progress) for t in traces])
+    held_out = [t for t in traces if validation_nodes(t)]  # a small trace may have none of its nodes held out
+    model.sensitive, model.strict, val_info = choose_thresholds(held_out, model, progress)
+    calibration = job_risk.fit([job_risk.node_instants(t, model, validation_nodes(t), progress) for t in held_out])
     model.info = {"traces": [str(t) for t in traces], "horizon_s": HORIZON_S, "min_lead_s": MIN_LEAD_S,
                   "train_rows": int(len(y)), "train_positives": int(y.sum()),
                   "validation_rows": int(len(yv)), "validation_positives": int(yv.sum()), **val_info,

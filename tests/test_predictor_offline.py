@@ -302,3 +302,10 @@ def test_a_risk_held_long_enough_is_raised_to_the_sensitive_threshold(trained_mo
     assert all(r < m.sensitive for r in risk[:10] + risk[15:25])
     assert all(r == m.sensitive for r in risk[10:15] + risk[25:])
     assert out[10].reasons[0].startswith(f"risk >= 0 for {sustained.SUSTAINED_S / 60:g} min: ")
+
+
+def test_truth_of_no_nodes_is_empty(small_trace):
+    """A trace with none of its nodes held out for validation (a small fold) has no truth there,
+    not a type error from an untyped empty node list."""
+    truth = evaluation.load_truth(small_trace, set())
+    assert truth.node_days == 0 and len(truth.failures["timestamp"]) == 0
