@@ -17,7 +17,6 @@ import pyarrow.compute as pc
 from predictor import rules
 from predictor.features import FEATURE_NAMES, METRICS, Chunk, FleetState
 from predictor.model import Model
-from predictor.sustained import Sustained, sustained_reason
 from predictor.wire import timestamps_ms
 from telemetry.schema import is_critical_xid
 
@@ -80,7 +79,6 @@ class Scorer:
         self.state = FleetState(capacity)
         self.risk = np.zeros(capacity)
         self.risk_t = np.full(capacity, -1, dtype=np.int64)
-        self.sustained = Sustained()
         self.reason: dict[int, str] = {}
         self.samples = 0
         self.dropped = 0
@@ -153,34 +151,30 @@ class Scorer:
                 crit.append((slot, te, rules.critical_reason(code)))
         return crit
 
-    def _features(self, chunk: Chunk) -> tuple[Chunk, np.ndarray, np.ndarray, np.ndarray]:
-        """The chunk's features, per row the critical XID holding it at risk 1 (0: none),
-        read now (a later chunk of the same call may reset a replaced GPU), and the slots
-        that hold a new board from this chunk on."""
+    def _features(self, chunk: Chunk) -> tuple[Chunk, np.ndarray, np.ndarray]:
+        """The chunk's features and, per row, the critical XID holding it at risk 1 (0:
+        none), read now: a later chunk of the same call may reset a replaced GPU."""
         st = self.state
         fresh = st.replaced(chunk)
         if fresh.any():
             st.reset(chunk.slots[fresh])
         feats = st.apply(chunk)
         held = rules.critical_mask(st.critical_t[chunk.slots], chunk.t_ms)
-        return chunk, feats, np.where(held, st.critical_xid[chunk.slots], 0), chunk.slots[fresh]
+        return chunk, feats, np.where(held, st.critical_xid[chunk.slots], 0)
 
     def _risk(self, parts: list, events: list[tuple[int, int, str]]) -> Scored:
-        """One model call for all chunks; a risk held long enough is raised to the
-        sensitive threshold (predictor.sustained); critical XIDs (as events and as holds)
-        and due precursor ramps force risk 1."""
+        """One model call for all chunks; critical XIDs (as events and as holds) and due
+        precursor ramps force risk 1."""
         ev_slots = np.asarray([e[0] for e in events], np.int64)
-        slots = np.concatenate([c.slots for c, _, _, _ in parts] + [ev_slots])
-        t = np.concatenate([c.t_ms for c, _, _, _ in parts] + [np.asarray([e[1] for e in events], np.int64)])
-        feats = np.concatenate([f for _, f, _, _ in parts] + [np.zeros((len(events), len(FEATURE_NAMES)))])
-        crit_xid = np.concatenate([x for _, _, x, _ in parts] + [np.zeros(len(events), np.int64)])
-        crit = np.concatenate([x != 0 for _, _, x, _ in parts] + [np.ones(len(events), bool)])
+        slots = np.concatenate([c.slots for c, _, _ in parts] + [ev_slots])
+        t = np.concatenate([c.t_ms for c, _, _ in parts] + [np.asarray([e[1] for e in events], np.int64)])
+        feats = np.concatenate([f for _, f, _ in parts] + [np.zeros((len(events), len(FEATURE_NAMES)))])
+        crit_xid = np.concatenate([x for _, _, x in parts] + [np.zeros(len(events), np.int64)])
+        crit = np.concatenate([x != 0 for _, _, x in parts] + [np.ones(len(events), bool)])
         n_samples = len(t) - len(events)
         risk = np.ones(len(t))
-        raised = np.zeros(len(t), bool)
         if n_samples and self.model is not None:
             risk[:n_samples] = self.model.predict(feats[:n_samples])
-            raised[:n_samples] = self._sustained(parts, risk[:n_samples])
         elif n_samples:
             risk[:n_samples] = 0.0
         due = np.concatenate([rules.ramp_due(feats[:n_samples]), np.full(len(events), -1)])
@@ -191,7 +185,7 @@ class Scorer:
             model_hot = hot[~crit[hot] & (due[hot] < 0)]
             texts = self.model.reasons(feats[model_hot]) if len(model_hot) else []
             for i, text in zip(model_hot.tolist(), texts):
-                reasons[i] = sustained_reason(text) if raised[i] else text
+                reasons[i] = text
             for i in hot[~crit[hot] & (due[hot] >= 0)].tolist():
                 reasons[i] = rules.ramp_reason(int(due[i]), feats[i])
             for i in hot[crit[hot]].tolist():
@@ -202,20 +196,6 @@ class Scorer:
             self.risk_t[slot] = max(int(self.risk_t[slot]), te)
             self.reason[slot] = why
         return Scored(slots, t, risk, feats, crit, reasons)
-
-    def _sustained(self, parts: list, risk: np.ndarray) -> np.ndarray:
-        """Chunk by chunk (each GPU once per chunk, in time order): raise each risk held long
-        enough, below the sensitive threshold, to it; which rows were raised."""
-        raised = np.zeros(len(risk), bool)
-        start = 0
-        for chunk, _, _, fresh in parts:
-            rows = slice(start, start + len(chunk.slots))
-            self.sustained.reset(fresh)
-            raised[rows] = self.sustained.update(chunk.slots, chunk.t_ms, risk[rows]) & \
-                (risk[rows] < self.model.sensitive)
-            start = rows.stop
-        risk[raised] = self.model.sensitive
-        return raised
 
     def _remember(self, slots: np.ndarray, t: np.ndarray, risk: np.ndarray, reasons: list[str]) -> None:
         """The newest row per GPU becomes its current risk (and reason)."""
@@ -232,7 +212,6 @@ class Scorer:
 
     def _fit_capacity(self) -> None:
         cap = len(self.state.last_t)
-        self.sustained.grow(cap)
         if len(self.risk) < cap:
             self.risk = np.concatenate([self.risk, np.zeros(cap - len(self.risk))])
             self.risk_t = np.concatenate([self.risk_t, np.full(cap - len(self.risk_t), -1, np.int64)])

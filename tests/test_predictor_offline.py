@@ -9,12 +9,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from predictor import evaluation, sustained, training
+from predictor import evaluation, training
 from predictor import model as model_io
 from predictor.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState, _nanmedian_of_peers
 from predictor.replay import score_trace
 from predictor.scoring import Scorer, Xids
-from predictor.sustained import Sustained
 from predictor.wire import timestamps_ms
 from tests.predictor_fixtures import run_cli
 
@@ -271,37 +270,6 @@ def test_eval_json_says_in_words_why_a_metric_is_missing():
     assert sudden["why_missing"] == {"recall_of_predictable": "no predictable failures in this trace",
                                      "lead_s_median": "no failure was caught", "lead_s_p10": "no failure was caught",
                                      "precision_at_real_failure_rate": "no failure was caught and no alarm was false"}
-
-
-def test_sustained_tracks_an_unbroken_run_per_gpu():
-    s = Sustained()
-    s.grow(2)
-    minute = 60_000
-    risks = {0: [0.95, 0.92, 0.5, 0.91] + [0.93] * 10, 1: [0.2] * 14}
-    held = [s.update(np.array([0, 1]), np.array([m * minute] * 2), np.array([risks[0][m], risks[1][m]]))
-            for m in range(14)]
-    gpu0 = [bool(h[0]) for h in held]
-    assert gpu0 == [False] * 13 + [True]                  # the dip at minute 2 restarts the run at minute 3
-    assert not any(h[1] for h in held)
-    s.reset(np.array([0]))
-    assert not s.update(np.array([0]), np.array([14 * minute]), np.array([0.99]))[0]   # a new board starts over
-
-
-def test_a_risk_held_long_enough_is_raised_to_the_sensitive_threshold(trained_model, monkeypatch):
-    """Risk itself on a GPU held at or above SUSTAINED_RISK for SUSTAINED_S becomes the sensitive
-    threshold (never the strict one), with the model's reasons; a replaced board starts over."""
-    m = model_io.load(trained_model)
-    m.sensitive, m.strict = 0.999999, 1.0
-    monkeypatch.setattr(sustained, "SUSTAINED_RISK", 0.0)  # every risk counts as high here
-    s = Scorer(m)
-    vals = np.zeros((1, len(METRICS)))
-    vals[0, :4] = [70, 75, 500, 1900]
-    out = [s.score_rows(np.array([i * 60_000]), ["n0"], np.array([0]), vals.copy(),
-                        ["GPU-new" if i >= 15 else "GPU-old"]) for i in range(27)]
-    risk = [o.risk[0] for o in out]
-    assert all(r < m.sensitive for r in risk[:10] + risk[15:25])
-    assert all(r == m.sensitive for r in risk[10:15] + risk[25:])
-    assert out[10].reasons[0].startswith(f"risk >= 0 for {sustained.SUSTAINED_S / 60:g} min: ")
 
 
 def test_truth_of_no_nodes_is_empty(small_trace):
