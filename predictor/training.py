@@ -189,13 +189,14 @@ class _Sweep:
         return caught, predictable, false
 
 
-def choose_thresholds(traces: list[Path], model: Model, progress: bool | None = None) -> tuple[float, float, dict]:
+def choose_thresholds(held_out: dict[Path, set[str]], model: Model,
+                      progress: bool | None = None) -> tuple[float, float, dict]:
     """Sensitive: most recall within the false-alarm budget (node level); strict: no false GPU alarm.
 
-    Both are searched on alarms from replaying the validation nodes through the online scorer."""
+    Both are searched on alarms from replaying each trace's validation nodes (`held_out`) through
+    the online scorer."""
     node_sweeps, gpu_sweeps, scores = [], [], [np.array([1.0])]
-    for trace in traces:
-        nodes = validation_nodes(trace)
+    for trace, nodes in held_out.items():
         alarms = score_trace(trace, Scorer(model), threshold=ALARM_FLOOR, progress=progress, nodes=nodes)
         truth = evaluation.load_truth(trace, nodes)
         node_sweeps.append(_Sweep(alarms, truth, "node"))
@@ -241,9 +242,10 @@ def train(traces: list[str | Path], seed: int = 0, progress: bool | None = None)
     scale = np.maximum(np.percentile(healthy, 99, axis=0) - np.percentile(healthy, 1, axis=0), 1e-3)
     model = Model(fit_estimator(x, y, xv, yv, seed), sensitive=1.0, strict=1.0,
                   feature_center=center, feature_scale=scale)
-    held_out = [t for t in traces if validation_nodes(t)]  # a small trace may have none of its nodes held out
+    # read once per trace; a small trace may have none of its nodes held out
+    held_out = {t: nodes for t in traces if (nodes := validation_nodes(t))}
     model.sensitive, model.strict, val_info = choose_thresholds(held_out, model, progress)
-    calibration = job_risk.fit([job_risk.node_instants(t, model, validation_nodes(t), progress) for t in held_out])
+    calibration = job_risk.fit([job_risk.node_instants(t, model, nodes, progress) for t, nodes in held_out.items()])
     model.info = {"traces": [str(t) for t in traces], "horizon_s": HORIZON_S, "min_lead_s": MIN_LEAD_S,
                   "train_rows": int(len(y)), "train_positives": int(y.sum()),
                   "validation_rows": int(len(yv)), "validation_positives": int(yv.sum()), **val_info,
