@@ -209,10 +209,14 @@ def eval_(model_path: str | None, trace: Path | None, threshold: str, alarms_out
     for lvl, r in res.items():
         def v(metric: str, r: dict = r) -> str:
             why = r.get("why_missing", {})
-            return f"n/a ({why[metric]})" if metric in why else str(r[metric])
+            if metric in why:
+                return f"n/a ({why[metric]})"
+            lo_hi = r["ci95"].get(metric)
+            return f"{r[metric]} (95 %: {lo_hi[0]}-{lo_hi[1]})" if lo_hi else str(r[metric])
         click.echo(f"[{lvl}] recall {v('recall')} ({r['caught']}/{r['failures']}), of predictable "
-                   f"{v('recall_of_predictable')}, false alarms {v('false_alarms_per_1000_node_days')}/1000 "
-                   f"node-days, lead median {v('lead_s_median')} s, precision at real failure rate "
+                   f"{v('recall_of_predictable')}, false alarms per 1000 node-days "
+                   f"{v('false_alarms_per_1000_node_days')}, lead median {v('lead_s_median')} s, "
+                   f"precision at real failure rate "
                    f"{v('precision_at_real_failure_rate')}, by mode {r['recall_by_mode']}")
 
 

@@ -1,5 +1,6 @@
 """Offline path: train / score / eval on a small simulated trace, causality, the model format."""
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def test_eval_matches_reference_scorer_and_writes_alarms(small_trace, trained_mo
     a = ref.load(str(alarms), ["timestamp", "node", "gpu"])
     f = ref.load(str(small_trace / "failures.parquet"), ["timestamp", "node", "gpu", "mode", "precursor_s"])
     expected = {lvl: ref.score(a, f, ref.node_days(str(small_trace)), level=lvl) for lvl in ("node", "gpu")}
+    intervals = {lvl: res[lvl].pop("ci95") for lvl in res}       # ours, beside the reference metrics
     assert res == json.loads(json.dumps(expected, default=lambda v: v.item()))
+    assert set(intervals["node"]) == {"recall_of_predictable", "false_alarms_per_1000_node_days"}
     assert res["node"]["failures"] > 0 and res["node"]["caught"] > 0
     # the alarm file: the documented columns, in time order, each with a reason
     t = pq.read_table(alarms)
@@ -277,3 +280,24 @@ def test_truth_of_no_nodes_is_empty(small_trace):
     not a type error from an untyped empty node list."""
     truth = evaluation.load_truth(small_trace, set())
     assert truth.node_days == 0 and len(truth.failures["timestamp"]) == 0
+
+
+def test_eval_gives_exact_intervals_for_its_rates():
+    """No false episode in N node-days bounds the rate at -ln(0.025) / N (the exact Poisson upper
+    limit); every failure caught out of n bounds recall below at 0.025 ** (1 / n)."""
+    assert evaluation.rate_interval(0, 1000.0) == [0.0, round(-math.log(0.025), 3)]
+    lo, hi = evaluation.rate_interval(1, 256.0)        # the shared sample's one rule false episode
+    assert lo < 2 < 3.9 < hi and round(hi, 1) == 21.8
+    assert evaluation.recall_interval(10, 10) == [round(0.025 ** 0.1, 4), 1.0]
+    lo, hi = evaluation.recall_interval(41, 69)
+    assert lo < 41 / 69 < hi and hi - lo < 0.25
+
+    t = [1_780_000_000_000 - 600_000, 1_790_000_000_000]       # a catch on n0, a false episode on n1
+    alarms = pa.table({"timestamp": pa.array(t, pa.timestamp("ms", tz="UTC")),
+                       "node": pa.array(["n0", "n1"], pa.string()), "gpu": pa.array([0, 0], pa.int16())})
+    fails = {"timestamp": np.array([1_780_000_000_000], np.int64), "node": np.array(["n0"], object),
+             "gpu": np.zeros(1, np.int64), "mode": np.array(["pcie"], object), "precursor_s": np.array([3600.0])}
+    node = evaluation.report(alarms, evaluation.Truth(fails, 256.0))["node"]
+    assert node["ci95"] == {"recall_of_predictable": [0.025, 1.0],
+                            "false_alarms_per_1000_node_days": list(evaluation.rate_interval(1, 256.0))}
+    json.dumps(node, allow_nan=False)
