@@ -12,13 +12,14 @@ interval (the code before the fold capped 6 a read at any cadence). This replays
 trace through the online feature path with the model off (critical XIDs and the ramp rule
 only) and scores the alarms as EVAL.md does.
 
-With `--due-min 25,30,38 --sigma 1,2 --min-events 10,12 --bound-span 0,150` it scores the rule for
-each combination (the cut, the events' mean age bound in standard errors, the least events, how
-long a ramp's events must span before it is bounded) from one replay.
+With `--due-min 25,30,38 --sigma 1,2 --min-events 10,12 --bound-span 0,150 --hold 0,120` it scores
+the rule for each combination (the cut, the events' mean age bound in standard errors, the least
+events, how long a ramp's events must span before it is bounded, how long a GPU's ramp must stay
+due before it alarms) from one replay.
 
 usage: PYTHONPATH=. python benchmarks/ramp_cadence.py --trace DIR [--dating reference|read]
            [--due-min 30[,38...]] [--sigma 1[,1.5...]] [--min-events 10[,12...]]
-           [--bound-span 150[,0...]] [--json]
+           [--bound-span 150[,0...]] [--hold 0[,60...]] [--json]
 """
 from __future__ import annotations
 
@@ -92,6 +93,24 @@ def due_rows(trace: str, dating: str, sigmas: tuple[float, ...]) -> tuple[pa.Tab
     return rows, left, span, events, crit
 
 
+def held_s(rows: pa.Table, due: np.ndarray, gap_s: float = 100.0) -> np.ndarray:
+    """Per row, the seconds its GPU has been due without a break (a row not due, or more than
+    `gap_s` between two due rows, breaks it): rows not due are never recorded as hot unless
+    some ramp is near, so a gap means the GPU was not due in between."""
+    t = rows.column("timestamp").cast(pa.int64()).to_numpy()
+    gpu = np.asarray(rows.column("gpu").to_numpy(), np.int64)
+    _, node = np.unique(np.asarray(rows.column("node").to_pylist(), dtype=object).astype(str), return_inverse=True)
+    order = np.lexsort((t, gpu, node))
+    held = np.zeros(len(t))
+    start = prev = -1
+    for i, j in zip(order, np.r_[-1, order[:-1]]):
+        same = j >= 0 and node[i] == node[j] and gpu[i] == gpu[j] and due[j] and t[i] - prev <= gap_s * 1000
+        start = (start if same else t[i]) if due[i] else -1
+        held[i] = (t[i] - start) / 1000 if due[i] else 0.0
+        prev = t[i]
+    return held
+
+
 def _floats(text: str) -> list[float]:
     return [float(c) for c in text.split(",")]
 
@@ -108,6 +127,7 @@ def main() -> None:
     ap.add_argument("--bound-span", default=f"{RAMP_BOUND_SPAN_S:g}",
                     help="seconds a ramp's events must span before its bound counts (the rule: "
                          f"{RAMP_BOUND_SPAN_S:g})")
+    ap.add_argument("--hold", default="0", help="seconds a GPU's ramp must stay due before it alarms (the rule: 0)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     t0 = time.time()
@@ -119,11 +139,14 @@ def main() -> None:
                                                                  _floats(a.min_events), _floats(a.bound_span)):
         bounded = (span >= least_span) | (sigma <= 0)
         due = ((left[:, :, i] <= cut) & bounded & (events >= least - 1e-6)).any(axis=1)
-        r = evaluation.score(rows.filter(pa.array(crit | due)), truth, "node")
-        out["rules"].append({"sigma": sigma, "due_min": cut, "min_events": least, "bound_span_s": least_span,
-                             **{k: r[k] for k in ("caught", "predictable_failures", "recall_of_predictable",
-                                                  "false_alarms", "false_alarms_per_1000_node_days",
-                                                  "lead_s_median", "recall_by_mode")}})
+        held = held_s(rows, due)
+        for hold in _floats(a.hold):
+            r = evaluation.score(rows.filter(pa.array(crit | (due & (held >= hold)))), truth, "node")
+            out["rules"].append({"sigma": sigma, "due_min": cut, "min_events": least, "bound_span_s": least_span,
+                                 "hold_s": hold,
+                                 **{k: r[k] for k in ("caught", "predictable_failures", "recall_of_predictable",
+                                                      "false_alarms", "false_alarms_per_1000_node_days",
+                                                      "lead_s_median", "recall_by_mode")}})
     out["secs"] = round(time.time() - t0)
     print(json.dumps(out) if a.json else json.dumps(out, indent=1))
 
