@@ -76,10 +76,17 @@ def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool, failure
             raise click.ClickException(str(e)) from e
     m.save(out)
     summary = {"model": str(out), "sensitive": m.sensitive, "strict": m.strict, **m.info}
-    click.echo(json.dumps(summary, indent=1) if as_json else
-               f"wrote {out}: sensitive {m.sensitive:.4g}, strict {m.strict:.4g}, "
-               f"validation recall of predictable {m.info['validation_recall_of_predictable']}, "
-               f"false alarms {m.info['validation_false_alarms_per_1000_node_days']}/1000 node-days")
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+        return
+    ci = m.info["validation_ci95"]
+    pages = "only the rules page operators" if m.strict >= 1.0 else "the model pages operators above it"
+    click.echo(f"wrote {out}: sensitive {m.sensitive:.4g}, strict {m.strict:.4g} ({pages}); on "
+               f"{m.info['validation_node_days']} validation node-days: recall of predictable "
+               f"{m.info['validation_recall_of_predictable']} (95 %: {ci['recall_of_predictable'][0]}-"
+               f"{ci['recall_of_predictable'][1]}), false alarms per 1000 node-days "
+               f"{m.info['validation_false_alarms_per_1000_node_days']} (95 %: "
+               f"{ci['false_alarms_per_1000_node_days'][0]}-{ci['false_alarms_per_1000_node_days'][1]})")
 
 
 @main.command()

@@ -123,6 +123,17 @@ def test_packaged_default_model_loads():
     assert m.info.get("traces"), "the default model records what it was trained on"
 
 
+def test_train_records_how_sure_its_validation_figures_are(trained_model):
+    """A few validation node-days pin a threshold's rates down loosely: the model says how loosely."""
+    info = model_io.load(trained_model).info
+    ci = info["validation_ci95"]
+    lo, hi = ci["false_alarms_per_1000_node_days"]
+    assert lo <= info["validation_false_alarms_per_1000_node_days"] <= hi
+    assert hi >= -math.log(0.025) / info["validation_node_days"] * 1000      # no rate below one in its size
+    lo, hi = ci["recall_of_predictable"]
+    assert lo <= info["validation_recall_of_predictable"] <= hi
+
+
 def test_replaced_gpu_starts_a_fresh_history(trained_model):
     """A new UUID (or counters that went back) resets the GPU's state; old errors do not linger."""
     s = Scorer(model_io.load(trained_model))
