@@ -28,7 +28,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 #: import name -> distribution name, for the third-party modules the roles and the engine use
 DISTRIBUTIONS = {"numpy": "numpy", "click": "click", "tqdm": "tqdm", "pyarrow": "pyarrow",
                  "prometheus_client": "prometheus-client", "apscheduler": "apscheduler", "pynvml": "nvidia-ml-py",
-                 "sklearn": "scikit-learn", "skops": "skops", "threadpoolctl": "threadpoolctl", "aiohttp": "aiohttp",
+                 "sklearn": "scikit-learn", "scipy": "scipy", "skops": "skops", "threadpoolctl": "threadpoolctl",
+                 "aiohttp": "aiohttp",
                  "torch": "torch", "fsspec": "fsspec", "crc32c": "crc32c", "safetensors": "safetensors",
                  "lightning": "lightning", "transformers": "transformers"}
 FIRST_PARTY = {"agents", "predictor", "telemetry"}
