@@ -30,8 +30,8 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckpt import CheckpointManager  # noqa: E402
-from ckpt.restore import read_shard  # noqa: E402
-from ckpt.state_load import load_into  # noqa: E402
+from ckpt.restore.execute import read_shard  # noqa: E402
+from ckpt.restore.state_load import load_into  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 PIECE = 16 << 20
@@ -88,7 +88,7 @@ def build_state(cfg: GPTConfig, device: str) -> tuple[dict, int]:
 
 
 def tensors_of(state: dict) -> list[torch.Tensor]:
-    from ckpt.state import flatten
+    from ckpt.format.state import flatten
     return [t for _, t in flatten(state).tensors]
 
 

@@ -53,8 +53,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
 from ckpt import CheckpointManager  # noqa: E402
-from ckpt.manifest import Manifest  # noqa: E402
-from ckpt.restore import read_shard  # noqa: E402
+from ckpt.format.manifest import Manifest  # noqa: E402
+from ckpt.restore.execute import read_shard  # noqa: E402
 from ckpt.tiers.object_store import ObjectStoreTier  # noqa: E402
 from tests.objstore_fixtures import S3Server, create_bucket, moto_server  # noqa: E402
 from tests.procs import cpu_seconds, free_port, stop_process  # noqa: E402

@@ -57,7 +57,7 @@ from ckpt.peers.replicas import ReplicaSlots  # noqa: E402
 from ckpt.peers.replicator import ReplicaJob, Replicator  # noqa: E402
 from ckpt.peers.server import PeerServer  # noqa: E402
 from ckpt.peers.wire import new_secret, recv_into  # noqa: E402
-from ckpt.restore import read_shard  # noqa: E402
+from ckpt.restore.execute import read_shard  # noqa: E402
 from ckpt.tiers.memory import MemoryTier, namespace_dir  # noqa: E402
 from ckpt.tiers.memory.reader import SlotReader  # noqa: E402
 from ckpt.tiers.peer import PeerTier  # noqa: E402

@@ -36,7 +36,7 @@ today's behaviour where it differs:
 From the ranks' own log lines: ``detect_s`` (fault -> hang declared), ``relaunch_s``
 (fault -> rank 0 restored a checkpoint in the new incarnation), ``total_s`` (fault ->
 first resumed step begins), and ``phase_*``: the restart's phases as rank 0 logged them
-(``ckpt.restarts``: detect, exit, relaunch, startup, pg_init, setup, restore,
+(``ckpt.recovery.restarts``: detect, exit, relaunch, startup, pg_init, setup, restore,
 first_step, total; these count from the fault as the job knows it, and to the end of
 the first resumed step). Medians of ``--repeats`` runs.
 """
@@ -151,7 +151,7 @@ def run_xid(workdir: Path, memory_dir: str) -> dict[str, float | None]:
 
 
 def _phases(log: str) -> dict[str, float | None]:
-    """The restart's phases as rank 0 logged them (``ckpt.restarts``), prefixed ``phase_``."""
+    """The restart's phases as rank 0 logged them (``ckpt.recovery.restarts``), prefixed ``phase_``."""
     found = re.search(r"restart timing: (\{.*\})", log)
     if not found:
         raise SystemExit(f"no restart timing line in the log:\n{log[-3000:]}")

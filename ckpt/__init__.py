@@ -17,7 +17,7 @@ from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, Manifes
 
 _LAZY = {
     "CheckpointManager": ".manager",
-    "load": ".restore",
+    "load": ".restore.execute",
     "resumable": ".integrations",
     "SaveRequests": ".integrations",
     "RNGState": ".integrations",

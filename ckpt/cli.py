@@ -17,14 +17,14 @@ import click
 from tqdm import tqdm
 
 from .errors import CheckpointError, DamagedCheckpoint
-from .listing import merge_listing, shm_usage
-from .locations import durable_tier_for, is_url, tiers_for
-from .manifest import Manifest, ShardRef
-from .plan import Inventory, RestorePlan, ShardNeed
-from .restore import DAMAGE, LOCAL, first_sound, open_shard, read, restore_agreed
+from .format.manifest import Manifest, ShardRef
+from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, read, restore_agreed
+from .restore.listing import merge_listing, shm_usage
+from .restore.plan import Inventory, RestorePlan, ShardNeed
 from .simulate_cli import simulate_cmd
 from .tiers.base import CheckpointId, TierReader, complete_shards
 from .tiers.local import LocalDiskTier
+from .tiers.locations import durable_tier_for, is_url, tiers_for
 from .tiers.memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
 
 _root = click.argument("root")
@@ -178,7 +178,7 @@ def _copy_verified(plan: RestorePlan, target: LocalDiskTier, progress) -> None:
 
 
 def _copy_shard(source: TierReader, target: LocalDiskTier, ckpt_id: CheckpointId, rank: int, progress) -> ShardRef:
-    from .verify import verify_shard
+    from .format.verify import verify_shard
 
     reader = open_shard(source, ckpt_id, rank)
     try:
@@ -220,7 +220,7 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
     """Write a checkpoint for other tools: safetensors weights (inference, Hugging Face) or a DCP directory."""
     from pathlib import Path
 
-    from . import export
+    from .interop import export
 
     _must_exist(root)
     out = Path(dest)
@@ -255,8 +255,8 @@ def import_cmd(source: str, fmt: str, dest: str, step: int | None, force: bool, 
     CheckpointManager restore. Pickled items are refused, never unpickled."""
     import re
 
-    from . import dcp_import
-    from .offline_write import import_target, write_state
+    from .interop import dcp_import
+    from .interop.offline_write import import_target, write_state
 
     if step is None:
         found = re.search(r"(\d+)$", os.path.basename(os.path.normpath(source)))
@@ -306,7 +306,7 @@ def gc_cmd(root: str | None, keep: int | None, grace: float, orphans: bool, forc
     removed = disk.cleanup(min_age_s=grace)
     on_disk = complete_shards(disk)
     if not is_url(root):
-        from .sweep import durable_elsewhere
+        from .save.sweep import durable_elsewhere
 
         spaces = namespaces_of_root(os.path.realpath(root), memory_dir)
         removed += sweep_orphans(spaces, on_disk | durable_elsewhere(spaces), force=force)
@@ -317,7 +317,7 @@ def gc_cmd(root: str | None, keep: int | None, grace: float, orphans: bool, forc
 
 
 def _gc_orphans(memory_dir: str, force: bool, as_json: bool) -> None:
-    from .sweep import sweep_orphaned_jobs
+    from .save.sweep import sweep_orphaned_jobs
 
     removed, kept = sweep_orphaned_jobs(memory_dir, force=force)
     rows = {"removed": [{"namespace": str(o.namespace), "root": o.root, "bytes": o.bytes, "why": o.reason}

@@ -1,93 +1,13 @@
-"""Ranks under torch.distributed: agreeing on one decision, and a side channel for the drain.
+"""``ckpt.distributed``: what a torchrun training script uses directly (the documented path).
 
-Control traffic on the training thread runs on a dedicated gloo group, so it works
-beside NCCL and never queues behind the training's own collectives; it is called at
-the same point on every rank. The background drain never joins a collective: it
-talks through the job's key-value store (``store_connector``), one client connection
-per thread, so a blocking wait there never holds up anyone else.
+``init_process_group`` gives each torchrun round a process group of its own (a plain one
+can hang inside torch across restarts), ``exit_rank`` leaves without gloo's teardown;
+``Coordinator`` and ``store_connector`` (``ckpt.coordination``) are how the engine's ranks agree.
 """
 from __future__ import annotations
 
-import os
-import threading
-from datetime import timedelta
-from typing import Any, Callable
+from .coordination import Coordinator, store_connector
+from .recovery.leaving import exit_rank
+from .recovery.process_group import init_process_group
 
-import torch
-import torch.distributed as dist
-
-from .leaving import exit_rank
-from .process_group import init_process_group
-
-__all__ = ["Coordinator", "exit_rank", "init_process_group", "store_connector"]  # the first two: documented path
-
-
-class Coordinator:
-    """Rank, world size and the few collectives checkpointing needs; trivial when alone."""
-
-    def __init__(self) -> None:
-        self.active = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.active else 0
-        self.world_size = dist.get_world_size() if self.active else 1
-        # Its own gloo group with a bounded timeout: a dead peer fails a step-boundary
-        # agreement in seconds instead of hanging the survivors until the default 30 min.
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120)) if self.active else None
-
-    @property
-    def is_coordinator(self) -> bool:
-        return self.rank == 0
-
-    def _reduce(self, values: list[int], op: "dist.ReduceOp") -> list[int]:
-        if not self.active:
-            return values
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=op, group=self._group)
-        return t.tolist()
-
-    def any(self, *flags: bool) -> list[bool]:
-        """Each flag, true on every rank if it is true on any (one all-reduce for all)."""
-        return [bool(v) for v in self._reduce([int(f) for f in flags], dist.ReduceOp.MAX)]
-
-    def all(self, flag: bool) -> bool:
-        return bool(self._reduce([int(flag)], dist.ReduceOp.MIN)[0])
-
-    def max(self, value: int) -> int:
-        return self._reduce([value], dist.ReduceOp.MAX)[0]
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (small, trusted: our own ranks, never checkpoint bytes)."""
-        if not self.active:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
-
-    def barrier(self) -> None:
-        if self.active:
-            dist.barrier(group=self._group)
-
-
-def store_connector(namespace: str, timeout_s: float) -> Callable[[], "dist.Store"] | None:
-    """A function returning this thread's client of the job's store, keys under ``namespace``
-    (None when not distributed). Callers make ``namespace`` unique to one incarnation of
-    the job, agreed by all ranks (torchrun's restart count is not: it differs between
-    nodes after a membership change). Under torchrun and ``env://`` the store is the one
-    at MASTER_ADDR:MASTER_PORT, reached on a connection of the calling thread's own;
-    otherwise the default group's store is shared."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    prefix = f"ckpt-guard/{namespace}"
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    local = threading.local()
-
-    def connect() -> "dist.Store":
-        store = getattr(local, "store", None)
-        if store is None:
-            if host and port:
-                base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-            else:
-                base = dist.distributed_c10d._get_default_store()
-            store = local.store = dist.PrefixStore(prefix, base)
-        return store
-
-    return connect
+__all__ = ["Coordinator", "exit_rank", "init_process_group", "store_connector"]

@@ -18,32 +18,32 @@ import uuid
 from functools import partial
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from .checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
-from .commit import Committer, retention
-from .distributed import Coordinator, store_connector
-from .drain import SaveHandle
+from .coordination import Coordinator, store_connector
 from .errors import BackgroundError, CheckpointError
-from .fresh_start import JobListing, refuse_if_present, set_aside
-from .locations import object_store_tier
-from .metrics import CheckpointMetrics
-from .offload import Offloader
-from .ownership import claim_for_job
-from .plan import Inventory, shard_needs
-from .reshard import ReshardStats, load_values
-from .restarts import mark
-from .restore import log_restored, open_shard, restore_agreed
-from .save_path import SavePath
-from .shm_budget import check_room, lazy_optimizer_bytes, refusal_of
-from .state import flatten
-from .state_load import load_into
-from .sweep import remove_leftovers
+from .format.checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
+from .format.state import flatten
+from .recovery.restarts import mark
+from .restore.execute import log_restored, open_shard, restore_agreed
+from .restore.fresh_start import JobListing, refuse_if_present, set_aside
+from .restore.plan import Inventory, shard_needs
+from .restore.reshard import ReshardStats, load_values
+from .restore.state_load import load_into
+from .save.commit import Committer, retention
+from .save.drain import SaveHandle
+from .save.metrics import CheckpointMetrics
+from .save.offload import Offloader
+from .save.ownership import claim_for_job
+from .save.save_path import SavePath
+from .save.shm_budget import check_room, lazy_optimizer_bytes, refusal_of
+from .save.sweep import remove_leftovers
 from .tiers.base import CheckpointId, DurableTier, TierReader
 from .tiers.local import LocalDiskTier
+from .tiers.locations import object_store_tier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
 
 if TYPE_CHECKING:
-    from .manifest import ShardManifest
+    from .format.manifest import ShardManifest
     from .tiers.memory.slots import ShmSlot
 
 
@@ -317,7 +317,7 @@ class CheckpointManager:
 
     def list(self) -> list[dict]:
         """Every checkpoint: step, generation, time, size, the tiers holding it, and status."""
-        from .listing import merge_listing
+        from .restore.listing import merge_listing
 
         return merge_listing(self.tiers)
 

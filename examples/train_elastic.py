@@ -12,7 +12,7 @@ is how long a round waits for late nodes once ``--nnodes``' minimum is there,
 ``join_timeout`` how long it waits for that minimum. The restarted ranks then:
 
 * **restore the newest checkpoint, resharded**: saved by 16 ranks, read by 8; each rank
-  reads the parts of the saved shards that overlap its new ones (``ckpt/reshard.py``),
+  reads the parts of the saved shards that overlap its new ones (``ckpt/restore/reshard.py``),
   model and AdamW moments alike;
 * **keep the global batch**: each rank takes ``global_batch / world`` samples a step
   (the world size must divide it), so the optimisation is the same at any size;

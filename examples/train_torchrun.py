@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt  # noqa: E402
 from ckpt.distributed import exit_rank, init_process_group  # noqa: E402
-from ckpt.watchdog import HangDetection  # noqa: E402
+from ckpt.recovery.watchdog import HangDetection  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 

@@ -143,8 +143,8 @@ def rewrite_json(path: Path, change: Callable[[dict], None]) -> None:
     """Edit a manifest and re-sign it (self-CRC for manifest.json, the commit's CRC for a
     shard manifest): the result is *consistent* hostile input, so the checks under test
     are the semantic ones, not the checksums."""
-    from ckpt.checksum import crc32c_of
-    from ckpt.manifest import MANIFEST_FILE, dumps
+    from ckpt.format.checksum import crc32c_of
+    from ckpt.format.manifest import MANIFEST_FILE, dumps
 
     doc = json.loads(path.read_bytes())
     if path.name == MANIFEST_FILE:
@@ -169,8 +169,8 @@ def plant_shard_manifest(path: Path, raw: bytes) -> None:
     """Replace a shard manifest with ``raw`` (hostile bytes json.dumps cannot even make,
     e.g. 100,000-deep) and re-sign the commit's CRC of it, so the checks under test
     are the parser's, not the CRC's."""
-    from ckpt.checksum import crc32c_of
-    from ckpt.manifest import MANIFEST_FILE
+    from ckpt.format.checksum import crc32c_of
+    from ckpt.format.manifest import MANIFEST_FILE
 
     path.write_bytes(raw)
 

@@ -1,16 +1,16 @@
 """Child process for test_ckpt_hostile: check_restorable compares a DTensor by its local
 shard and tells DTensors from plain tensors. Runs alone because it starts a (one-rank,
 in-memory) process group, which would change how every later CheckpointManager in the
-test process sees the world. It leaves through exit_rank (ckpt/leaving.py)."""
+test process sees the world. It leaves through exit_rank (ckpt/recovery/leaving.py)."""
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ckpt.leaving import exit_rank
-from ckpt.state import flatten
-from ckpt.state_load import StateMismatch, check_restorable
+from ckpt.format.state import flatten
+from ckpt.recovery.leaving import exit_rank
+from ckpt.restore.state_load import StateMismatch, check_restorable
 from ckpt.tiers.memory.copier import plan_layout
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -202,7 +202,7 @@ def assert_ddp_resumes_exactly(module: str, tmp_path: Path, memory_dir: str, res
 
 def assert_crash_is_timed(module: str, tmp_path: Path, memory_dir: str) -> None:
     """Under torchrun (2 ranks) the last rank raises at step 6: the restart timing line
-    (``ckpt.restarts``) names the exception as the fault and counts the total from it."""
+    (``ckpt.recovery.restarts``) names the exception as the fault and counts the total from it."""
     script = REPO / "examples" / f"{module.rsplit('.', 1)[-1]}.py"
     log = torchrun(script, "--root", str(tmp_path / "crash"), "--memory-dir", memory_dir, "--faults", "6:raise",
                    restarts=1)

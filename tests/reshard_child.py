@@ -107,7 +107,7 @@ def check_strided_layout(world: int) -> None:
     (dp, tp) mesh): the recorded runs must name exactly the rows each rank holds."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from ckpt.layout import layout_of
+    from ckpt.format.layout import layout_of
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     full = torch.arange(11 * 3, dtype=torch.float32).reshape(11, 3)

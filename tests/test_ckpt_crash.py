@@ -16,7 +16,7 @@ import pytest
 
 from ckpt import CheckpointManager
 from ckpt.errors import CheckpointError, DamagedCheckpoint
-from ckpt.restore import read_shard
+from ckpt.restore.execute import read_shard
 from ckpt.tiers.memory import MemoryTier, memory_namespace
 from tests.ckpt_helpers import CrashServer, assert_same, disk_steps, leftovers, restored, step_state, steps_logged
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.dcp_reader import CheckpointReader
-from ckpt.export import model_weights
+from ckpt.interop.export import model_weights
 from tests.ckpt_helpers import flip_byte
 from tests.test_ckpt_cli import ckpt
 

@@ -15,10 +15,10 @@ import torch
 import ckpt
 from ckpt import CheckpointError, CheckpointManager
 from ckpt.errors import StateMismatch
-from ckpt.fresh_start import START_FRESH_ENV, JobListing, refuse_if_present
-from ckpt.locations import tiers_for
-from ckpt.plan import Inventory
+from ckpt.restore.fresh_start import START_FRESH_ENV, JobListing, refuse_if_present
+from ckpt.restore.plan import Inventory
 from ckpt.tiers.local import LocalDiskTier
+from ckpt.tiers.locations import tiers_for
 
 
 def model(width: int, seed: int = 0) -> torch.nn.Module:
@@ -56,7 +56,7 @@ def test_a_fresh_start_on_purpose_is_logged_and_its_saves_are_resumed(saved: Pat
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     other = model(5, seed=1)
     with CheckpointManager(saved, memory_dir=shm_dir) as mgr:
-        with caplog.at_level(logging.WARNING, logger="ckpt.fresh_start"):
+        with caplog.at_level(logging.WARNING, logger="ckpt.restore.fresh_start"):
             assert mgr.restore({"model": other, "epoch": 0}, fresh_ok=True) is None
         mgr.save(2, {"model": other, "epoch": 0}).wait()
     assert "STARTING FROM SCRATCH" in caplog.text and "model.weight" in caplog.text

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ckpt import CheckpointError, CheckpointManager, ManifestError
-from ckpt.checksum import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, check_chunk_bytes, chunk_checksums, crc32c_of
-from ckpt.manifest import (
+from ckpt.format.checksum import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, check_chunk_bytes, chunk_checksums, crc32c_of
+from ckpt.format.manifest import (
     MAX_COMMIT_BYTES,
     MAX_JSON_DEPTH,
     MAX_JSON_ITEMS,
@@ -34,8 +34,8 @@ from ckpt.manifest import (
     dumps,
     loads_bounded,
 )
-from ckpt.state import flatten, tensor_targets, unflatten
-from ckpt.state_load import StateMismatch, check_restorable, load_into
+from ckpt.format.state import flatten, tensor_targets, unflatten
+from ckpt.restore.state_load import StateMismatch, check_restorable, load_into
 from ckpt.tiers.memory.copier import plan_layout
 from tests.ckpt_helpers import REPO, assert_same, ckpt_dir, plant_shard_manifest, restored, rewrite_json, step_state
 from tests.ckpt_helpers import SAVED_NEWEST as NEWEST

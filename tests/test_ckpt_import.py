@@ -144,7 +144,7 @@ def test_metadata_naming_a_file_outside_the_directory_is_refused(tmp_path: Path)
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-    from ckpt.dcp_import import read_metadata
+    from ckpt.interop.dcp_import import read_metadata
 
     for name in ("../elsewhere", "..", "sub/x"):
         (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata(
@@ -178,7 +178,7 @@ def test_an_optimizer_that_has_not_stepped_imports_too(tmp_path: Path, root: Pat
 
 
 def test_planner_data_placing_an_item_at_a_huge_list_index_is_refused(tmp_path: Path, root: Path) -> None:
-    from ckpt.dcp_import import read_metadata
+    from ckpt.interop.dcp_import import read_metadata
 
     dcp_save({"model": Net(1).state_dict(), "sizes": [1, 2]}, tmp_path / "dcp")
     metadata = read_metadata(tmp_path / "dcp")

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 
 from ckpt import CheckpointError, CheckpointManager, ManifestError
-from ckpt.manifest import Manifest, ShardManifest
+from ckpt.format.manifest import Manifest, ShardManifest
 from tests.ckpt_helpers import (
     SAVED_NEWEST,
     assert_same,

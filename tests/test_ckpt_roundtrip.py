@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from ckpt import CheckpointError, CheckpointManager
-from ckpt.manifest import DTYPES
-from ckpt.plan import Inventory, RestorePlan, ShardNeed
-from ckpt.reshard import load_values
-from ckpt.restore import LOCAL, restore_agreed
-from ckpt.state import is_stateful
-from ckpt.state_load import load_into
+from ckpt.format.manifest import DTYPES
+from ckpt.format.state import is_stateful
+from ckpt.restore.execute import LOCAL, restore_agreed
+from ckpt.restore.plan import Inventory, RestorePlan, ShardNeed
+from ckpt.restore.reshard import load_values
+from ckpt.restore.state_load import load_into
 from ckpt.tiers.local import LocalDiskTier
 from tests.ckpt_helpers import assert_same, ckpt_dir, flip_byte, restored
 

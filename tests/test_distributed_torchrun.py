@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckpt import CheckpointManager
-from ckpt.ownership import owner_run
+from ckpt.save.ownership import owner_run
 from ckpt.tiers.local import LocalDiskTier
 from tests.integration_helpers import REPO, torchrun
 

@@ -1,4 +1,4 @@
-"""Hang detection (ckpt/watchdog.py) with real processes: torchrun (gloo, CPU, 2 ranks)
+"""Hang detection (ckpt/recovery/watchdog.py) with real processes: torchrun (gloo, CPU, 2 ranks)
 trains the example GPT; the fault injector SIGSTOPs rank 1 (alive and silent, as a rank
 on a dead GPU is); the watchdog names it, kills it, ends the job with EXIT_HUNG,
 torchrun restarts, and the final weights are bitwise equal to an uninterrupted run's.
@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from ckpt import CheckpointManager
 from ckpt.errors import Preempted
-from ckpt.heartbeat import NodeBeats
 from ckpt.integrations.loop import save_at_boundary
 from ckpt.integrations.urgency import SaveRequests
-from ckpt.watchdog import EXIT_HUNG, HangDetection, Watchdog
+from ckpt.recovery.heartbeat import NodeBeats
+from ckpt.recovery.watchdog import EXIT_HUNG, HangDetection, Watchdog
 from tests.integration_helpers import REPO, torchrun
 from tests.procs import wait_for
 
@@ -67,7 +67,7 @@ def test_stopped_rank_is_named_killed_and_the_job_resumes_exactly(slow_start: tu
     assert re.search(rf"exitcode: ({EXIT_HUNG}|-9)\b", log), log[-4000:]
     assert "watchdog: rank 1 (pid" in log and "is stopped (SIGSTOP or a debugger): no stack dump" in log, log[-4000:]
     assert "watchdog: SIGKILLed hung rank 1" in log, log[-4000:]
-    timing = json.loads(re.search(r"rank0 restart timing: (\{.*\})", log).group(1))  # ckpt.restarts
+    timing = json.loads(re.search(r"rank0 restart timing: (\{.*\})", log).group(1))  # ckpt.recovery.restarts
     assert timing["cause"].startswith("hang: frozen") and timing["total_s"] > 0, timing
     assert re.search(r"rank0 incarnation 1: first step 10\b", log), log[-3000:]
     assert json.loads((base / "hung.json").read_text())["digest"] == \
@@ -115,7 +115,7 @@ def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixt
         for _ in range(3):
             dogs[0].boundary()
         dogs[1].boundary()
-        with caplog.at_level("WARNING", logger="ckpt.watchdog"):
+        with caplog.at_level("WARNING", logger="ckpt.recovery.watchdog"):
             assert wait_for(lambda: exits, timeout=10), "rank 0 never declared the hang"
         assert exits == [EXIT_HUNG]
         assert any("rank 0: no step boundary for" in r.message for r in caplog.records), "a silent wait"

@@ -1,4 +1,4 @@
-"""Beats aggregated per node (ckpt/heartbeat.py): the job's store sees one write per
+"""Beats aggregated per node (ckpt/recovery/heartbeat.py): the job's store sees one write per
 node per interval and one "failed" check per node per poll, however many ranks a node
 runs, counted on a real TCPStore (no timing); a hung rank is still named by rank, and a
 stopped aggregator is replaced by the next rank of its node."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ckpt.heartbeat import STALE_BEATS, NodeBeats
-from ckpt.watchdog import EXIT_NODE_FAILED, HangDetection, Watchdog
+from ckpt.recovery.heartbeat import STALE_BEATS, NodeBeats
+from ckpt.recovery.watchdog import EXIT_NODE_FAILED, HangDetection, Watchdog
 
 NODES, PER_NODE = 2, 4
 OPTS = HangDetection(interval_s=0.05, poll_s=0.05, warmup_steps=0, deadline_s=60.0)

@@ -14,7 +14,7 @@ import pytest
 
 from ckpt.integrations.risk import RiskListener
 from ckpt.integrations.urgency import SaveRequests
-from ckpt.watchdog import EXIT_NODE_FAILED
+from ckpt.recovery.watchdog import EXIT_NODE_FAILED
 from tests.integration_helpers import REPO, torchrun
 from tests.predictor_fixtures import TOKENS, post
 from tests.procs import wait_for

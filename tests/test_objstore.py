@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from ckpt import BackgroundError, CheckpointError, CheckpointManager, DamagedCheckpoint
-from ckpt.locations import tiers_for
-from ckpt.ownership import RUN_MARKER
-from ckpt.retry import RetryPolicy
+from ckpt.format.verify import verify_shard
+from ckpt.save.ownership import RUN_MARKER
 from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.local import LocalDiskTier
+from ckpt.tiers.locations import tiers_for
 from ckpt.tiers.object_store import ObjectStoreTier
-from ckpt.verify import verify_shard
+from ckpt.tiers.retry import RetryPolicy
 
 PART = 5 << 20  # S3's smallest part, so small tensors already take the multipart path
 
@@ -237,7 +237,7 @@ def test_outage_mid_upload_training_goes_on_and_the_upload_is_retried(tmp_path, 
     """SIGSTOP the server while parts are in flight: save() keeps returning and the disk tier keeps
     up; after SIGCONT the upload is retried and completes. A watcher listing the store all the
     while never sees a checkpoint listed as complete that does not fully verify."""
-    caplog.set_level(logging.WARNING, logger="ckpt.retry")
+    caplog.set_level(logging.WARNING, logger="ckpt.tiers.retry")
     tier = s3_tier(s3_server, s3_bucket, timeout=1, request_timeout_s=3)
     watch = s3_tier(s3_server, s3_bucket)
     seen, torn, stop = set(), [], threading.Event()

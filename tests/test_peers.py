@@ -20,8 +20,8 @@ from ckpt.peers.remote import Held, RemoteTier
 from ckpt.peers.replicas import ReplicaSlots
 from ckpt.peers.replicator import ReplicaJob, Replicator
 from ckpt.peers.server import PeerServer
-from ckpt.plan import Inventory, ShardNeed
-from ckpt.restore import LOCAL, load_plan, open_shard, restore_agreed
+from ckpt.restore.execute import LOCAL, load_plan, open_shard, restore_agreed
+from ckpt.restore.plan import Inventory, ShardNeed
 from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.memory import MemoryTier, namespace_dir, sweep_orphans
 from ckpt.tiers.peer import PeerTier

@@ -1,4 +1,4 @@
-"""Every torchrun round gets a store of its own (ckpt.process_group): ranks find this
+"""Every torchrun round gets a store of its own (ckpt.recovery.process_group): ranks find this
 round's, past an address an earlier round left in the job's store, whatever their
 restart counts (which torchrun does not agree across nodes)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ckpt.process_group import round_store
+from ckpt.recovery.process_group import round_store
 from tests.procs import free_port
 
 

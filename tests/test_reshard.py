@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from ckpt import CheckpointManager
-from ckpt.checksum import crc32c_of
-from ckpt.layout import Layout
-from ckpt.manifest import Manifest, ManifestError, ShardManifest
-from ckpt.reshard import NotReshardable
+from ckpt.format.checksum import crc32c_of
+from ckpt.format.layout import Layout
+from ckpt.format.manifest import Manifest, ManifestError, ShardManifest
+from ckpt.restore.reshard import NotReshardable
 from ckpt.tiers.local import LocalDiskTier
 from ckpt.tiers.object_store import ObjectStoreTier
 from tests.integration_helpers import torchrun

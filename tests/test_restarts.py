@@ -1,11 +1,11 @@
-"""Restart timing (ckpt/restarts.py): records of the failing generation in a node's file,
+"""Restart timing (ckpt/recovery/restarts.py): records of the failing generation in a node's file,
 marks of the new one, phases that add up; a lost node's missing records merge phases."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ckpt.restarts import PHASES, RestartRecorder, previous_records, summarize
+from ckpt.recovery.restarts import PHASES, RestartRecorder, previous_records, summarize
 
 
 def test_phases_add_up_from_the_records_of_every_node(tmp_path: Path) -> None:

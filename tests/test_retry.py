@@ -5,7 +5,7 @@ import errno
 
 import pytest
 
-from ckpt.retry import RetryPolicy, is_transient
+from ckpt.tiers.retry import RetryPolicy, is_transient
 
 
 @pytest.mark.parametrize("exc", [ConnectionResetError(), TimeoutError(), OSError(errno.EIO, "I/O"),

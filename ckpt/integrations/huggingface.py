@@ -43,9 +43,9 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from ..errors import CheckpointError
-from ..export import HF_CONFIG_KEY
+from ..interop.export import HF_CONFIG_KEY
 from ..manager import CheckpointManager
-from ..watchdog import HangDetection, Watchdog, start_watchdog
+from ..recovery.watchdog import HangDetection, Watchdog, start_watchdog
 from .loop import save_at_boundary
 from .rng import RNGState
 from .urgency import SaveRequests

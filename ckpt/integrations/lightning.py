@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
-from ..watchdog import HangDetection, Watchdog, start_watchdog
+from ..recovery.watchdog import HangDetection, Watchdog, start_watchdog
 from .loop import save_at_boundary
 from .rng import RNGState
 from .urgency import SaveRequests

@@ -16,12 +16,12 @@ import threading
 from contextlib import nullcontext
 from typing import Any, Callable, Iterator, Mapping
 
-from ..drain import SaveHandle
 from ..errors import Preempted
 from ..manager import CheckpointManager
 from ..peers.placement import node_name
 from ..policy import IntervalPolicy
-from ..watchdog import HangDetection, Watchdog, on_node_failed, start_watchdog
+from ..recovery.watchdog import HangDetection, Watchdog, on_node_failed, start_watchdog
+from ..save.drain import SaveHandle
 from .risk import RiskListener, read_token
 from .urgency import SaveRequests
 

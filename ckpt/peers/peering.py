@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..distributed import Coordinator
-from ..drain import SaveHandle
+from ..coordination import Coordinator
 from ..errors import CheckpointError
-from ..fresh_start import JobListing
-from ..manifest import ShardManifest, ShardRef
-from ..plan import RestorePlan
+from ..format.manifest import ShardManifest, ShardRef
+from ..restore.fresh_start import JobListing
+from ..restore.plan import RestorePlan
+from ..save.drain import SaveHandle
 from ..tiers.base import CheckpointId, TierReader
 from ..tiers.memory import MemoryTier, namespace_dir
 from ..tiers.memory.namespace import slot_file_bytes

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checksum import crc32c_of
 from ..errors import DamagedCheckpoint
-from ..manifest import Manifest, ShardManifest, ShardRef
+from ..format.checksum import crc32c_of
+from ..format.manifest import Manifest, ShardManifest, ShardRef
 from ..tiers.base import CheckpointId, CheckpointInfo, ShardReader, TierReader
 from . import wire
 

@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from ..checksum import crc32c_of
 from ..errors import CheckpointError
-from ..manifest import ShardManifest
-from ..plan import ReadItem, read_items
+from ..format.checksum import crc32c_of
+from ..format.manifest import ShardManifest
+from ..format.read_items import ReadItem, read_items
+from ..format.verify import mismatch
 from ..tiers.memory.reader import SlotReader
 from ..tiers.memory.slots import SlotPool
-from ..verify import mismatch
 
 _RECV_STEP = 8 << 20  # bytes received between hand-offs to the checkers (wire.PIECE: one recv call)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from ..restore import DAMAGE
+from ..restore.execute import DAMAGE
 from ..tiers.base import ShardReader
 from . import wire
 from .priority import at_low_priority

@@ -15,8 +15,8 @@ import time
 from typing import Sequence
 
 from ..errors import CheckpointError
-from ..manifest import ShardManifest
-from ..restore import DAMAGE, open_shard
+from ..format.manifest import ShardManifest
+from ..restore.execute import DAMAGE, open_shard
 from ..tiers.base import CheckpointId, ShardReader, TierReader
 from . import wire
 from .priority import lower_this_thread

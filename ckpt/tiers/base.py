@@ -32,12 +32,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from ..checksum import crc32c_of
 from ..errors import DamagedCheckpoint, ManifestError
-from ..manifest import Manifest, ShardManifest, ShardRef
+from ..format.checksum import crc32c_of
+from ..format.manifest import Manifest, ShardManifest, ShardRef
+from ..format.shard_reader import ShardReader
+from ..format.verify import verify_shard
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 _DIR_RE = re.compile(r"^step-(\d{12})\.g(\d{1,9})$")
 
@@ -78,32 +80,6 @@ class CheckpointInfo:
         return self.error is None
 
 
-class ShardReader(ABC):
-    """Random access to one rank's data file, plus its parsed shard manifest."""
-
-    manifest: ShardManifest
-    location: str  # for messages: the data file's path or URL
-
-    @abstractmethod
-    def read_into(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the data file's bytes at ``offset``; raise if short."""
-
-    def view(self, offset: int, nbytes: int) -> memoryview | None:
-        """Zero-copy access where the bytes already sit in memory (the memory tier)."""
-        return None
-
-    def tensor(self, offset: int, nbytes: int) -> "torch.Tensor | None":
-        """The same bytes as ``view``, as a CPU uint8 tensor: the source of a device copy."""
-        return None
-
-    def expect(self, ranges: list[tuple[int, int]]) -> None:
-        """The (offset, nbytes) ranges that will be read, when not every tensor whole
-        (restore at another world size): a reader that fetches ahead fetches only these."""
-
-    def close(self) -> None:
-        """Release handles; memory readers re-check their seal here."""
-
-
 class TierReader(ABC):
     """The read role: what restore, ``ckpt ls`` and ``ckpt verify`` need of any tier."""
 
@@ -129,8 +105,6 @@ class TierReader(ABC):
     def verify(self, ckpt_id: CheckpointId, *, threads: int = 4, progress: Callable[[int], None] | None = None) -> bool:
         """Check every byte of every shard held here. False when a copy is sealed but has
         no checksums yet (a memory slot still draining); raises if damaged."""
-        from ..verify import verify_shard
-
         manifest = self.read_manifest(ckpt_id)
         for ref in manifest.shards:
             reader = self.open_shard(ckpt_id, ref)

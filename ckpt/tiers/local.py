@@ -12,11 +12,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..checksum import crc32c_of
 from ..errors import DamagedCheckpoint, ManifestError
-from ..fsutil import age_s, atomic_file, atomic_write, fsync_dir, pread_exact
-from ..manifest import MANIFEST_FILE, Manifest, ShardManifest, ShardRef
+from ..format.checksum import crc32c_of
+from ..format.manifest import MANIFEST_FILE, Manifest, ShardManifest, ShardRef
 from .base import CheckpointId, CheckpointInfo, DurableTier, ShardReader, check_shard, committed_info, parse_commit
+from .fsutil import age_s, atomic_file, atomic_write, fsync_dir, pread_exact
 
 WRITE_PIECE = 16 << 20
 VOLUME_FILE = ".ckpt-guard-volume"

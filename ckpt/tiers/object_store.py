@@ -15,12 +15,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..checksum import crc32c_of
 from ..errors import CheckpointError, DamagedCheckpoint, ManifestError
-from ..manifest import MANIFEST_FILE, Manifest, ShardRef, shard_manifest_file
-from ..retry import RetryPolicy
+from ..format.checksum import crc32c_of
+from ..format.manifest import MANIFEST_FILE, Manifest, ShardRef, shard_manifest_file
 from .base import CheckpointId, CheckpointInfo, DurableTier, ShardReader, check_shard, committed_info, parse_commit
 from .ranged import RangedReader
+from .retry import RetryPolicy
 from .uploads import open_store, uploader_for
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..manifest import Manifest, ShardRef
+from ..format.manifest import Manifest, ShardRef
 from .base import CheckpointId, CheckpointInfo, ShardReader, TierReader
 from .memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .memory.namespace import is_trusted, rank_dirs, read_owner

@@ -12,7 +12,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from ..manifest import ShardManifest
+from ..format.manifest import ShardManifest
 from .base import ShardReader
 
 Fetch = Callable[[int, int], bytes]  # (offset, nbytes) -> those bytes, from the store

@@ -24,7 +24,7 @@ from fsspec.asyn import sync
 from fsspec.core import split_protocol, url_to_fs
 from fsspec.exceptions import FSTimeoutError
 
-from ..retry import UNSUPPORTED_ERRNO, RetryPolicy
+from .retry import UNSUPPORTED_ERRNO, RetryPolicy
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ...manifest import DTYPE_NAMES, TensorEntry
+from ...format.manifest import DTYPE_NAMES, TensorEntry
 
 ALIGN = 64
 

@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ...bounded_json import loads_bounded
 from ...errors import CheckpointError, ManifestError
-from ...manifest import ShardManifest
+from ...format.bounded_json import loads_bounded
+from ...format.manifest import ShardManifest
 
 DEFAULT_SHM_DIR = "/dev/shm"
 OWNER_FILE = "owner.json"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import DamagedCheckpoint
-from ...manifest import ShardManifest
+from ...format.manifest import ShardManifest
 from ..base import ShardReader
 
 if TYPE_CHECKING:

@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 
 from ...errors import CheckpointError
-from ...fsutil import atomic_write
-from ...manifest import ManifestError, ShardManifest
+from ...format.manifest import ManifestError, ShardManifest
+from ..fsutil import atomic_write
 from .copier import TensorCopier
 from .namespace import OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_private
 

@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ...checksum import crc32c_of
 from ...errors import ManifestError
-from ...manifest import Manifest, ShardManifest, ShardRef
+from ...format.checksum import crc32c_of
+from ...format.manifest import Manifest, ShardManifest, ShardRef
 from ..base import CheckpointId, CheckpointInfo, ShardReader, TierReader
 from .namespace import is_trusted, rank_dir, read_private
 from .reader import SlotReader

@@ -1,0 +1,235 @@
+"""Flattening a training state into tensors + a JSON tree, and decoding it back (loading
+it into the live objects: ``state_load.py``).
+
+``flatten`` walks the user's state (modules, optimizers, anything with
+``state_dict()``, tensors, numpy arrays, plain values) and returns the tensors in
+order plus a JSON-able tree that refers to them by index. Plain values keep their
+types (tuples, big ints, bytes, numpy scalars, torch dtypes) through tagged JSON
+objects, so no pickle is ever needed: decoding only builds the types listed here.
+Nesting is bounded both ways (``manifest.MAX_JSON_DEPTH``): ``flatten`` refuses a
+state deeper than readers accept, and decoding a hostile tree raises ManifestError,
+never RecursionError.
+"""
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from .layout import Layout, layout_of
+from .manifest import DTYPE_NAMES, DTYPES, MAX_JSON_DEPTH, ManifestError
+
+try:  # DTensor (FSDP2, tensor parallel): each rank keeps its local shard
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = ()  # type: ignore[assignment,misc]
+
+_TAGS = ("__tensor__", "__dtensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__",
+         "__device__", "__size__", "__npscalar__")
+_NP_KINDS = set("biufc")
+_DEEPEST_TAG = 3  # {"__npscalar__": ["<c16", [re, im]]}: a value's encoding opens at most 3 levels
+
+
+@dataclass
+class FlatState:
+    tensors: list[tuple[str, torch.Tensor]]  # (path in the tree, tensor); index == id
+    tree: Any
+    layouts: dict[int, Layout] = field(default_factory=dict)  # a DTensor's id -> where its local shard lies
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The bytes this rank holds: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def flatten(state: Mapping[str, Any]) -> FlatState:
+    """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    layouts: dict[int, Layout] = {}
+    seen: dict[tuple, int] = {}  # tied weights (same memory, same view) are stored once
+
+    def enc(obj: Any, path: str, depth: int) -> Any:
+        """``depth``: the JSON nesting ``obj``'s encoding sits at in the shard manifest."""
+        if depth + _DEEPEST_TAG > MAX_JSON_DEPTH:
+            raise CheckpointError(f"{path}: the state is nested too deeply to checkpoint "
+                                  f"(readers accept {MAX_JSON_DEPTH} levels of JSON)")
+        if isinstance(obj, DTensor):
+            index = enc(obj.to_local(), path, depth)["__tensor__"]
+            layouts[index] = layout_of(obj, path)
+            return {"__dtensor__": index}
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
+                raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
+            if obj.dtype not in DTYPE_NAMES:
+                raise CheckpointError(f"{path}: unsupported dtype {obj.dtype}")
+            key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride())
+            if obj.numel() and key in seen:
+                return {"__tensor__": seen[key]}
+            tensors.append((path, obj.detach().resolve_conj().resolve_neg()))
+            seen[key] = len(tensors) - 1
+            return {"__tensor__": len(tensors) - 1}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in _NP_KINDS:
+                raise CheckpointError(f"{path}: numpy arrays of dtype {obj.dtype} are not supported")
+            # ascontiguousarray turns a 0-d array into shape (1,); keep the shape
+            tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))))
+            return {"__ndarray__": len(tensors) - 1}
+        if is_stateful(obj):
+            return enc(obj.state_dict(), path, depth)
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, np.generic):
+            if obj.dtype.kind not in _NP_KINDS:
+                raise CheckpointError(f"{path}: numpy scalar of dtype {obj.dtype} is not supported")
+            return {"__npscalar__": [obj.dtype.str,
+                                     obj.item() if obj.dtype.kind != "c" else [obj.real.item(), obj.imag.item()]]}
+        if isinstance(obj, (int, float)):
+            return obj
+        if isinstance(obj, bytes):
+            return {"__bytes__": base64.b64encode(obj).decode()}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": DTYPE_NAMES[obj]}
+        if isinstance(obj, torch.device):
+            return {"__device__": str(obj)}
+        if isinstance(obj, torch.Size):
+            return {"__size__": list(obj)}
+        if isinstance(obj, tuple):
+            return {"__tuple__": [enc(v, f"{path}.{i}", depth + 2) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [enc(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in obj):
+                return {k: enc(v, f"{path}.{k}" if path else k, depth + 1) for k, v in obj.items()}
+            return {"__dict__": [[enc(k, f"{path}.<key>", depth + 3), enc(v, f"{path}.{k}", depth + 3)]
+                                 for k, v in obj.items()]}
+        raise CheckpointError(f"{path or '<root>'}: cannot checkpoint a value of type {type(obj).__name__}")
+
+    tree = enc(dict(state), "", 1)  # the tree is a member of the shard manifest's top object
+    return FlatState(tensors, tree, layouts)
+
+
+def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
+    """Rebuild plain values from a (possibly hostile) tree; ``tensor(i)`` supplies tensor i."""
+    return decode_tree(tree, lambda tag, i: tensor(i).numpy() if tag == "__ndarray__" else tensor(i))
+
+
+def decode_tree(tree: Any, leaf: Callable[[str, int], Any]) -> Any:
+    """Decode a tree; ``leaf(tag, i)`` stands for the tensor or array with id ``i``."""
+
+    def dec(node: Any, depth: int) -> Any:
+        if depth > MAX_JSON_DEPTH:
+            raise ManifestError(f"checkpoint tree is nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, list):
+            return [dec(v, depth + 1) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if len(node) == 1:
+            (tag, val), = node.items()
+            if tag in _TAGS:
+                return _decode_tag(tag, val, lambda v: dec(v, depth + 1), leaf)
+        return {k: dec(v, depth + 1) for k, v in node.items()}
+
+    return dec(tree, 0)
+
+
+def _decode_tag(tag: str, val: Any, dec: Callable[[Any], Any], leaf: Callable[[str, int], Any]) -> Any:
+    try:
+        if tag in ("__tensor__", "__dtensor__", "__ndarray__"):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"tensor id {val!r}")
+            return leaf(tag, val)
+        if tag == "__tuple__":
+            return tuple(dec(v) for v in val)
+        if tag == "__bytes__":
+            return base64.b64decode(val, validate=True)
+        if tag == "__dict__":
+            return {_hashable(dec(k)): dec(v) for k, v in val}
+        if tag == "__dtype__":
+            return DTYPES[val]
+        if tag == "__device__":
+            return torch.device(val)
+        if tag == "__size__":
+            return torch.Size(int(v) for v in val)
+        if tag == "__npscalar__":
+            dtype = np.dtype(val[0])
+            if dtype.kind not in _NP_KINDS:
+                raise ValueError(f"numpy dtype {dtype}")
+            value = complex(*val[1]) if dtype.kind == "c" else val[1]
+            return np.array(value, dtype=dtype)[()]
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise ManifestError(f"bad {tag} value in checkpoint tree: {e}") from None
+    raise AssertionError(tag)
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        raise ValueError("dict key decodes to a list")
+    return key
+
+
+def tensor_targets(state: Mapping[str, Any], tree: Any, *, any_kind: bool = False) -> dict[int, torch.Tensor]:
+    """Existing tensors in ``state`` (module parameters, optimizer moments, DTensor
+    shards) that the tensor ids of ``tree`` correspond to.
+
+    Reading straight into them avoids a second copy and the page faults of fresh
+    memory; load_state_dict then sees the same storage and its copy is a no-op.
+    """
+    targets: dict[int, torch.Tensor] = {}
+
+    def walk(target: Any, node: Any, depth: int) -> None:
+        if depth > MAX_JSON_DEPTH:
+            raise ManifestError(f"checkpoint tree is nested deeper than {MAX_JSON_DEPTH} levels")
+        if is_stateful(target):
+            walk(target.state_dict(), node, depth + 1)
+        elif isinstance(target, torch.Tensor) and isinstance(node, dict) and len(node) == 1:
+            (tag, ref), = node.items()
+            kinds = ("__tensor__", "__dtensor__") if any_kind else ("__dtensor__" if isinstance(target, DTensor)
+                                                                    else "__tensor__",)
+            if tag in kinds and isinstance(ref, int):
+                targets[ref] = target.detach()
+        elif isinstance(target, Mapping) and isinstance(node, dict):
+            if set(node) == {"__dict__"} and isinstance(node["__dict__"], list):
+                pairs = {}
+                for kv in node["__dict__"]:
+                    try:
+                        pairs[_hashable(unflatten(kv[0], _no_tensor))] = kv[1]
+                    except (ManifestError, ValueError, TypeError, IndexError):
+                        continue
+                node = pairs
+            for k, sub in node.items():
+                if k in target:
+                    walk(target[k], sub, depth + 1)
+        elif isinstance(target, (list, tuple)):
+            items = node.get("__tuple__") if isinstance(node, dict) else node
+            if isinstance(items, list):
+                for t, n in zip(target, items):
+                    walk(t, n, depth + 1)
+
+    walk(state, tree, 0)
+    return targets
+
+
+def _no_tensor(i: int) -> torch.Tensor:
+    raise ValueError("tensor used as a dict key")
+
+
+def tree_holds(tree: Any, tag: str) -> bool:
+    """Whether a saved tree holds a value tagged ``tag`` (e.g. ``__dtensor__``), without recursion."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if len(node) == 1 and tag in node:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False

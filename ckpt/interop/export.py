@@ -1,0 +1,130 @@
+"""Handing a checkpoint to other tools.
+
+* ``safetensors``: the model's weights, unsharded, as inference and evaluation stacks
+  load them (Hugging Face's layout: ``model.safetensors``, or numbered shards plus
+  ``model.safetensors.index.json`` when larger than ``max_shard_bytes``). DDP's
+  ``module.`` and ``torch.compile``'s ``_orig_mod.`` prefixes are dropped; tied weights
+  are written under every name they have, so a strict ``load_state_dict`` works. A
+  checkpoint that carries a Hugging Face config (the HF callback saves it) also gets its
+  ``config.json``: the directory is then what ``from_pretrained`` loads.
+* ``dcp``: the whole state as a ``torch.distributed.checkpoint`` directory, for
+  ``dcp.load`` (torchtitan, FSDP2 users); DCP stores plain values its own way.
+
+Only checkpoints whose weights are whole on one shard are exported (single process,
+or DDP-replicated): a checkpoint of sharded DTensors (FSDP2, tensor parallel) needs the
+global layout that resharding records, and is refused with a message saying so.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..errors import CheckpointError
+from ..format.state import tree_holds
+
+MODEL_KEYS = ("model", "state_dict")  # ckpt.resumable and the HF callback; Lightning
+PREFIXES = ("module.", "_orig_mod.")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default
+HF_CONFIG_KEY = "hf_config"  # the model's config.json as a string (integrations/huggingface.py saves it)
+
+
+def model_key(values: Mapping[str, Any], key: str | None = None) -> str:
+    """Which top-level entry holds the model's weights."""
+    if key is not None:
+        if key not in values:
+            raise CheckpointError(f"the checkpoint has no {key!r}; it has {sorted(values)}")
+        return key
+    found = next((k for k in MODEL_KEYS if isinstance(values.get(k), Mapping)), None)
+    if found is None:
+        raise CheckpointError(f"no model weights under {' or '.join(MODEL_KEYS)}; pass --key (one of {sorted(values)})")
+    return found
+
+
+def model_weights(values: Mapping[str, Any], tree: Any, key: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors by their state-dict names, whole, contiguous, on the CPU."""
+    key = model_key(values, key)
+    if isinstance(tree, dict) and tree_holds(tree.get(key), "__dtensor__"):
+        raise CheckpointError(f"{key!r} holds sharded DTensors (FSDP2 / tensor parallel): exporting them whole needs "
+                              "the global layout that restore at another world size records; not supported yet")
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, t in _tensors(values[key]):
+        for prefix in PREFIXES:
+            name = name.removeprefix(prefix)
+        if name in out:
+            raise CheckpointError(f"two weights named {name!r} once prefixes are dropped")
+        t = t.detach().cpu().contiguous()
+        if t.untyped_storage().data_ptr() in storages:
+            t = t.clone()  # a tied weight: safetensors stores no shared memory
+        storages.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    if not out:
+        raise CheckpointError(f"{key!r} holds no tensors")
+    return out
+
+
+def _tensors(node: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(node, torch.Tensor):
+        yield prefix, node
+    elif isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+
+
+def write_safetensors(weights: Mapping[str, torch.Tensor], out: Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                      metadata: Mapping[str, str] | None = None) -> list[Path]:
+    """One file, or shards of at most ``max_shard_bytes`` (a bigger tensor alone) and an index."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt", **(metadata or {})}
+    if len(shards) == 1:
+        path = out / "model.safetensors"
+        save_file(shards[0], str(path), metadata=meta)
+        return [path]
+    paths = [out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for shard, path in zip(shards, paths):
+        save_file(shard, str(path), metadata=meta)
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+             "weight_map": {name: p.name for shard, p in zip(shards, paths) for name in shard}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    return [*paths, out / "model.safetensors.index.json"]
+
+
+def write_hf_config(values: Mapping[str, Any], out: Path) -> Path | None:
+    """``config.json`` from the checkpoint's Hugging Face config, when it carries one."""
+    raw = values.get(HF_CONFIG_KEY)
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"the checkpoint's {HF_CONFIG_KEY!r} is not a JSON object")
+    path = out / "config.json"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def write_dcp(values: Mapping[str, Any], out: Path) -> None:
+    """The whole state as a torch.distributed.checkpoint directory (single process)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(values), checkpoint_id=str(out))

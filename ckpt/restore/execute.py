@@ -1,0 +1,248 @@
+"""The one restore path: agree on the newest checkpoint every rank can read, read it
+(each shard from its fastest sound source), agree that every rank succeeded, else
+skip that checkpoint, say why, and try the next.
+
+A single process is the one-rank case (``LOCAL``), so ``CheckpointManager.restore``,
+``ckpt.load`` and ``ckpt restore`` all go through ``restore_agreed``; only what is done
+with a plan differs (load into a state, or copy into another tier).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext, suppress
+from functools import partial
+from typing import Any, Callable, Mapping, Protocol, TypeVar
+
+from ..errors import CheckpointError, DamagedCheckpoint, ManifestError, StateMismatch
+from ..format.manifest import ShardManifest
+from ..format.verify import Progress
+from ..tiers.base import CheckpointId, ShardReader, TierReader
+from .plan import Inventory, Needs, RestorePlan, ShardNeed, ShardPlan, plans
+
+log = logging.getLogger(__name__)
+
+#: "This copy is damaged, try the next": the one list, for every restore and verify.
+DAMAGE = (DamagedCheckpoint, ManifestError, OSError, EOFError)
+T = TypeVar("T")
+
+
+class Agreement(Protocol):
+    """What restore needs of the ranks (``distributed.Coordinator``; ``LOCAL`` when alone)."""
+
+    world_size: int
+
+    def gather(self, obj: Any) -> list[Any]: ...
+
+    def all(self, flag: bool) -> bool: ...
+
+    def any(self, *flags: bool) -> list[bool]: ...
+
+
+class _Alone:
+    world_size = 1
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def all(self, flag: bool) -> bool:
+        return flag
+
+    def any(self, *flags: bool) -> list[bool]:
+        return list(flags)
+
+
+LOCAL: Agreement = _Alone()
+
+
+def restore_agreed(coord: Agreement, inventory: Inventory, needs: Needs,
+                   execute: Callable[[RestorePlan], T], *, step: int | None = None,
+                   on_skip: Callable[[CheckpointId, str], None] | None = None) -> tuple[RestorePlan, T] | None:
+    """Run ``execute`` on the newest plan that succeeds on every rank; None when no
+    checkpoint is there. Each checkpoint skipped is logged with its reason (and passed to
+    ``on_skip``). Raises CheckpointError when checkpoints exist but none can be read
+    (every one damaged). ``inventory`` is what the tiers list, fastest first (the caller
+    may keep it to explain, when nothing is found, what was there)."""
+    rejected: dict[CheckpointId, str] = {}
+    while True:
+        mine = plans(inventory, needs, step, skip=rejected)
+        common = set.intersection(*(set(ids) for ids in coord.gather([p.ckpt_id for p in mine])))
+        if not common:
+            _nothing_left(coord, step, rejected)
+            return None
+        chosen = next(p for p in mine if p.ckpt_id == max(common))
+        result: T | None = None
+        error: str | None = None
+        mismatch: StateMismatch | None = None
+        try:
+            result = execute(chosen)
+        except StateMismatch as e:  # the job's state is wrong, not the checkpoint: no fallback
+            error, mismatch = str(e), e
+        except (CheckpointError, *DAMAGE) as e:
+            error = str(e)
+        failed, mismatched = coord.any(error is not None, mismatch is not None)
+        if mismatched:
+            raise mismatch or StateMismatch(f"step {chosen.ckpt_id.step}: another rank's state does not match "
+                                            "the checkpoint (see its log)")
+        if not failed:
+            return chosen, result  # type: ignore[return-value]
+        reason = error or "another rank could not read it"
+        log.warning("skipping step %d (generation %d): %s", chosen.ckpt_id.step, chosen.ckpt_id.generation, reason)
+        if on_skip is not None:
+            on_skip(chosen.ckpt_id, reason)
+        rejected[chosen.ckpt_id] = reason
+
+
+def _nothing_left(coord: Agreement, step: int | None, rejected: dict[CheckpointId, str]) -> None:
+    """After the last candidate: raise (on every rank alike) if checkpoints were there."""
+    if coord.any(bool(rejected))[0]:
+        what = "" if step is None else f" for step {step}"
+        lines = [f"step {i.step} (generation {i.generation}): {why}"
+                 for i, why in sorted(rejected.items(), reverse=True)]
+        raise CheckpointError(f"no valid checkpoint{what}; every candidate is damaged:\n  " + "\n  ".join(lines or
+                              ["(on another rank)"]))
+
+
+def log_restored(plan: RestorePlan, seconds: float, rank: int, world_size: int) -> None:
+    """One line per rank saying where each shard came from: the first question after a restart."""
+    if world_size == 1:
+        first = plan.shards[0].sources[0]
+        log.info("restored step %d from %s (%s) in %.2f s", plan.ckpt_id.step, first.name, first.location, seconds)
+    else:
+        sources = ", ".join(f"shard {s.rank} from {s.sources[0].name}" for s in plan.shards)
+        log.info("rank %d restored step %d (%s) in %.2f s", rank, plan.ckpt_id.step, sources, seconds)
+
+
+class OpenShards:
+    """One restore's saved shards, each opened once (its manifest read and parsed once): the
+    layout check before any byte lands (``manifest``) and the read (``take``) share the
+    reader. Whoever takes a reader reads and closes it inside that shard's fallback (a
+    memory slot re-checks its seal at close); leaving the block closes those never read."""
+
+    def __init__(self, ckpt_id: CheckpointId) -> None:
+        self.ckpt_id = ckpt_id
+        self._open: dict[tuple[TierReader, int], ShardReader] = {}
+
+    def manifest(self, tier: TierReader, rank: int) -> ShardManifest:
+        if (tier, rank) not in self._open:
+            self._open[(tier, rank)] = open_shard(tier, self.ckpt_id, rank)
+        return self._open[(tier, rank)].manifest
+
+    def take(self, tier: TierReader, rank: int) -> ShardReader:
+        reader = self._open.pop((tier, rank), None)
+        return reader if reader is not None else open_shard(tier, self.ckpt_id, rank)
+
+    def __enter__(self) -> "OpenShards":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for reader in self._open.values():
+            with suppress(*DAMAGE):  # nothing was read from it
+                reader.close()
+        self._open.clear()
+
+
+def read_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, *, state: Mapping[str, Any] | None = None,
+               threads: int = 4, progress: Progress | None = None, opened: OpenShards | None = None) -> dict:
+    """Read and verify one saved rank's shard; tensors land in ``state``'s own tensors where they fit."""
+    from ..format.state import tensor_targets, unflatten
+    from ..format.tensor_io import read_tensors
+
+    reader = opened.take(tier, rank) if opened is not None else open_shard(tier, ckpt_id, rank)
+    try:
+        targets = tensor_targets(state, reader.manifest.tree) if state is not None else {}
+        tensors = read_tensors(reader, targets, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
+        values = unflatten(reader.manifest.tree, lambda i: tensors[i])
+    finally:
+        reader.close()
+    if not isinstance(values, dict):
+        raise ManifestError(f"step {ckpt_id.step}: the checkpoint's top level is not a dict")
+    return values
+
+
+def open_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int) -> ShardReader:
+    ref = next((s for s in tier.read_manifest(ckpt_id).shards if s.rank == rank), None)
+    if ref is None:
+        raise FileNotFoundError(f"step {ckpt_id.step}: rank {rank}'s shard is not in {tier.location}")
+    return tier.open_shard(ckpt_id, ref)
+
+
+def first_sound(shard: ShardPlan, ckpt_id: CheckpointId, read: Callable[[TierReader], T]) -> T:
+    """``read`` from the shard's sources in order, past damaged ones (each logged)."""
+    failures = []
+    for tier in shard.sources:
+        try:
+            return read(tier)
+        except DAMAGE as e:
+            log.warning("step %d: shard %d in %s (%s) is damaged: %s", ckpt_id.step, shard.rank, tier.name,
+                        tier.location, e)
+            failures.append(f"{tier.name}: {e}")
+    raise CheckpointError(f"no valid copy of shard {shard.rank} of step {ckpt_id.step} ({'; '.join(failures)})")
+
+
+def load_plan(plan: RestorePlan, state: Mapping[str, Any] | None, *, threads: int = 4,
+              progress: Progress | None = None, opened: OpenShards | None = None) -> dict:
+    """Execute ``plan`` into plain values (tensors in ``state``'s own where they fit).
+    With a ``state``, every shard's layout is checked against the part of the state it
+    covers before any byte is read into it: a mismatch changes nothing. ``opened``: shards
+    the caller has opened already (and closes)."""
+    values: dict = {}
+    with nullcontext(opened) if opened is not None else OpenShards(plan.ckpt_id) as opened:
+        if state is not None:
+            check_plan(plan, state, opened)
+        for shard in plan.shards:
+            got = first_sound(shard, plan.ckpt_id, partial(read_shard, ckpt_id=plan.ckpt_id, rank=shard.rank,
+                                                           state=state, threads=threads, progress=progress,
+                                                           opened=opened))
+            values.update(got if shard.keys is None else {k: v for k, v in got.items() if k in shard.keys})
+    return values
+
+
+def shard_manifest(shard: ShardPlan, ckpt_id: CheckpointId, opened: OpenShards | None = None) -> ShardManifest:
+    """The saved shard's manifest, from its first sound source (no tensor bytes read); with
+    ``opened``, that source stays open for the read."""
+    if opened is not None:
+        return first_sound(shard, ckpt_id, partial(opened.manifest, rank=shard.rank))
+    reader = first_sound(shard, ckpt_id, partial(open_shard, ckpt_id=ckpt_id, rank=shard.rank))
+    try:
+        return reader.manifest
+    finally:
+        reader.close()
+
+
+def check_plan(plan: RestorePlan, state: Mapping[str, Any], opened: OpenShards | None = None) -> None:
+    """Raise StateMismatch unless each shard's saved layout fits the state keys it covers
+    (a shard with ``keys`` covers those; the others cover the rest)."""
+    from .state_load import check_restorable
+
+    elsewhere = set().union(*(s.keys for s in plan.shards if s.keys is not None))
+    for shard in plan.shards:
+        covered = shard.keys if shard.keys is not None else {k for k in state if k not in elsewhere}
+        manifest = shard_manifest(shard, plan.ckpt_id, opened)
+        tree = manifest.tree
+        if shard.keys is not None and isinstance(tree, dict):
+            tree = {k: v for k, v in tree.items() if k in shard.keys}
+        check_restorable({k: v for k, v in state.items() if k in covered}, tree, manifest.tensors)
+
+
+def load(location: str, step: int | None = None, *, run: str | None = None) -> dict:
+    """Read a checkpoint into plain tensors and values, without any training objects
+    (inspection, export, inference): rank 0's shard of the newest valid one, or of ``step``."""
+    return read(location, step, run=run)[1]
+
+
+def read(location: str, step: int | None = None, *, run: str | None = None) -> tuple[CheckpointId, dict, Any]:
+    """``load``, with the checkpoint's id and its tree (export needs the layout); the
+    shard is opened once for both."""
+    from ..tiers.locations import tiers_for
+
+    def execute(plan: RestorePlan) -> tuple[dict, Any]:
+        with OpenShards(plan.ckpt_id) as opened:
+            tree = shard_manifest(plan.shards[0], plan.ckpt_id, opened).tree
+            return load_plan(plan, None, opened=opened), tree
+
+    found = restore_agreed(LOCAL, Inventory(tiers_for(location, run=run)), lambda world: [ShardNeed(0)], execute,
+                           step=step)
+    if found is None:
+        raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
+    plan, (values, tree) = found
+    return plan.ckpt_id, values, tree

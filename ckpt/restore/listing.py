@@ -1,0 +1,43 @@
+"""One row per checkpoint across tiers: what ``ckpt ls`` and ``CheckpointManager.list`` show.
+
+``peer`` in a row: the saved ranks whose shards of that step this node holds as peer
+replicas for other nodes (``peer_bytes`` of them); a step held here only as such
+replicas has status "replica"."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..tiers.base import CheckpointId, TierReader
+from ..tiers.memory import MemoryTier
+from ..tiers.memory.namespace import slot_file_bytes
+from ..tiers.peer import PeerTier
+
+
+def merge_listing(tiers: Sequence[TierReader]) -> list[dict]:
+    """Step, generation, time, size, the tiers holding it and its status; newest last."""
+    rows: dict[CheckpointId, dict] = {}
+    for tier in tiers:
+        for info in tier.list():
+            row = rows.setdefault(info.id, {"step": info.id.step, "generation": info.id.generation,
+                                            "created": info.created, "bytes": info.bytes, "tiers": [], "damaged": {},
+                                            "peer": [], "peer_bytes": 0})
+            if info.complete and tier.name == "peer":
+                row["peer"] = sorted(set(row["peer"]) | info.ranks)
+                row["peer_bytes"] += info.bytes
+            if info.complete:
+                if tier.name not in row["tiers"]:
+                    row["tiers"].append(tier.name)
+                row["bytes"] = max(row["bytes"], info.bytes)
+            else:
+                row["damaged"][tier.name] = info.error
+    for row in rows.values():
+        row["status"] = ("replica" if row["tiers"] == ["peer"] else "complete") if row["tiers"] else "damaged"
+    return [rows[k] for k in sorted(rows)]
+
+
+def shm_usage(tiers: Sequence[TierReader]) -> dict[str, int]:
+    """Bytes of shared memory the slot files of these tiers take on this node: the job's
+    own slots ("memory") and the replica slots it holds for other nodes ("peer")."""
+    own = {t.dir.parent for t in tiers if isinstance(t, MemoryTier)}
+    return {"memory": sum(slot_file_bytes(ns) for ns in own),
+            "peer": sum(slot_file_bytes(t.ns) for t in tiers if isinstance(t, PeerTier))}

@@ -1,0 +1,182 @@
+"""Restore at another world size: a checkpoint saved by N ranks, read into M.
+
+What a torchtitan user expects of DCP's resharding, through our sources and checksums:
+
+* **Sharded tensors** (DTensors: FSDP2, tensor parallel) land in this rank's new local
+  shards. The plan (``plan.reshard_reads``) lists the saved chunks overlapping each of them;
+  only those are read (whole checksum chunks, each verified before a byte is copied) and
+  the overlap is copied straight into the local shard: nothing is gathered whole.
+* **Everything else** (plain tensors: a DDP or ``replicated=`` model, the optimizer's step;
+  plain values) comes from saved rank 0's shard, which holds every key (the replicated
+  ones included), as DCP keeps one copy of what is not sharded. A value that differed per
+  rank (a per-rank RNG state, a data position) is rank 0's: the loop helper re-derives
+  those for the new world size.
+* A tensor saved sharded may be restored unsharded (M = 1 without a mesh) and the reverse,
+  and a model saved under DDP (``module.``) or torch.compile (``_orig_mod.``) into one
+  without, or the reverse.
+* **Optimizer state** follows its parameter: FSDP2's moments are DTensors laid out like
+  their parameters, matched by parameter name (``optim_names.py``), not by position. An
+  optimizer that has not stepped has no moments to read into, so its state is created
+  first (zero gradients at lr 0, as ``get_state_dict`` does).
+
+Checkpoints whose manifests (format 1.1) do not record where sharded tensors lie are
+refused with the reason; the state is checked whole (global shapes) before any byte is read.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from itertools import groupby
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import StateMismatch
+from ..format.layout import Layout, full_layout, layout_of
+from ..format.manifest import ShardManifest
+from ..format.read_items import ChunkRead
+from ..format.state import DTensor, local_tensor, tensor_targets, tree_holds, unflatten
+from ..format.tensor_io import read_chunks, read_tensors
+from ..tiers.base import CheckpointId, TierReader
+from .execute import OpenShards, first_sound, load_plan, shard_manifest
+from .optim_names import renumber
+from .plan import RestorePlan, canonical_path, reshard_reads
+from .state_load import check_restorable
+
+log = logging.getLogger(__name__)
+
+
+class NotReshardable(StateMismatch):
+    """The checkpoint cannot be restored at this world size (it predates the layout record):
+    raised on every rank, with no fallback to an older step, which would not help."""
+
+
+@dataclass
+class ReshardStats:
+    saved_world: int
+    bytes_needed: int  # this rank's new shards plus the unsharded values
+    bytes_read: int  # whole checksum chunks covering them
+
+    @property
+    def amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+def load_values(plan: RestorePlan, state: dict, rank: int, world_size: int, *,
+                threads: int = 4) -> tuple[dict, ReshardStats | None]:
+    """Values for ``load_into`` on ``rank`` of a job of ``world_size``: at the saving world size
+    its whole shards, at another the overlaps (with what resharding read; None when it did not)."""
+    if plan.world_size == world_size:
+        create_optimizer_state(state, sharded_only=True)  # FSDP2's moments must be DTensors to read into
+        return load_plan(plan, state, threads=threads), None
+    return load_resharded(plan, state, rank, threads=threads)
+
+
+def load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, *,
+                   threads: int = 4) -> tuple[dict, ReshardStats]:
+    """Execute ``plan`` (every saved shard, ``plan.world_size`` of them) into ``state``'s own
+    tensors on this ``rank``; returns the values for ``load_into`` and what was read. Each
+    saved shard is opened once: its manifest for the checks and plan, then its bytes."""
+    with OpenShards(plan.ckpt_id) as opened:
+        return _load_resharded(plan, state, rank, threads, opened)
+
+
+def _load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, threads: int,
+                    opened: OpenShards) -> tuple[dict, ReshardStats]:
+    ckpt_id = plan.ckpt_id
+    shards = {s.rank: s for s in plan.shards}
+    manifests = {r: shard_manifest(s, ckpt_id, opened) for r, s in shards.items()}
+    first = manifests[0]
+    _require_layouts(manifests, ckpt_id)
+    renumber(manifests, state)
+    _align_module_keys(first.tree, state)
+    check_restorable(state, first.tree, first.tensors, whole=True)
+    create_optimizer_state(state)  # after the check: a mismatch leaves the optimizer as it was
+    targets = tensor_targets(state, first.tree, any_kind=True)
+    by_id = {e.id: e for e in first.tensors}
+    unplaced = [by_id[i].path for i in by_id if by_id[i].layout is not None and i not in targets]
+    if unplaced:
+        raise StateMismatch(f"step {ckpt_id.step}: no tensor in the state to hold the new shard of "
+                            f"{', '.join(unplaced[:5])}{' ...' if len(unplaced) > 5 else ''}")
+    sharded = {i: t for i, t in targets.items() if by_id[i].layout is not None or isinstance(t, DTensor)}
+    layouts: dict[str, Layout] = {by_id[i].path: _layout(t, by_id[i].path) for i, t in sharded.items()}
+    dests = {by_id[i].path: _local(t) for i, t in sharded.items()}
+    reads = reshard_reads(manifests, layouts, rank)
+    plain_ids = {i for i in by_id if i not in sharded}
+    by_rank = {r: list(group) for r, group in groupby(sorted(reads, key=lambda rd: rd.rank), key=lambda rd: rd.rank)}
+    plain: list[torch.Tensor | None] = []
+    read_bytes = sum(by_id[i].nbytes for i in plain_ids)
+    for r in sorted(by_rank.keys() | {0}):
+        got, n = first_sound(shards[r], ckpt_id, partial(_read_saved, opened=opened, rank=r, reads=by_rank.get(r, []),
+                                                         dests=dests, targets=targets if r == 0 else None,
+                                                         only=plain_ids, threads=threads))
+        plain, read_bytes = got if got is not None else plain, read_bytes + n
+    values = unflatten(first.tree, lambda i: sharded[i] if i in sharded else plain[i])
+    if not isinstance(values, dict):
+        raise StateMismatch(f"step {ckpt_id.step}: the checkpoint's top level is not a dict")
+    needed = sum(by_id[i].nbytes for i in plain_ids) + sum(d.numel() * d.element_size() for d in dests.values())
+    stats = ReshardStats(plan.world_size, needed, read_bytes)
+    log.info("rank %d resharded step %d from %d ranks: read %d bytes for %d (amplification %.2f)", rank,
+             ckpt_id.step, plan.world_size, stats.bytes_read, stats.bytes_needed, stats.amplification)
+    return values, stats
+
+
+def _align_module_keys(tree: Any, state: Mapping[str, Any]) -> None:
+    """Rename a saved model's keys to the target module's where they differ only by wrapper
+    prefixes (saved under DDP, restored into FSDP2 or a bare module, or the reverse)."""
+    for key, module in state.items():
+        saved = tree.get(key) if isinstance(tree, dict) and isinstance(module, torch.nn.Module) else None
+        if not isinstance(saved, dict) or "__dict__" in saved:
+            continue
+        names = {canonical_path(k): k for k in module.state_dict()}
+        if set(saved) != set(names.values()) and {canonical_path(k) for k in saved} == set(names):
+            tree[key] = {names[canonical_path(k)]: v for k, v in saved.items()}
+
+
+def _require_layouts(manifests: Mapping[int, ShardManifest], ckpt_id: CheckpointId) -> None:
+    for man in manifests.values():
+        if tree_holds(man.tree, "__dtensor__") and not any(e.layout is not None for e in man.tensors):
+            raise NotReshardable(
+                f"step {ckpt_id.step} was saved by {len(manifests)} ranks in manifest format {man.format_version}, "
+                "which does not record where each rank's shard of a DTensor lies; restore it with "
+                f"{len(manifests)} ranks (checkpoints saved by this version restore at any world size)")
+
+
+def create_optimizer_state(state: Mapping[str, Any], *, sharded_only: bool = False) -> None:
+    """Moments to read into, laid out like their parameters (DCP's own initialisation: one
+    step of zero gradients at lr 0), for each optimizer of ``state`` that has not stepped
+    (``sharded_only``: of DTensor parameters, whose moments must be DTensors too, not the
+    plain tensors ``load_state_dict`` would otherwise keep)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    for value in state.values():
+        if isinstance(value, torch.optim.Optimizer) and not value.state and (not sharded_only or any(
+                isinstance(p, DTensor) for group in value.param_groups for p in group["params"])):
+            _init_optim_state(value)
+
+
+def _layout(t: torch.Tensor, path: str) -> Layout:
+    return layout_of(t, path) if isinstance(t, DTensor) else full_layout(tuple(t.shape))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = local_tensor(t)
+    return local.reshape(1) if local.dim() == 0 else local
+
+
+def _read_saved(tier: TierReader, *, opened: OpenShards, rank: int, reads: list[ChunkRead],
+                dests: dict[str, torch.Tensor], targets: dict[int, torch.Tensor] | None, only: set[int],
+                threads: int) -> tuple[list[torch.Tensor | None] | None, int]:
+    """Saved rank ``rank``'s shard, from one opening: with ``targets`` (saved rank 0), its
+    unsharded tensors ``only``; then the chunks overlapping this rank's shards. Returns
+    the unsharded tensors (None without ``targets``) and the overlaps' bytes read."""
+    reader = opened.take(tier, rank)
+    step = opened.ckpt_id.step
+    try:
+        plain = None if targets is None else read_tensors(
+            reader, {i: t for i, t in targets.items() if i in only}, step=step, tier=tier.name, threads=threads,
+            only=only)
+        return plain, read_chunks(reader, reads, dests, step=step, tier=tier.name, threads=threads) if reads else 0
+    finally:
+        reader.close()

@@ -1,0 +1,160 @@
+"""The background path between tiers: a priority queue of drain jobs served by one
+thread, urgent jobs first, with errors kept for the next ``save()``/``wait()``.
+
+The drain knows nothing of tiers: the manager hands it a callable per job. What it
+owns is ordering, completion tracking (``SaveHandle``) and error surfacing, so that a
+failure in the background never kills training silently.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+from ..errors import BackgroundError
+
+log = logging.getLogger(__name__)
+
+
+class SaveObserver(Protocol):
+    """Told about every save's progress (the metrics exporter is one)."""
+
+    def durable(self, handle: "SaveHandle", tier: str) -> None: ...
+
+    def failed(self, handle: "SaveHandle") -> None: ...
+
+
+class SaveHandle:
+    """What ``save()`` returns: the step, and when it became durable in each tier."""
+
+    def __init__(self, step: int, tiers: Iterable[str], *, nbytes: int = 0,
+                 observer: SaveObserver | None = None) -> None:
+        self.step, self.nbytes = step, nbytes
+        self.started = time.monotonic()
+        self.blocking_s = 0.0
+        self.durable_s: dict[str, float] = {}  # tier -> seconds from save() to durable there
+        self._pending = {t: threading.Event() for t in tiers}
+        self.error: BaseException | None = None
+        self._observer = observer
+
+    def mark(self, tier: str) -> None:
+        """Durable in ``tier`` now (a tier the handle does not wait for, e.g. a periodic
+        save's peer replica, is recorded all the same)."""
+        self.durable_s[tier] = time.monotonic() - self.started
+        if tier in self._pending:
+            self._pending[tier].set()
+        if self._observer is not None:
+            self._observer.durable(self, tier)
+
+    def give_up(self, tier: str) -> None:
+        """``tier`` will not get this step (a best-effort tier such as a peer replica that
+        failed): waiting for it ends, and ``durable_s`` has no entry for it."""
+        if tier in self._pending:
+            self._pending[tier].set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        for ev in self._pending.values():
+            ev.set()
+        if self._observer is not None:
+            self._observer.failed(self)
+
+    @property
+    def done(self) -> bool:
+        return all(ev.is_set() for ev in self._pending.values())
+
+    @property
+    def tiers(self) -> list[str]:
+        """The tiers this handle waits for."""
+        return list(self._pending)
+
+    def wait(self, tier: str | None = None, timeout: float | None = None) -> "SaveHandle":
+        """Block until durable in ``tier`` (default: every tier); raise if the drain failed."""
+        events = [self._pending[tier]] if tier else list(self._pending.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ev in events:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not ev.wait(left):
+                raise TimeoutError(f"step {self.step} not durable in {tier or 'every tier'} after {timeout} s")
+        if self.error is not None:
+            raise BackgroundError(f"step {self.step}: {self.error}") from self.error
+        return self
+
+
+class Lease:
+    """Calls ``release`` once every holder has let go: a memory slot that two drains
+    (disk, and an urgent upload) read at the same time is reused only after both."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._holders, self._release, self._lock = 1, release, threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self._release()
+
+
+@dataclass(order=True)
+class _Job:
+    priority: int
+    seq: int
+    run: Callable[[], None] = field(compare=False)
+    handle: SaveHandle = field(compare=False)
+    on_exit: Callable[[], None] = field(compare=False)
+
+
+class Drainer:
+    def __init__(self, name: str = "ckpt-drain") -> None:
+        self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._errors: list[tuple[int, BaseException]] = []  # (step, error), not yet raised
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, run: Callable[[], None], handle: SaveHandle, *, urgent: bool = False,
+               on_exit: Callable[[], None] = lambda: None) -> None:
+        """Queue ``run``; ``on_exit`` runs after it whatever happens (releases the slot)."""
+        self._queue.put(_Job(0 if urgent else 1, next(self._seq), run, handle, on_exit))
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job.handle is None:  # close() sentinel, queued behind all real work
+                return
+            try:
+                job.run()
+            except BaseException as e:  # kept for the next save()/wait()
+                log.error("background save of step %d failed: %s", job.handle.step, e)
+                job.handle.fail(e)
+                with self._lock:
+                    self._errors.append((job.handle.step, e))
+            finally:
+                job.on_exit()
+                self._queue.task_done()
+
+    def raise_error(self) -> None:
+        """Raise (once) the first background failure since the last call."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            step, error = errors[0]
+            raise BackgroundError(f"background write of step {step} failed: {error}{extra}") from error
+
+    def join(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(_Job(2, next(self._seq), None, None, None))  # type: ignore[arg-type]
+        self._thread.join()
