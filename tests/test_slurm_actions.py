@@ -4,17 +4,21 @@ with --apply, never past the hourly cap (then it pages), and a user without Slur
 operator rights gets one clear error. Every decision is a line of the action log."""
 from __future__ import annotations
 
+import contextlib
 import json
-import os
+import shutil
 import subprocess
 import sys
 import sysconfig
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import requests
 
+from predictor.alerts import Alert
 from tests.predictor_fixtures import TOKENS
 from tests.procs import free_port, stop_process, wait_for
 from tests.slurm_fixtures import SlurmCluster
@@ -123,7 +127,9 @@ def test_hourly_cap_refuses_and_pages(slurm: SlurmCluster, work: Path, alertmana
     assert paged[0]["labels"]["node"] == slurm.node
 
 
-def test_alertmanager_webhook_drains(slurm: SlurmCluster, work: Path) -> None:
+@contextlib.contextmanager
+def act_serve(slurm: SlurmCluster, work: Path) -> Iterator[str]:
+    """`predictor act serve --apply` on loopback; yields its webhook URL."""
     tokens = work / "tokens"
     tokens.write_text("".join(f"{role} {tok}\n" for role, tok in TOKENS.items()))
     tokens.chmod(0o600)
@@ -133,17 +139,25 @@ def test_alertmanager_webhook_drains(slurm: SlurmCluster, work: Path) -> None:
         [sys.executable, "-m", "predictor.cli", "act", "serve", "--port", str(port), "--tokens", str(tokens),
          "--backend", "slurm", "--apply", "--log", str(work / "actions.jsonl")], cwd=REPO,
         env={**slurm.env, "PYTHONPATH": str(REPO)}, stdout=serve_log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1/alertmanager"
+    try:
+        assert wait_for(lambda: _up(f"http://127.0.0.1:{port}/healthz"), timeout=60), serve_log.read()
+        yield f"http://127.0.0.1:{port}/v1/alertmanager"
+    finally:
+        stop_process(proc)
+        serve_log.close()
+
+
+def test_webhook_receiver_drains(slurm: SlurmCluster, work: Path) -> None:
     alert = {"status": "firing", "labels": {"alertname": "GPUFailurePredicted", "node": slurm.node, "gpu": "3"},
              "annotations": {"risk": "0.912", "reason": "model"}, "startsAt": "2026-11-26T14:00:00Z"}
     operator = {"Authorization": f"Bearer {TOKENS['operator']}"}
-    try:
-        assert wait_for(lambda: _up(f"http://127.0.0.1:{port}/healthz"), timeout=60), serve_log.read()
+    with act_serve(slurm, work) as url:
         assert requests.post(url, json={"alerts": [alert]}, timeout=30,
                              headers={"Authorization": f"Bearer {TOKENS['job']}"}).status_code == 401
         bad = requests.post(url, json={"alerts": [{**alert, "labels": {**alert["labels"], "node": "gpu[1-512]"}}]},
                             headers=operator, timeout=30)
         assert bad.status_code == 400 and "not one node's name" in bad.json()["error"]
+        assert requests.post(url, data=b"{", headers=operator, timeout=30).status_code == 400
         other = {**alert, "labels": {**alert["labels"], "alertname": "GPUHotterThanNodePeers"}}
         ok = requests.post(url, json={"version": "4", "status": "firing", "alerts": [alert, other]},
                            headers=operator, timeout=60)
@@ -151,11 +165,59 @@ def test_alertmanager_webhook_drains(slurm: SlurmCluster, work: Path) -> None:
         [entry] = ok.json()["actions"]                          # the other alert asks for no drain
         assert entry["action"] == "drained" and entry["prediction"]["detail"]["gpu"] == "3"
         assert slurm.node_state()["Reason"].startswith("ckpt-guard: alertmanager:GPUFailurePredicted risk=0.912")
-    finally:
-        stop_process(proc)
-        serve_log.close()
     assert "drained " + slurm.node in (work / "serve.log").read_text()   # the log line of the action
-    assert os.path.exists(work / "actions.jsonl")
+
+
+ALERTMANAGER_ROUTE = """\
+route:
+  receiver: blackhole
+  routes:
+    - matchers: ['alertname="GPUFailurePredicted"']
+      receiver: ckpt-guard-drain
+      group_by: [node]
+      group_wait: 0s
+receivers:
+  - name: blackhole
+  - name: ckpt-guard-drain
+    webhook_configs:
+      - url: {url}
+        send_resolved: false
+        http_config:
+          authorization:
+            credentials_file: {token}
+"""
+
+
+def test_predicted_failure_reaches_slurm_through_alertmanager(slurm: SlurmCluster, work: Path) -> None:
+    """The predictor's page (GPUFailurePredicted, as predictor serve posts it) routed by a
+    real Alertmanager to the receiver, which drains the node: docs/slurm.md's setup."""
+    binary = shutil.which("prometheus-alertmanager")
+    if binary is None:
+        pytest.fail("prometheus-alertmanager not found: install the Debian package prometheus-alertmanager")
+    with act_serve(slurm, work) as url:
+        token = work / "operator.token"
+        token.write_text(TOKENS["operator"])
+        cfg = work / "alertmanager.yml"
+        cfg.write_text(ALERTMANAGER_ROUTE.format(url=url, token=token))
+        port = free_port()
+        am_log = open(work / "alertmanager.log", "w")
+        am = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.path={work / 'am-data'}",
+                               f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+                              stdout=am_log, stderr=subprocess.STDOUT)
+        try:
+            am_url = f"http://127.0.0.1:{port}"
+            assert wait_for(lambda: _up(am_url + "/-/ready"), timeout=30), "alertmanager did not become ready"
+            alert = Alert(slurm.node, 5, None, 0.97, "model", datetime.now(timezone.utc))
+            ends = datetime.now(timezone.utc) + timedelta(minutes=5)
+            assert requests.post(am_url + "/api/v2/alerts", json=[alert.payload(ends)], timeout=10).ok
+            drained = wait_for(lambda: "DRAIN" in slurm.node_state()["State"], timeout=60, interval=0.5)
+            assert drained, (work / "alertmanager.log").read_text()[-2000:]
+        finally:
+            stop_process(am)
+            am_log.close()
+    [entry] = log_entries(work)
+    assert entry["prediction"]["source"] == "alertmanager:GPUFailurePredicted"
+    assert entry["prediction"]["detail"]["gpu"] == "5" and entry["prediction"]["detail"]["risk"] == "0.970"
 
 
 def _up(url: str) -> bool:
