@@ -119,6 +119,17 @@ def test_standby_pod_and_drain_patch_match_the_api_schema() -> None:
     assert drain_patch({"spec": patch["spec"]}, "again")["spec"]["taints"] == patch["spec"]["taints"]  # no duplicate
 
 
+def test_apply_overlay_only_adds_apply() -> None:
+    overlay = K8S / "overlays" / "apply-drains"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../../base"]
+    [patch] = [d for p in kustomization["patches"] for d in documents(overlay / p["path"])]
+    [actions] = [d for d in base() if d["kind"] == "Deployment" and d["metadata"]["name"] == patch["metadata"]["name"]]
+    [container] = actions["spec"]["template"]["spec"]["containers"]
+    [patched] = patch["spec"]["template"]["spec"]["containers"]
+    assert patched == {"name": container["name"], "command": container["command"] + ["--apply"]}
+
+
 def test_training_job_pods_match_the_api_schema() -> None:
     [job] = documents(K8S / "training" / "pytorchjob.yaml")
     for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
