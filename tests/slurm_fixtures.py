@@ -99,7 +99,8 @@ class SlurmCluster:
         self.procs.append(subprocess.Popen(
             ["runuser", "-u", "munge", "--", paths["munged"], "--foreground", "--force",
              f"--key-file={munge / 'munge.key'}", f"--socket={munge / 'socket'}", f"--pid-file={munge / 'pid'}",
-             f"--log-file={munge / 'log'}", f"--seed-file={munge / 'seed'}"]))
+             f"--log-file={munge / 'log'}", f"--seed-file={munge / 'seed'}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))   # its log file has it all
         if not wait_for(lambda: (munge / "socket").exists(), timeout=30):
             pytest.fail(f"munged did not start: {self._log(munge / 'log')}")
         for daemon in ("slurmctld", "slurmd"):
@@ -145,6 +146,8 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel every job, then stop the daemons this fixture started, newest first."""
         if len(self.procs) == 3:
+            # running jobs: SIGKILL to every process at once (not SIGTERM + KillWait); then the pending ones
+            self.run("scancel", "--user=root", "--full", "--signal=KILL", check=False)
             self.run("scancel", "--user=root", check=False)
             wait_for(lambda: not self.run("squeue", "-h", "-t", "R,CG", check=False).stdout.strip(), timeout=30)
         for proc in reversed(self.procs):
