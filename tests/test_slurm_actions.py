@@ -73,7 +73,8 @@ def log_entries(work: Path) -> list[dict]:
 
 
 def held_spare(slurm: SlurmCluster) -> str:
-    return slurm.run("sbatch", "--parsable", "--hold", f"--job-name={SPARE}", "--wrap", "sleep 300").stdout.strip()
+    return slurm.run("sbatch", "--parsable", "--hold", f"--job-name={SPARE}", "--output=/dev/null", "--wrap",
+                     "sleep 300").stdout.strip()
 
 
 def test_drain_is_dry_run_by_default(slurm: SlurmCluster, work: Path) -> None:
