@@ -1,4 +1,4 @@
-"""`predictor train / score / eval / serve`."""
+"""`predictor train / score / eval / serve / act`."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from predictor.act_cli import act
 from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
 from predictor.history_cli import history_trace, prometheus_options
 from predictor.label_cli import label, write_labelled
@@ -269,6 +270,7 @@ def _is_loopback(host: str) -> bool:
 
 
 main.add_command(label)
+main.add_command(act)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,150 @@
+"""deploy/k8s: the core kinds validated (strict: unknown fields refused) against the
+Kubernetes API schemas kubernetes-validate ships, for the oldest and newest API versions
+we claim; the pieces that must agree with each other or with the code checked to agree.
+
+Not tested here (no cluster, no kustomize, no CRD schemas from a registry): the
+ServiceMonitor, PrometheusRule and PyTorchJob envelopes against their CRDs (their pod
+templates and alert rules are checked: the templates as core PodTemplates, the rules by
+promtool), `kustomize build`, and the responder against a real API server."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+from predictor.actions.kubernetes import TAINT_KEY, drain_patch, standby_pod  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "deploy" / "k8s"
+VERSIONS = ("1.29", "1.37")   # the oldest we claim (docs/kubernetes.md) and the newest schemas shipped
+CUSTOM = {"monitoring.coreos.com/v1", "kubeflow.org/v1"}
+RULE_FILES = (REPO / "deploy" / "prometheus" / "rules.yml", REPO / "deploy" / "agents" / "alerts.yml")
+
+
+def documents(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def base() -> list[dict]:
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    return [d for f in kustomization["resources"] for d in documents(K8S / "base" / f)]
+
+
+def prometheus_rule() -> dict:
+    """The PrometheusRule the base ships: the promtool-tested rule files' groups."""
+    groups = [g for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"]]
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "ckpt-guard", "namespace": "ckpt-guard", "labels": {"role": "alert-rules"}},
+            "spec": {"groups": groups}}
+
+
+def validate(doc: dict) -> None:
+    for version in VERSIONS:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = "/".join(str(p) for p in e.absolute_path)
+            pytest.fail(f"{doc['kind']} {doc['metadata'].get('name')} (Kubernetes {version}) at {path}: "
+                        f"{e.message}")
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = set(yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"}
+
+
+@pytest.mark.parametrize("doc", [d for d in base() if d["apiVersion"] not in CUSTOM],
+                         ids=lambda d: f"{d['kind']}-{d['metadata']['name']}")
+def test_core_kinds_match_the_api_schema(doc: dict) -> None:
+    validate(doc)
+
+
+def test_prometheusrule_is_the_tested_rules(tmp_path: Path) -> None:
+    [shipped] = [d for d in base() if d["kind"] == "PrometheusRule"]
+    assert shipped == prometheus_rule(), "regenerate: python -m tests.test_k8s_manifests"
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found: install the Debian package prometheus")
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump(shipped["spec"]))
+    res = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_servicemonitor_finds_the_services_ports() -> None:
+    docs = base()
+    [monitor] = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    wanted = set(monitor["spec"]["selector"]["matchExpressions"][0]["values"])
+    services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["labels"]["app.kubernetes.io/name"]
+                in wanted]
+    assert {s["metadata"]["labels"]["app.kubernetes.io/name"] for s in services} == wanted
+    ports = {p["name"] for s in services for p in s["spec"]["ports"]}
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+    # the rules' up{job=...} series: prometheus-operator names the job after the Service
+    assert {"ckpt-guard-predictor", "ckpt-guard-agents"} <= {s["metadata"]["name"] for s in services}
+
+
+def test_pods_use_the_secret_keys_and_the_responders_taint() -> None:
+    docs = base()
+    [agent] = [d for d in docs if d["kind"] == "DaemonSet"]
+    pod = agent["spec"]["template"]["spec"]
+    assert any(t["key"] == TAINT_KEY for t in pod["tolerations"])
+    assert "resources" not in pod["containers"][0] or "nvidia.com/gpu" not in str(pod["containers"][0]["resources"])
+    for d in docs:
+        for vol in d.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
+            if "secret" in vol:
+                assert vol["secret"]["secretName"] == "ckpt-guard-tokens"
+                assert {i["key"] for i in vol["secret"]["items"]} <= {"tokens", "agent"}
+    [actions] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "ckpt-guard-actions"]
+    assert "--apply" not in actions["spec"]["template"]["spec"]["containers"][0]["command"]   # dry run as shipped
+
+
+def test_standby_pod_and_drain_patch_match_the_api_schema() -> None:
+    [config] = [d for d in base() if d["kind"] == "ConfigMap"]
+    pod = standby_pod(json.loads(config["data"]["standby-pod.json"]), "gpu-node-7", "ckpt-guard: test")
+    validate(pod)
+    assert pod["metadata"]["generateName"].startswith("ckpt-guard-standby-gpu-node-7-")
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-7"},
+            "spec": {"taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}}
+    patch = drain_patch(node, "ckpt-guard: alertmanager:GPUFailurePredicted risk=0.9")
+    validate({**node, "metadata": {**node["metadata"], **patch["metadata"]}, "spec": patch["spec"]})
+    assert [t["key"] for t in patch["spec"]["taints"]] == ["nvidia.com/gpu", TAINT_KEY]   # others kept
+    assert drain_patch({"spec": patch["spec"]}, "again")["spec"]["taints"] == patch["spec"]["taints"]  # no duplicate
+
+
+def test_apply_overlay_only_adds_apply() -> None:
+    overlay = K8S / "overlays" / "apply-drains"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../../base"]
+    [patch] = [d for p in kustomization["patches"] for d in documents(overlay / p["path"])]
+    [actions] = [d for d in base() if d["kind"] == "Deployment" and d["metadata"]["name"] == patch["metadata"]["name"]]
+    [container] = actions["spec"]["template"]["spec"]["containers"]
+    [patched] = patch["spec"]["template"]["spec"]["containers"]
+    assert patched == {"name": container["name"], "command": container["command"] + ["--apply"]}
+
+
+def test_training_job_pods_match_the_api_schema() -> None:
+    [job] = documents(K8S / "training" / "pytorchjob.yaml")
+    for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
+        template = replica["template"]
+        validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()},
+                  "template": template})
+        [container] = template["spec"]["containers"]
+        shm = next(v for v in template["spec"]["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in container["ports"]
+        node = next(e for e in container["env"] if e["name"] == "CKPT_GUARD_NODE")
+        assert node["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+if __name__ == "__main__":   # regenerate deploy/k8s/base/prometheusrule.yaml
+    sys.stdout.write((K8S / "base" / "prometheusrule.yaml").read_text().split("apiVersion:", 1)[0])
+    sys.stdout.write(yaml.safe_dump(prometheus_rule(), sort_keys=False, width=120, allow_unicode=True))
