@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt import quarantine
 from ckpt.quarantine import EXIT_QUARANTINED
+from ckpt.recovery import quarantine
 from tests.integration_helpers import REPO, torchrun
 
 
