@@ -9,6 +9,7 @@ with a plan differs (load into a state, or copy into another tier).
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import nullcontext, suppress
 from functools import partial
 from typing import Any, Callable, Mapping, Protocol, TypeVar
@@ -103,13 +104,18 @@ def _nothing_left(coord: Agreement, step: int | None, rejected: dict[CheckpointI
 
 
 def log_restored(plan: RestorePlan, seconds: float, rank: int, world_size: int) -> None:
-    """One line per rank saying where each shard came from: the first question after a restart."""
+    """One line per rank saying where each shard came from: the first question after a restart.
+    Logged at INFO; where the program configured no logging at all, it goes to stderr anyway,
+    since a resume that says nothing looks like a run that started over."""
     if world_size == 1:
         first = plan.shards[0].sources[0]
-        log.info("restored step %d from %s (%s) in %.2f s", plan.ckpt_id.step, first.name, first.location, seconds)
+        line = f"restored step {plan.ckpt_id.step} from {first.name} ({first.location}) in {seconds:.2f} s"
     else:
         sources = ", ".join(f"shard {s.rank} from {s.sources[0].name}" for s in plan.shards)
-        log.info("rank %d restored step %d (%s) in %.2f s", rank, plan.ckpt_id.step, sources, seconds)
+        line = f"rank {rank} restored step {plan.ckpt_id.step} ({sources}) in {seconds:.2f} s"
+    log.info("%s", line)
+    if not log.hasHandlers():
+        print(f"ckpt-guard: {line}", file=sys.stderr, flush=True)
 
 
 class OpenShards:
