@@ -5,8 +5,8 @@ A counter read at t shows the events since its previous read at t - dt. "read" f
 read into the ramp, its events dated at t: at a finer cadence events look older by about
 (60 s - dt)/2 than at the 60 s the rule's cut and the model were fitted at, so the ramp's end
 moved by minutes with the sample interval, and the cut turned that into catches 10-25 min
-later (or earlier) on the shifted sample (docs/predictor.md, "Fleet shift on the hidden
-generator"). "reference" (what `predictor/ramps.py` does) folds a finer cadence's reads every
+later (or earlier) on the shifted sample (docs/research/predictor-experiments.md, "Fleet
+shift on the hidden generator"). "reference" (what `predictor/ramps.py` does) folds a finer cadence's reads every
 60 s, as a 60 s read shows them. Both cap a read's burst at 0.1 events per second of its
 interval (the code before the fold capped 6 a read at any cadence). This replays a labelled
 trace through the online feature path with the model off (critical XIDs and the ramp rule

@@ -36,7 +36,7 @@ from telemetry.schema import METRICS, TELEMETRY_SCHEMA, THROTTLE, XID_ERRORS, XI
 
 log = logging.getLogger(__name__)
 _NAMES = METRICS + (XID_ERRORS,)
-#: Fields whose absence costs the model whole failure modes (docs/predictor.md, "Only dcgm-exporter's default fields").
+#: Fields whose absence costs the model whole failure modes (docs/research/predictor-default-fields.md).
 _BLIND_WITHOUT = {m for m in dcgm.NOT_IN_DEFAULT if m != THROTTLE}
 #: Bytes of JSON per sample a response may hold on average before it is refused unread
 #: (a sample is about 30 bytes: `[1780000000.123,"65.5"],`; labels add per series).

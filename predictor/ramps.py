@@ -11,7 +11,7 @@ events are dated at the read. A counter read more often is folded into its ramp 
 cadence: its reads add up until a reference interval has passed since the last fold, and
 the ramp is read as of that fold. Dated at every 30 s read instead, the same events gave a
 ramp that ended 2-3 min later than at 60 s, which cost lead on a warm 30 s fleet
-(docs/predictor.md, "Fleet shift on the hidden generator"). The burst cap is a rate per
+(docs/research/predictor-experiments.md, "Fleet shift on the hidden generator"). The burst cap is a rate per
 second of each read's interval (6 events a read at 60 s), so a burst split over two 30 s
 reads counts no more than at 60 s. At the reference cadence or a coarser one every read is
 a fold, exactly as before.

@@ -8,7 +8,7 @@ another critical XID.
 A precursor ramp that its own events date to end within half an hour (at the upper
 end of their uncertainty, see ramps.ramp_left_min) also sets risk to 1: alone, it
 catches 0.57 of the shared sample's predictable failures with one false alarm in 256
-node-days (docs/predictor.md), about what the model reaches at no false alarm.
+node-days (docs/research/predictor-experiments.md), about what the model reaches at no false alarm.
 """
 from __future__ import annotations
 

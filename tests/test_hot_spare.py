@@ -6,7 +6,7 @@ next round once a participant is gone. Node 1 is lost (agent and worker SIGKILLe
 pid, its memory and disk deleted): the job goes on on node 0 and the spare, no new
 agent started, the spare's rank restores node 1's shard from node 0's replica, and the
 run ends bitwise equal to an uninterrupted one. This is what ``ckpt simulate
---replace-s 0`` stands for (docs/goodput.md, "Restart phases").
+--replace-s 0`` stands for (docs/research/goodput-model.md, the wait for a spare).
 
 torch numbers the nodes of a round in the order of their addresses (then agent pids), so
 the spare's address decides its rank: placed after node 0, it takes the lost node's

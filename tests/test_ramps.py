@@ -38,8 +38,9 @@ def _left_hi_by_minute(events_min: np.ndarray, interval_s: int) -> dict[int, flo
 def test_the_same_events_read_at_60_30_and_10_s_date_the_same_ramp_end(peak_per_min):
     """Dated at its own read, a read's events look younger by half its interval: the same ramp read
     every 60 s ended about 2 min before the one read every 30 s, enough for the rule's cut to catch
-    a failure 10-25 min later (docs/predictor.md, "Fleet shift on the hidden generator"). Dated as a
-    60 s read dates them, the 30 s and 10 s ends are within 2 % (or 0.75 min) of the 60 s one."""
+    a failure 10-25 min later (docs/research/predictor-experiments.md, "Fleet shift on the hidden
+    generator"). Dated as a 60 s read dates them, the 30 s and 10 s ends are within 2 % (or 0.75 min)
+    of the 60 s one."""
     events = _ramp_events(peak_per_min)
     by_cadence = {iv: _left_hi_by_minute(events, iv) for iv in (60, 30, 10)}
     near_end = [m for m in range(60, _DURATION_MIN) if by_cadence[60][m] <= 60]

@@ -24,7 +24,7 @@ BEST_TARGET = 0.4  # issue 17: the best strategy's waste at most 0.4 of (a)'s, a
 _defaults = Run()
 _file = dict(type=click.Path(exists=True, dir_okay=False), default=None)
 _seconds = click.FloatRange(min=0)
-# the restart's phases (restart.RestartCosts; sources in docs/goodput.md, "Restart phases")
+# the restart's phases (restart.RestartCosts; sources in docs/research/goodput-model.md)
 _RESTART_OPTIONS = [
     ("--gpu-hang-share", click.FloatRange(0, 1), "Share of GPU failures that leave the rank alive and silent "
      "(off the bus, hung kernel, stuck collective) rather than crash it."),

@@ -8,7 +8,8 @@ unless the job fails fast (issue 19: the hang detector's deadline, or the agent'
 critical XID turned into a "node failed" event within a second); a replaced node waits
 for a spare, unless the predictor saw it coming: a spare requested at the alarm (by the
 job or the operator's hook) has had the alarm's lead to arrive. Each phase below is a
-parameter with a default and its source (docs/goodput.md, "Restart phases"); the restore
+parameter with a default (docs/goodput.md, "Restart phases") and its source
+(docs/research/goodput-model.md); the restore
 is the strategy's own (``Recovery``).
 Phases enter the model as their expectation per kind of failure.
 """
