@@ -269,7 +269,7 @@ def ckpt_restore(run: Run, args: argparse.Namespace, dest: Path) -> dict:
                                str(dest), "--json"], capture_output=True, text=True, cwd=REPO,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
     if restored.returncode != 0:
-        raise SystemExit(f"ckpt restore failed: {restored.stderr[-2000:]}")
+        raise SystemExit(f"ckpt restore failed: {restored.stdout.strip()} {restored.stderr[-2000:]}")  # JSON: stdout
     return json.loads(restored.stdout)
 
 
