@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 import click
 
 from agents.fleetsim.config import PROFILES, FleetConfig, ScheduledFailure
+from telemetry.cli_group import role_group
 
 
 def _parse_failures(specs: tuple[str, ...]) -> tuple[ScheduledFailure, ...]:
@@ -83,7 +84,7 @@ def fleet_config(*, nodes: int, days: float | None, interval: float, node_names=
         raise click.UsageError(str(e)) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=role_group("agent"), context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """ckpt-guard node agents: GPU telemetry to the predictor and to Prometheus."""
 

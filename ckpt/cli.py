@@ -159,8 +159,7 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
                            lambda world: [ShardNeed(r) for r in range(world)], copy, step=step, on_skip=skip)
     if found is None:
         what = "" if step is None else f" for step {step}"
-        _emit(as_json, {"error": "no checkpoint"}, f"no checkpoint{what} in {root}")
-        sys.exit(1)
+        _fail(as_json, f"no checkpoint{what} in {root}", 1)
     plan = found[0]
     out = {"step": plan.ckpt_id.step, "generation": plan.ckpt_id.generation,
            "from": sorted({s.sources[0].name for s in plan.shards}), "to": str(target.root), "skipped": skipped}
@@ -199,7 +198,8 @@ def _copy_shard(source: TierReader, target: LocalDiskTier, ckpt_id: CheckpointId
 def _must_exist(root: str) -> None:
     """A local root that does not exist is a typo, not an empty checkpoint list."""
     if not is_url(root) and not os.path.isdir(root):
-        raise click.UsageError(f"{root}: no such directory")
+        raise click.UsageError(f"{root}: not a directory (ROOT is the directory a run checkpoints into)"
+                               if os.path.exists(root) else f"{root}: no such directory")
 
 
 @cli.command("export")
@@ -332,12 +332,29 @@ def _gc_orphans(memory_dir: str, force: bool, as_json: bool) -> None:
 cli.add_command(simulate_cmd)
 
 
+def _fail(as_json: bool, message: str, code: int) -> None:
+    """An error as the command's output is: with --json, ``{"error", "exit_code"}`` on stdout."""
+    if as_json:
+        click.echo(json.dumps({"error": message, "exit_code": code}))
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
 def main() -> None:
+    """Errors exit 1 (2: usage); with --json they are JSON, as the output a script parses."""
+    as_json = "--json" in sys.argv[1:]
     try:
-        cli(standalone_mode=True)
+        code = cli.main(standalone_mode=not as_json)  # standalone: click prints usage errors and exits
+    except click.ClickException as e:  # --json only
+        _fail(True, e.format_message(), e.exit_code)
+    except click.Abort:
+        _fail(True, "aborted", 1)
     except CheckpointError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        _fail(as_json, str(e), 1)
+    except ModuleNotFoundError as e:  # a base install: the engine's own imports need torch
+        _fail(as_json, f"{e}: this command needs the checkpoint engine: pip install 'ckpt-guard[train]'", 1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

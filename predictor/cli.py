@@ -14,6 +14,7 @@ from predictor.act_cli import act
 from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
 from predictor.history_cli import history_trace, prometheus_options
 from predictor.label_cli import label, write_labelled
+from telemetry.cli_group import role_group
 
 # scikit-learn, skops and pyarrow are imported inside the commands: `--help` and usage
 # errors answer at once.
@@ -45,7 +46,7 @@ _threshold_opt = click.option("--threshold", default="sensitive", show_default=T
                               help="sensitive, strict, or a risk between 0 and 1")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=role_group("predictor"), context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Predict GPU failures from fleet telemetry."""
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from telemetry.failure_modes import FAILURE_MODES as FAILURE_MODES  # re-exported: S.FAILURE_MODES
+
 #: What every dcgm-exporter device field name starts with.
 DCGM_PREFIX = "DCGM_FI_DEV_"
 GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"
@@ -84,7 +86,6 @@ FAILURE_SCHEMA = pa.schema(
     ]
 )
 
-FAILURE_MODES = ("hbm", "thermal", "pcie", "nvlink", "sudden")
 #: The failure mode an XID points to, where it points to one (HBM errors, NVLink); 79 "fallen
 #: off the bus", GSP and the rest end several modes. For labels derived from XIDs alone.
 XID_FAILURE_MODE = {48: "hbm", 63: "hbm", 64: "hbm", 92: "hbm", 94: "hbm", 95: "hbm", 74: "nvlink"}

@@ -118,7 +118,7 @@ def leftovers(root: Path, memory_dir: str | None = None) -> list[str]:
     return sorted(out)
 
 
-def eventually(check: Callable[[], Any], timeout: float = 10.0) -> None:
+def eventually(check: Callable[[], Any], timeout: float = 60.0) -> None:
     """Poll ``check`` until true: retention runs in the background after wait() returns
     (wait() means durable, not pruned)."""
     deadline = time.monotonic() + timeout

@@ -81,9 +81,19 @@ def small_trace(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def trained_model(small_trace, tmp_path_factory) -> Path:
+def training_trace(tmp_path_factory) -> Path:
+    """8 nodes x half a day at 60 s with failures enriched 10x: few rows, yet failures with
+    visible precursors on both the training and the validation nodes."""
+    return built_once(tmp_path_factory, "training-trace", lambda d: simulate(d / "train", 8, 0.5, 60, 5,
+                                                                             "--failure-rate", "0.5")) / "train"
+
+
+@pytest.fixture(scope="session")
+def trained_model(training_trace, tmp_path_factory) -> Path:
+    """`predictor train` end to end on its own small trace (seconds of CPU), so the tests that
+    score ``small_trace`` with it score nodes and days it never saw."""
     def train(out: Path) -> None:
-        run_cli("predictor.cli", "train", "--trace", str(small_trace), "--out", str(out / "small.skops"), "--json")
+        run_cli("predictor.cli", "train", "--trace", str(training_trace), "--out", str(out / "small.skops"), "--json")
 
     return built_once(tmp_path_factory, "model", train) / "small.skops"
 

@@ -23,10 +23,13 @@ TOKENS = {"agent": "agent-token-0123456789", "job": "job-token-0123456789ab",
 
 
 def run_cli(module: str, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` from the repository root, as a user would run it."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    """`python -m MODULE ARGS` from the repository root, as a user would run it.
+
+    One OpenMP thread: beside the other test worker on a busy machine, OpenMP threads that spin
+    waiting for each other made a model fit 2.5x slower. The timeout is a hang guard only."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     res = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=full_env, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=1800)
     if check and res.returncode != 0:
         raise AssertionError(f"{module} {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
     return res

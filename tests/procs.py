@@ -38,8 +38,10 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait()
 
 
-def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.05) -> T | None:
-    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` passes (None)."""
+def wait_for(predicate: Callable[[], T], timeout: float = 60.0, interval: float = 0.05) -> T | None:
+    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` passes (None).
+
+    The timeout is a hang guard: generous, so that a loaded machine is not a failure."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

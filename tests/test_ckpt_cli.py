@@ -207,6 +207,21 @@ def test_a_root_that_does_not_exist_is_an_error_not_an_empty_list(tmp_path: Path
     for cmd in ("ls", "verify", "gc"):
         r = ckpt(cmd, tmp_path / "typo", "--memory-dir", no_slots)
         assert r.returncode == 2 and "no such directory" in r.stderr, (cmd, r.stdout + r.stderr)
+    a_file = tmp_path / "manifest.json"
+    a_file.write_text("{}")
+    r = ckpt("ls", a_file, "--memory-dir", no_slots)
+    assert r.returncode == 2 and "not a directory (ROOT is the directory a run checkpoints into)" in r.stderr, r.stderr
+
+
+def test_with_json_an_error_is_json_with_its_exit_code(tmp_path: Path, saved: Path, no_slots: Path) -> None:
+    """A script that asked for --json parses the failure too: usage errors (2) and failures (1)."""
+    for args, code, says in ((("ls", tmp_path / "typo"), 2, "no such directory"),
+                             (("ls",), 2, "Missing argument 'ROOT'"),
+                             (("restore", saved, "--to", tmp_path / "dest", "--step", "99"), 1, "99")):
+        r = ckpt(*args, "--memory-dir", no_slots, "--json")
+        assert r.returncode == code, (args, r.stdout, r.stderr)
+        out = json.loads(r.stdout)
+        assert out["exit_code"] == code and says in out["error"], (args, out)
 
 
 def test_restore_into_a_directory_holding_checkpoints_needs_force(saved: Path, tmp_path: Path,

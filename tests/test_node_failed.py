@@ -38,7 +38,7 @@ def test_critical_xid_reaches_the_listener_as_node_failed(live_server) -> None:
         post_xid(srv, "train-node-4", 79)  # another job's node: nothing
         post_xid(srv, "train-node-3", 13)  # an application XID: nothing
         post_xid(srv, "train-node-3", 79)
-        assert wait_for(lambda: failed, timeout=10), srv.output()[-2000:]
+        assert wait_for(lambda: failed, timeout=60), srv.output()[-2000:]
         assert [(e["node"], e["xid"]) for e in failed] == [("train-node-3", 79)]
     finally:
         listener.close()

@@ -141,8 +141,8 @@ def test_a_dead_peer_costs_one_abandoned_send(saved) -> None:
         dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: connection refused
     t0 = time.monotonic()
     outcomes: list[str] = []
-    _, results = replicate(src, dead, timeout_s=5, count=outcomes.append)
-    assert results == [False] and outcomes == ["failed"] and time.monotonic() - t0 < 5
+    _, results = replicate(src, dead, timeout_s=120, count=outcomes.append)
+    assert results == [False] and outcomes == ["failed"] and time.monotonic() - t0 < 60  # not the timeout
 
 
 def test_a_slow_peer_is_abandoned_after_the_timeout(saved) -> None:

@@ -1,4 +1,5 @@
 """The predictor's and agents' command lines: -h everywhere, help that matches the code, one env prefix."""
+import json
 import warnings
 
 import click
@@ -9,6 +10,7 @@ from agents.cli import main as agents_main
 from predictor import auth
 from predictor.cli import main as predictor_main
 from predictor.server import ROUTE_ROLES
+from tests.predictor_fixtures import run_cli
 
 
 def _commands(group: click.Group) -> list[list[str]]:
@@ -41,3 +43,20 @@ def test_tokens_come_from_the_projects_env_prefix(monkeypatch):
     with pytest.warns(FutureWarning, match=r"\$PREDICTOR_JOB_TOKEN is deprecated: set \$CKPT_GUARD_JOB_TOKEN"):
         tokens = auth.load_tokens()
     assert tokens.role_of("Bearer job-token-0123456789ab") == "job"
+
+
+def test_with_json_an_error_is_json_with_its_exit_code(tmp_path):
+    """A script that asked for --json parses the failure too: a usage error (2), a file in the
+    way (1, one line: no traceback)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for module, args, code, says in (
+            ("predictor.cli", ("eval", "--trace", str(tmp_path / "typo")), 2, "does not exist"),
+            ("agents.cli", ("simulate", "--nodes", "1", "--days", "0.01", "--out", str(a_file / "t")), 1,
+             "Not a directory")):
+        res = run_cli(module, *args, "--json", check=False)
+        assert res.returncode == code and "Traceback" not in res.stderr, (module, res.stdout, res.stderr)
+        out = json.loads(res.stdout)
+        assert out["exit_code"] == code and says in out["error"], (module, out)
+        plain = run_cli(module, *args, check=False)
+        assert plain.returncode == code and says in plain.stderr and "Traceback" not in plain.stderr, plain.stderr

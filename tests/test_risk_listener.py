@@ -41,6 +41,6 @@ def test_unreachable_predictor_is_a_warning_not_a_crash(caplog) -> None:
     asks = SaveRequests()
     with caplog.at_level(logging.WARNING, logger="ckpt.integrations.risk"):
         listener = RiskListener("http://127.0.0.1:9", ["n1"], asks, token="x" * 20).start()
-        assert wait_for(lambda: "unreachable" in caplog.text, 10)
+        assert wait_for(lambda: "unreachable" in caplog.text)
         listener.close()
     assert not asks.take() and not listener.elevated

@@ -104,16 +104,35 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("extra", ROLES)
 def test_a_role_installs_into_a_venv_of_its_own_without_torch(extra: str, wheel: Path, tmp_path: Path) -> None:
     packages, cli = ROLES[extra]
-    venv = tmp_path / "venv"
-    _run(sys.executable, "-m", "venv", "--without-pip", str(venv))
-    # this pip installs into the new venv (--python): no pip of its own to bootstrap there
-    _run(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
-         f"{wheel}[{extra}]")  # no .pyc for all of scipy: half the CPU time
+    venv = _venv_with(f"{wheel}[{extra}]", tmp_path)
     python = str(venv / "bin" / "python")
     no_torch = _run(python, "-c", "import torch", cwd=tmp_path, check=False)
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr, no_torch.stderr
     assert "Usage:" in _run(str(venv / "bin" / cli), "-h", cwd=tmp_path).stdout
     _run(python, "-c", IMPORT_ALL, *packages, cwd=tmp_path)
+
+
+@pytest.mark.install
+def test_the_base_install_answers_help_and_names_the_extra_a_command_needs(wheel: Path, tmp_path: Path) -> None:
+    """`pip install ckpt-guard`: every command answers -h, the ckpt CLI works (its checksums need
+    crc32c, not torch), and a role's command says which extra brings its libraries."""
+    bin_dir = _venv_with(str(wheel), tmp_path) / "bin"
+    for cli in ("ckpt", "agents", "predictor"):
+        assert "Usage:" in _run(str(bin_dir / cli), "-h", cwd=tmp_path).stdout, cli
+    assert _run(str(bin_dir / "ckpt"), "ls", str(tmp_path), "--json", cwd=tmp_path).stdout.strip() == "[]"
+    for cli, extra in (("agents", "agent"), ("predictor", "predictor")):
+        args = ("simulate", "--out", str(tmp_path / "trace")) if cli == "agents" else ("eval",)
+        proc = _run(str(bin_dir / cli), *args, cwd=tmp_path, check=False)
+        assert proc.returncode == 1 and f"pip install 'ckpt-guard[{extra}]'" in proc.stderr, proc.stderr
+
+
+def _venv_with(spec: str, tmp_path: Path) -> Path:
+    """A fresh venv with ``spec`` installed: this pip installs into it (--python), none to bootstrap there."""
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", "--without-pip", str(venv))
+    _run(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
+         spec)  # no .pyc for all of scipy: half the CPU time
+    return venv
 
 
 IMPORT_ALL = """

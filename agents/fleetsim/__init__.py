@@ -82,8 +82,16 @@ After a failure the node's job dies (the other GPUs idle for a while); the GPU
 is absent 0.5-24 h, then comes back reset (same UUID, volatile counters at
 zero, remapped rows kept) or replaced (new UUID, all counters at zero).
 """
+import importlib
+
 from agents.fleetsim.config import PROFILES, FleetConfig, GpuProfile, ScheduledFailure
-from agents.fleetsim.node import NodeSim
-from agents.fleetsim.trace import write_trace
 
 __all__ = ["FleetConfig", "GpuProfile", "ScheduledFailure", "PROFILES", "NodeSim", "write_trace"]
+#: imported on first use: they need pyarrow, which `agents --help` (the base install) does without
+_NEEDS_PYARROW = {"NodeSim": "agents.fleetsim.node", "write_trace": "agents.fleetsim.trace"}
+
+
+def __getattr__(name: str):
+    if name in _NEEDS_PYARROW:
+        return getattr(importlib.import_module(_NEEDS_PYARROW[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

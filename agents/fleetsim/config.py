@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from telemetry.schema import FAILURE_MODES
+from telemetry.failure_modes import FAILURE_MODES
 
 
 @dataclass(frozen=True)
