@@ -61,6 +61,14 @@ class Coordinator:
         if self.active:
             dist.barrier(group=self._group)
 
+    def close(self) -> None:
+        """Destroy the control group: each one holds gloo threads and sockets, so a process
+        that builds many managers (tests, in-process recovery) would otherwise accumulate them."""
+        if self._group is not None:
+            group, self._group = self._group, None
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+
 
 def store_connector(namespace: str, timeout_s: float) -> Callable[[], "dist.Store"] | None:
     """A function returning this thread's client of the job's store, keys under ``namespace``

@@ -352,6 +352,7 @@ class CheckpointManager:
             if self.peering is not None:
                 self.peering.close()
             self.memory.close()
+            self.coord.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
