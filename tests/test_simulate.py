@@ -414,7 +414,7 @@ def test_every_failure_relaunching_is_no_better_than_e_but_for_the_snapshot(objs
 
 def test_a_cheap_snapshot_is_taken_every_step_and_loses_half_a_step() -> None:
     inproc = inputs.DEFAULT_INPROCESS
-    f = in_process(relaunch_share=0.0, snapshot_block_s=0.001)
+    f = in_process(relaunch_share=0.0, snapshot_block_s=0.0005)
     out = analytic(DEFAULT_RUN, f)
     assert out.interval_s == pytest.approx(inproc.step_s)  # Daly's optimum is under a step: once a step
     lag = sum(share * f.recovery(k).lag_s for k, share in DEFAULT_RUN.shares.items())
