@@ -1,4 +1,4 @@
-"""``ckpt simulate``: ETTR and the waste split of five checkpointing strategies over a run.
+"""``ckpt simulate``: ETTR and the waste split of six recovery policies over a run.
 
 Runs with no inputs on the packaged measurements (``data/``, read by ``inputs.py``);
 exit 0 ok, 1 for an unreadable input file, 2 usage. ``ckpt/simulate_cli.py`` loads this
@@ -14,13 +14,15 @@ from dataclasses import asdict, fields
 import click
 
 from . import inputs
+from .inprocess import InProcessCosts
 from .model import Run, analytic, monte_carlo
-from .report import phases_table, reads_table, restart_phases, table
+from .report import inprocess_table, phases_table, reads_table, restart_phases, table
 from .restart import RestartCosts
-from .sensitivity import best_over_a, grid_tables, grids
+from .sensitivity import best_over_a, grid_tables, grids, inprocess_grids, inprocess_tables
 
 TARGET = 0.5  # issue 7: (c)'s waste at most half of (a)'s
-BEST_TARGET = 0.4  # issue 17: the best strategy's waste at most 0.4 of (a)'s, at --objstore-gbps 1
+BEST_TARGET = 0.4  # issue 17: the best checkpoint policy's waste at most 0.4 of (a)'s, at --objstore-gbps 1
+INPROCESS_TARGET = 0.98  # issue 33: (f)'s ETTR at least this, at the defaults with --objstore-gbps 1
 _defaults = Run()
 _file = dict(type=click.Path(exists=True, dir_okay=False), default=None)
 _seconds = click.FloatRange(min=0)
@@ -37,6 +39,19 @@ _RESTART_OPTIONS = [
     ("--replace-s", _seconds, "A spare node joining, for a node taken out of the job (GPU failure, host down)."),
     ("--relaunch-s", _seconds, "Process exit, relaunch, rendezvous, process-group init, setup."),
 ]
+# (f)'s in-process recovery (inprocess.InProcessCosts; sources in data/inprocess_nvrx.json)
+_INPROCESS_OPTIONS = [
+    ("relaunch_share", click.FloatRange(0, 1), "(f): share of failures the in-process path cannot take "
+     "(they relaunch as under (e))."),
+    ("abort_s", _seconds, "(f): destroy the process group and wait for concurrent faults."),
+    ("drain_s", _seconds, "(f): the pending CUDA kernels finish (about a step)."),
+    ("agree_s", _seconds, "(f): rank assignment and the store barrier over the new membership."),
+    ("new_group_s", _seconds, "(f): new NCCL communicators over the new membership."),
+    ("first_step_s", _seconds, "(f): what the first step after recovery costs beyond a step."),
+    ("step_s", click.FloatRange(min=0, min_open=True), "(f): a training step; snapshots come at most once a step."),
+    ("snapshot_block_s", _seconds, "(f): what one snapshot blocks training (provisional default: see "
+     "docs/goodput.md)."),
+]
 
 
 def _restart_options(command: Callable) -> Callable:
@@ -49,9 +64,13 @@ def _restart_options(command: Callable) -> Callable:
                            default=inputs.DEFAULT_RESTART.spare_on_alarm,
                            help="(c)-(e): a failure the predictor caught had its spare requested at the alarm, "
                            "and waits for it only what is left of --replace-s after the alarm's lead.")(command)
+    for name, kind, text in reversed(_INPROCESS_OPTIONS):
+        flag = "--inprocess-" + name.replace("_", "-")
+        command = click.option(flag, f"inprocess_{name}", type=kind, show_default=True, help=text,
+                               default=getattr(inputs.DEFAULT_INPROCESS, name))(command)
     return click.option("--restart-s", "flat_s", type=_seconds, default=None,
                         help="What-if: every restart takes this long before its restore, whatever the failure "
-                        "and the policy (the earlier model: 300).")(command)
+                        "and the policy (the earlier model: 300; (f) then relaunches like the rest).")(command)
 
 
 @click.command("simulate")
@@ -80,7 +99,8 @@ def _restart_options(command: Callable) -> Callable:
               help="Also play the run this many times with sampled failures.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--sensitivity", is_flag=True, help="Also best/(a) over the share of GPU failures that hang, "
-              "the wait for a spare and the relaunch.")
+              "the wait for a spare and the relaunch; and (f)'s ETTR over the share of failures that still "
+              "relaunch, the new process group and the snapshot cost.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_restart_options
 def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, gpu_failure_share: float,
@@ -90,19 +110,20 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
                  as_json: bool, **restart_phases_s: float | bool | None) -> None:
     """ETTR and waste (stalls, lost work, restarts) of (a) DCP to the object store,
     (b) our tiers, (c) our tiers + the failure predictor, (d) our tiers + peer replicas +
-    the predictor, (e) (d) with fail-fast, each at its optimal interval; which copy each
-    restart reads, and what each restart's phases cost."""
+    the predictor, (e) (d) with fail-fast, (f) (e) recovering in-process, each at its
+    optimal interval; which copy each restart reads, and what each restart's phases cost."""
     try:
         run = Run(gpus, days, failures, host_down_share, gpu_failure_share, precursor_share, gpus_per_node)
         restart = RestartCosts(**{f.name: restart_phases_s[f.name] for f in fields(RestartCosts)})
+        inprocess = InProcessCosts(**{f.name: restart_phases_s[f"inprocess_{f.name}"] for f in fields(InProcessCosts)})
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     peer_gbps = peer_gbps or inputs.peer_gbps_default(run)
     try:
         sources = [inputs.load_json(bench, inputs.BENCH), inputs.load_json(objstore_bench, inputs.OBJSTORE),
                    inputs.load_json(predictor_eval, inputs.PREDICTOR)]
-        def build(costs: RestartCosts) -> list:
-            return inputs.strategies(run, *sources, state_gb_per_gpu, objstore_gbps, peer_gbps, costs)
+        def build(costs: RestartCosts, inproc: InProcessCosts = inprocess) -> list:
+            return inputs.strategies(run, *sources, state_gb_per_gpu, objstore_gbps, peer_gbps, costs, inproc)
 
         strategies = build(restart)
         notes = inputs.eval_notes(sources[2])
@@ -117,7 +138,10 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
     split = {o.strategy: {"stalls": o.stall, "lost work": o.lost}
              | {f"restart {p}": w for p, w in phases[o.strategy]["waste"].items() if p != "total"} for o in outcomes}
     dominant = max(split[best.strategy], key=split[best.strategy].get)
-    payload = {"run": asdict(run), "restart": asdict(restart), "state_gb_per_gpu": state_gb_per_gpu,
+    f_ettr = outcomes[-1].ettr
+    payload = {"run": asdict(run), "restart": asdict(restart), "inprocess": asdict(inprocess)
+               | {"phases": inprocess.phases(), "total_s": inprocess.total_s},
+               "state_gb_per_gpu": state_gb_per_gpu,
                "objstore_gbps": objstore_gbps, "peer_gbps": peer_gbps,
                "sources": {k: src["source"] for k, src in zip(("bench", "objstore", "predictor"), sources)},
                "strategies": [asdict(s) | {"policy": s.policy(run).explain()} for s in strategies],
@@ -125,10 +149,12 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
                "notes": notes, "analytic": [o.to_dict() for o in outcomes],
                "monte_carlo": [o.to_dict() for o in played],
                "sensitivity": grids(run, build, restart) if sensitivity else None,
+               "inprocess_sensitivity": inprocess_grids(run, build, restart, inprocess) if sensitivity else None,
                "target": {"c_waste_over_a_waste": ratio, "at_most": TARGET, "met": ratio <= TARGET},
                "best_target": {"best": best.strategy, "best_waste_over_a_waste": best_ratio,
                                "at_most": BEST_TARGET, "met": best_ratio <= BEST_TARGET, "dominant": dominant,
-                               "best_restart_over_a_waste": best.restart / outcomes[0].waste}}
+                               "best_restart_over_a_waste": best.restart / outcomes[0].waste},
+               "inprocess_target": {"ettr": f_ettr, "at_least": INPROCESS_TARGET, "met": f_ettr >= INPROCESS_TARGET}}
     if as_json:
         click.echo(json.dumps(payload, indent=2))
         return
@@ -140,12 +166,17 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
              f"{state_gb_per_gpu:.3f} GB/GPU, peer {peer_gbps:.3g} GB/s per GPU, {restarts}",
              *notes, "", table(outcomes), "", "Which copy the restart reads (lost node's shards):", "",
              reads_table(run, strategies), "",
-             "Failure to training again, seconds (detect + replace + relaunch + restore), and each phase's "
-             "share of the wall clock:", "", phases_table(run, strategies)]
+             "Failure to training again, seconds (detect + replace + relaunch + inprocess + restore), and each phase's "
+             "share of the wall clock:", "", phases_table(run, strategies), "",
+             f"(f)'s in-process recovery, seconds ({1 - inprocess.relaunch_share:.0%} of failures; the other "
+             f"{inprocess.relaunch_share:.0%} relaunch as under (e)):", "", inprocess_table(inprocess)]
     if sensitivity:
         lines += ["", "best / (a) waste; rows: the share of GPU failures that hang, then the wait for a spare (s); "
                   f"columns: the relaunch (s); bold where <= {BEST_TARGET}:", "",
-                  grid_tables(payload["sensitivity"], BEST_TARGET)]
+                  grid_tables(payload["sensitivity"], BEST_TARGET), "",
+                  "(f)'s ETTR; columns: the share of failures that still relaunch; rows: the new process group (s), "
+                  f"then the blocking per snapshot (s); bold where >= {INPROCESS_TARGET:.0%}:", "",
+                  inprocess_tables(payload["inprocess_sensitivity"], INPROCESS_TARGET)]
     if played:
         lines += ["", f"Monte Carlo, {plays} runs, seed {seed}:", "", table(played)]
     verdict = "met" if ratio <= TARGET else "NOT met"
@@ -154,5 +185,7 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
               f"best ({best.strategy}) waste / (a) waste = {best_ratio:.2f} "
               f"(target <= {BEST_TARGET}, set at --objstore-gbps 1: {best_verdict} here); "
               f"its largest term: {dominant}, {split[best.strategy][dominant]:.2%} of the wall clock; its restarts are "
-              f"{best.restart / outcomes[0].waste:.2f} x (a)'s waste"]
+              f"{best.restart / outcomes[0].waste:.2f} x (a)'s waste",
+              f"(f) ETTR = {f_ettr:.2%} (target >= {INPROCESS_TARGET:.0%}, set at --objstore-gbps 1: "
+              f"{'met' if f_ettr >= INPROCESS_TARGET else 'NOT met'} here)"]
     click.echo("\n".join(lines))

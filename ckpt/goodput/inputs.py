@@ -18,6 +18,7 @@ from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
 
+from .inprocess import InProcessCosts
 from .model import KINDS, Lead, Recovery, Run, Skill, Strategy
 from .restart import RestartCosts
 
@@ -31,11 +32,13 @@ def _packaged(name: str) -> dict:
 BENCH = _packaged("ckpt_bench_medium.json")
 OBJSTORE = _packaged("objstore_moto.json")
 PREDICTOR = _packaged("predictor_reference.json")
+INPROCESS = _packaged("inprocess_nvrx.json")  # (f)'s phases and snapshot cost, a source per value
 
 # Llama 3 405B: 405e9 parameters x 14 bytes (bf16 weights, fp32 master copy, two fp32
 # Adam moments) over 16,384 GPUs.
 STATE_GB_PER_GPU = round(405e9 * 14 / 16384 / 1e9, 3)
 DEFAULT_RESTART = RestartCosts()  # the restart phases' defaults (docs/goodput.md, "Restart phases")
+DEFAULT_INPROCESS = InProcessCosts(**INPROCESS["values"])
 NIC_GBIT_PER_NODE = 100.0  # the front-end NIC replicas travel over (the GPUs' own fabric is the job's)
 
 
@@ -91,20 +94,24 @@ def peer_gbps_default(run: Run) -> float:
     return NIC_GBIT_PER_NODE / 8 / run.gpus_per_node
 
 
-def _with_restarts(run: Run, s: Strategy, costs: RestartCosts) -> Strategy:
+def _with_restarts(run: Run, s: Strategy, costs: RestartCosts, inprocess: InProcessCosts | None = None) -> Strategy:
     """``s`` with each kind's recovery carrying its restart phases (``restart.PHASES``);
-    a strategy with a predictor stages a spare at the alarms it raises."""
+    a strategy with a predictor stages a spare at the alarms it raises; with ``inprocess``
+    most failures recover in-process."""
     lead = s.skill.lead if s.skill else None
     return replace(s, **{k: replace(s.recovery(k), **{f"{p}_s": v for p, v in costs.phases(
-        k, s.fail_fast, s.caught(run), lead).items()}) for k in KINDS})
+        k, s.fail_fast, s.caught(run), lead, inprocess).items()}) for k in KINDS})
 
 
 def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb_per_gpu: float,
                objstore_gbps: float | None = None, peer_gbps: float | None = None,
-               restart: RestartCosts = DEFAULT_RESTART) -> list[Strategy]:
+               restart: RestartCosts = DEFAULT_RESTART, inprocess: InProcessCosts = DEFAULT_INPROCESS
+               ) -> list[Strategy]:
     """(a) DCP straight to the object store, (b) our tiers, (c) our tiers + the predictor,
-    (d) our tiers + one peer replica per shard + the predictor, (e) all of ours: (d) with
-    fail-fast (issue 19). (a)-(d) wait out the collective timeout when a GPU hangs."""
+    (d) our tiers + one peer replica per shard + the predictor, (e) (d) with fail-fast
+    (issue 19), (f) all of ours: (e) recovering in-process (issue 33), snapshotting at its
+    own optimum for its snapshot cost but at most once a step. (a)-(d) wait out the
+    collective timeout when a GPU hangs."""
     node_bytes = state_gb_per_gpu * 1e9 * run.gpus_per_node
     scale = node_bytes / bench["state_bytes"]
 
@@ -125,8 +132,14 @@ def strategies(run: Run, bench: dict, objstore: dict, evaluation: dict, state_gb
     peer = Recovery(block + peer_s, peer_s, "peer memory")
     skill = skill_of(evaluation)
     peers = Strategy("d", "(d) ckpt tiers + peers + predictor", block, memory, peer, peer, skill)
+    fail_fast = replace(peers, name="e", label="(e) ckpt tiers + peers + predictor + fail-fast", fail_fast=True)
+    snap = inprocess.snapshot_block_s
+    in_process = replace(fail_fast, name="f", label="(f) ckpt tiers + peers + predictor + fail-fast + in-process",
+                         blocking_s=snap, crash=replace(memory, lag_s=snap),
+                         gpu=replace(peer, lag_s=snap + peer_s), host=replace(peer, lag_s=snap + peer_s),
+                         floor_s=inprocess.step_s + snap)
     compared = [Strategy("a", "(a) DCP to object store, periodic", dcp_save, dcp, dcp, dcp),
                 Strategy("b", "(b) ckpt tiers, periodic", block, memory, off_node, off_node),
                 Strategy("c", "(c) ckpt tiers + predictor", block, memory, off_node, off_node, skill),
-                peers, replace(peers, name="e", label="(e) ckpt tiers + peers + predictor + fail-fast", fail_fast=True)]
-    return [_with_restarts(run, s, restart) for s in compared]
+                peers, fail_fast]
+    return [_with_restarts(run, s, restart) for s in compared] + [_with_restarts(run, in_process, restart, inprocess)]

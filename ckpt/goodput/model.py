@@ -79,7 +79,8 @@ class Run:
 class Recovery:
     """How a restart recovers from one kind of failure: it ``reads`` a copy that is durable
     ``lag_s`` after a save's start, in ``restore_s``, after the failure was detected, its
-    node replaced where it left the job, and the job relaunched (``restart.PHASES``)."""
+    node replaced where it left the job, and the job relaunched or, under (f), recovered
+    in-process (``restart.PHASES``; each the expectation over the two paths)."""
 
     lag_s: float
     restore_s: float
@@ -87,11 +88,12 @@ class Recovery:
     detect_s: float = 0.0
     replace_s: float = 0.0
     relaunch_s: float = 0.0
+    inprocess_s: float = 0.0
 
     @property
     def restart_s(self) -> float:
         """Failure to training again: every phase and the restore."""
-        return self.detect_s + self.replace_s + self.relaunch_s + self.restore_s
+        return self.detect_s + self.replace_s + self.relaunch_s + self.inprocess_s + self.restore_s
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,8 @@ class Skill:
 class Strategy:
     """A checkpointing strategy: its save's blocking cost, how each kind of failure
     (``KINDS``) is recovered, optionally a predictor, and whether the job fails fast on a
-    hung rank or a dead GPU (issue 19; it shortens the recoveries' detection)."""
+    hung rank or a dead GPU (issue 19; it shortens the recoveries' detection). ``floor_s``:
+    saves start at least this far apart (one step and its snapshot, under (f))."""
 
     name: str
     label: str
@@ -162,6 +165,7 @@ class Strategy:
     host: Recovery
     skill: Skill | None = None
     fail_fast: bool = False
+    floor_s: float = 0.0
 
     def recovery(self, kind: str) -> Recovery:
         return getattr(self, kind)
@@ -188,7 +192,7 @@ class Strategy:
             recall = sum(share * q for share, _, q in self.classes(run))
             lead_s = self.skill.lead.median_s if self.skill.lead else 0.0  # no lead: no caught failure
             predictor = Predictor(recall, self.skill.false_alarms_per_1000_node_days * run.nodes / 1000.0, lead_s)
-        drain = max(self.recovery(k).lag_s for k in KINDS)
+        drain = max(self.floor_s, *(self.recovery(k).lag_s for k in KINDS))
         return IntervalPolicy(self.blocking_s, 1.0 / run.failure_rate, drain, predictor, formula)
 
 

@@ -2,6 +2,7 @@
 the restarts' time goes, as Markdown tables (the README's and docs/goodput.md's)."""
 from __future__ import annotations
 
+from .inprocess import InProcessCosts
 from .model import KINDS, Outcome, Run, Strategy
 from .restart import PHASES
 
@@ -54,3 +55,11 @@ def phases_table(run: Run, strategies: list[Strategy]) -> str:
         rows.append(f"| {s.label} | " + " | ".join(cells) + " | "
                     + " | ".join(f"{phases['waste'][p]:.2%}" for p in _STEPS) + " |")
     return "\n".join(rows)
+
+
+def inprocess_table(costs: InProcessCosts) -> str:
+    """One in-process recovery's phases after detection, in seconds (the restore is the
+    strategy's, as on the relaunch path)."""
+    phases = costs.phases()
+    return "\n".join(["| " + " | ".join(phases) + " | total |", "|" + "---:|" * (len(phases) + 1),
+                      "| " + " | ".join(f"{v:g}" for v in phases.values()) + f" | {costs.total_s:g} |"])

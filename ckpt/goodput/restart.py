@@ -19,9 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .inprocess import InProcessCosts
     from .model import Lead
 
-PHASES = ("detect", "replace", "relaunch")  # before the restore, which the strategy's tier sets
+# before the restore, which the strategy's tier sets; "inprocess" is (f)'s recovery without a
+# relaunch (``inprocess.InProcessCosts``)
+PHASES = ("detect", "replace", "relaunch", "inprocess")
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,21 @@ class RestartCosts:
             return self.replace_s
         return (1 - caught) * self.replace_s + caught * lead.shortfall(self.replace_s)
 
-    def phases(self, kind: str, fail_fast: bool, caught: float = 0.0, lead: Lead | None = None) -> dict[str, float]:
+    def phases(self, kind: str, fail_fast: bool, caught: float = 0.0, lead: Lead | None = None,
+               inprocess: InProcessCosts | None = None) -> dict[str, float]:
         """Expected seconds of each phase in ``PHASES`` for a failure of ``kind``
         (``model.KINDS``): crashes restart in place, GPU failures and hosts down on a spare,
-        staged at the alarm for the share ``caught`` (``replace_wait_s``)."""
+        staged at the alarm for the share ``caught`` (``replace_wait_s``). With ``inprocess``
+        ((f)), all but its ``relaunch_share`` of the failures skip the relaunch and the wait
+        for a spare (a warm spare's ranks, already in the job, take a lost node's place) and
+        recover in-process instead; detection and the restore are the same on both paths."""
         if self.flat_s is not None:
-            return {"detect": 0.0, "replace": 0.0, "relaunch": self.flat_s}
+            return {"detect": 0.0, "replace": 0.0, "relaunch": self.flat_s, "inprocess": 0.0}
         detect = {"crash": 0.0, "gpu": self.gpu_hang_share * self.hang_detect_s(fail_fast),
                   "host": self.host_gone_s(fail_fast)}[kind]
-        return {"detect": detect, "replace": 0.0 if kind == "crash" else self.replace_wait_s(caught, lead),
-                "relaunch": self.relaunch_s}
+        replace = 0.0 if kind == "crash" else self.replace_wait_s(caught, lead)
+        if inprocess is None:
+            return {"detect": detect, "replace": replace, "relaunch": self.relaunch_s, "inprocess": 0.0}
+        share = inprocess.relaunch_share
+        return {"detect": detect, "replace": share * replace, "relaunch": share * self.relaunch_s,
+                "inprocess": (1 - share) * inprocess.total_s}
