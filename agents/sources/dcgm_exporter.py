@@ -38,12 +38,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents.sources.base import Source
+from telemetry import bounded_get
 from telemetry import dcgm as D
 from telemetry import schema as S
 from telemetry.wire import GZIP_MAGIC, inflate
@@ -52,7 +53,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_BYTES = 8 << 20  # an 8-GPU page with the default fields is ~30 KB; pod labels add some
-_READ_CHUNK = 64 << 10
 _MAX_XID_READING = 2**31 - 1  # the wire's xid column is int32; counts beyond it are no real exporter's
 #: Why a reading is dropped (the ``reason`` label of ckpt_guard_agent_dcgm_series_dropped).
 GPU_OUT_OF_RANGE, NON_FINITE, BAD_XID = "gpu index out of range", "non-finite value", "bad XID reading"
@@ -67,34 +67,18 @@ def fetch(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_bytes: int = DEFAU
     u = urlsplit(url)
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError(f"dcgm-exporter URL must be http(s)://host:port/metrics, got {url!r}")
-    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    deadline = time.monotonic() + timeout_s
-    conn = cls(u.hostname, u.port, timeout=timeout_s)
     try:
-        conn.request("GET", (u.path or "/metrics") + (f"?{u.query}" if u.query else ""),
-                     headers={"Accept": "text/plain"})
-        sock = conn.sock                        # the response keeps it after a "Connection: close"
-        resp = conn.getresponse()
-        chunks, size = [], 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ScrapeError(f"{url}: page not read within {timeout_s:g} s")
-            sock.settimeout(left)          # a server that drips bytes cannot stretch the limit
-            chunk = resp.read1(_READ_CHUNK)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > max_bytes:
-                raise ScrapeError(f"{url}: page larger than the {max_bytes}-byte cap")
-            chunks.append(chunk)
-        body = b"".join(chunks)
-        if resp.status != 200:
-            raise ScrapeError(f"{url}: HTTP {resp.status}: {body[:200].decode('utf-8', 'replace')}")
+        with bounded_get.get(urlunsplit(u._replace(path=u.path or "/metrics")), {"Accept": "text/plain"},
+                             timeout_s, max_bytes) as resp:
+            body = resp.read_all()
+            if resp.status != 200:
+                raise ScrapeError(f"{url}: HTTP {resp.status}: {body[:200].decode('utf-8', 'replace')}")
+    except bounded_get.Timeout:
+        raise ScrapeError(f"{url}: page not read within {timeout_s:g} s") from None
+    except bounded_get.OverCap:
+        raise ScrapeError(f"{url}: page larger than the {max_bytes}-byte cap") from None
     except (OSError, http.client.HTTPException) as e:
         raise ScrapeError(f"{url}: {type(e).__name__}: {e}") from None
-    finally:
-        conn.close()
     if body[:2] == GZIP_MAGIC:
         try:
             body = inflate(body, max_bytes)
