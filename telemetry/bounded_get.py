@@ -36,11 +36,20 @@ class Body:
         self._deadline, self._timeout_s, self._max_bytes, self.size = deadline, timeout_s, max_bytes, 0
 
     def read(self, n: int = _READ_CHUNK) -> bytes:
+        if n == 0:                                  # a type probe (ijson does one)
+            return b""
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise Timeout(f"no complete answer within {self._timeout_s:g} s")
         self._sock.settimeout(left)
-        chunk = self._resp.read1(max(1, min(n, _READ_CHUNK)))
+        try:
+            chunk = self._resp.read1(min(n, _READ_CHUNK) if n > 0 else _READ_CHUNK)
+        except TimeoutError:                        # the read was given the time left: it is spent
+            raise Timeout(f"no complete answer within {self._timeout_s:g} s") from None
+        except (OSError, http.client.HTTPException):
+            if time.monotonic() < self._deadline:
+                raise
+            chunk = b""
         if time.monotonic() >= self._deadline:     # the timer shut the socket: what came is not all
             raise Timeout(f"no complete answer within {self._timeout_s:g} s")
         self.size += len(chunk)
@@ -73,8 +82,8 @@ def get(url: str, headers: dict[str, str], timeout_s: float, max_bytes: int) -> 
             timer.daemon = True
             timer.start()
             resp = conn.getresponse()
-        except (OSError, http.client.HTTPException):
-            if time.monotonic() >= deadline:
+        except (OSError, http.client.HTTPException) as e:
+            if isinstance(e, TimeoutError) or time.monotonic() >= deadline:
                 raise Timeout(f"no complete answer within {timeout_s:g} s") from None
             raise
         yield Body(resp, sock, deadline, timeout_s, max_bytes)

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
+import time
 import warnings
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +147,41 @@ def basic_auth_config(path: Path) -> Path:
         hashed = crypt.crypt("s3cret-pass", crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
     path.write_text(f"basic_auth_users:\n  reader: '{hashed}'\n")
     return path
+
+
+class FakePrometheus:
+    """A careless or hostile Prometheus on 127.0.0.1: ``answers[path]`` is the body for that API
+    path (bytes, or a callable giving the pieces of a body too large to hold); ``drip_s``
+    sleeps between 256-byte pieces."""
+
+    def __init__(self, answers: dict[str, bytes | Callable[[], Iterable[bytes]]]):
+        self.answers, self.drip_s = answers, 0.0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                answer = fake.answers.get(self.path.split("?")[0], b'{"status":"error","error":"no such path"}')
+                pieces = answer() if callable(answer) else [answer]
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                try:
+                    for piece in pieces:
+                        step = 256 if fake.drip_s else len(piece) or 1
+                        for i in range(0, len(piece), step):
+                            self.wfile.write(piece[i:i + step])
+                            time.sleep(fake.drip_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass                        # the reader gave up: what it should do
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
