@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
-import time
 import warnings
 from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ import requests
 
 from telemetry import dcgm
 from telemetry.schema import METRICS, XID_ERRORS
-from tests.procs import free_port, stop_process, wait_for
+from tests.procs import LoopbackHTTP, free_port, stop_process, wait_for, write_dripping
 
 
 def need(binary: str) -> str:
@@ -164,24 +162,13 @@ class FakePrometheus:
 
             def do_GET(self):
                 answer = fake.answers.get(self.path.split("?")[0], b'{"status":"error","error":"no such path"}')
-                pieces = answer() if callable(answer) else [answer]
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
-                try:
-                    for piece in pieces:
-                        step = 256 if fake.drip_s else len(piece) or 1
-                        for i in range(0, len(piece), step):
-                            self.wfile.write(piece[i:i + step])
-                            time.sleep(fake.drip_s)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass                        # the reader gave up: what it should do
+                write_dripping(self.wfile, answer() if callable(answer) else [answer], fake.drip_s)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self._http = LoopbackHTTP(Handler)
+        self.url = self._http.base_url
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._http.stop()
