@@ -4,14 +4,17 @@ vanished GPUs; then end to end into a real `predictor serve`."""
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import requests
 
-from agents.sources.dcgm_exporter import DcgmExporterSource
+from agents.sources.dcgm_exporter import DcgmExporterSource, ScrapeError, fetch
 from telemetry import dcgm as D
 from telemetry import schema as S
 from tests.dcgm_fixtures import MODEL, FakeExporter, gpu, render
@@ -235,3 +238,33 @@ def test_an_out_of_range_gpu_index_drops_that_gpu_only(exporter, index) -> None:
     finally:
         src.close()
         other.stop()
+
+
+def test_a_server_dripping_its_headers_is_cut_at_the_timeout() -> None:
+    """A byte of header every 100 ms never trips a per-read timeout; the scrape's limit is in all."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 600:
+                if stop.is_set():
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+                time.sleep(0.1)
+    server = threading.Thread(target=drip, daemon=True)
+    server.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ScrapeError, match="not read within 1 s"):
+            fetch(f"http://127.0.0.1:{listener.getsockname()[1]}/metrics", timeout_s=1.0)
+        assert time.monotonic() - started < 10    # generous: not the minute the drip would take
+    finally:
+        stop.set()
+        server.join(timeout=10)
+        listener.close()
