@@ -110,7 +110,7 @@ class PrometheusHistory:
         """The ``data`` of a small answer (label values), read whole."""
         url = self._url(path, params)
         with self._answer(url, max_bytes) as body:
-            raw = self._read(body, body.read_all)
+            raw = body.read_all()
         try:
             doc = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -124,29 +124,22 @@ class PrometheusHistory:
 
     @contextlib.contextmanager
     def _answer(self, url: str, max_bytes: int) -> Iterator[bounded_get.Body]:
-        """The 200 answer's body, read within --prometheus-timeout in all and `max_bytes`."""
+        """The 200 answer's body, read within --prometheus-timeout in all and `max_bytes`; what
+        goes wrong while it is read (in the caller's block too) is a PrometheusError."""
         headers = {"Accept": "application/json", **self.q.headers}
         try:
             with bounded_get.get(url, headers, self.q.timeout_s, max_bytes) as body:
                 if body.status != 200:
-                    raise PrometheusError(self._http_error(body.status, self._read(body, lambda: body.read(65536))))
+                    raise PrometheusError(self._http_error(body.status, body.read(65536)))
                 yield body
-        except (bounded_get.Timeout, bounded_get.OverCap, OSError, http.client.HTTPException) as e:
-            raise PrometheusError(self._transport_error(e, max_bytes)) from None
-
-    def _read(self, body: bounded_get.Body, read):
-        """``read()``, its transport failures as PrometheusError."""
-        try:
-            return read()
-        except (bounded_get.Timeout, bounded_get.OverCap, OSError, http.client.HTTPException) as e:
-            raise PrometheusError(self._transport_error(e, body.size)) from None
-
-    def _transport_error(self, e: Exception, max_bytes: int) -> str:
-        if isinstance(e, bounded_get.Timeout):
-            return f"Prometheus at {self.q.url}: {e} (--prometheus-timeout)"
-        if isinstance(e, bounded_get.OverCap):
-            return f"a chunk's answer is over {max_bytes} bytes: shorten --chunk or narrow --match"
-        return f"Prometheus at {self.q.url} unreachable: {getattr(e, 'strerror', None) or e}"
+        except bounded_get.Timeout as e:
+            raise PrometheusError(f"Prometheus at {self.q.url}: {e} (--prometheus-timeout)") from None
+        except bounded_get.OverCap:
+            raise PrometheusError(f"a chunk's answer is over {max_bytes} bytes: shorten --chunk or narrow --match") \
+                from None
+        except (OSError, http.client.HTTPException) as e:
+            raise PrometheusError(f"Prometheus at {self.q.url} unreachable: {getattr(e, 'strerror', None) or e}") \
+                from None
 
     def _http_error(self, code: int, text: bytes) -> str:
         if code in (401, 403):
@@ -210,8 +203,6 @@ class PrometheusHistory:
             except ijson.JSONError as e:
                 raise PrometheusError(f"the chunk ending {_iso(hi_ms)}: the answer is not JSON ({e}); "
                                       f"is {self.q.url} a Prometheus?") from None
-            except (bounded_get.Timeout, bounded_get.OverCap, OSError, http.client.HTTPException) as e:
-                raise PrometheusError(self._transport_error(e, cap)) from None
 
     @staticmethod
     def _series(body: bounded_get.Body) -> Iterator[dict]:
