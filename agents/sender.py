@@ -139,12 +139,18 @@ class Sender:
                 continue
             rows, self._rows[kind] = self._rows[kind], []
             for i in range(0, len(rows), self.max_batch_rows):
-                part = rows[i:i + self.max_batch_rows]
+                table, bad = wire.to_table(kind, rows[i:i + self.max_batch_rows])
+                if bad:
+                    log.error("dropped %d %s row(s) the wire schema cannot hold, e.g. %s: %s", len(bad), kind,
+                              {k: bad[0][0].get(k) for k in ("node", "gpu", "timestamp")}, bad[0][1])
+                    self.stats.add(**{_counter(kind, "dropped"): len(bad)})
+                if not table.num_rows:
+                    continue
                 try:
-                    self._count_dropped(self.spool.push(kind, wire.encode(wire.to_table(kind, part)), len(part)))
+                    self._count_dropped(self.spool.push(kind, wire.encode(table), table.num_rows))
                 except OSError as e:  # disk full, spool removed: these rows cannot be kept
-                    log.error("cannot spool a %s batch of %d rows (%s): dropped", kind, len(part), e)
-                    self.stats.add(**{_counter(kind, "dropped"): len(part)})
+                    log.error("cannot spool a %s batch of %d rows (%s): dropped", kind, table.num_rows, e)
+                    self.stats.add(**{_counter(kind, "dropped"): table.num_rows})
 
     def _count_dropped(self, dropped: list[Entry]) -> None:
         for e in dropped:

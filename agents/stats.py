@@ -15,7 +15,7 @@ class AgentStats:
     xid_events_sent: int = 0
     batches_sent: int = 0
     send_errors: int = 0
-    samples_dropped: int = 0  # spool full: oldest batches dropped
+    samples_dropped: int = 0  # spool full (oldest batches dropped), or a row no batch can hold
     xid_events_dropped: int = 0
     samples_rejected: int = 0  # answered 400: malformed, set aside
     xid_events_rejected: int = 0

@@ -15,9 +15,36 @@ from telemetry.wire import GZIP_MAGIC, inflate
 SCHEMAS = {"telemetry": S.TELEMETRY_SCHEMA, "xid": S.XID_SCHEMA}
 
 
-def to_table(kind: str, rows: list[dict]) -> pa.Table:
-    """Rows as dicts (timestamps in epoch milliseconds) to a table in the wire schema."""
-    return pa.Table.from_pylist(rows, schema=SCHEMAS[kind])
+def to_table(kind: str, rows: list[dict]) -> tuple[pa.Table, list[tuple[dict, str]]]:
+    """Rows as dicts (timestamps in epoch milliseconds) to a table in the wire schema, and
+    the rows it cannot hold (a GPU index past int16, a missing node) with the reason each.
+
+    One such row must not cost the batch: when the whole batch does not convert, each row
+    is tried alone (only then, so the usual batch costs one conversion).
+    """
+    schema = SCHEMAS[kind]
+    try:
+        return _strict_table(rows, schema), []
+    except (pa.ArrowException, OverflowError, TypeError, ValueError):
+        pass
+    good, bad = [], []
+    for row in rows:
+        try:
+            _strict_table([row], schema)
+        except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
+            bad.append((row, str(e)))
+        else:
+            good.append(row)
+    return pa.Table.from_pylist(good, schema=schema), bad
+
+
+def _strict_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
+    """``from_pylist``, which leaves nulls in non-nullable fields; the predictor refuses those batches."""
+    table = pa.Table.from_pylist(rows, schema=schema)
+    for f in schema:
+        if not f.nullable and table.column(f.name).null_count:
+            raise ValueError(f"{f.name} is missing")
+    return table
 
 
 def encode(table: pa.Table, level: int = 1) -> bytes:

@@ -244,8 +244,11 @@ def eval_(model_path: str | None, trace: Path | None, threshold: str, alarms_out
               default=300.0, show_default=True,  # wire.MAX_AHEAD_S
               help="refuse samples stamped more than this many seconds ahead of this machine's clock "
                    "(a simulated clock that runs faster, as in the demo, needs more)")
+@click.option("--max-nodes", type=click.IntRange(min=1), default=100_000, show_default=True,  # server.MAX_NODES
+              help="distinct node names to keep state for (a few KB each); batches with more new ones get 429")
 def serve(model_path: str | None, host: str, port: int, tokens_path: str | None, no_auth: bool,
-          alertmanager_url: str | None, webhook_url: str | None, max_body: int, max_ahead_s: float) -> None:
+          alertmanager_url: str | None, webhook_url: str | None, max_body: int, max_ahead_s: float,
+          max_nodes: int) -> None:
     """Run the HTTP service: ingest, risk, jobs + checkpoint stream, /metrics, alerts."""
     if no_auth and not _is_loopback(host):
         raise click.UsageError(f"--no-auth serves anyone who can reach {host}: use it with a loopback --host only")
@@ -256,7 +259,8 @@ def serve(model_path: str | None, host: str, port: int, tokens_path: str | None,
         raise click.ClickException(str(e)) from e
     try:
         server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
-                   alertmanager_url=alertmanager_url, webhook_url=webhook_url, max_ahead_s=max_ahead_s)
+                   alertmanager_url=alertmanager_url, webhook_url=webhook_url, max_ahead_s=max_ahead_s,
+                   max_nodes=max_nodes)
     except server.CannotListen as e:
         raise click.ClickException(str(e)) from None
 

@@ -39,7 +39,7 @@ _LOG_GAUGES = (False, False, True, True)     # power and clock compare as ratios
 _NODE_COLS = 2 * len(GAUGES) + 1              # short level and trend per gauge, thermal share
 #: GPU indices per node are 0..MAX_GPUS_PER_NODE-1 (the service refuses others): the index
 #: look-up table grows with the widest index, so one bad index must not size it for a thousand.
-MAX_GPUS_PER_NODE = 64
+MAX_GPUS_PER_NODE = S.MAX_GPUS_PER_NODE
 
 
 def short_name(metric: str) -> str:

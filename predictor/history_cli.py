@@ -86,7 +86,7 @@ _OPTIONS = [
     click.option("--max-samples", default=5_000_000, show_default=True, type=click.IntRange(min=1),
                  help="refuse a chunk with more samples"),
     click.option("--prometheus-timeout", "prom_timeout", default=60.0, show_default=True,
-                 type=click.FloatRange(min=0, min_open=True), help="seconds per query"),
+                 type=click.FloatRange(min=0, min_open=True), help="seconds for each query's whole answer"),
     click.option("--prometheus-token-file", "prom_token_file", type=click.Path(exists=True, dir_okay=False),
                  help=f"bearer token (default: ${TOKEN_ENV})"),
     click.option("--prometheus-user", "prom_user",

@@ -53,6 +53,8 @@ class _RiskCollector:
         yield GaugeMetricFamily("predictor_pending_samples", "Samples accepted but not yet scored",
                                 value=self.service.queue.pending_rows)
         yield GaugeMetricFamily("predictor_jobs", "Registered training jobs", value=len(self.service.jobs.jobs))
+        yield GaugeMetricFamily("predictor_nodes", "Distinct nodes admitted (at most serve --max-nodes)",
+                                value=len(self.service.nodes))
         yield GaugeMetricFamily("predictor_alerts_firing", "GPUs over the strict threshold, paged",
                                 value=len(self.service.alerts.firing))
         yield from self._job_risk()

@@ -10,29 +10,38 @@ The history is written to a trace directory (telemetry.parquet, xid.parquet,
 trace.json) chunk by chunk, so memory is bounded by one chunk and training's two
 replays read Prometheus once. Read-only: GET requests on the query API only.
 Bounded: one chunk per request, and a chunk over `max_series` series or
-`max_samples` samples is refused with what to change, never half-read.
+`max_samples` samples is refused with what to change, never half-read. The bounds hold
+while the answer arrives, not after: it is parsed as a stream (ijson), each series turned
+into arrays as it comes and counted, bytes are capped as they are read, and
+`--prometheus-timeout` is the time for the whole answer, however slowly it drips.
+An answer that is not what the API documents (not an object, a series without `metric`,
+a name not asked for, a timestamp that is no finite number, a value that is no number)
+is one PrometheusError saying what was wrong.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.client
+import io
 import json
 import logging
 import math
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import ijson
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from telemetry import dcgm
-from telemetry.schema import METRICS, TELEMETRY_SCHEMA, THROTTLE, XID_ERRORS, XID_SCHEMA
+from telemetry import bounded_get, dcgm
+from telemetry.schema import MAX_GPUS_PER_NODE, METRICS, TELEMETRY_SCHEMA, THROTTLE, XID_ERRORS, XID_SCHEMA
 
 log = logging.getLogger(__name__)
 _NAMES = METRICS + (XID_ERRORS,)
@@ -41,6 +50,9 @@ _BLIND_WITHOUT = {m for m in dcgm.NOT_IN_DEFAULT if m != THROTTLE}
 #: Bytes of JSON per sample a response may hold on average before it is refused unread
 #: (a sample is about 30 bytes: `[1780000000.123,"65.5"],`; labels add per series).
 _BYTES_PER_SAMPLE = 64
+#: Bytes a series' labels may take on average (dcgm-exporter's plus pod labels are ~400).
+_BYTES_PER_SERIES = 2048
+_RESULT = "data.result.item"
 
 
 class PrometheusError(RuntimeError):
@@ -91,41 +103,59 @@ class PrometheusHistory:
         self._warned_duplicates = False
 
     # ------------------------------------------------------------ HTTP
-    def _get(self, path: str, params: list[tuple[str, str]], max_bytes: int = 64 * 2**20) -> dict:
-        url = self.q.url.rstrip("/") + path + "?" + urllib.parse.urlencode(params)
-        req = urllib.request.Request(url, headers={"Accept": "application/json", **self.q.headers})
+    def _url(self, path: str, params: list[tuple[str, str]]) -> str:
+        return self.q.url.rstrip("/") + path + "?" + urllib.parse.urlencode(params)
+
+    def _get(self, path: str, params: list[tuple[str, str]], max_bytes: int = 64 * 2**20) -> object:
+        """The ``data`` of a small answer (label values), read whole."""
+        url = self._url(path, params)
+        with self._answer(url, max_bytes) as body:
+            raw = body.read_all()
         try:
-            with urllib.request.urlopen(req, timeout=self.q.timeout_s) as resp:
-                body = resp.read(max_bytes + 1)
-        except urllib.error.HTTPError as e:
-            raise PrometheusError(self._http_error(e)) from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise PrometheusError(f"Prometheus at {self.q.url} unreachable: {reason}") from None
-        if len(body) > max_bytes:
-            raise PrometheusError(f"a chunk's answer is over {max_bytes} bytes: shorten --chunk or narrow --match")
-        try:
-            doc = json.loads(body)
+            doc = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise PrometheusError(f"{url}: the answer is not JSON; is {self.q.url} a Prometheus?") from None
+        if not isinstance(doc, dict):
+            raise PrometheusError(f"{url}: the answer is a {type(doc).__name__}, not a JSON object; "
+                                  f"is {self.q.url} a Prometheus?")
         if doc.get("status") != "success":
             raise PrometheusError(f"Prometheus refused the query: {doc.get('error', doc)}")
-        return doc["data"]
+        return doc.get("data")
 
-    def _http_error(self, e: urllib.error.HTTPError) -> str:
-        if e.code in (401, 403):
-            return (f"Prometheus at {self.q.url} refused the credentials ({e.code}): "
+    @contextlib.contextmanager
+    def _answer(self, url: str, max_bytes: int) -> Iterator[bounded_get.Body]:
+        """The 200 answer's body, read within --prometheus-timeout in all and `max_bytes`; what
+        goes wrong while it is read (in the caller's block too) is a PrometheusError."""
+        headers = {"Accept": "application/json", **self.q.headers}
+        try:
+            with bounded_get.get(url, headers, self.q.timeout_s, max_bytes) as body:
+                if body.status != 200:
+                    raise PrometheusError(self._http_error(body.status, body.read(65536)))
+                yield body
+        except bounded_get.Timeout as e:
+            raise PrometheusError(f"Prometheus at {self.q.url}: {e} (--prometheus-timeout)") from None
+        except bounded_get.OverCap:
+            raise PrometheusError(f"a chunk's answer is over {max_bytes} bytes: shorten --chunk or narrow --match") \
+                from None
+        except (OSError, http.client.HTTPException) as e:
+            raise PrometheusError(f"Prometheus at {self.q.url} unreachable: {getattr(e, 'strerror', None) or e}") \
+                from None
+
+    def _http_error(self, code: int, text: bytes) -> str:
+        if code in (401, 403):
+            return (f"Prometheus at {self.q.url} refused the credentials ({code}): "
                     "give a token (--prometheus-token-file) or a user (--prometheus-user)")
         try:
-            why = json.loads(e.read(65536)).get("error", "")
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            doc = json.loads(text)
+            why = str(doc.get("error", "")) if isinstance(doc, dict) else ""
+        except (json.JSONDecodeError, UnicodeDecodeError):
             why = ""
         hint = ""
-        if e.code == 400:
+        if code == 400:
             hint = ": check --match (label matchers, e.g. job=\"dcgm\")"
-        elif e.code in (422, 503) and ("samples" in why or "timeout" in why or "timed out" in why):
+        elif code in (422, 503) and ("samples" in why or "timeout" in why or "timed out" in why):
             hint = ": shorten --chunk or narrow --match"
-        return f"Prometheus answered {e.code} {why or e.reason}{hint}"
+        return f"Prometheus answered {code} {why or http.client.responses.get(code, '')}{hint}"
 
     # ------------------------------------------------------------ what is there
     def present_metrics(self) -> list[str]:
@@ -133,7 +163,11 @@ class PrometheusHistory:
         once (they read as missing, as a blank DCGM field does), none at all is an error."""
         params = [("match[]", self.q.selector(_NAMES)), ("start", _sec(self.q.start_ms)),
                   ("end", _sec(self.q.end_ms))]
-        names = set(self._get("/api/v1/label/__name__/values", params))
+        data = self._get("/api/v1/label/__name__/values", params)
+        if not isinstance(data, list) or not all(isinstance(n, str) for n in data):
+            raise PrometheusError(f"Prometheus at {self.q.url}: label values: expected a list of names, "
+                                  f"got {json.dumps(data)[:200]}")
+        names = set(data)
         present = [m for m in _NAMES if m in names]
         if not any(m in names for m in METRICS):
             raise PrometheusError(f"no DCGM series match {self.q.selector(_NAMES)} between "
@@ -159,33 +193,60 @@ class PrometheusHistory:
         rng = f"{max(1, math.ceil((hi_ms - lo_ms) / 1000))}s"
         params = [("query", f"{self.q.selector(tuple(names))}[{rng}]"), ("time", _sec(hi_ms)),
                   ("timeout", f"{int(self.q.timeout_s)}s")]
-        data = self._get("/api/v1/query", params, max_bytes=_BYTES_PER_SAMPLE * self.q.max_samples + 2**20)
-        series = data.get("result", [])
-        if data.get("resultType") != "matrix":
-            raise PrometheusError(f"expected a matrix answer to a range selector, got {data.get('resultType')}")
-        if len(series) > self.q.max_series:
-            raise PrometheusError(f"{len(series)} series in the chunk ending {_iso(hi_ms)}, over --max-series "
-                                  f"{self.q.max_series}: narrow --match or raise the limit")
-        samples = sum(len(s.get("values", ())) for s in series)
-        if samples > self.q.max_samples:
-            raise PrometheusError(f"{samples} samples in the chunk ending {_iso(hi_ms)}, over --max-samples "
-                                  f"{self.q.max_samples}: shorten --chunk or raise the limit")
-        return self._frame(series, lo_ms, hi_ms)
+        url = self._url("/api/v1/query", params)
+        cap = _BYTES_PER_SAMPLE * self.q.max_samples + _BYTES_PER_SERIES * self.q.max_series + 2**20
+        with self._answer(url, cap) as body:
+            try:
+                return self._frame(self._series(body), lo_ms, hi_ms, set(names))
+            except PrometheusError as e:
+                raise PrometheusError(f"the chunk ending {_iso(hi_ms)}: {e}") from None
+            except ijson.JSONError as e:
+                raise PrometheusError(f"the chunk ending {_iso(hi_ms)}: the answer is not JSON ({e}); "
+                                      f"is {self.q.url} a Prometheus?") from None
 
-    def _frame(self, series: list[dict], lo_ms: int, hi_ms: int) -> tuple[pa.Table, pa.Table]:
-        """Samples of one chunk pivoted to one row per (GPU, UUID, instant), as a trace has them."""
+    @staticmethod
+    def _series(body: bounded_get.Body) -> Iterator[dict]:
+        """The series of a query answer one at a time, as they arrive (ijson's C parser); the
+        answer's status and type, which Prometheus writes before the series, checked first."""
+        head = _Head(body)
+        checked = False
+        for item in ijson.items(head, _RESULT):
+            if not checked:
+                _check_head(head.data)
+                checked = True
+            if not isinstance(item, dict):
+                raise PrometheusError("a series is not a JSON object")
+            yield item
+        if not checked:
+            _check_head(head.data)
+
+    def _frame(self, series: Iterator[dict], lo_ms: int, hi_ms: int, names: set[str]) -> tuple[pa.Table, pa.Table]:
+        """Samples of one chunk pivoted to one row per (GPU, UUID, instant), as a trace has them;
+        the series counted as they come, so a chunk over a limit is refused before it is held."""
         keys: dict[tuple[str, int, str | None], int] = {}
         k_idx, t_all, m_idx, v_all = [], [], [], []
         xid_rows: list[tuple[np.ndarray, str, int, np.ndarray]] = []
         seen: set[tuple] = set()
+        n_series = n_samples = 0
         for s in series:
-            labels = s["metric"]
+            n_series += 1
+            if n_series > self.q.max_series:
+                raise PrometheusError(f"over --max-series {self.q.max_series}: narrow --match or raise the limit")
+            labels, points = s.get("metric"), s.get("values")
+            if not isinstance(labels, dict):
+                raise PrometheusError("a series without a 'metric' object")
+            if not isinstance(points, list):
+                raise PrometheusError(f"series {labels.get('__name__')}: 'values' is not a list")
+            n_samples += len(points)
+            if n_samples > self.q.max_samples:
+                raise PrometheusError(f"over --max-samples {self.q.max_samples}: shorten --chunk or raise the limit")
+            if not points:                           # nothing in the chunk: nothing to check or keep
+                continue
+            name = labels.get("__name__")
+            if name not in names:
+                raise PrometheusError(f"series {name!r} is not one of the DCGM fields asked for")
             node, gpu = self._gpu_of(labels)
-            t = np.asarray([round(float(p[0]) * 1000) for p in s["values"]], np.int64)
-            v = np.asarray([float(p[1]) for p in s["values"]])
-            inside = (t > lo_ms) & (t <= hi_ms)      # a sample at a chunk's edge belongs to one chunk
-            t, v = t[inside], v[inside]
-            name = labels["__name__"]
+            t, v = _samples(points, name, lo_ms, hi_ms)  # a sample at a chunk's edge belongs to one chunk
             ident = (name, node, gpu, labels.get(dcgm.UUID_LABEL))
             if ident in seen and not self._warned_duplicates:
                 self._warned_duplicates = True
@@ -211,10 +272,13 @@ class PrometheusHistory:
                                   f"{dcgm.GPU_LABEL!r} label (its labels: {', '.join(sorted(labels))}); "
                                   "name the node label with --node-label")
         try:
-            return node, int(gpu)
-        except ValueError:
-            raise PrometheusError(f"series {labels['__name__']} of {node}: gpu label {gpu!r} is not an index") \
-                from None
+            index = int(gpu)
+        except (TypeError, ValueError):
+            index = -1
+        if not 0 <= index < MAX_GPUS_PER_NODE:
+            raise PrometheusError(f"series {labels['__name__']} of {node}: gpu label {gpu!r} is not an index in "
+                                  f"0..{MAX_GPUS_PER_NODE - 1}")
+        return node, index
 
     @staticmethod
     def _telemetry(keys: dict, k_idx: list, t_all: list, m_idx: list, v_all: list) -> pa.Table:
@@ -299,6 +363,79 @@ class PrometheusHistory:
                    "missing_metrics": [m for m in _NAMES if m not in names]}
         (out / "trace.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+class _Head:
+    """A body read through, keeping its first bytes (where the answer's status and type are)."""
+
+    def __init__(self, body: bounded_get.Body, keep: int = 64 << 10):
+        self._body, self._keep, self.data = body, keep, b""
+
+    def read(self, n: int) -> bytes:
+        chunk = self._body.read(n)
+        if len(self.data) < self._keep:
+            self.data += chunk[:self._keep - len(self.data)]
+        return chunk
+
+
+def _check_head(head: bytes) -> None:
+    """PrometheusError unless the answer is an object with status "success" and a matrix."""
+    status = error = result_type = None
+    try:
+        for prefix, event, value in ijson.parse(io.BytesIO(head)):
+            if prefix == "" and event not in ("start_map", "map_key", "end_map"):
+                raise PrometheusError(f"the answer is a {_JSON_KIND.get(event, event)}, not a JSON object")
+            if prefix == "status":
+                status = value
+            elif prefix == "error":
+                error = value
+            elif prefix == "data.resultType":
+                result_type = value
+            elif prefix == "data.result" and event == "start_array":
+                break
+    except ijson.IncompleteJSONError:
+        if not head:
+            raise PrometheusError("the answer is empty") from None
+        # the kept bytes end mid-answer, or the answer is not JSON (the full parse says so)
+    if status != "success":
+        raise PrometheusError(f"Prometheus refused the query: {error or status}")
+    if result_type != "matrix":
+        raise PrometheusError(f"expected a matrix answer to a range selector, got {result_type}")
+
+
+_JSON_KIND = {"start_array": "list", "string": "string", "number": "number", "boolean": "boolean",
+              "null": "null"}
+
+
+def _samples(points: list, name: str, lo_ms: int, hi_ms: int) -> tuple[np.ndarray, np.ndarray]:
+    """A series' [time, "value"] pairs in (lo_ms, hi_ms] as (epoch ms, values); a value that is
+    not finite reads as missing (NaN), a pair that is not one is a PrometheusError."""
+    t, v = [], []
+    for p in points:
+        if not isinstance(p, list) or len(p) != 2:
+            raise PrometheusError(f"series {name}: a sample is not a [time, value] pair: "
+                                  f"{json.dumps(p, default=str)[:80]}")
+        ts, value = p
+        try:
+            sec = float(ts) if not isinstance(ts, (str, bool)) else math.nan
+        except (TypeError, ValueError, ArithmeticError):
+            sec = math.nan
+        if not math.isfinite(sec):
+            raise PrometheusError(f"series {name}: timestamp {_show(ts)} is not a finite number")
+        ms = round(sec * 1000)
+        if not lo_ms < ms <= hi_ms:
+            continue
+        try:
+            x = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError, ArithmeticError):
+            raise PrometheusError(f"series {name}: value {_show(value)} is not a number") from None
+        t.append(ms)
+        v.append(x if math.isfinite(x) else math.nan)
+    return np.asarray(t, np.int64), np.asarray(v, np.float64)
+
+
+def _show(value: object) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 def _sec(ms: int) -> str:

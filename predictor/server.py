@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from aiohttp import web
 
 from predictor import wire
@@ -32,6 +33,8 @@ from telemetry.wire import TELEMETRY_KEYS, XID_KEYS
 
 log = logging.getLogger(__name__)
 MAX_PENDING_SAMPLES = 2_000_000      # beyond this, ask senders to back off (429)
+#: Distinct node names the service keeps state for (a few KB each, for good): serve --max-nodes.
+MAX_NODES = 100_000
 KEEPALIVE_S = 15.0
 ROUTE_ROLES = {                      # who may call what (the invariant in ARCHITECTURE.md)
     "ingest": {"agent", "operator"},
@@ -44,13 +47,15 @@ class Service:
     """The state behind the HTTP app: scorer, queue, jobs, alerts, metrics."""
 
     def __init__(self, model: Model, tokens: Tokens | None, max_body: int = 16 * 2**20,
-                 alerts: StrictAlerts | None = None, max_ahead_s: float = wire.MAX_AHEAD_S):
+                 alerts: StrictAlerts | None = None, max_ahead_s: float = wire.MAX_AHEAD_S,
+                 max_nodes: int = MAX_NODES):
         self.scorer = Scorer(model)
         self.calibration = NodeCalibration.of(model)
         self._job_node_ids: dict[str, tuple[int, list[str], np.ndarray]] = {}
         self.tokens = tokens
         self.max_body = max_body
         self.max_ahead_s = max_ahead_s
+        self.max_nodes, self.nodes = max_nodes, set()   # nodes admitted: scored or queued
         self.jobs = JobRegistry()
         self.metrics = ServiceMetrics(self)
         self.alerts = alerts or StrictAlerts(None, None)
@@ -96,6 +101,7 @@ class Service:
         taken = False
         try:
             table = await self._batch(request, kind)
+            self._admit_nodes(table, kind)
             if self.queue.pending_rows + table.num_rows > MAX_PENDING_SAMPLES:
                 self.metrics.batch(kind, "throttled")
                 raise _json_error(web.HTTPTooManyRequests, "scoring is behind; retry later",
@@ -115,6 +121,21 @@ class Service:
         except Stopping:
             raise _unavailable() from None
         return web.json_response({"accepted": table.num_rows}, status=202)
+
+    def _admit_nodes(self, table: pa.Table, kind: str) -> None:
+        """429 for a batch that would take the service past --max-nodes distinct nodes: each
+        costs state for good, so the bound holds before it is spent (known nodes still flow)."""
+        new = [n for n in pc.unique(table.column("node")).to_pylist() if n not in self.nodes]
+        if not new:
+            return
+        if len(self.nodes) + len(new) > self.max_nodes:
+            self.metrics.batch(kind, "node_limit")
+            log.warning("refused a %s batch: %d new node(s) (%r ...) past --max-nodes %d", kind, len(new), new[0],
+                        self.max_nodes)
+            raise _json_error(web.HTTPTooManyRequests, f"{len(new)} new node(s) ({new[0]!r} ...) would take this "
+                              f"service past serve --max-nodes {self.max_nodes} distinct nodes",
+                              headers={"Retry-After": "300"})
+        self.nodes.update(new)
 
     def _announce_failures(self, table: pa.Table) -> None:
         """A critical XID means a lost GPU: the jobs on its node hear "node_failed" now, not
@@ -374,7 +395,7 @@ class CannotListen(RuntimeError):
 
 def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens | None = None,
         max_body: int = 16 * 2**20, alertmanager_url: str | None = None, webhook_url: str | None = None,
-        resend_s: float = 60.0, max_ahead_s: float = wire.MAX_AHEAD_S) -> None:
+        resend_s: float = 60.0, max_ahead_s: float = wire.MAX_AHEAD_S, max_nodes: int = MAX_NODES) -> None:
     """Serve until interrupted."""
     try:
         sock = socket.create_server((host, port))
@@ -382,7 +403,7 @@ def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens 
         raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     alerts = StrictAlerts(alertmanager_url, webhook_url, resend_s)
-    service = Service(model, tokens, max_body, alerts, max_ahead_s)
+    service = Service(model, tokens, max_body, alerts, max_ahead_s, max_nodes)
     # auto_decompress off: wire.decompress inflates gzip itself, under the size cap
     web.run_app(make_app(service), sock=sock, access_log=None, auto_decompress=False,
                 print=lambda msg: log.info("listening on http://%s:%d (auth %s)", host, port,

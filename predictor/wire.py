@@ -6,6 +6,7 @@ nothing is half-accepted: a batch either validates completely or is refused.
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timezone
 
 import numpy as np
@@ -21,6 +22,10 @@ MAX_GPU_INDEX = MAX_GPUS_PER_NODE - 1
 #: Samples and XIDs stamped further ahead of this server's clock are refused: a GPU's state
 #: only moves forward in time, so one far-future sample would hide all of its later ones.
 MAX_AHEAD_S = 300.0
+#: Timestamps are epoch milliseconds from 1970 to the end of year 9999 (what a date can say).
+MAX_TIMESTAMP_MS = 253_402_300_799_999
+#: A node name is a host name: at most 253 bytes (DNS, and Kubernetes node names).
+MAX_NODE_NAME = 253
 
 
 class BadBatch(ValueError):
@@ -45,6 +50,20 @@ def check_not_ahead(table: pa.Table, now_ms: int, ahead_s: float = MAX_AHEAD_S) 
         raise BadBatch(f"timestamp {datetime.fromtimestamp(latest / 1000, timezone.utc).isoformat()} is "
                        f"{(latest - now_ms) / 1000:.0f} s ahead of this server's clock (at most {ahead_s:.0f} s, "
                        "serve --max-ahead)")
+
+
+_MS_PER_UNIT = {"s": 1000, "ms": 1, "us": 1 / 1000, "ns": 1 / 1_000_000}
+
+
+def _check_timestamp_range(col: pa.ChunkedArray) -> None:
+    """BadBatch unless every timestamp is between 1970 and 9999: an unsigned 2**64-1 or a far
+    date would overflow the millisecond conversion, or every date printed from it."""
+    unit = _MS_PER_UNIT[col.type.unit] if pa.types.is_timestamp(col.type) else 1
+    raw = col.cast(pa.int64()) if pa.types.is_timestamp(col.type) else col
+    lo_hi = pc.min_max(raw).as_py()
+    for v in (lo_hi["min"], lo_hi["max"]):
+        if not 0 <= v * unit <= MAX_TIMESTAMP_MS:
+            raise BadBatch(f"timestamp {v} is out of range (epoch ms 0..{MAX_TIMESTAMP_MS})")
 
 
 def decompress(body: bytes, encoding: str | None, cap: int) -> bytes:
@@ -82,7 +101,12 @@ def decode(body: bytes, content_type: str | None, keys: tuple[str, ...]) -> pa.T
 def _timestamp_ms(value, line: int) -> int:
     if isinstance(value, bool) or value is None:
         raise BadBatch(f"line {line}: timestamp missing")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadBatch(f"line {line}: timestamp {json.dumps(value)} is not a finite number")
     if isinstance(value, (int, float)):
+        if not 0 <= value <= MAX_TIMESTAMP_MS:
+            raise BadBatch(f"line {line}: timestamp {json.dumps(value)} is out of range "
+                           f"(epoch ms 0..{MAX_TIMESTAMP_MS})")
         return int(value)
     if isinstance(value, str):
         try:
@@ -91,8 +115,22 @@ def _timestamp_ms(value, line: int) -> int:
             raise BadBatch(f"line {line}: timestamp {value!r} is neither RFC 3339 nor epoch ms") from None
         if dt.tzinfo is None:
             raise BadBatch(f"line {line}: timestamp {value!r} has no time zone")
-        return int(dt.timestamp() * 1000)
+        ms = int(dt.timestamp() * 1000)
+        if not 0 <= ms <= MAX_TIMESTAMP_MS:
+            raise BadBatch(f"line {line}: timestamp {value!r} is before 1970")
+        return ms
     raise BadBatch(f"line {line}: timestamp {value!r} is neither RFC 3339 nor epoch ms")
+
+
+def _field(rec: dict, key: str, line: int):
+    """A key column's value, of its type: gpu and xid integers (not 1.5, not true), node a string."""
+    value = rec[key]
+    if key == "node":
+        if not isinstance(value, str):
+            raise BadBatch(f"line {line}: node {value!r} is not a string")
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise BadBatch(f"line {line}: {key} {value!r} is not an integer")
+    return value
 
 
 def _from_ndjson(body: bytes, keys: tuple[str, ...]) -> pa.Table:
@@ -112,7 +150,7 @@ def _from_ndjson(body: bytes, keys: tuple[str, ...]) -> pa.Table:
                 raise BadBatch(f"line {n}: missing {k!r}")
         cols["timestamp"].append(_timestamp_ms(rec["timestamp"], n))
         for k in keys[1:]:
-            cols[k].append(rec[k])
+            cols[k].append(_field(rec, k, n))
         for k in extra:
             cols[k].append(rec.get(k))
     if not cols["timestamp"]:
@@ -135,6 +173,9 @@ def _validated(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
         raise BadBatch("empty batch")
     schema = table.schema
     names = set(schema.names)
+    if len(names) < len(schema.names):
+        dupes = sorted({n for n in schema.names if schema.names.count(n) > 1})
+        raise BadBatch(f"duplicated column(s) {', '.join(dupes)}")
     missing = [k for k in keys if k not in names]
     if missing:
         raise BadBatch(f"missing column(s) {', '.join(missing)}")
@@ -152,12 +193,16 @@ def _validated(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
     for k, col in cols.items():
         if col.null_count:
             raise BadBatch(f"{k} is null in {col.null_count} row(s)")
+    _check_timestamp_range(cols["timestamp"])
     gpu = cols["gpu"].to_numpy()
     if gpu.min() < 0 or gpu.max() > MAX_GPU_INDEX:
         raise BadBatch(f"gpu index out of range 0..{MAX_GPU_INDEX} (at most {MAX_GPUS_PER_NODE} GPUs per node)")
     node = cols["node"] if not pa.types.is_dictionary(node_t) else pc.cast(cols["node"], pa.string())
-    if pc.min(pc.binary_length(node)).as_py() == 0:
+    lengths = pc.min_max(pc.binary_length(node)).as_py()
+    if lengths["min"] == 0:
         raise BadBatch("empty node name")
+    if lengths["max"] > MAX_NODE_NAME:
+        raise BadBatch(f"node name longer than {MAX_NODE_NAME} bytes ({lengths['max']})")
     for m in METRICS:
         if m in names:
             t = schema.field(m).type

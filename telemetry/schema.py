@@ -54,6 +54,9 @@ def is_critical_xid(xid: int) -> bool:
     return int(xid) in CRITICAL_XIDS
 
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
+#: GPU indices are 0..MAX_GPUS_PER_NODE-1: the predictor refuses a batch with any other, so
+#: whoever builds batches from a source it does not control (a dcgm-exporter page) drops those rows.
+MAX_GPUS_PER_NODE = 64
 
 TELEMETRY_SCHEMA = pa.schema(
     [

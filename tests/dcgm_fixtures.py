@@ -7,13 +7,13 @@ carrying an ``xid`` label. The default field set is that of its etc/default-coun
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from telemetry import dcgm as D
 from telemetry import schema as S
+from tests.procs import LoopbackHTTP, write_dripping
 
 MODEL = "NVIDIA H100 80GB HBM3"
 # name: (type, help) as dcgm-exporter's default-counters.csv writes them, fields we do not map included
@@ -109,19 +109,10 @@ class FakeExporter:
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                try:
-                    for i in range(0, len(body), 256 if exporter.drip_s else len(body) or 1):
-                        self.wfile.write(body[i:i + 256] if exporter.drip_s else body)
-                        self.wfile.flush()
-                        time.sleep(exporter.drip_s)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass                        # the scraper gave up: what it should do
+                write_dripping(self.wfile, [body], exporter.drip_s)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/metrics"
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self._http = LoopbackHTTP(Handler)
+        self.url = f"{self._http.base_url}/metrics"
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._http.stop()

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import BinaryIO, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -48,3 +51,30 @@ def wait_for(predicate: Callable[[], T], timeout: float = 60.0, interval: float 
         if value or time.monotonic() >= deadline:
             return value or None
         time.sleep(interval)
+
+
+class LoopbackHTTP:
+    """``handler`` served on 127.0.0.1 from a daemon thread (fakes of servers we do not run)."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]):
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def write_dripping(out: BinaryIO, pieces: Iterable[bytes], drip_s: float) -> None:
+    """Write a body, in 256-byte pieces ``drip_s`` apart when dripping; a client that gives up is fine."""
+    try:
+        for piece in pieces:
+            step = 256 if drip_s else len(piece) or 1
+            for i in range(0, len(piece), step):
+                out.write(piece[i:i + step])
+                out.flush()
+                time.sleep(drip_s)
+    except (BrokenPipeError, ConnectionResetError):
+        pass                                        # the client gave up: what it should do

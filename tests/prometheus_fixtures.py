@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import warnings
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ import requests
 
 from telemetry import dcgm
 from telemetry.schema import METRICS, XID_ERRORS
-from tests.procs import free_port, stop_process, wait_for
+from tests.procs import LoopbackHTTP, free_port, stop_process, wait_for, write_dripping
 
 
 def need(binary: str) -> str:
@@ -143,3 +145,30 @@ def basic_auth_config(path: Path) -> Path:
         hashed = crypt.crypt("s3cret-pass", crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
     path.write_text(f"basic_auth_users:\n  reader: '{hashed}'\n")
     return path
+
+
+class FakePrometheus:
+    """A careless or hostile Prometheus on 127.0.0.1: ``answers[path]`` is the body for that API
+    path (bytes, or a callable giving the pieces of a body too large to hold); ``drip_s``
+    sleeps between 256-byte pieces."""
+
+    def __init__(self, answers: dict[str, bytes | Callable[[], Iterable[bytes]]]):
+        self.answers, self.drip_s = answers, 0.0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                answer = fake.answers.get(self.path.split("?")[0], b'{"status":"error","error":"no such path"}')
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                write_dripping(self.wfile, answer() if callable(answer) else [answer], fake.drip_s)
+
+        self._http = LoopbackHTTP(Handler)
+        self.url = self._http.base_url
+
+    def stop(self) -> None:
+        self._http.stop()

@@ -4,14 +4,17 @@ vanished GPUs; then end to end into a real `predictor serve`."""
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import requests
 
-from agents.sources.dcgm_exporter import DcgmExporterSource
+from agents.sources.dcgm_exporter import DcgmExporterSource, ScrapeError, fetch
 from telemetry import dcgm as D
 from telemetry import schema as S
 from tests.dcgm_fixtures import MODEL, FakeExporter, gpu, render
@@ -179,3 +182,89 @@ def test_agent_streams_an_exporter_to_the_predictor_and_its_xid_holds_the_gpu(ex
         stop_process(agent)
         err = agent.stderr.read()
     assert "does not serve" in err and "DCGM_FI_DEV_XID_ERRORS" in err, err
+
+
+@pytest.mark.parametrize("bad", ["NaN", "+Inf", "-Inf", "1e300"])
+def test_a_bad_xid_reading_on_one_page_is_dropped_and_the_other_exporters_flow(exporter, bad, caplog) -> None:
+    """Issue 32.4: one page's NaN/Inf last-XID gauge made every read raise."""
+    other = FakeExporter()
+    src = DcgmExporterSource([exporter.url, other.url], timeout_s=2.0)
+    try:
+        a, b = gpu(0), gpu(0, "b")
+        exporter.page, other.page = render("dgx-a", [a]), render("dgx-b", [b])
+        src.read()
+        exporter.page = "\n".join(line.rsplit(" ", 1)[0] + f" {bad}" if line.startswith(S.XID_ERRORS + "{") else line
+                                   for line in render("dgx-a", [a]).splitlines()) + "\n"
+        assert exporter.page.count(f" {bad}\n") == 1
+        b.last_xid = 79
+        other.page = render("dgx-b", [b])
+        with caplog.at_level(logging.WARNING, logger="agents.sources.dcgm_exporter"):
+            rows = src.read()
+            src.read()
+        assert sorted((r["node"], r["gpu"]) for r in rows) == [("dgx-a", 0), ("dgx-b", 0)]
+        assert [(e["node"], e["xid"]) for e in src.xids()] == [("dgx-b", 79)]
+        dropped = {f.name: f for f in src.metrics()}["ckpt_guard_agent_dcgm_series_dropped"]
+        assert {s.labels["reason"]: s.value for s in dropped.samples} == {"bad XID reading": 2}
+        said = [r.getMessage() for r in caplog.records if "bad XID reading" in r.getMessage()]
+        assert len(said) == 1 and exporter.url in said[0]             # logged once, not every scrape
+    finally:
+        src.close()
+        other.stop()
+
+
+def test_a_bad_metric_value_is_blank_and_counted(exporter, source) -> None:
+    exporter.page = render("dgx-a", [gpu(0, **{S.GPU_TEMP: float("inf")}), gpu(1)])
+    rows = by_gpu(source.read())
+    assert rows[0][S.GPU_TEMP] is None and rows[0][S.POWER] == 612.5 and rows[1][S.GPU_TEMP] == 39.0
+    dropped = {f.name: f for f in source.metrics()}["ckpt_guard_agent_dcgm_series_dropped"]
+    assert {s.labels["reason"]: s.value for s in dropped.samples} == {"non-finite value": 1}
+
+
+@pytest.mark.parametrize("index", [64, 40000, -1])
+def test_an_out_of_range_gpu_index_drops_that_gpu_only(exporter, index) -> None:
+    """Issue 32.4: gpu="40000" failed the Arrow conversion of every buffered batch (int16);
+    past the predictor's 64 GPUs per node it made the predictor refuse the whole batch."""
+    other = FakeExporter(render("dgx-b", [gpu(0, "b")]))
+    src = DcgmExporterSource([exporter.url, other.url], timeout_s=2.0)
+    try:
+        bad = gpu(index)
+        exporter.page = render("dgx-a", [gpu(0), bad])
+        rows = src.read()
+        assert sorted((r["node"], r["gpu"]) for r in rows) == [("dgx-a", 0), ("dgx-b", 0)]
+        dropped = {f.name: f for f in src.metrics()}["ckpt_guard_agent_dcgm_series_dropped"]
+        mapped = [name for line in exporter.page.splitlines() if f'gpu="{index}"' in line
+                  and ((name := line.split("{")[0]) in D.XID_SERIES or D.column_for(name))]
+        assert {s.labels["reason"]: s.value for s in dropped.samples} == {"gpu index out of range": len(mapped)}
+    finally:
+        src.close()
+        other.stop()
+
+
+def test_a_server_dripping_its_headers_is_cut_at_the_timeout() -> None:
+    """A byte of header every 100 ms never trips a per-read timeout; the scrape's limit is in all."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 600:
+                if stop.is_set():
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+                time.sleep(0.1)
+    server = threading.Thread(target=drip, daemon=True)
+    server.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ScrapeError, match="not read within 1 s"):
+            fetch(f"http://127.0.0.1:{listener.getsockname()[1]}/metrics", timeout_s=1.0)
+        assert time.monotonic() - started < 10    # generous: not the minute the drip would take
+    finally:
+        stop.set()
+        server.join(timeout=10)
+        listener.close()

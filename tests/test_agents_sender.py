@@ -117,3 +117,19 @@ def test_refused_token_retries_without_losing(receiver, tmp_path):
 def test_bad_predictor_url_is_refused(tmp_path, bad):
     with pytest.raises(ValueError, match="http"):
         Sender(bad, TOKEN, Spool(str(tmp_path)), AgentStats())
+
+
+def test_a_row_the_wire_schema_cannot_hold_is_dropped_alone_and_counted(receiver, tmp_path, caplog):
+    """Issue 32.4: one gpu=40000 row (int16 on the wire) dropped every buffered batch, counted as 0."""
+    stats = AgentStats()
+    sender = sender_for(receiver, tmp_path, stats, batch_s=30)
+    rows = make_rows(16)
+    rows[5]["gpu"] = 40000
+    rows[9]["node"] = None
+    sender.put(rows, [{"timestamp": 1_800_000_000_000, "node": "n0", "gpu": 3, "xid": 79},
+                      {"timestamp": 1_800_000_000_000, "node": "n0", "gpu": 70000, "xid": 79}])
+    sender.close()
+    snap = stats.snapshot()
+    assert receiver.count() == 14 and snap["samples_sent"] == 14 and snap["samples_dropped"] == 2
+    assert receiver.count("/v1/xid") == 1 and snap["xid_events_dropped"] == 1
+    assert any("gpu" in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)

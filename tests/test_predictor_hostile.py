@@ -12,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import requests
 
@@ -157,3 +158,72 @@ def test_a_taken_port_is_said_in_one_line():
         res = _serve("--no-auth", "--port", str(taken.getsockname()[1]))
     assert res.returncode == 1
     assert res.stderr.strip().count("\n") == 0 and "cannot listen on 127.0.0.1:" in res.stderr, res.stderr
+
+
+# ------------------------------------------------------------ issue 32.6
+def _nd(**fields) -> bytes:
+    return json.dumps({"timestamp": T0, "node": "bad-ts", "gpu": 0, "xid": 79, **fields}).encode()
+
+
+@pytest.mark.parametrize("kind, body, message", [
+    ("telemetry", _nd(timestamp=float("nan")), "line 1: timestamp NaN is not a finite number"),
+    ("telemetry", _nd(timestamp=float("inf")), "line 1: timestamp Infinity is not a finite number"),
+    ("xid", _nd(timestamp=-float("inf")), "line 1: timestamp -Infinity is not a finite number"),
+    ("telemetry", _nd(timestamp=2**64 - 1), "line 1: timestamp 18446744073709551615 is out of range"),
+    ("xid", _nd(timestamp=-1e30), "line 1: timestamp -1e+30 is out of range"),
+    ("telemetry", _nd(timestamp="275760-09-13T00:00:00Z"), "neither RFC 3339 nor epoch ms"),
+    ("telemetry", _nd(gpu=1.5), "line 1: gpu 1.5 is not an integer"),
+    ("telemetry", _nd(gpu=True), "line 1: gpu True is not an integer"),
+    ("telemetry", _nd(gpu="1"), "line 1: gpu '1' is not an integer"),
+    ("xid", _nd(xid=79.5), "line 1: xid 79.5 is not an integer"),
+    ("telemetry", _nd(node=7), "line 1: node 7 is not a string"),
+    ("telemetry", _nd(node="n" * 300), "node name longer than 253 bytes"),
+])
+def test_bad_ndjson_fields_are_400_naming_them(shared_server, kind, body, message):
+    """Issue 32.6: NaN, Inf and 2**64-1 timestamps gave 500; gpu 1.5 was accepted."""
+    r = post(shared_server, kind, body, ctype=NDJSON)
+    assert r.status_code == 400 and message in r.json()["error"], (r.status_code, r.text)
+
+
+def _arrow(columns: list[tuple[str, pa.Array]]) -> bytes:
+    table = pa.Table.from_arrays([a for _, a in columns], names=[n for n, _ in columns])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize("columns, message", [
+    ([("timestamp", pa.array([2**64 - 1], pa.uint64())), ("node", pa.array(["a"])), ("gpu", pa.array([0]))],
+     "timestamp 18446744073709551615 is out of range"),
+    ([("timestamp", pa.array([-2**63], pa.int64())), ("node", pa.array(["a"])), ("gpu", pa.array([0]))],
+     "is out of range"),
+    ([("timestamp", pa.array([T0], pa.int64())), ("node", pa.array(["a"])), ("gpu", pa.array([0])),
+      ("gpu", pa.array([1]))], "duplicated column(s) gpu"),
+    ([("timestamp", pa.array([T0], pa.int64())), ("node", pa.array(["a"])), ("gpu", pa.array([0])),
+      ("DCGM_FI_DEV_GPU_TEMP", pa.array([50.0])), ("DCGM_FI_DEV_GPU_TEMP", pa.array([51.0]))],
+     "duplicated column(s) DCGM_FI_DEV_GPU_TEMP"),
+    ([("timestamp", pa.array([T0], pa.int64())), ("node", pa.array(["n" * 300])), ("gpu", pa.array([0]))],
+     "node name longer than 253 bytes"),
+])
+def test_bad_arrow_batches_are_400_naming_the_problem(shared_server, columns, message):
+    r = post(shared_server, "telemetry", _arrow(columns))
+    assert r.status_code == 400 and message in r.json()["error"], (r.status_code, r.text)
+
+
+def test_distinct_nodes_are_bounded(live_server):
+    """Issue 32.6: every new node name costs the service state (~3 KB) for good."""
+    srv = live_server("--max-nodes", "3")
+    for n in ("a", "b"):
+        assert post(srv, "telemetry", arrow_body(node_rows(n, T0))).status_code == 202
+    two_new = arrow_body(node_rows("c", T0) + node_rows("d", T0))
+    r = post(srv, "telemetry", two_new)
+    assert r.status_code == 429 and "--max-nodes 3" in r.json()["error"] and "'c'" in r.json()["error"], r.text
+    assert post(srv, "telemetry", arrow_body(node_rows("c", T0 + 30_000))).status_code == 202
+    r = post(srv, "xid", json.dumps({"timestamp": T0, "node": "e", "gpu": 1, "xid": 79}).encode(), ctype=NDJSON)
+    assert r.status_code == 429
+    assert post(srv, "telemetry", arrow_body(node_rows("a", T0 + 30_000))).status_code == 202  # known: welcome
+    metrics = requests.get(f"{srv.url}/metrics", headers=srv.headers("operator"), timeout=5).text
+    assert 'predictor_batches_total{endpoint="telemetry",outcome="node_limit"} 1.0' in metrics
+    assert 'predictor_batches_total{endpoint="xid",outcome="node_limit"} 1.0' in metrics
+    assert "predictor_nodes 3.0" in metrics

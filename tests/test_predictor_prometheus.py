@@ -4,8 +4,12 @@ to the same node-probability map as the trace itself."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 from datetime import datetime, timedelta, timezone
 
 import numpy as np
@@ -15,8 +19,8 @@ import pytest
 from predictor import job_risk
 from predictor.model import load
 from predictor.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
-from tests.predictor_fixtures import run_cli, simulate
-from tests.prometheus_fixtures import Prometheus, backfill, basic_auth_config, xids_as_gauge_shows
+from tests.predictor_fixtures import ROOT, run_cli, simulate
+from tests.prometheus_fixtures import FakePrometheus, Prometheus, backfill, basic_auth_config, xids_as_gauge_shows
 
 HOURS = 2
 
@@ -175,3 +179,107 @@ def test_calibrate_through_prometheus(history, tmp_path):
     refused = run_cli("predictor.cli", "calibrate", "--trace", str(unlabelled), "--out", str(tmp_path / "x.skops"),
                       check=False)
     assert refused.returncode == 1 and "no failures.parquet" in refused.stderr
+
+
+# ------------------------------------------------------------ hostile answers (issue 32.5)
+LABELS = '{"status":"success","data":["DCGM_FI_DEV_GPU_TEMP","DCGM_FI_DEV_XID_ERRORS"]}'
+GPU = '"Hostname":"n0","gpu":"0"'
+
+
+def _matrix(result: str) -> bytes:
+    return ('{"status":"success","data":{"resultType":"matrix","result":[' + result + "]}}").encode()
+
+
+@pytest.fixture
+def fake_prometheus():
+    fakes = []
+
+    def start(query: bytes | object, labels: bytes = LABELS.encode()) -> FakePrometheus:
+        fakes.append(FakePrometheus({"/api/v1/label/__name__/values": labels, "/api/v1/query": query}))
+        return fakes[-1]
+    yield start
+    for f in fakes:
+        f.stop()
+
+
+@pytest.mark.parametrize("query, labels, message", [
+    (b"[]", LABELS, "the answer is a list, not a JSON object"),
+    (b"[1, 2]", LABELS, "the answer is a list, not a JSON object"),
+    (_matrix(""), '["DCGM_FI_DEV_GPU_TEMP"]', "the answer is a list, not a JSON object"),
+    (_matrix(""), '{"status":"success","data":{"x":1}}', "label values: expected a list of names"),
+    (_matrix('{"metric":{"__name__":"up",' + GPU + '},"values":[[1700000000,"1"]]}'), LABELS,
+     "series 'up' is not one of the DCGM fields asked for"),
+    (_matrix('{"metric":{"__name__":"DCGM_FI_DEV_GPU_TEMP",' + GPU + '},"values":[[1e400,"1"]]}'), LABELS,
+     "timestamp 1E+400 is not a finite number"),
+    (_matrix('{"metric":{"__name__":"DCGM_FI_DEV_GPU_TEMP",' + GPU + '},"values":[["x","1"]]}'), LABELS,
+     "timestamp 'x' is not a finite number"),
+    (_matrix('{"metric":{"__name__":"DCGM_FI_DEV_GPU_TEMP",' + GPU + '},"values":[[1700000000,"warm"]]}'), LABELS,
+     "value 'warm' is not a number"),
+    (_matrix('{"metric":{"__name__":"DCGM_FI_DEV_GPU_TEMP",' + GPU + '},"values":[[1700000000]]}'), LABELS,
+     "a sample is not a [time, value] pair"),
+    (_matrix('{"metric":{"__name__":"DCGM_FI_DEV_GPU_TEMP",' + GPU + '},"values":{}}'), LABELS,
+     "'values' is not a list"),
+    (_matrix('{"values":[[1700000000,"1"]]}'), LABELS, "a series without a 'metric' object"),
+    (_matrix('{"metric":"DCGM_FI_DEV_GPU_TEMP","values":[]}'), LABELS, "a series without a 'metric' object"),
+    (_matrix('[1700000000,"1"]'), LABELS, "a series is not a JSON object"),
+    (_matrix('{"metric":{"__name__":"DCGM_FI_DEV_GPU_TEMP","Hostname":"n0","gpu":"40000"},'
+             '"values":[[1700000000,"1"]]}'),
+     LABELS, "gpu label '40000' is not an index in 0..63"),
+    (b'{"status":"success","data":{"resultType":"vector","result":[]}}', LABELS, "expected a matrix answer"),
+    (b'{"status":"success","data":[]}', LABELS, "expected a matrix answer"),
+    (b'{"status":"success","data":{"resultType":"matrix","result":[', LABELS, "not JSON"),
+    (b'{"status":"success","data":{"resultType":"matrix","result":[}', LABELS, "not JSON"),
+])
+def test_malformed_answers_are_one_clear_error(fake_prometheus, tmp_path, query, labels, message):
+    prom = fake_prometheus(query, labels.encode())
+    with pytest.raises(PrometheusError, match=re.escape(message)):
+        PrometheusHistory(HistoryQuery(prom.url, 1_699_999_000_000, 1_700_000_500_000)).write_trace(tmp_path / "t")
+
+
+def test_a_malformed_answer_is_one_line_from_the_cli(fake_prometheus, tmp_path):
+    prom = fake_prometheus(_matrix('{"metric":{"__name__":"DCGM_FI_DEV_GPU_TEMP",' + GPU +
+                                   '},"values":[[1700000000,"warm"]]}'))
+    res = run_cli("predictor.cli", "score", "--prometheus", prom.url, "--start", "2023-11-14T22:00:00Z",
+                  "--end", "2023-11-14T22:20:00Z", "--out", str(tmp_path / "s.parquet"), check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == ("Error: the chunk ending 2023-11-14T22:20:00Z: series "
+                                                   "DCGM_FI_DEV_GPU_TEMP: value 'warm' is not a number")
+
+
+def test_a_dripping_server_is_cut_at_the_timeout(fake_prometheus, tmp_path):
+    prom = fake_prometheus(_matrix(",".join(['{"metric":{"__name__":"DCGM_FI_DEV_GPU_TEMP",' + GPU +
+                                             '},"values":[[1700000000,"1"]]}'] * 200)))
+    prom.drip_s = 0.05                              # 256 bytes every 50 ms: ~8 s for the chunk
+    started = time.monotonic()
+    with pytest.raises(PrometheusError, match=re.escape("no complete answer within 1 s (--prometheus-timeout)")):
+        PrometheusHistory(HistoryQuery(prom.url, 1_699_999_000_000, 1_700_000_500_000, timeout_s=1.0)) \
+            .write_trace(tmp_path / "t")
+    assert time.monotonic() - started < 6           # generous: it must not wait for the whole drip
+
+
+# the peak of this process alone: VmHWM (ru_maxrss after a fork carries the parent's peak)
+_EMPTY_SERIES_READER = """
+import re, sys
+from predictor.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
+try:
+    PrometheusHistory(HistoryQuery(sys.argv[1], 1_699_999_000_000, 1_700_000_500_000)).write_trace(sys.argv[2])
+except PrometheusError as e:
+    print(e)
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) // 1024)
+"""
+
+
+def test_twelve_million_empty_series_are_refused_before_they_are_held(fake_prometheus, tmp_path):
+    def answer():
+        yield b'{"status":"success","data":{"resultType":"matrix","result":['
+        piece = b",".join([b'{"metric":{},"values":[]}'] * 100_000)
+        for i in range(120):
+            yield piece if i == 0 else b"," + piece
+        yield b"]}}"
+    prom = fake_prometheus(answer)
+    res = subprocess.run([sys.executable, "-c", _EMPTY_SERIES_READER, prom.url, str(tmp_path / "t")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    error, peak_mib = res.stdout.splitlines()
+    assert "over --max-series 50000: narrow --match" in error, res.stdout + res.stderr
+    assert int(peak_mib) < 1024, peak_mib           # generous: ~120 MiB, the import ~100; parsed whole, 4.8 GiB

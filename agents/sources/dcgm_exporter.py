@@ -14,6 +14,12 @@ What an exporter page cannot give, and how it is handled:
   a repeated XID or several XIDs between two scrapes show as at most one event. What the
   first scrape shows is history, never an event (``telemetry.dcgm.new_xid_events``).
   Events carry the scrape's time: the exporter does not say when they happened.
+- A reading no batch can carry is dropped, counted by reason in
+  ``ckpt_guard_agent_dcgm_series_dropped{reason}`` and logged once per exporter and reason:
+  a GPU index outside 0..63 (the predictor refuses the whole batch otherwise, and past
+  int16 no batch can be built), a NaN or infinite field (the column stays blank) and an XID
+  reading that is not a whole number in the XID range. The rest of that page, and every
+  other exporter, still flows.
 - A GPU that leaves a page that still answers is logged and counted
   (``ckpt_guard_agent_dcgm_gpus_vanished``): like a failed GPU under NVML, it stops
   reporting, which is what SCHEMA.md says a failed GPU does.
@@ -26,16 +32,19 @@ from __future__ import annotations
 
 import http.client
 import logging
+import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents.sources.base import Source
+from telemetry import bounded_get
 from telemetry import dcgm as D
 from telemetry import schema as S
 from telemetry.wire import GZIP_MAGIC, inflate
@@ -44,7 +53,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_BYTES = 8 << 20  # an 8-GPU page with the default fields is ~30 KB; pod labels add some
-_READ_CHUNK = 64 << 10
+_MAX_XID_READING = 2**31 - 1  # the wire's xid column is int32; counts beyond it are no real exporter's
+#: Why a reading is dropped (the ``reason`` label of ckpt_guard_agent_dcgm_series_dropped).
+GPU_OUT_OF_RANGE, NON_FINITE, BAD_XID = "gpu index out of range", "non-finite value", "bad XID reading"
 
 
 class ScrapeError(RuntimeError):
@@ -56,34 +67,18 @@ def fetch(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_bytes: int = DEFAU
     u = urlsplit(url)
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError(f"dcgm-exporter URL must be http(s)://host:port/metrics, got {url!r}")
-    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    deadline = time.monotonic() + timeout_s
-    conn = cls(u.hostname, u.port, timeout=timeout_s)
     try:
-        conn.request("GET", (u.path or "/metrics") + (f"?{u.query}" if u.query else ""),
-                     headers={"Accept": "text/plain"})
-        sock = conn.sock                        # the response keeps it after a "Connection: close"
-        resp = conn.getresponse()
-        chunks, size = [], 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ScrapeError(f"{url}: page not read within {timeout_s:g} s")
-            sock.settimeout(left)          # a server that drips bytes cannot stretch the limit
-            chunk = resp.read1(_READ_CHUNK)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > max_bytes:
-                raise ScrapeError(f"{url}: page larger than the {max_bytes}-byte cap")
-            chunks.append(chunk)
-        body = b"".join(chunks)
-        if resp.status != 200:
-            raise ScrapeError(f"{url}: HTTP {resp.status}: {body[:200].decode('utf-8', 'replace')}")
+        with bounded_get.get(urlunsplit(u._replace(path=u.path or "/metrics")), {"Accept": "text/plain"},
+                             timeout_s, max_bytes) as resp:
+            body = resp.read_all()
+            if resp.status != 200:
+                raise ScrapeError(f"{url}: HTTP {resp.status}: {body[:200].decode('utf-8', 'replace')}")
+    except bounded_get.Timeout:
+        raise ScrapeError(f"{url}: page not read within {timeout_s:g} s") from None
+    except bounded_get.OverCap:
+        raise ScrapeError(f"{url}: page larger than the {max_bytes}-byte cap") from None
     except (OSError, http.client.HTTPException) as e:
         raise ScrapeError(f"{url}: {type(e).__name__}: {e}") from None
-    finally:
-        conn.close()
     if body[:2] == GZIP_MAGIC:
         try:
             body = inflate(body, max_bytes)
@@ -102,6 +97,7 @@ class Page:
     xid_series: set[str] = field(default_factory=set)   # XID series the page declares
     xids: dict[str, dict[tuple, float]] = field(default_factory=dict)  # series -> key -> reading
     unlabelled: int = 0                                  # device series without a usable gpu label
+    dropped: Counter[str] = field(default_factory=Counter)  # readings no batch can carry, by reason
 
 
 def parse_page(text: str, node_label: str = D.NODE_LABEL, default_node: str = "unknown") -> Page:
@@ -124,9 +120,15 @@ def parse_page(text: str, node_label: str = D.NODE_LABEL, default_node: str = "u
             if gpu is None:
                 page.unlabelled += 1
                 continue
+            if not 0 <= gpu < S.MAX_GPUS_PER_NODE:
+                page.dropped[GPU_OUT_OF_RANGE] += 1
+                continue
             key = (node or default_node, gpu)
             if name in D.XID_SERIES:
                 page.xid_series.add(name)
+                if not _is_xid_reading(s.value):
+                    page.dropped[BAD_XID] += 1
+                    continue
                 xkey = key if name == D.XID_LAST else key + (s.labels.get(D.XID_LABEL, ""),)
                 page.xids.setdefault(name, {})[xkey] = s.value
                 continue
@@ -134,9 +136,11 @@ def parse_page(text: str, node_label: str = D.NODE_LABEL, default_node: str = "u
             if row is None:
                 row = page.rows[key] = {"node": key[0], "gpu": gpu, "uuid": uuid, **dict.fromkeys(S.METRICS)}
                 page.models[key] = s.labels.get(D.MODEL_LABEL) or "unknown"
-            if row[column] is None:  # MIG instances repeat device fields: the first one stands
+            page.fields.add(column)
+            if not math.isfinite(s.value):
+                page.dropped[NON_FINITE] += 1
+            elif row[column] is None:  # MIG instances repeat device fields: the first one stands
                 row[column] = float(s.value)
-                page.fields.add(column)
     return page
 
 
@@ -151,6 +155,7 @@ class _Target:
     xid_prev: dict[str, dict[tuple, float]] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
     xid_series: str | None = None
+    dropped_reasons: set[str] = field(default_factory=set)  # logged already
 
 
 class DcgmExporterSource(Source):
@@ -174,6 +179,7 @@ class DcgmExporterSource(Source):
         self._pool = ThreadPoolExecutor(max_workers=min(16, len(self.urls)), thread_name_prefix="agents-dcgm")
         self.scrape_errors = 0
         self.gpus_vanished = 0
+        self.series_dropped: Counter[str] = Counter()
 
     def _scrape(self, target: _Target) -> Page | ScrapeError:
         default = self._default_node or urlsplit(target.url).hostname or "unknown"
@@ -210,6 +216,7 @@ class DcgmExporterSource(Source):
             log.warning("%s: %d device series carry no %r label and are skipped", target.url, page.unlabelled,
                         D.GPU_LABEL)
         self._report_missing(target, page)
+        self._report_dropped(target, page)
         gpus = set(page.rows) | {k[:2] for series in page.xids.values() for k in series}
         for node, gpu in sorted(target.gpus - gpus):
             self.gpus_vanished += 1
@@ -227,6 +234,13 @@ class DcgmExporterSource(Source):
                         "has no ECC, NVLink or throttle-reason fields; add them to its counters CSV)",
                         target.url, ", ".join(new))
         target.missing = missing
+
+    def _report_dropped(self, target: _Target, page: Page) -> None:
+        self.series_dropped.update(page.dropped)
+        for reason in sorted(set(page.dropped) - target.dropped_reasons):
+            log.warning("%s: dropped %d series sample(s) with a %s (counted in ckpt_guard_agent_dcgm_series_dropped; "
+                        "logged once)", target.url, page.dropped[reason], reason)
+        target.dropped_reasons |= set(page.dropped)
 
     def _xid_events(self, target: _Target, page: Page, now: int, first: bool) -> None:
         """Events from the best XID series the page declares; every series' readings are kept,
@@ -262,6 +276,11 @@ class DcgmExporterSource(Source):
         vanished = CounterMetricFamily("ckpt_guard_agent_dcgm_gpus_vanished",
                                        "GPUs that left a dcgm-exporter page that still answers.")
         vanished.add_metric([], self.gpus_vanished)
+        dropped = CounterMetricFamily("ckpt_guard_agent_dcgm_series_dropped",
+                                      "dcgm-exporter series samples dropped as no batch can carry them, by reason.",
+                                      labels=["reason"])
+        for reason, n in sorted(self.series_dropped.items()):
+            dropped.add_metric([reason], n)
         missing = GaugeMetricFamily("ckpt_guard_agent_dcgm_field_missing",
                                     "1 for each telemetry field a scraped dcgm-exporter does not serve.",
                                     labels=["url", "field"])
@@ -273,10 +292,15 @@ class DcgmExporterSource(Source):
                 missing.add_metric([t.url, name], 1)
             if t.scrapes or t.failing:
                 up.add_metric([t.url], 0.0 if t.failing else 1.0)
-        return [errors, vanished, missing, up]
+        return [errors, vanished, dropped, missing, up]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _is_xid_reading(value: float) -> bool:
+    """An XID code or count: a whole number the wire's int32 xid column holds."""
+    return math.isfinite(value) and float(value).is_integer() and 0 <= value <= _MAX_XID_READING
 
 
 def _int(text: str) -> int | None:
