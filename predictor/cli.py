@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
+from predictor.hazard.cli import hazard
 from predictor.history_cli import history_trace, prometheus_options
 from predictor.label_cli import label, write_labelled
 
@@ -269,6 +270,7 @@ def _is_loopback(host: str) -> bool:
 
 
 main.add_command(label)
+main.add_command(hazard)
 
 if __name__ == "__main__":
     sys.exit(main())
