@@ -42,7 +42,7 @@ def reasons(hm: HazardModel, x: np.ndarray, p: np.ndarray, horizon_days: float, 
     out = []
     for row, lr in zip(x, lift):
         idx = [j for j in np.argsort(-lr)[:top] if lr[j] > 0]
-        out.append("; ".join(f"{FEATURE_NAMES[j]}={row[j]:.3g} (+{100 * lr[j]:.1f} pts)" for j in idx))
+        out.append("; ".join(f"{FEATURE_NAMES[j]}={row[j]:.4g} (+{100 * lr[j]:.1f} pts)" for j in idx))
     return out
 
 
