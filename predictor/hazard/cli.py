@@ -148,7 +148,8 @@ def drain(model_path: Path, history_path: Path, at: str | None, horizon_days: fl
     click.echo(f"{d['fleet_gpus']} GPUs in service, mean probability {d['fleet_mean_probability']:.2%} "
                f"within {horizon_days:g} days")
     for g in d["gpus"]:
-        click.echo(f"{g['SN']}  {g['location']:<14} {g['probability']:7.2%}  x{g['times_fleet_mean']:<5} {g['reasons']}")
+        click.echo(f"{g['SN']}  {g['location']:<14} {g['probability']:7.2%}  "
+                   f"x{g['times_fleet_mean']:<5} {g['reasons']}")
     click.echo("blades (any GPU fails):")
     for b in d["blades"]:
         click.echo(f"{b['blade']:<12} {b['probability_any']:7.2%}  worst {b['worst']}")

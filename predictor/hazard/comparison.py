@@ -25,7 +25,8 @@ def compare_models(h: History, as_of: dict[str, float], horizon_days: float, res
         splits.append({
             "as_of": name, "gpus": snap.n, "events": int(y.sum()),
             "base_rate": float(y.mean()), "train_rows": len(data.x), "train_landmarks": data.landmarks,
-            "models": {k: evaluation.with_intervals(days, event, s, horizon_days, resamples) for k, s in scores.items()},
+            "models": {k: evaluation.with_intervals(days, event, s, horizon_days, resamples)
+                       for k, s in scores.items()},
         })
     return {"horizon_days": horizon_days, "resamples": resamples,
             "metrics": {"concordance": "Harrell's C on the time to the next DBE/OTB (censored at a healthy removal)",

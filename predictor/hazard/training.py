@@ -15,7 +15,7 @@ from predictor.hazard.history import History
 from predictor.hazard.models import BoostedModel, CoxModel, WeibullAFT
 
 MODEL_KINDS = ("boosted", "cox", "weibull")
-MIN_FLEET = 500  # landmarks with fewer GPUs in service say little about the fleet
+MIN_FLEET = 50  # landmarks with fewer GPUs in service say little about the fleet
 
 
 @dataclass
