@@ -181,3 +181,25 @@ def compare(history_path: Path, as_of: tuple[str, ...], resamples: int, out: Pat
                    f"{horizon_days:g} days")
         for name, m in split["models"].items():
             click.echo(f"  {name:<9} " + "  ".join(f"{k} {v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]" for k, v in m.items()))
+
+
+@hazard.command()
+@_history_opt
+@click.option("--out-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="where the Kaplan-Meier PNGs and hazard_ratios.json go")
+@click.option("--service-nodes", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="titan.service.txt: service nodes, left out as in the paper")
+@_tz_opt
+@_json_opt
+def paper(history_path: Path, out_dir: Path, service_nodes: Path | None, tz: str, as_json: bool) -> None:
+    """The SC20 paper's findings from the history: survival by batch, cage and node; Cox hazard ratios."""
+    from predictor.hazard import paper as sc20
+    h = _read(history_path, tz)
+    life = sc20.lifetimes(h, sc20.service_locations(service_nodes) if service_nodes else set())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hr = sc20.hazard_ratios(life)
+    summary = {"gpus": int(len(life["days"])), "events": int(life["event"].sum()),
+               "old_gpus": int(life["old"].sum()), "hazard_ratios": {k: round(v, 3) for k, v in hr.items()},
+               "plots": [str(p) for p in sc20.plot(life, out_dir)]}
+    (out_dir / "hazard_ratios.json").write_text(json.dumps(summary, indent=1))
+    _emit(summary, as_json)

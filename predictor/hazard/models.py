@@ -60,6 +60,36 @@ def _breslow(times: np.ndarray, event: np.ndarray, lp: np.ndarray):
     return order, group_end
 
 
+def fit_cox(design: np.ndarray, days: np.ndarray, event: np.ndarray, ridge: float = 1.0):
+    """(coefficients per standardised column, the standardiser, baseline times, Breslow cumulative hazard)."""
+    std = Standardizer.fit(design)
+    z = std(design)
+    order, group_end = _breslow(days, event, np.zeros(len(days)))
+    zo, do = z[order], event[order].astype(float)
+    n_ev = do.sum()
+
+    def loss(b):
+        lp = zo @ b
+        w = np.exp(lp - lp.max())
+        s = np.cumsum(w)[group_end]
+        sx = np.cumsum(w[:, None] * zo, axis=0)[group_end]
+        ll = (do * (lp - lp.max() - np.log(s))).sum()
+        grad = (do[:, None] * (zo - sx / s[:, None])).sum(axis=0)
+        return (-ll + 0.5 * ridge * b @ b) / n_ev, (-grad + ridge * b) / n_ev
+
+    res = minimize(loss, np.zeros(z.shape[1]), jac=True, method="L-BFGS-B")
+    coef = res.x
+    # Breslow baseline: dH0(t) = d(t) / sum over the risk set of exp(lp)
+    w = np.exp(zo @ coef)
+    s = np.cumsum(w)[group_end]
+    t_desc = days[order]
+    ev_t, inv = np.unique(t_desc[do > 0], return_inverse=True)
+    d = np.bincount(inv, minlength=len(ev_t))
+    s_at = np.zeros(len(ev_t))
+    s_at[inv] = s[do > 0]
+    return coef, std, ev_t, np.cumsum(d / s_at)
+
+
 @dataclass
 class CoxModel:
     kind = "cox"
@@ -70,32 +100,7 @@ class CoxModel:
 
     @classmethod
     def fit(cls, x: np.ndarray, days: np.ndarray, event: np.ndarray, ridge: float = 1.0) -> "CoxModel":
-        std = Standardizer.fit(linear_design(x))
-        z = std(linear_design(x))
-        order, group_end = _breslow(days, event, np.zeros(len(days)))
-        zo, do = z[order], event[order].astype(float)
-        n_ev = do.sum()
-
-        def loss(b):
-            lp = zo @ b
-            w = np.exp(lp - lp.max())
-            s = np.cumsum(w)[group_end]
-            sx = np.cumsum(w[:, None] * zo, axis=0)[group_end]
-            ll = (do * (lp - lp.max() - np.log(s))).sum()
-            grad = (do[:, None] * (zo - sx / s[:, None])).sum(axis=0)
-            return (-ll + 0.5 * ridge * b @ b) / n_ev, (-grad + ridge * b) / n_ev
-
-        res = minimize(loss, np.zeros(z.shape[1]), jac=True, method="L-BFGS-B")
-        coef = res.x
-        # Breslow baseline: dH0(t) = d(t) / sum over the risk set of exp(lp)
-        w = np.exp(zo @ coef)
-        s = np.cumsum(w)[group_end]
-        t_desc = days[order]
-        ev_t, inv = np.unique(t_desc[do > 0], return_inverse=True)
-        d = np.bincount(inv, minlength=len(ev_t))
-        s_at = np.zeros(len(ev_t))
-        s_at[inv] = s[do > 0]
-        return cls(coef, std, ev_t, np.cumsum(d / s_at))
+        return cls(*fit_cox(linear_design(x), days, event, ridge))
 
     def log_hazard_ratio(self, x: np.ndarray) -> np.ndarray:
         return self.std(linear_design(x)) @ self.coef
