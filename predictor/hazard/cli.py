@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import click
@@ -171,6 +175,9 @@ def compare(history_path: Path, as_of: tuple[str, ...], resamples: int, out: Pat
     h = _read(history_path, tz)
     res = compare_models(h, {a: _time(a, tz, h.end_t) for a in as_of}, horizon_days, resamples,
                          progress=lambda msg: click.echo(msg, err=True))
+    res["run"] = {"command": " ".join(["predictor", *sys.argv[1:]]), "machine": f"{platform.machine()}, "
+                  f"{os.cpu_count()} CPUs", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "load_1m": os.getloadavg()[0]}
     if out:
         out.write_text(json.dumps(res, indent=1))
     if as_json:

@@ -5,9 +5,9 @@
 - ``BoostedModel``: scikit-learn's histogram gradient boosting on landmark windows: the label
   is "an event within the horizon", which is the operator's question, with no shape assumed.
 
-Cox and Weibull are written here against scipy (a few dozen lines each): lifelines would bring
-matplotlib, autograd and formulaic to a predictor host, and scikit-survival pins scikit-learn
-below the version this project runs.
+Cox and Weibull are written here against scipy (a few dozen lines each): lifelines 0.30 pins
+pandas < 3 and brings matplotlib, autograd and formulaic to a predictor host; scikit-survival
+0.28 pins scikit-learn to 1.9.x and brings ecos, osqp, numexpr and pandas.
 """
 from __future__ import annotations
 
