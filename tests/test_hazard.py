@@ -164,3 +164,12 @@ def test_precision_at_top_and_auc():
     score = y + np.linspace(0, 0.5, len(y))
     assert evaluation.precision_at_top(y, score, share=0.1) == 1.0
     assert evaluation.auc(y, score) == 1.0
+
+
+def test_paper_findings_on_the_planted_history(history_csv):
+    from predictor.hazard import paper
+    life = paper.lifetimes(read_history(history_csv))
+    hr = paper.hazard_ratios(life)
+    assert hr["cage2"] > 2 * hr["cage1"]   # the planted hot cage
+    t, s = paper.kaplan_meier(np.array([1.0, 2.0, 2.0, 3.0]), np.array([True, True, False, False]))
+    assert t.tolist() == [1.0, 2.0] and s == pytest.approx([0.75, 0.5])
