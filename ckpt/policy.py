@@ -23,17 +23,23 @@ optimum balances the two:
   excess over the base rate, ``(ratio − 1)·λ``, is added to the unpredicted rate. A
   ratio at or below 1 leaves the periodic interval as it is; there is no threshold.
 
+- From per-GPU hazards: where a fleet model gives each of the job's GPUs a probability
+  ``p`` of failing within a horizon H (``predictor hazard score``), each GPU's rate is
+  ``−ln(1 − p)/H`` (constant over the horizon) and the job fails when any GPU does, so
+  its MTBF is ``1 / Σ rates`` (``mtbf_from_gpu_hazards``).
+
 Only the *blocking* cost C enters the formulas; the time to durability in each tier
 does not move the optimum (it adds a constant to the loss per failure) but bounds the
 interval from below: a save every T keeps up only if every tier absorbs one save per T.
 """
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,27 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
         return mtbf_s
     x = cost_s / (2.0 * mtbf_s)
     return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - cost_s
+
+
+def mtbf_from_gpu_hazards(probabilities: Iterable[float], horizon_s: float) -> float:
+    """A job's MTBF from its GPUs' probabilities of failing within ``horizon_s`` (any one stops the job)."""
+    rate = 0.0
+    for p in probabilities:
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"a GPU's probability of failing must be in [0, 1), not {p}")
+        rate += -math.log1p(-p) / horizon_s
+    return 1.0 / rate if rate > 0 else math.inf
+
+
+def read_gpu_hazards(path: str, serials: Iterable[str]) -> list[float]:
+    """The ``probability`` of each of ``serials`` from a scores CSV (columns SN, probability)."""
+    want = set(serials)
+    with open(path, newline="") as f:
+        found = {row["SN"]: float(row["probability"]) for row in csv.DictReader(f) if row["SN"] in want}
+    missing = sorted(want - found.keys())
+    if missing:
+        raise ValueError(f"{path}: no hazard for GPUs {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return list(found.values())
 
 
 @dataclass(frozen=True)
@@ -105,6 +132,12 @@ class IntervalPolicy:
     formula: str = "daly"
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     last_save: float | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_gpu_hazards(cls, blocking_s: float, probabilities: Iterable[float], horizon_s: float,
+                         **kwargs) -> "IntervalPolicy":
+        """The policy with the job's MTBF from its GPUs' hazards (``mtbf_from_gpu_hazards``)."""
+        return cls(blocking_s=blocking_s, mtbf_s=mtbf_from_gpu_hazards(probabilities, horizon_s), **kwargs)
 
     def __post_init__(self) -> None:
         if self.formula not in FORMULAS:

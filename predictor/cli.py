@@ -12,6 +12,7 @@ import click
 
 from predictor.act_cli import act
 from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
+from predictor.hazard.cli import hazard
 from predictor.history_cli import history_trace, prometheus_options
 from predictor.label_cli import label, write_labelled
 from telemetry.cli_group import role_group
@@ -276,6 +277,7 @@ def _is_loopback(host: str) -> bool:
 
 main.add_command(label)
 main.add_command(act)
+main.add_command(hazard)
 
 if __name__ == "__main__":
     sys.exit(main())

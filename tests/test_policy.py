@@ -111,3 +111,22 @@ def test_resumable_saves_on_the_policy(root: Path, shm_dir: str) -> None:
     # then τ≈7: step 11; and the end: 12
     assert steps == [5, 8, 11, 12]
     assert pol.blocking_s < 1.0
+
+
+def test_mtbf_from_gpu_hazards_adds_the_gpus_rates(tmp_path: Path) -> None:
+    from ckpt.policy import mtbf_from_gpu_hazards, read_gpu_hazards
+    day = 86400.0
+    # 1 - exp(-1) within 180 days is a rate of 1/180 per day; two such GPUs fail twice as often
+    p = 1.0 - math.exp(-1.0)
+    assert mtbf_from_gpu_hazards([p, p], 180 * day) == pytest.approx(90 * day)
+    assert mtbf_from_gpu_hazards([0.0], day) == math.inf
+    with pytest.raises(ValueError):
+        mtbf_from_gpu_hazards([1.0], day)
+    scores = tmp_path / "scores.csv"
+    scores.write_text("SN,probability,location\na,0.5,x\nb,0.1,y\nc,0.2,z\n")
+    assert sorted(read_gpu_hazards(str(scores), ["a", "c"])) == [0.2, 0.5]
+    with pytest.raises(ValueError, match="no hazard for GPUs"):
+        read_gpu_hazards(str(scores), ["a", "missing"])
+    policy = IntervalPolicy.from_gpu_hazards(10.0, read_gpu_hazards(str(scores), ["a", "b"]), 180 * day)
+    riskier = IntervalPolicy.from_gpu_hazards(10.0, [0.5, 0.5], 180 * day)
+    assert riskier.interval_s < policy.interval_s
