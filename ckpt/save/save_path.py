@@ -6,7 +6,7 @@ become durable (the handle's tiers, the upload); this module moves the bytes, in
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..format.manifest import ShardManifest
 from ..format.state import flatten
@@ -14,12 +14,17 @@ from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader
 from ..tiers.memory.copier import plan_layout
-from .drain import Drainer, Lease, SaveHandle
+from .drain import Claim, Drainer, Lease, SaveHandle
+from .overlap import StagedSnapshot, deferrable
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
+    import torch
+
+    from ..format.state import FlatState
     from ..peers.peering import Peering
     from ..tiers.local import LocalDiskTier
     from ..tiers.memory import MemoryTier
+    from ..tiers.memory.copier import PendingCopy
     from ..tiers.memory.slots import ShmSlot
     from .commit import Committer
     from .metrics import CheckpointMetrics
@@ -41,13 +46,54 @@ class SavePath:
     threads: int
     chunk_bytes: int
     replicated: frozenset[str]
+    supersede: bool = False  # overlap=True: a queued drain is skipped for a newer snapshot's
     drainer: Drainer = dataclasses.field(default_factory=Drainer)
     stall_s: float = 0.0  # total time a snapshot waited for a slot still draining
+    _moot: list[tuple[Claim, SaveHandle, Lease]] = dataclasses.field(default_factory=list)  # skippable drains
+    _newest: SaveHandle | None = None  # the last drain queued
 
     def snapshot(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
                  state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
         """Copy ``part`` (this rank's share of ``state``) into a reserved memory slot, sealed
         (no checksums yet); the slot stays busy until its drain releases it."""
+        flat, slot, manifest = self._reserve(ckpt_id, part, state)
+        try:
+            self.memory.snapshot(slot, [t for _, t in flat.tensors], manifest)
+        except BaseException:
+            slot.idle.set()
+            raise
+        return slot, manifest
+
+    def stage(self, ckpt_id: CheckpointId, part: Mapping[str, Any], state: Mapping[str, Any],
+              written: set[tuple]) -> tuple[ShmSlot, ShardManifest, PendingCopy, list[tuple[str, torch.Tensor, int]]]:
+        """Like ``snapshot``, but only what is not in ``written`` (what ``optimizer.step()``
+        writes) is copied before returning; the rest is being copied, and the slot is not
+        sealed. Returns the copy under way and the deferred tensors with their versions."""
+        flat, slot, manifest = self._reserve(ckpt_id, part, state)
+        later = deferrable(flat.tensors, written)
+        watched = [(path, t, t._version) for (path, t), defer in zip(flat.tensors, later) if defer]
+        try:
+            pending = self.memory.start_snapshot(slot, [t for _, t in flat.tensors], manifest, later)
+        except BaseException:
+            slot.idle.set()
+            raise
+        return slot, manifest, pending, watched
+
+    def seal(self, staged: StagedSnapshot) -> None:
+        """Seal a staged snapshot once its copy is complete and nothing it read changed,
+        then queue its drain; otherwise free its slot and raise."""
+        try:
+            staged.finish()
+        except BaseException as e:
+            staged.slot.idle.set()
+            staged.handle.fail(e)
+            raise
+        self.memory.seal(staged.slot, staged.manifest)
+        self.submit(staged.slot, staged.manifest, staged.ckpt_id, staged.handle, upload=staged.upload,
+                    urgent=staged.urgent)
+
+    def _reserve(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
+                 state: Mapping[str, Any]) -> tuple[FlatState, ShmSlot, ShardManifest]:
         flat = flatten(part)
         entries, nbytes = plan_layout(flat.tensors)
         entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
@@ -58,20 +104,46 @@ class SavePath:
         self.stall_s += waited
         if self.metrics is not None and waited:
             self.metrics.stall.inc(waited)
-        try:
-            self.memory.snapshot(slot, [t for _, t in flat.tensors], manifest)
-        except BaseException:
-            slot.idle.set()
-            raise
-        return slot, manifest
+        return flat, slot, manifest
 
     def submit(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle, *,
                upload: bool, urgent: bool) -> None:
         """Queue the background part of a save; the slot is free again once every drain
         that reads it has finished."""
         lease = Lease(slot.idle.set)
-        self.drainer.submit(lambda: self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease), handle,
-                            urgent=urgent, on_exit=lease.release)
+        claim = Claim() if self.supersede and not (upload or urgent) else None  # uploads are never skipped
+
+        def run() -> None:
+            if claim is None or claim.start():
+                self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease)
+
+        def release() -> None:
+            if claim is None or not claim.skipped:  # a skipped job's slot was freed when it was skipped
+                lease.release()
+
+        self.drainer.submit(run, handle, urgent=urgent, on_exit=release)
+        if claim is not None:
+            self._moot.append((claim, handle, lease))
+        self._newest = handle
+
+    def skip_superseded(self, agree_max: Callable[[int], int]) -> list[int]:
+        """Skip the queued drains older than the newest one, freeing their slots: the lower
+        tiers take the newest sealed snapshot. Every rank skips the same steps (those all
+        of them still hold; ``agree_max`` is the all-reduce). Returns the steps skipped."""
+        newest = self._newest
+        self._moot = [m for m in self._moot if m[0].open]
+        older = [m for m in self._moot if m[1] is not newest]
+        held = [m for m in older if m[0].hold()]  # the drain runs in order: what it has not started is a suffix
+        first = agree_max(min((h.step for _, h, _ in held), default=newest.step if newest else 0))
+        skipped = []
+        for claim, handle, lease in held:
+            skip = handle.step >= first and newest is not None
+            claim.decide(skip)
+            if skip:
+                lease.release()
+                handle.supersede(newest)
+                skipped.append(handle.step)
+        return skipped
 
     def protect(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId) -> None:
         """Checksum and replicate a snapshot at once, ahead of anything queued, with no disk

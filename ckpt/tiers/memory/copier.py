@@ -1,9 +1,12 @@
-"""The snapshot copy, the one thing the trainer waits for: where each tensor goes in
-the slot (``plan_layout``) and the device-to-shared-memory copy (``TensorCopier``)."""
+"""The snapshot copy: where each tensor goes in the slot (``plan_layout``), the
+device-to-shared-memory copy the trainer waits for (``TensorCopier.copy``), and the
+one it does not (``TensorCopier.start``: overlapped with the next step's compute)."""
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ...format.manifest import DTYPE_NAMES, TensorEntry
@@ -21,26 +24,82 @@ def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[Tenso
     return entries, offset
 
 
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination in the slot, source)
+
+
+class PendingCopy:
+    """A copy running behind the trainer's back: ``wait()`` returns once every byte is in
+    the slot (and raises what the copy raised)."""
+
+    def __init__(self, thread: threading.Thread | None, event: "torch.cuda.Event | None") -> None:
+        self._thread, self._event = thread, event
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self._event is not None:
+            self._event.synchronize()
+        if self.error is not None:
+            raise self.error
+
+
 class TensorCopier:
-    """Device→shared-memory copy. CPU: torch's multi-threaded copy. CUDA: copies into the
-    pinned slot run on a side stream, after the work already queued on the current one."""
+    """Device→shared-memory copy. CPU: torch's multi-threaded copy, or one thread of its
+    own copying in the background (memcpy releases the GIL). CUDA: copies into the pinned
+    slot run on a side stream, after the work already queued on the current one."""
 
     def __init__(self) -> None:
         self._stream = None
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        cuda = [(d, s) for d, s in pairs if s.is_cuda]
-        for d, s in pairs:
-            if not s.is_cuda:
-                d.copy_(s)
-        if cuda:
-            self._copy_cuda(cuda)
+    def copy(self, pairs: Pairs) -> None:
+        """Copy now; returns when every byte is in the slot."""
+        self.start([], pairs).wait()
 
-    def _copy_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def start(self, later: Pairs, now: Pairs = ()) -> PendingCopy:
+        """Copy ``now`` before returning (as far as the work queued after it can tell: on
+        CUDA the current stream waits for it on the device), and start copying ``later``."""
+        cpu_now = [(d, s) for d, s in now if not s.is_cuda]
+        for d, s in cpu_now:
+            d.copy_(s)
+        cuda_now = [(d, s) for d, s in now if s.is_cuda]
+        cuda_later = [(d, s) for d, s in later if s.is_cuda]
+        event = self._start_cuda(cuda_now, cuda_later) if cuda_now or cuda_later else None
+        cpu_later = [(d, s) for d, s in later if not s.is_cuda]
+        if not cpu_later:
+            return PendingCopy(None, event)
+        pending = PendingCopy(None, event)
+
+        def run() -> None:
+            try:
+                for d, s in cpu_later:
+                    _memcpy(d, s)
+            except BaseException as e:  # raised by wait()
+                pending.error = e
+
+        pending._thread = threading.Thread(target=run, name="ckpt-stage", daemon=True)
+        pending._thread.start()
+        return pending
+
+    def _start_cuda(self, now: Pairs, later: Pairs) -> "torch.cuda.Event":
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)  # after the step that produced the state
         with torch.cuda.stream(self._stream):
-            for d, s in pairs:
+            for d, s in now:
                 d.copy_(s, non_blocking=True)
-        self._stream.synchronize()
+            current.wait_event(self._stream.record_event())  # the next forward waits for these, the host does not
+            for d, s in later:
+                d.copy_(s, non_blocking=True)
+            return self._stream.record_event()
+
+
+def _memcpy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """One thread's copy (numpy's releases the GIL and, unlike torch's, uses no thread pool
+    that would compete with the training step's); torch's for strided sources."""
+    if src.is_contiguous() and src.numel():
+        out = dest.reshape(-1).view(torch.uint8).numpy()
+        np.copyto(out, src.reshape(-1).view(torch.uint8).numpy())
+    else:
+        dest.copy_(src)
