@@ -3,7 +3,7 @@ device-to-shared-memory copy the trainer waits for (``TensorCopier.copy``), and 
 one it does not (``TensorCopier.start``: overlapped with the next step's compute)."""
 from __future__ import annotations
 
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -31,17 +31,14 @@ class PendingCopy:
     """A copy running behind the trainer's back: ``wait()`` returns once every byte is in
     the slot (and raises what the copy raised)."""
 
-    def __init__(self, thread: threading.Thread | None, event: "torch.cuda.Event | None") -> None:
-        self._thread, self._event = thread, event
-        self.error: BaseException | None = None
+    def __init__(self, future: "Future[None] | None", event: "torch.cuda.Event | None") -> None:
+        self._future, self._event = future, event
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
         if self._event is not None:
             self._event.synchronize()
-        if self.error is not None:
-            raise self.error
+        if self._future is not None:
+            self._future.result()
 
 
 class TensorCopier:
@@ -51,6 +48,7 @@ class TensorCopier:
 
     def __init__(self) -> None:
         self._stream = None
+        self._worker: ThreadPoolExecutor | None = None  # started on first use, kept (a thread start is not free)
 
     def copy(self, pairs: Pairs) -> None:
         """Copy now; returns when every byte is in the slot."""
@@ -59,27 +57,22 @@ class TensorCopier:
     def start(self, later: Pairs, now: Pairs = ()) -> PendingCopy:
         """Copy ``now`` before returning (as far as the work queued after it can tell: on
         CUDA the current stream waits for it on the device), and start copying ``later``."""
-        cpu_now = [(d, s) for d, s in now if not s.is_cuda]
-        for d, s in cpu_now:
-            d.copy_(s)
+        for d, s in now:
+            if not s.is_cuda:
+                d.copy_(s)
         cuda_now = [(d, s) for d, s in now if s.is_cuda]
         cuda_later = [(d, s) for d, s in later if s.is_cuda]
         event = self._start_cuda(cuda_now, cuda_later) if cuda_now or cuda_later else None
         cpu_later = [(d, s) for d, s in later if not s.is_cuda]
         if not cpu_later:
             return PendingCopy(None, event)
-        pending = PendingCopy(None, event)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
+        return PendingCopy(self._worker.submit(_memcpy_all, cpu_later), event)
 
-        def run() -> None:
-            try:
-                for d, s in cpu_later:
-                    _memcpy(d, s)
-            except BaseException as e:  # raised by wait()
-                pending.error = e
-
-        pending._thread = threading.Thread(target=run, name="ckpt-stage", daemon=True)
-        pending._thread.start()
-        return pending
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
 
     def _start_cuda(self, now: Pairs, later: Pairs) -> "torch.cuda.Event":
         if self._stream is None:
@@ -93,6 +86,11 @@ class TensorCopier:
             for d, s in later:
                 d.copy_(s, non_blocking=True)
             return self._stream.record_event()
+
+
+def _memcpy_all(pairs: Pairs) -> None:
+    for d, s in pairs:
+        _memcpy(d, s)
 
 
 def _memcpy(dest: torch.Tensor, src: torch.Tensor) -> None:

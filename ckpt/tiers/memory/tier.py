@@ -96,6 +96,8 @@ class MemoryTier(TierReader):
         return self.pool
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
         if self.pool is not None:
             self.pool.close()
 
