@@ -23,6 +23,7 @@ from .coordination import Coordinator, store_connector
 from .errors import BackgroundError, CheckpointError, SnapshotChanged
 from .format.checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .format.state import flatten
+from .peers.priority import at_low_priority, replication_nice
 from .recovery.restarts import mark
 from .restore.execute import log_restored, open_shard, restore_agreed
 from .restore.fresh_start import JobListing, refuse_if_present, set_aside
@@ -155,7 +156,8 @@ class CheckpointManager:
         self._saves = SavePath(rank=self.rank, world_size=self.world_size, memory=self.memory, disk=self.disk,
                                offload=self._offload, committer=self.committer, peering=self.peering,
                                metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
-                               replicated=self.replicated, supersede=overlap)
+                               replicated=self.replicated, supersede=overlap,
+                               yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"))
         self._staged: StagedSnapshot | None = None  # overlap: the snapshot being copied
         self._hooks = StepHooks(self.wait_staged) if overlap else None
         if self._offload is not None:

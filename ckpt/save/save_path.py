@@ -47,6 +47,8 @@ class SavePath:
     chunk_bytes: int
     replicated: frozenset[str]
     supersede: bool = False  # overlap=True: a queued drain is skipped for a newer snapshot's
+    # how a skippable drain runs: at low priority, so that saving every step yields the CPU to training
+    yielding: Callable[[Callable[[], None]], None] = lambda run: run()
     drainer: Drainer = dataclasses.field(default_factory=Drainer)
     stall_s: float = 0.0  # total time a snapshot waited for a slot still draining
     _moot: list[tuple[Claim, SaveHandle, Lease]] = dataclasses.field(default_factory=list)  # skippable drains
@@ -114,8 +116,10 @@ class SavePath:
         claim = Claim() if self.supersede and not (upload or urgent) else None  # uploads are never skipped
 
         def run() -> None:
-            if claim is None or claim.start():
+            if claim is None:
                 self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease)
+            elif claim.start():
+                self.yielding(lambda: self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease))
 
         def release() -> None:
             if claim is None or not claim.skipped:  # a skipped job's slot was freed when it was skipped

@@ -3,6 +3,7 @@ device-to-shared-memory copy the trainer waits for (``TensorCopier.copy``), and 
 one it does not (``TensorCopier.start``: overlapped with the next step's compute)."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -27,16 +28,61 @@ def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[Tenso
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination in the slot, source)
 
 
+PIECE_BYTES = 8 << 20  # what the waiter can take over from the worker
+
+
+class _Pieces:
+    """A CPU copy cut into pieces: the worker copies them in order; a waiter takes the
+    ones not started yet, so waiting is never slower than copying (a busy machine may
+    not have run the worker at all)."""
+
+    def __init__(self, pairs: Pairs) -> None:
+        self._pieces: Pairs = []
+        for d, s in pairs:
+            if s.is_contiguous():
+                db, sb = d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)
+                self._pieces += [(db[lo : lo + PIECE_BYTES], sb[lo : lo + PIECE_BYTES])
+                                 for lo in range(0, sb.numel(), PIECE_BYTES)]
+            else:
+                self._pieces.append((d, s))
+        self._next, self._lock = 0, threading.Lock()
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            if self._next == len(self._pieces):
+                return None
+            self._next += 1
+            return self._pieces[self._next - 1]
+
+    def work(self) -> None:
+        """The worker: one thread's memcpy (numpy's releases the GIL and, unlike torch's,
+        starts no thread pool to compete with the training step's)."""
+        while (piece := self._take()) is not None:
+            d, s = piece
+            if d.dtype == torch.uint8 and s.dtype == torch.uint8 and d.is_contiguous() and s.is_contiguous():
+                np.copyto(d.numpy(), s.numpy())
+            else:
+                d.copy_(s)
+
+    def help(self) -> None:
+        """The waiter (the training thread, its step's compute done): torch's threaded copy."""
+        while (piece := self._take()) is not None:
+            piece[0].copy_(piece[1])
+
+
 class PendingCopy:
     """A copy running behind the trainer's back: ``wait()`` returns once every byte is in
     the slot (and raises what the copy raised)."""
 
-    def __init__(self, future: "Future[None] | None", event: "torch.cuda.Event | None") -> None:
-        self._future, self._event = future, event
+    def __init__(self, pieces: _Pieces | None, future: "Future[None] | None",
+                 event: "torch.cuda.Event | None") -> None:
+        self._pieces, self._future, self._event = pieces, future, event
 
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
+        if self._pieces is not None:
+            self._pieces.help()
         if self._future is not None:
             self._future.result()
 
@@ -65,10 +111,11 @@ class TensorCopier:
         event = self._start_cuda(cuda_now, cuda_later) if cuda_now or cuda_later else None
         cpu_later = [(d, s) for d, s in later if not s.is_cuda]
         if not cpu_later:
-            return PendingCopy(None, event)
+            return PendingCopy(None, None, event)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
-        return PendingCopy(self._worker.submit(_memcpy_all, cpu_later), event)
+        pieces = _Pieces(cpu_later)
+        return PendingCopy(pieces, self._worker.submit(pieces.work), event)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -86,18 +133,3 @@ class TensorCopier:
             for d, s in later:
                 d.copy_(s, non_blocking=True)
             return self._stream.record_event()
-
-
-def _memcpy_all(pairs: Pairs) -> None:
-    for d, s in pairs:
-        _memcpy(d, s)
-
-
-def _memcpy(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """One thread's copy (numpy's releases the GIL and, unlike torch's, uses no thread pool
-    that would compete with the training step's); torch's for strided sources."""
-    if src.is_contiguous() and src.numel():
-        out = dest.reshape(-1).view(torch.uint8).numpy()
-        np.copyto(out, src.reshape(-1).view(torch.uint8).numpy())
-    else:
-        dest.copy_(src)
