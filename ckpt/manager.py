@@ -34,7 +34,6 @@ from .save.commit import Committer, retention
 from .save.drain import SaveHandle
 from .save.metrics import CheckpointMetrics
 from .save.offload import Offloader
-from .save.overlap import StagedSnapshot, StepHooks, optimizers_in, step_written
 from .save.ownership import claim_for_job
 from .save.save_path import SavePath
 from .save.shm_budget import check_room, lazy_optimizer_bytes, refusal_of
@@ -156,10 +155,8 @@ class CheckpointManager:
         self._saves = SavePath(rank=self.rank, world_size=self.world_size, memory=self.memory, disk=self.disk,
                                offload=self._offload, committer=self.committer, peering=self.peering,
                                metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
-                               replicated=self.replicated, supersede=overlap,
+                               replicated=self.replicated, overlap=overlap,
                                yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"))
-        self._staged: StagedSnapshot | None = None  # overlap: the snapshot being copied
-        self._hooks = StepHooks(self.wait_staged) if overlap else None
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small
@@ -203,9 +200,8 @@ class CheckpointManager:
         ``handle.wait("peer")`` returns once it is durable off-node, and
         ``handle.durable_s`` says how long each tier took.
 
-        With ``overlap``, it returns once what the next forward may write is copied; the
-        parameters and optimizer state are still being copied (``wait_staged()``); an
-        urgent save returns sealed.
+        With ``overlap``, the parameters and optimizer state are still being copied when it
+        returns (``wait_staged()``); an urgent save returns sealed.
         """
         t0 = time.monotonic()
         self.wait_staged()
@@ -213,9 +209,7 @@ class CheckpointManager:
         ckpt_id = CheckpointId(self._current_generation(), int(step))
         if self.overlap:
             self._saves.skip_superseded(self.coord.max)
-            slot, manifest, copying, watched = self._stage(ckpt_id, state)
-        else:
-            slot, manifest = self._snapshot(ckpt_id, state)
+        slot, manifest = self._snapshot(ckpt_id, state, staged=self.overlap)
         nbytes = manifest.data_bytes
         # every rank must agree: a step is committed only once all shards are up
         upload = self._offload is not None and self._offload.decide(self.coord, ckpt_id, urgent)
@@ -223,18 +217,13 @@ class CheckpointManager:
         if urgent and self.peering is not None and self.peering.holders:
             tiers.append("peer")  # evacuation: the urgent handle waits for the replica too
         handle = SaveHandle(ckpt_id.step, tiers, nbytes=nbytes, observer=self.metrics)
-        if upload:
-            self._offload.claim(handle, urgent)
-        self._handles = [h for h in self._handles if not h.done] + [handle]
-        if self.overlap:
-            self._staged = StagedSnapshot(ckpt_id, slot, manifest, handle, upload, urgent, copying, watched)
-            if urgent:  # a failure is predicted: sealed before save() returns, drained first
-                self.wait_staged()
-        else:
-            self._saves.submit(slot, manifest, ckpt_id, handle, upload=upload, urgent=urgent)
         handle.blocking_s = time.monotonic() - t0
         if self.metrics is not None:
             self.metrics.saved(handle.blocking_s, urgent)
+        if upload:
+            self._offload.claim(handle, urgent)
+        self._handles = [h for h in self._handles if not h.done] + [handle]
+        self._saves.submit(slot, manifest, ckpt_id, handle, upload=upload, urgent=urgent)
         return handle
 
     def wait_staged(self) -> None:
@@ -245,26 +234,18 @@ class CheckpointManager:
         other way. Raises ``SnapshotChanged`` (the snapshot is dropped, the previous one
         stays the newest) when a saved tensor was written in place during the copy.
         Returns at once when no copy is under way."""
-        staged, self._staged = self._staged, None
-        if staged is not None:
-            self._saves.seal(staged)
-
-    def _stage(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> tuple:
-        if self._prepared:
-            self.memory.wait_prepared()
-        optimizers = optimizers_in(state)
-        self._hooks.watch(optimizers)
-        return self._saves.stage(ckpt_id, self._own_part(state), state, step_written(optimizers))
+        self._saves.wait_staged()
 
     @property
     def stall_s(self) -> float:
         """Total time ``save()`` waited for a slot still draining."""
         return self._saves.stall_s
 
-    def _snapshot(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
+    def _snapshot(self, ckpt_id: CheckpointId, state: Mapping[str, Any], *,
+                  staged: bool = False) -> tuple[ShmSlot, ShardManifest]:
         if self._prepared:
             self.memory.wait_prepared()
-        return self._saves.snapshot(ckpt_id, self._own_part(state), state)
+        return (self._saves.stage if staged else self._saves.snapshot)(ckpt_id, self._own_part(state), state)
 
     def _newest_known(self) -> CheckpointId | None:
         return max((i.id for t in self.tiers for i in t.list()), default=None)
@@ -402,13 +383,7 @@ class CheckpointManager:
             self._release()
 
     def _release(self) -> None:
-        if self._hooks is not None:
-            self._hooks.close()
-        if self._staged is not None:  # flush() failed before sealing it: the copy must end before the unmap
-            try:
-                self._staged.copy.wait()
-            except BaseException:  # noqa: BLE001 - already failed; the slot is not sealed
-                pass
+        self._saves.close_staging()
         self._saves.drainer.close()
         try:
             if self._offload is not None:

@@ -74,7 +74,7 @@ def test_saving_every_step_while_the_next_step_runs_restores_each_step_bitwise(r
             train_step(state)
             expected[step] = expected_of(state)
             handle = mgr.save(step, state)
-            assert mgr._staged is not None, "the parameters' copy should still be under way"
+            assert not mgr.memory.holds(step), "the parameters' copy should still be under way, unsealed"
             assert handle.step == step
         mgr.wait()
         saved = sorted({i["step"] for i in mgr.list()})
@@ -147,10 +147,10 @@ def test_the_step_pre_hook_waits_for_every_optimizer_implementation(root: Path, 
         model(torch.randn(8, 64)).sum().backward()
         opt.step()
         mgr.save(1, state)
-        assert mgr._staged is not None
+        assert not mgr.memory.holds(1)  # being copied: not sealed yet
         model(torch.randn(8, 64)).sum().backward()
         opt.step()
-        assert mgr._staged is None  # sealed by the pre-hook, before the step wrote anything
+        assert mgr.memory.holds(1)  # sealed by the pre-hook, before the step wrote anything
         mgr.wait()
         assert [i["step"] for i in mgr.list()] == [1]
 
@@ -169,7 +169,7 @@ def test_the_pre_hook_fires_through_accelerate_and_lightning_wrappers(root: Path
         mgr.save(1, state)
         model(torch.randn(4, 32)).sum().backward()
         wrapped.step()
-        assert mgr._staged is None
+        assert mgr.memory.holds(1)
         mgr.wait()
 
 

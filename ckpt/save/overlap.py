@@ -93,11 +93,9 @@ class StagedSnapshot:
     ckpt_id: CheckpointId
     slot: ShmSlot
     manifest: ShardManifest
-    handle: SaveHandle
-    upload: bool
-    urgent: bool
     copy: PendingCopy
     watched: list[tuple[str, torch.Tensor, int]]  # (path, tensor, version at save)
+    drain: tuple[SaveHandle, bool, bool] | None = None  # (handle, upload, urgent): queued once sealed
 
     def finish(self) -> None:
         """Wait for the copy; raise ``SnapshotChanged`` naming the tensors written meanwhile."""

@@ -15,16 +15,14 @@ from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader
 from ..tiers.memory.copier import plan_layout
 from .drain import Claim, Drainer, Lease, SaveHandle
-from .overlap import StagedSnapshot, deferrable
+from .overlap import StagedSnapshot, StepHooks, deferrable, optimizers_in, step_written
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
-    import torch
 
     from ..format.state import FlatState
     from ..peers.peering import Peering
     from ..tiers.local import LocalDiskTier
     from ..tiers.memory import MemoryTier
-    from ..tiers.memory.copier import PendingCopy
     from ..tiers.memory.slots import ShmSlot
     from .commit import Committer
     from .metrics import CheckpointMetrics
@@ -46,13 +44,19 @@ class SavePath:
     threads: int
     chunk_bytes: int
     replicated: frozenset[str]
-    supersede: bool = False  # overlap=True: a queued drain is skipped for a newer snapshot's
+    overlap: bool = False  # snapshots staged (``stage``), a queued drain skipped for a newer snapshot's
     # how a skippable drain runs: at low priority, so that saving every step yields the CPU to training
     yielding: Callable[[Callable[[], None]], None] = lambda run: run()
     drainer: Drainer = dataclasses.field(default_factory=Drainer)
     stall_s: float = 0.0  # total time a snapshot waited for a slot still draining
     _moot: list[tuple[Claim, SaveHandle, Lease]] = dataclasses.field(default_factory=list)  # skippable drains
     _newest: SaveHandle | None = None  # the last drain queued
+    _staged: StagedSnapshot | None = None  # overlap: the snapshot being copied
+    _hooks: StepHooks | None = None
+
+    def __post_init__(self) -> None:
+        if self.overlap:
+            self._hooks = StepHooks(self.wait_staged)
 
     def snapshot(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
                  state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
@@ -66,33 +70,54 @@ class SavePath:
             raise
         return slot, manifest
 
-    def stage(self, ckpt_id: CheckpointId, part: Mapping[str, Any], state: Mapping[str, Any],
-              written: set[tuple]) -> tuple[ShmSlot, ShardManifest, PendingCopy, list[tuple[str, torch.Tensor, int]]]:
-        """Like ``snapshot``, but only what is not in ``written`` (what ``optimizer.step()``
-        writes) is copied before returning; the rest is being copied, and the slot is not
-        sealed. Returns the copy under way and the deferred tensors with their versions."""
+    def stage(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
+              state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
+        """Like ``snapshot`` (``overlap``), but what only ``optimizer.step()`` writes (the
+        parameters and state of the optimizers in ``state``, each given a step pre-hook
+        calling ``wait_staged``) is still being copied, and the slot is not sealed."""
+        optimizers = optimizers_in(state)
+        self._hooks.watch(optimizers)
         flat, slot, manifest = self._reserve(ckpt_id, part, state)
-        later = deferrable(flat.tensors, written)
+        later = deferrable(flat.tensors, step_written(optimizers))
         watched = [(path, t, t._version) for (path, t), defer in zip(flat.tensors, later) if defer]
         try:
-            pending = self.memory.start_snapshot(slot, [t for _, t in flat.tensors], manifest, later)
+            copying = self.memory.start_snapshot(slot, [t for _, t in flat.tensors], manifest, later)
         except BaseException:
             slot.idle.set()
             raise
-        return slot, manifest, pending, watched
+        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched)
+        return slot, manifest
 
-    def seal(self, staged: StagedSnapshot) -> None:
-        """Seal a staged snapshot once its copy is complete and nothing it read changed,
-        then queue its drain; otherwise free its slot and raise."""
+    def wait_staged(self) -> None:
+        """Seal the staged snapshot once its copy is complete and nothing it read changed,
+        and queue its drain; otherwise free its slot and raise ``SnapshotChanged``."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
         try:
             staged.finish()
         except BaseException as e:
             staged.slot.idle.set()
-            staged.handle.fail(e)
+            if staged.drain is not None:
+                staged.drain[0].fail(e)
             raise
         self.memory.seal(staged.slot, staged.manifest)
-        self.submit(staged.slot, staged.manifest, staged.ckpt_id, staged.handle, upload=staged.upload,
-                    urgent=staged.urgent)
+        if staged.drain is None:  # save() failed before it asked for a drain: sealed in memory only
+            staged.slot.idle.set()
+            return
+        handle, upload, urgent = staged.drain
+        self.submit(staged.slot, staged.manifest, staged.ckpt_id, handle, upload=upload, urgent=urgent)
+
+    def close_staging(self) -> None:
+        """Remove the step pre-hooks; let a copy still running end (before the slots are unmapped)."""
+        if self._hooks is not None:
+            self._hooks.close()
+        if self._staged is not None:
+            try:
+                self._staged.copy.wait()
+            except BaseException:  # noqa: BLE001 - the slot is not sealed: nothing to keep
+                pass
+            self._staged = None
 
     def _reserve(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
                  state: Mapping[str, Any]) -> tuple[FlatState, ShmSlot, ShardManifest]:
@@ -110,10 +135,15 @@ class SavePath:
 
     def submit(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle, *,
                upload: bool, urgent: bool) -> None:
-        """Queue the background part of a save; the slot is free again once every drain
-        that reads it has finished."""
+        """Queue the background part of a save (a staged one's once it is sealed; at once
+        when urgent); the slot is free again once every drain that reads it has finished."""
+        if self._staged is not None and self._staged.slot is slot:
+            self._staged.drain = (handle, upload, urgent)
+            if urgent:  # a failure is predicted: sealed before save() returns, drained first
+                self.wait_staged()
+            return
         lease = Lease(slot.idle.set)
-        claim = Claim() if self.supersede and not (upload or urgent) else None  # uploads are never skipped
+        claim = Claim() if self.overlap and not (upload or urgent) else None  # uploads are never skipped
 
         def run() -> None:
             if claim is None:
