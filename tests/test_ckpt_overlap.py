@@ -206,3 +206,12 @@ def test_the_loop_helper_saves_every_step_with_overlap(root: Path, shm_dir: str)
         expected = expected_of(state)
         assert max(i["step"] for i in mgr.list()) == 6
         assert_restores(mgr, 6, expected)
+
+
+def test_two_ranks_skip_the_same_superseded_steps(tmp_path: Path, shm_dir: str) -> None:
+    """gloo, 2 ranks, rank 1's disk slow: the skipped steps agree, the rest commit and restore."""
+    from tests.integration_helpers import torchrun
+
+    log = torchrun(Path(__file__).with_name("overlap_child.py"), str(tmp_path / "root"), shm_dir, "12")
+    oks = [line for line in log.splitlines() if "overlap ok" in line]
+    assert len(oks) == 2, log[-3000:]
