@@ -17,7 +17,7 @@ from torch import nn
 import ckpt
 from ckpt import CheckpointManager
 from ckpt.errors import SnapshotChanged
-from ckpt.save.overlap import StepHooks
+from ckpt.save.overlap import StepHooks, optimizers_in
 from tests.ckpt_helpers import assert_same
 
 MICRO_BATCHES = 2  # gradient accumulation
@@ -171,6 +171,10 @@ def test_the_pre_hook_fires_through_accelerate_and_lightning_wrappers(root: Path
         wrapped.step()
         assert mgr.memory.holds(1)
         mgr.wait()
+    lightning = pytest.importorskip("lightning.pytorch.core.optimizer")
+    raw = torch.optim.SGD(model.parameters())
+    # Lightning's strategy calls the inner optimizer's step(): its hook is the one that fires
+    assert optimizers_in({"optimizers": [lightning.LightningOptimizer(raw)]}) == [raw]
 
 
 def test_superseded_snapshots_are_skipped_and_their_handles_follow_the_newer_step(
@@ -215,3 +219,37 @@ def test_two_ranks_skip_the_same_superseded_steps(tmp_path: Path, shm_dir: str) 
     log = torchrun(Path(__file__).with_name("overlap_child.py"), str(tmp_path / "root"), shm_dir, "12")
     oks = [line for line in log.splitlines() if "overlap ok" in line]
     assert len(oks) == 2, log[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_saves_every_step_on_a_side_stream_and_restores_bitwise_from_pinned_slots(root: Path,
+                                                                                      shm_dir: str) -> None:
+    """The CUDA path: buffers copied before the next forward (the current stream waits on
+    the device), parameters and fused AdamW state on the side stream during it, the pre-hook
+    waiting on the copy's event; restores from the pinned slots copy asynchronously."""
+    def make() -> dict[str, Any]:
+        model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 256)).cuda()
+        return {"model": model, "opt": torch.optim.AdamW(model.parameters(), fused=True)}
+
+    def train(state: dict[str, Any]) -> None:
+        state["model"](torch.randn(512, 256, device="cuda")).square().mean().backward()
+        state["opt"].step()
+        state["opt"].zero_grad()
+
+    torch.manual_seed(0)
+    state = make()
+    train(state)
+    expected = {}
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=100, overlap=True, state=state) as mgr:
+        for step in range(1, 9):
+            train(state)
+            expected[step] = expected_of(state)
+            mgr.save(step, state)
+        mgr.wait()
+        assert all(s._pinned for s in mgr.memory.pool.slots if s.buffer is not None)
+        for step in sorted({i["step"] for i in mgr.list()}):
+            probe = make()
+            assert mgr.restore(probe, step=step) == step
+            assert next(probe["model"].parameters()).is_cuda
+            assert_same(expected_of(probe), expected[step], f"step {step}")
