@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 
 from ..errors import SnapshotChanged
+from ..format.state import local_tensor
 
 if TYPE_CHECKING:
     from ..format.manifest import ShardManifest
@@ -61,13 +62,15 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 def step_written(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
-    """What ``optimizer.step()`` writes: the parameters and the optimizer state."""
+    """What ``optimizer.step()`` writes: the parameters and the optimizer state (a
+    DTensor's local shard, as ``flatten`` saves it)."""
     keys = set()
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                keys.add(_key(p))
-                keys.update(_key(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+                keys.add(_key(local_tensor(p)))
+                keys.update(_key(local_tensor(v)) for v in opt.state.get(p, {}).values()
+                            if isinstance(v, torch.Tensor))
     return keys
 
 
