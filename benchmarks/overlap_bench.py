@@ -92,7 +92,7 @@ class DcpSaver:
 
 def run_block(arm: str, steps: int, model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor,
               save: Callable[[int], Any], before_step: Callable[[], None], counter: list[int],
-              blocking: list[float]) -> tuple[float, float, float]:
+              blocking: list[float], staging_wait: list[float]) -> tuple[float, float, float]:
     """Mean seconds per step over ``steps`` steps, each followed by a save (but for "none"):
     wall-clock, the process's CPU (training, copy and drain threads) and the training thread's CPU."""
     sync(batch.device.type)
@@ -100,7 +100,9 @@ def run_block(arm: str, steps: int, model: nn.Module, opt: torch.optim.Optimizer
     for _ in range(steps):
         loss = model(batch).float().square().mean()
         loss.backward()
+        w0 = time.perf_counter()
         before_step()
+        staging_wait[0] += time.perf_counter() - w0
         opt.step()
         opt.zero_grad(set_to_none=False)
         counter[0] += 1
@@ -169,23 +171,27 @@ def main() -> None:
             savers["dcp"] = (lambda s: dcp.save(s, {"model": model.state_dict(), "optim": opt.state_dict()}),
                              dcp.wait_staged, dcp.wait_upload)
         for a in arms:  # warm-up: allocation, first-touch, thread pools
-            run_block(a, 2, model, opt, batch, savers[a][0], savers[a][1], counter, [])
+            run_block(a, 2, model, opt, batch, savers[a][0], savers[a][1], counter, [], [0.0])
             savers[a][2]()
         floor = memcpy_floor(tensors)
         for r in range(args.rounds):
             order = arms if r % 2 == 0 else arms[::-1]
             for a in order:
                 save, before_step, settle = savers[a]
+                waited = [-ours[a].staged_wait_s if a in ours else 0.0]  # the pre-hook's waits, or DCP's
                 mean, cpu, thread = run_block(a, args.block, model, opt, batch, save, before_step, counter,
-                                              blocking[a])
+                                              blocking[a], waited)
+                waited[0] += ours[a].staged_wait_s if a in ours else 0.0
                 c0 = time.process_time()
                 settle()  # what a block left to do in the background counts in its CPU, not its steps
                 cpu += (time.process_time() - c0) / args.block
+                stall = (sum(blocking[a][-args.block:]) if a != "none" else 0.0) + waited[0]
                 blocks.append({"round": r, "arm": a, "mean_step_s": mean, "cpu_per_step_s": cpu,
-                               "train_thread_cpu_per_step_s": thread})
+                               "train_thread_cpu_per_step_s": thread, "trainer_stall_per_step_s": stall / args.block,
+                               "loadavg_1min": os.getloadavg()[0]})
                 print(f"round {r} {a:9} {1e3 * mean:8.1f} ms/step, CPU {1e3 * cpu:8.1f} ms/step "
                       f"(training thread {1e3 * thread:.1f})", file=sys.stderr)
-        stall = {a: mgr.stall_s for a, mgr in ours.items()}
+        slot_stall = {a: mgr.stall_s for a, mgr in ours.items()}
         for mgr in ours.values():
             mgr.close()
         if dcp is not None:
@@ -210,7 +216,9 @@ def main() -> None:
         "mean_step_s": {a: spread(xs) for a, xs in step.items()},
         "cpu_per_step_s": {a: spread(xs) for a, xs in cpu.items()},
         "save_call_s": {a: spread(xs) for a, xs in blocking.items() if xs},
-        "stall_s": stall,
+        "slot_wait_s": slot_stall,
+        "trainer_stall_per_step_s": {a: spread([b["trainer_stall_per_step_s"] for b in blocks if b["arm"] == a])
+                                     for a in arms if a != "none"},
         "blocks": blocks,
     }
     if "none" in arms:
@@ -233,7 +241,8 @@ def main() -> None:
         if "cpu_overhead" in out:
             line += f"  CPU {100 * out['cpu_overhead'][a]:+.1f} %"
         if a in out["save_call_s"]:
-            line += f"  save() returns in {1e3 * out['save_call_s'][a]['median']:.2f} ms"
+            line += (f"  save() returns in {1e3 * out['save_call_s'][a]['median']:.2f} ms, the trainer waits "
+                     f"{1e3 * out['trainer_stall_per_step_s'][a]['median']:.2f} ms per step in all")
         print(line)
     if args.json:
         text = json.dumps(out, indent=1)

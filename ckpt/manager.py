@@ -79,12 +79,9 @@ class CheckpointManager:
     ``peer_avoid_at_risk`` places no replica on a node the predictor reports at risk
     while others are left (``ckpt.resumable(predictor=...)`` and the callbacks tell it).
 
-    ``overlap`` (docs/overlap.md): ``save()`` copies at once only what the next forward
-    may write and returns; parameters and optimizer state are copied during the next
-    forward and backward, and the next ``optimizer.step()`` (of every optimizer in the
-    state) waits for that copy (``wait_staged()`` in a custom loop). Made for saving every
-    step: the lower tiers drain the newest sealed snapshot and skip superseded ones
-    (``handle.superseded_by``). Memory: 3 slots per rank (4 without a disk tier), not 2 (3).
+    ``overlap`` (docs/overlap.md): parameters and optimizer state are copied during the
+    next forward and backward, and the next ``optimizer.step()`` waits for it; for saving
+    every step, superseded drains are skipped. One more memory slot per rank.
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -227,19 +224,22 @@ class CheckpointManager:
         return handle
 
     def wait_staged(self) -> None:
-        """``overlap=True``: block until the last ``save()``'s copy is complete, then seal it
-        and queue its drain. The next ``optimizer.step()`` of each optimizer in the saved
-        state calls it by itself (a step pre-hook), as do ``save()``, ``wait()``, ``flush()``
-        and ``restore()``; a custom loop calls it before writing a saved tensor in place any
-        other way. Raises ``SnapshotChanged`` (the snapshot is dropped, the previous one
-        stays the newest) when a saved tensor was written in place during the copy.
-        Returns at once when no copy is under way."""
+        """``overlap``: wait for the last ``save()``'s copy, seal it and queue its drain. The
+        next ``optimizer.step()`` of each optimizer in the state calls it (a pre-hook), as do
+        ``save()``, ``wait()``, ``flush()`` and ``restore()``; call it before writing a saved
+        tensor in place any other way. Raises ``SnapshotChanged`` (the snapshot is dropped)
+        when a saved tensor was written in place during the copy."""
         self._saves.wait_staged()
 
     @property
     def stall_s(self) -> float:
         """Total time ``save()`` waited for a slot still draining."""
         return self._saves.stall_s
+
+    @property
+    def staged_wait_s(self) -> float:
+        """``overlap``: total time steps (``wait_staged()``) waited for a snapshot's copy to end."""
+        return self._saves.staged_wait_s
 
     def _snapshot(self, ckpt_id: CheckpointId, state: Mapping[str, Any], *,
                   staged: bool = False) -> tuple[ShmSlot, ShardManifest]:

@@ -6,6 +6,7 @@ become durable (the handle's tiers, the upload); this module moves the bytes, in
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..format.manifest import ShardManifest
@@ -49,6 +50,7 @@ class SavePath:
     yielding: Callable[[Callable[[], None]], None] = lambda run: run()
     drainer: Drainer = dataclasses.field(default_factory=Drainer)
     stall_s: float = 0.0  # total time a snapshot waited for a slot still draining
+    staged_wait_s: float = 0.0  # total time the trainer waited for overlapped copies to end
     _moot: list[tuple[Claim, SaveHandle, Lease]] = dataclasses.field(default_factory=list)  # skippable drains
     _newest: SaveHandle | None = None  # the last drain queued
     _staged: StagedSnapshot | None = None  # overlap: the snapshot being copied
@@ -94,6 +96,7 @@ class SavePath:
         staged, self._staged = self._staged, None
         if staged is None:
             return
+        t0 = time.monotonic()
         try:
             staged.finish()
         except BaseException as e:
@@ -101,6 +104,8 @@ class SavePath:
             if staged.drain is not None:
                 staged.drain[0].fail(e)
             raise
+        finally:
+            self.staged_wait_s += time.monotonic() - t0
         self.memory.seal(staged.slot, staged.manifest)
         if staged.drain is None:  # save() failed before it asked for a drain: sealed in memory only
             staged.slot.idle.set()
