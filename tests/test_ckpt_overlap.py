@@ -253,3 +253,15 @@ def test_cuda_saves_every_step_on_a_side_stream_and_restores_bitwise_from_pinned
             assert mgr.restore(probe, step=step) == step
             assert next(probe["model"].parameters()).is_cuda
             assert_same(expected_of(probe), expected[step], f"step {step}")
+
+
+def test_a_state_without_optimizers_is_sealed_when_save_returns(root: Path, shm_dir: str) -> None:
+    """Nothing is deferred (no optimizer step would seal it): the default stays safe."""
+    state = {"w": torch.randn(1000), "step": 1}
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True) as mgr:
+        mgr.save(1, state)
+        assert mgr.memory.holds(1)
+        state["w"].zero_()
+        mgr.wait()
+        back = {"w": torch.empty(1000)}
+        assert mgr.restore(back) == 1 and not torch.equal(back["w"], state["w"])

@@ -19,7 +19,6 @@ from .drain import Claim, Drainer, Lease, SaveHandle
 from .overlap import StagedSnapshot, StepHooks, deferrable, optimizers_in, step_written
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
-
     from ..format.state import FlatState
     from ..peers.peering import Peering
     from ..tiers.local import LocalDiskTier
@@ -144,7 +143,9 @@ class SavePath:
         when urgent); the slot is free again once every drain that reads it has finished."""
         if self._staged is not None and self._staged.slot is slot:
             self._staged.drain = (handle, upload, urgent)
-            if urgent:  # a failure is predicted: sealed before save() returns, drained first
+            # urgent (a failure is predicted): sealed before save() returns, drained first;
+            # nothing deferred (no optimizer in the state): no step would seal it
+            if urgent or not self._staged.watched:
                 self.wait_staged()
             return
         lease = Lease(slot.idle.set)
@@ -173,7 +174,12 @@ class SavePath:
         self._moot = [m for m in self._moot if m[0].open]
         older = [m for m in self._moot if m[1] is not newest]
         held = [m for m in older if m[0].hold()]  # the drain runs in order: what it has not started is a suffix
-        first = agree_max(min((h.step for _, h, _ in held), default=newest.step if newest else 0))
+        try:
+            first = agree_max(min((h.step for _, h, _ in held), default=newest.step if newest else 0))
+        except BaseException:
+            for claim, _, _ in held:
+                claim.decide(False)  # the drain thread must not wait on a rank that is gone
+            raise
         skipped = []
         for claim, handle, lease in held:
             skip = handle.step >= first and newest is not None
