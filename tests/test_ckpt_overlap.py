@@ -265,3 +265,23 @@ def test_a_state_without_optimizers_is_sealed_when_save_returns(root: Path, shm_
         mgr.wait()
         back = {"w": torch.empty(1000)}
         assert mgr.restore(back) == 1 and not torch.equal(back["w"], state["w"])
+
+
+def test_saving_every_step_to_an_object_store_alone_uploads_the_newest(tmp_path: Path, shm_dir: str) -> None:
+    """No disk tier: 4 slots, uploads straight from memory and never skipped; flush()
+    leaves the newest step in the store."""
+    url = f"file://{tmp_path}/bucket/run"
+    state = build()
+    with CheckpointManager(None, object_store=url, memory_dir=shm_dir, overlap=True, object_interval_s=3600,
+                           state=state) as mgr:
+        assert len(mgr.memory.pool.slots) == 4
+        for step in range(1, 7):
+            train_step(state)
+            mgr.save(step, state)
+        expected = expected_of(state)
+        mgr.flush()
+        mgr.wait()
+        stored = sorted({i["step"] for i in mgr.list() if "object" in i["tiers"]})
+        assert stored[0] == 1 and stored[-1] == 6
+    with CheckpointManager(None, object_store=url, memory_dir=str(tmp_path / "no-slots")) as mgr:
+        assert_restores(mgr, 6, expected)
