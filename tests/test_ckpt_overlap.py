@@ -285,3 +285,20 @@ def test_saving_every_step_to_an_object_store_alone_uploads_the_newest(tmp_path:
         assert stored[0] == 1 and stored[-1] == 6
     with CheckpointManager(None, object_store=url, memory_dir=str(tmp_path / "no-slots")) as mgr:
         assert_restores(mgr, 6, expected)
+
+
+def test_a_snapshot_being_copied_is_invisible_to_other_readers(root: Path, shm_dir: str) -> None:
+    """What another process (``ckpt ls``, a restarted trainer) sees mid-copy: the previous
+    sealed step, never the one being copied (its slot is unsealed until the wait)."""
+    from ckpt.tiers.memory import MemoryTier, memory_namespace
+
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        train_step(state)
+        mgr.save(1, state)
+        train_step(state)  # seals step 1
+        mgr.save(2, state)
+        outside = MemoryTier(memory_namespace(root, None, shm_dir), 0)
+        assert [i.id.step for i in outside.list()] == [1]
+        mgr.wait_staged()
+        assert [i.id.step for i in outside.list()] == [1, 2]
