@@ -39,7 +39,7 @@ class _Pieces:
     def __init__(self, pairs: Pairs) -> None:
         self._pieces: Pairs = []
         for d, s in pairs:
-            if s.is_contiguous():
+            if s.is_contiguous() and s.device.type == "cpu":
                 db, sb = d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)
                 self._pieces += [(db[lo : lo + PIECE_BYTES], sb[lo : lo + PIECE_BYTES])
                                  for lo in range(0, sb.numel(), PIECE_BYTES)]
@@ -59,7 +59,7 @@ class _Pieces:
         starts no thread pool to compete with the training step's)."""
         while (piece := self._take()) is not None:
             d, s = piece
-            if d.dtype == torch.uint8 and s.dtype == torch.uint8 and d.is_contiguous() and s.is_contiguous():
+            if s.device.type == "cpu" and s.dtype == torch.uint8 and s.is_contiguous():  # a piece made above
                 np.copyto(d.numpy(), s.numpy())
             else:
                 d.copy_(s)
