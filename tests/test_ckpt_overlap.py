@@ -302,3 +302,18 @@ def test_a_snapshot_being_copied_is_invisible_to_other_readers(root: Path, shm_d
         assert [i.id.step for i in outside.list()] == [1]
         mgr.wait_staged()
         assert [i.id.step for i in outside.list()] == [1, 2]
+
+
+def test_a_fault_in_the_next_forward_costs_one_step(root: Path, shm_dir: str) -> None:
+    """In-process recovery: step k's copy ran during step k+1's forward and backward, which
+    failed before optimizer.step(); restore() seals step k and restores it from memory."""
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        for step in (1, 2):
+            train_step(state)
+            expected = expected_of(state)
+            mgr.save(step, state)
+        state["scaler"].scale(state["model"](torch.randn(64, 16)).sum()).backward()  # step 3 fails after this
+        probe = build(seed=7)
+        assert mgr.restore(probe) == 2
+        assert_same(expected_of(probe), expected)
