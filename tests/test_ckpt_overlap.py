@@ -317,3 +317,12 @@ def test_a_fault_in_the_next_forward_costs_one_step(root: Path, shm_dir: str) ->
         probe = build(seed=7)
         assert mgr.restore(probe) == 2
         assert_same(expected_of(probe), expected)
+
+
+def test_an_urgent_save_is_sealed_and_durable_without_a_step(root: Path, shm_dir: str) -> None:
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        train_step(state)
+        handle = mgr.save(1, state, urgent=True)
+        assert mgr.memory.holds(1)  # a failure is predicted: nothing waits for the next step
+        handle.wait("disk", timeout=120)
