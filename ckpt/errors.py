@@ -44,3 +44,9 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return f"preempted: step {self.step} is durable"
+
+
+class SnapshotChanged(CheckpointError):
+    """An overlapped snapshot (``overlap=True``) was refused its seal: a saved tensor was
+    written in place while it was being copied, before ``wait_staged()`` or the next
+    ``optimizer.step()``. The previous sealed snapshot stays the newest."""

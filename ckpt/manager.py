@@ -12,6 +12,7 @@ by tier), ``drain.py``/``offload.py`` (background queues), ``plan.py``/``restore
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -19,9 +20,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .coordination import Coordinator, store_connector
-from .errors import BackgroundError, CheckpointError
+from .errors import BackgroundError, CheckpointError, SnapshotChanged
 from .format.checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .format.state import flatten
+from .peers.priority import at_low_priority, replication_nice
 from .recovery.restarts import mark
 from .restore.execute import log_restored, open_shard, restore_agreed
 from .restore.fresh_start import JobListing, refuse_if_present, set_aside
@@ -45,6 +47,8 @@ from .tiers.memory.copier import plan_layout
 if TYPE_CHECKING:
     from .format.manifest import ShardManifest
     from .tiers.memory.slots import ShmSlot
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -74,6 +78,10 @@ class CheckpointManager:
     ``peer_bytes_per_s`` caps each rank's sending rate, ``peer_timeout_s`` abandons a send;
     ``peer_avoid_at_risk`` places no replica on a node the predictor reports at risk
     while others are left (``ckpt.resumable(predictor=...)`` and the callbacks tell it).
+
+    ``overlap`` (docs/overlap.md): parameters and optimizer state are copied during the
+    next forward and backward, and the next ``optimizer.step()`` waits for it; for saving
+    every step, superseded drains are skipped. One more memory slot per rank.
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -83,7 +91,7 @@ class CheckpointManager:
                  storage_options: dict | None = None, object_interval_s: float = 0.0,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", peers: int = 0,
                  node: str | None = None, peer_bytes_per_s: float | None = None,
-                 peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False) -> None:
+                 peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         keep_by_tier, default_keep = retention(keep_last)
@@ -113,7 +121,9 @@ class CheckpointManager:
         self._owner_root = str(self.disk.root.resolve()) if self.disk is not None else self.object.location
         self._ns = namespace_dir(self._owner_root, self.run, memory_dir)
         # Without a disk tier a slot stays busy while it uploads: a third keeps save() from waiting on it.
-        self.memory = MemoryTier.own(self._ns, self.rank, slots=2 if self.disk is not None else 3,
+        # Overlapped: one more, for the snapshot being copied while the newest sealed one waits for the drain.
+        self.overlap = overlap
+        self.memory = MemoryTier.own(self._ns, self.rank, slots=(2 if self.disk is not None else 3) + overlap,
                                      owner={"root": self._owner_root, "run": self.run})
         self.tiers: list[TierReader] = [self.memory, *durable]  # fastest first
         remove_leftovers(self.disk, self.object, self.committer.leads, root=self._owner_root, own=self._ns,
@@ -142,7 +152,8 @@ class CheckpointManager:
         self._saves = SavePath(rank=self.rank, world_size=self.world_size, memory=self.memory, disk=self.disk,
                                offload=self._offload, committer=self.committer, peering=self.peering,
                                metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
-                               replicated=self.replicated)
+                               replicated=self.replicated, overlap=overlap,
+                               yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"))
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small
@@ -185,11 +196,17 @@ class CheckpointManager:
         peer replicas ahead of any other (evacuation); ``handle.wait("object")`` or
         ``handle.wait("peer")`` returns once it is durable off-node, and
         ``handle.durable_s`` says how long each tier took.
+
+        With ``overlap``, the parameters and optimizer state are still being copied when it
+        returns (``wait_staged()``); an urgent save returns sealed.
         """
         t0 = time.monotonic()
+        self.wait_staged()
         self._raise_background_errors()
         ckpt_id = CheckpointId(self._current_generation(), int(step))
-        slot, manifest = self._snapshot(ckpt_id, state)
+        if self.overlap:
+            self._saves.skip_superseded(self.coord.max)
+        slot, manifest = self._snapshot(ckpt_id, state, staged=self.overlap)
         nbytes = manifest.data_bytes
         # every rank must agree: a step is committed only once all shards are up
         upload = self._offload is not None and self._offload.decide(self.coord, ckpt_id, urgent)
@@ -206,15 +223,29 @@ class CheckpointManager:
         self._saves.submit(slot, manifest, ckpt_id, handle, upload=upload, urgent=urgent)
         return handle
 
+    def wait_staged(self) -> None:
+        """``overlap``: wait for the last ``save()``'s copy, seal it and queue its drain. The
+        next ``optimizer.step()`` of each optimizer in the state calls it (a pre-hook), as do
+        ``save()``, ``wait()``, ``flush()`` and ``restore()``; call it before writing a saved
+        tensor in place any other way. Raises ``SnapshotChanged`` (the snapshot is dropped)
+        when a saved tensor was written in place during the copy."""
+        self._saves.wait_staged()
+
     @property
     def stall_s(self) -> float:
         """Total time ``save()`` waited for a slot still draining."""
         return self._saves.stall_s
 
-    def _snapshot(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
+    @property
+    def staged_wait_s(self) -> float:
+        """``overlap``: total time steps (``wait_staged()``) waited for a snapshot's copy to end."""
+        return self._saves.staged_wait_s
+
+    def _snapshot(self, ckpt_id: CheckpointId, state: Mapping[str, Any], *,
+                  staged: bool = False) -> tuple[ShmSlot, ShardManifest]:
         if self._prepared:
             self.memory.wait_prepared()
-        return self._saves.snapshot(ckpt_id, self._own_part(state), state)
+        return (self._saves.stage if staged else self._saves.snapshot)(ckpt_id, self._own_part(state), state)
 
     def _newest_known(self) -> CheckpointId | None:
         return max((i.id for t in self.tiers for i in t.list()), default=None)
@@ -230,8 +261,11 @@ class CheckpointManager:
         """Block until every pending save (or ``step``) is durable in every tier its handle
         names: the disk, and the object store for saves chosen for upload (urgent ones, one
         per ``object_interval_s``, the first after a pending upload ended). A save skipped
-        because an upload was pending goes up later or at ``flush()``, not here. Raise
-        BackgroundError, once per failure, if a background write failed."""
+        because an upload was pending goes up later or at ``flush()``, not here. With
+        ``overlap``, a step whose drain was skipped for a newer one (``superseded_by``)
+        counts as done when that newer step is durable. Raise BackgroundError, once per
+        failure, if a background write failed."""
+        self.wait_staged()
         for h in list(self._handles):
             if step is None or h.step == step:
                 try:
@@ -258,6 +292,10 @@ class CheckpointManager:
         when there is none. Under torch.distributed all ranks load the same step; one saved by
         another number of ranks is resharded (``reshard.py``, ``last_reshard``). Checkpoints
         that cannot be restored into this job raise, unless ``fresh_ok`` (``fresh_start.py``)."""
+        try:
+            self.wait_staged()  # in-process recovery: the snapshot being copied is the newest
+        except SnapshotChanged as e:
+            log.warning("%s", e)
         try:
             return self._restore(state, step)
         except CheckpointError as e:
@@ -326,6 +364,7 @@ class CheckpointManager:
         drain, upload the newest step if it was skipped for a pending upload, and wait
         until it is off-node. Then the newest committed step is in every tier (failures
         surface at the next ``save()``/``wait()``)."""
+        self.wait_staged()
         self._saves.drainer.join()
         if self._offload is not None:
             source = self.disk or self.memory
@@ -344,6 +383,7 @@ class CheckpointManager:
             self._release()
 
     def _release(self) -> None:
+        self._saves.close_staging()
         self._saves.drainer.close()
         try:
             if self._offload is not None:

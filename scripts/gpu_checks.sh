@@ -14,7 +14,7 @@ nvidia-smi -L | tee "$out/nvidia-smi.txt"
 $py -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 
 echo "== GPU tests"
-$py -m pytest -q -m gpu -s tests/test_ckpt_roundtrip.py tests/test_agents_run.py 2>&1 | tee "$out/pytest-gpu.log"
+$py -m pytest -q -m gpu -s tests/test_ckpt_roundtrip.py tests/test_ckpt_overlap.py tests/test_agents_run.py 2>&1 | tee "$out/pytest-gpu.log"
 
 echo "== agent on NVML: /metrics"
 $py -m agents.cli run --source nvml --interval 1 --duration 6 --metrics-port 19400 --json >"$out/agent-nvml.json" 2>"$out/agent-nvml.log" &
@@ -28,3 +28,10 @@ wait
 
 echo "== checkpoint benchmark, state on the GPU"
 $py benchmarks/ckpt_bench.py --device cuda --repeats "${REPEATS:-3}" --json "$out/ckpt_bench_cuda.json" 2>"$out/ckpt_bench_cuda.log"
+# restore from memory: "ours: restore from memory" / "memcpy floor back" in its output is
+# the ratio (target <= 1.5x, asynchronous copies from the pinned slots)
+
+echo "== overlapped snapshots: step time saving every step (ours overlap / blocking, DCP zero-overhead) vs none"
+$py benchmarks/overlap_bench.py --device cuda --width "${OVERLAP_WIDTH:-4096}" --layers "${OVERLAP_LAYERS:-4}" \
+    --batch "${OVERLAP_BATCH:-16384}" --rounds "${OVERLAP_ROUNDS:-6}" --block "${OVERLAP_BLOCK:-10}" \
+    --json "$out/overlap_bench_cuda.json" 2>"$out/overlap_bench_cuda.log"

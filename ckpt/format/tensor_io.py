@@ -7,6 +7,7 @@ copies all release the GIL).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,7 +46,8 @@ def read_tensors(
     targets used and the new tensors, by id.
 
     A target on a GPU is filled piece by piece: each piece is verified in host memory
-    (the slot itself for the memory tier) and copied to the device once."""
+    (the slot itself for the memory tier) and copied to the device once, asynchronously
+    from pinned memory (``DeviceCopies``); every copy is complete when this returns."""
     man = reader.manifest
     targets = targets or {}
     out: list[torch.Tensor | None] = []
@@ -63,19 +65,23 @@ def read_tensors(
         out.append(t)
         dests.append(byte_view(local) if local.device.type == "cpu" else local.reshape(-1).view(torch.uint8))
     chunk = man.chunk_bytes
+    device = DeviceCopies()
 
     def one(item: ReadItem) -> None:
         e, lo, hi = item.tensor, item.lo, item.hi
         crc = e.checksums[lo // chunk] if verify and e.checksums is not None else None
         dst = dests[e.id]
         if isinstance(dst, torch.Tensor):
-            _to_device(reader, e, lo, hi, dst, crc, step, tier)
+            _to_device(reader, e, lo, hi, dst, crc, step, tier, device)
         else:
             _to_host(reader, e, lo, hi, dst[lo:hi], crc, step, tier)
         if progress:
             progress(hi - lo)
 
-    run_parallel(one, [i for i in read_items(man) if only is None or i.tensor.id in only], threads)
+    try:
+        run_parallel(one, [i for i in read_items(man) if only is None or i.tensor.id in only], threads)
+    finally:
+        device.finish()  # the reader (a slot's mapping) may be closed after this
     return out
 
 
@@ -90,8 +96,36 @@ def _to_host(reader: ShardReader, e: TensorEntry, lo: int, hi: int, buf: memoryv
         raise mismatch(reader, e, lo, hi, step, tier)
 
 
+class DeviceCopies:
+    """Host→device copies of verified pieces. From pinned memory (a registered slot) they are
+    asynchronous, on one side stream per device, so the threads go on verifying the next
+    pieces while the copy engine runs; from pageable memory, synchronous. ``finish()`` waits
+    for them all and orders the device's current stream after them."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def copy(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        if not host.is_pinned():
+            dst.copy_(host)
+            return
+        with self._lock:
+            stream = self._streams.get(dst.device)
+            if stream is None:
+                stream = self._streams[dst.device] = torch.cuda.Stream(dst.device)
+                stream.wait_stream(torch.cuda.current_stream(dst.device))  # after whatever made ``dst``
+        with torch.cuda.stream(stream):
+            dst.copy_(host, non_blocking=True)
+
+    def finish(self) -> None:
+        for dev, stream in self._streams.items():
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            stream.synchronize()
+
+
 def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch.Tensor, crc: int | None,
-               step: int, tier: str) -> None:
+               step: int, tier: str, device: DeviceCopies) -> None:
     host = reader.tensor(e.offset + lo, hi - lo)
     if host is None:
         host = torch.empty(hi - lo, dtype=torch.uint8)
@@ -99,7 +133,7 @@ def _to_device(reader: ShardReader, e: TensorEntry, lo: int, hi: int, dst: torch
     if crc is not None and crc32c_of(byte_view(host)) != crc:
         raise mismatch(reader, e, lo, hi, step, tier)
     if hi > lo:
-        dst[lo:hi].copy_(host)
+        device.copy(dst[lo:hi], host)
 
 
 def read_chunks(reader: ShardReader, reads: list[ChunkRead], dests: dict[str, torch.Tensor], *, verify: bool = True,

@@ -39,14 +39,15 @@ class SaveHandle:
         self.durable_s: dict[str, float] = {}  # tier -> seconds from save() to durable there
         self._pending = {t: threading.Event() for t in tiers}
         self.error: BaseException | None = None
+        self.superseded_by: int | None = None  # the newer step drained instead of this one (overlap=True)
+        self._followers: list[SaveHandle] = []  # superseded handles, resolved with this one
         self._observer = observer
 
     def mark(self, tier: str) -> None:
         """Durable in ``tier`` now (a tier the handle does not wait for, e.g. a periodic
         save's peer replica, is recorded all the same)."""
         self.durable_s[tier] = time.monotonic() - self.started
-        if tier in self._pending:
-            self._pending[tier].set()
+        self.give_up(tier)
         if self._observer is not None:
             self._observer.durable(self, tier)
 
@@ -55,13 +56,29 @@ class SaveHandle:
         failed): waiting for it ends, and ``durable_s`` has no entry for it."""
         if tier in self._pending:
             self._pending[tier].set()
+        for f in self._followers:
+            f.give_up(tier)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
         for ev in self._pending.values():
             ev.set()
+        for f in self._followers:
+            f.fail(error)
         if self._observer is not None:
             self._observer.failed(self)
+
+    def supersede(self, newer: "SaveHandle") -> None:
+        """This step's drain was skipped for ``newer``'s (saving every step, the lower tiers
+        take the newest snapshot): waiting for this step ends when ``newer`` is durable
+        (or failed) in the same tiers; ``durable_s`` stays empty, ``superseded_by`` says why."""
+        self.superseded_by = newer.step
+        newer._followers.append(self)
+        for tier in self.tiers:
+            if tier not in newer._pending or newer._pending[tier].is_set():
+                self.give_up(tier)
+        if newer.error is not None:
+            self.fail(newer.error)
 
     @property
     def done(self) -> bool:
@@ -102,6 +119,44 @@ class Lease:
             last = self._holders == 0
         if last:
             self._release()
+
+
+class Claim:
+    """A queued drain that a newer snapshot may make moot. Whoever moves it first decides:
+    the drain thread starting it, or the trainer holding it (then skipping or releasing it,
+    as every rank agreed)."""
+
+    def __init__(self) -> None:
+        self._state, self._cond = "queued", threading.Condition()
+
+    def start(self) -> bool:
+        """The drain thread: False when the job was skipped (waits while it is held)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._state != "held")
+            if self._state == "skipped":
+                return False
+            self._state = "running"
+            return True
+
+    def hold(self) -> bool:
+        with self._cond:
+            if self._state == "queued":
+                self._state = "held"
+            return self._state == "held"
+
+    def decide(self, skip: bool) -> None:
+        with self._cond:
+            self._state = "skipped" if skip else "queued"
+            self._cond.notify_all()
+
+    @property
+    def skipped(self) -> bool:
+        return self._state == "skipped"
+
+    @property
+    def open(self) -> bool:
+        """Not started, not skipped: it may still be skipped."""
+        return self._state == "queued"
 
 
 @dataclass(order=True)

@@ -6,7 +6,8 @@ become durable (the handle's tiers, the upload); this module moves the bytes, in
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..format.manifest import ShardManifest
 from ..format.state import flatten
@@ -14,9 +15,11 @@ from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader
 from ..tiers.memory.copier import plan_layout
-from .drain import Drainer, Lease, SaveHandle
+from .drain import Claim, Drainer, Lease, SaveHandle
+from .overlap import StagedSnapshot, StepHooks, deferrable, optimizers_in, step_written
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
+    from ..format.state import FlatState
     from ..peers.peering import Peering
     from ..tiers.local import LocalDiskTier
     from ..tiers.memory import MemoryTier
@@ -41,13 +44,87 @@ class SavePath:
     threads: int
     chunk_bytes: int
     replicated: frozenset[str]
+    overlap: bool = False  # snapshots staged (``stage``), a queued drain skipped for a newer snapshot's
+    # how a skippable drain runs: at low priority, so that saving every step yields the CPU to training
+    yielding: Callable[[Callable[[], None]], None] = lambda run: run()
     drainer: Drainer = dataclasses.field(default_factory=Drainer)
     stall_s: float = 0.0  # total time a snapshot waited for a slot still draining
+    staged_wait_s: float = 0.0  # total time the trainer waited for overlapped copies to end
+    _moot: list[tuple[Claim, SaveHandle, Lease]] = dataclasses.field(default_factory=list)  # skippable drains
+    _newest: SaveHandle | None = None  # the last drain queued
+    _staged: StagedSnapshot | None = None  # overlap: the snapshot being copied
+    _hooks: StepHooks | None = None
+
+    def __post_init__(self) -> None:
+        if self.overlap:
+            self._hooks = StepHooks(self.wait_staged)
 
     def snapshot(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
                  state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
         """Copy ``part`` (this rank's share of ``state``) into a reserved memory slot, sealed
         (no checksums yet); the slot stays busy until its drain releases it."""
+        flat, slot, manifest = self._reserve(ckpt_id, part, state)
+        try:
+            self.memory.snapshot(slot, [t for _, t in flat.tensors], manifest)
+        except BaseException:
+            slot.idle.set()
+            raise
+        return slot, manifest
+
+    def stage(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
+              state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
+        """Like ``snapshot`` (``overlap``), but what only ``optimizer.step()`` writes (the
+        parameters and state of the optimizers in ``state``, each given a step pre-hook
+        calling ``wait_staged``) is still being copied, and the slot is not sealed."""
+        optimizers = optimizers_in(state)
+        self._hooks.watch(optimizers)
+        flat, slot, manifest = self._reserve(ckpt_id, part, state)
+        later = deferrable(flat.tensors, step_written(optimizers))
+        watched = [(path, t, t._version) for (path, t), defer in zip(flat.tensors, later) if defer]
+        try:
+            copying = self.memory.start_snapshot(slot, [t for _, t in flat.tensors], manifest, later)
+        except BaseException:
+            slot.idle.set()
+            raise
+        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched)
+        return slot, manifest
+
+    def wait_staged(self) -> None:
+        """Seal the staged snapshot once its copy is complete and nothing it read changed,
+        and queue its drain; otherwise free its slot and raise ``SnapshotChanged``."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        t0 = time.monotonic()
+        try:
+            staged.finish()
+        except BaseException as e:
+            staged.slot.idle.set()
+            if staged.drain is not None:
+                staged.drain[0].fail(e)
+            raise
+        finally:
+            self.staged_wait_s += time.monotonic() - t0
+        self.memory.seal(staged.slot, staged.manifest)
+        if staged.drain is None:  # save() failed before it asked for a drain: sealed in memory only
+            staged.slot.idle.set()
+            return
+        handle, upload, urgent = staged.drain
+        self.submit(staged.slot, staged.manifest, staged.ckpt_id, handle, upload=upload, urgent=urgent)
+
+    def close_staging(self) -> None:
+        """Remove the step pre-hooks; let a copy still running end (before the slots are unmapped)."""
+        if self._hooks is not None:
+            self._hooks.close()
+        if self._staged is not None:
+            try:
+                self._staged.copy.wait()
+            except BaseException:  # noqa: BLE001 - the slot is not sealed: nothing to keep
+                pass
+            self._staged = None
+
+    def _reserve(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
+                 state: Mapping[str, Any]) -> tuple[FlatState, ShmSlot, ShardManifest]:
         flat = flatten(part)
         entries, nbytes = plan_layout(flat.tensors)
         entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
@@ -58,20 +135,60 @@ class SavePath:
         self.stall_s += waited
         if self.metrics is not None and waited:
             self.metrics.stall.inc(waited)
-        try:
-            self.memory.snapshot(slot, [t for _, t in flat.tensors], manifest)
-        except BaseException:
-            slot.idle.set()
-            raise
-        return slot, manifest
+        return flat, slot, manifest
 
     def submit(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId, handle: SaveHandle, *,
                upload: bool, urgent: bool) -> None:
-        """Queue the background part of a save; the slot is free again once every drain
-        that reads it has finished."""
+        """Queue the background part of a save (a staged one's once it is sealed; at once
+        when urgent); the slot is free again once every drain that reads it has finished."""
+        if self._staged is not None and self._staged.slot is slot:
+            self._staged.drain = (handle, upload, urgent)
+            # urgent (a failure is predicted): sealed before save() returns, drained first;
+            # nothing deferred (no optimizer in the state): no step would seal it
+            if urgent or not self._staged.watched:
+                self.wait_staged()
+            return
         lease = Lease(slot.idle.set)
-        self.drainer.submit(lambda: self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease), handle,
-                            urgent=urgent, on_exit=lease.release)
+        claim = Claim() if self.overlap and not (upload or urgent) else None  # uploads are never skipped
+
+        def run() -> None:
+            if claim is None:
+                self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease)
+            elif claim.start():
+                self.yielding(lambda: self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease))
+
+        def release() -> None:
+            if claim is None or not claim.skipped:  # a skipped job's slot was freed when it was skipped
+                lease.release()
+
+        self.drainer.submit(run, handle, urgent=urgent, on_exit=release)
+        if claim is not None:
+            self._moot.append((claim, handle, lease))
+        self._newest = handle
+
+    def skip_superseded(self, agree_max: Callable[[int], int]) -> list[int]:
+        """Skip the queued drains older than the newest one, freeing their slots: the lower
+        tiers take the newest sealed snapshot. Every rank skips the same steps (those all
+        of them still hold; ``agree_max`` is the all-reduce). Returns the steps skipped."""
+        newest = self._newest
+        self._moot = [m for m in self._moot if m[0].open]
+        older = [m for m in self._moot if m[1] is not newest]
+        held = [m for m in older if m[0].hold()]  # the drain runs in order: what it has not started is a suffix
+        try:
+            first = agree_max(min((h.step for _, h, _ in held), default=newest.step if newest else 0))
+        except BaseException:
+            for claim, _, _ in held:
+                claim.decide(False)  # the drain thread must not wait on a rank that is gone
+            raise
+        skipped = []
+        for claim, handle, lease in held:
+            skip = handle.step >= first and newest is not None
+            claim.decide(skip)
+            if skip:
+                lease.release()
+                handle.supersede(newest)
+                skipped.append(handle.step)
+        return skipped
 
     def protect(self, slot: ShmSlot, manifest: ShardManifest, ckpt_id: CheckpointId) -> None:
         """Checksum and replicate a snapshot at once, ahead of anything queued, with no disk

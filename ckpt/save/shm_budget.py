@@ -2,9 +2,10 @@
 /dev/shm cannot hold it (rather than failing at some later save, or when a peer's
 replica arrives, hours into the run).
 
-Per node: every rank keeps its own slots (2; 3 without a disk tier) and two replica
-slots per shard it holds for another node, ``peers`` of them when nodes have equal
-rank counts: (2 + 2 x peers) x the node's shards.
+Per node: every rank keeps its own slots (2; 3 without a disk tier; one more with
+``overlap=True``) and two replica slots per shard it holds for another node, ``peers``
+of them when nodes have equal rank counts: (2 + 2 x peers) x the node's shards with a
+disk tier and no overlap.
 """
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ def check_room(ns: "Path", pool: "SlotPool", shard_bytes: int, peering: "Peering
     free = free_bytes(ns)
     if need.bytes - allocated > free:
         raise CheckpointError(
-            f"{ns.parent} cannot hold this node's checkpoints: shared memory needed, (2 + 2 x peers) x the node's "
-            f"shards: {need.describe()}; {_gib(free)} free, {_gib(allocated)} already allocated by this job. "
+            f"{ns.parent} cannot hold this node's checkpoints: shared memory needed, (own slots + 2 x peers) x "
+            f"the node's shards: {need.describe()}; {_gib(free)} free, {_gib(allocated)} already allocated "
+            "by this job. "
             "Enlarge /dev/shm (docker run --shm-size, a bigger tmpfs), lower peers=, or pass memory_dir= on a "
             "larger tmpfs")
 

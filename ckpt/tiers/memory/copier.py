@@ -1,9 +1,13 @@
-"""The snapshot copy, the one thing the trainer waits for: where each tensor goes in
-the slot (``plan_layout``) and the device-to-shared-memory copy (``TensorCopier``)."""
+"""The snapshot copy: where each tensor goes in the slot (``plan_layout``), the
+device-to-shared-memory copy the trainer waits for (``TensorCopier.copy``), and the
+one it does not (``TensorCopier.start``: overlapped with the next step's compute)."""
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ...format.manifest import DTYPE_NAMES, TensorEntry
@@ -21,26 +25,111 @@ def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[Tenso
     return entries, offset
 
 
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination in the slot, source)
+
+
+PIECE_BYTES = 8 << 20  # what the waiter can take over from the worker
+
+
+class _Pieces:
+    """A CPU copy cut into pieces: the worker copies them in order; a waiter takes the
+    ones not started yet, so waiting is never slower than copying (a busy machine may
+    not have run the worker at all)."""
+
+    def __init__(self, pairs: Pairs) -> None:
+        self._pieces: Pairs = []
+        for d, s in pairs:
+            if s.is_contiguous() and s.device.type == "cpu":
+                db, sb = d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)
+                self._pieces += [(db[lo : lo + PIECE_BYTES], sb[lo : lo + PIECE_BYTES])
+                                 for lo in range(0, sb.numel(), PIECE_BYTES)]
+            else:
+                self._pieces.append((d, s))
+        self._next, self._lock = 0, threading.Lock()
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            if self._next == len(self._pieces):
+                return None
+            self._next += 1
+            return self._pieces[self._next - 1]
+
+    def work(self) -> None:
+        """The worker: one thread's memcpy (numpy's releases the GIL and, unlike torch's,
+        starts no thread pool to compete with the training step's)."""
+        while (piece := self._take()) is not None:
+            d, s = piece
+            if s.device.type == "cpu" and s.dtype == torch.uint8 and s.is_contiguous():  # a piece made above
+                np.copyto(d.numpy(), s.numpy())
+            else:
+                d.copy_(s)
+
+    def help(self) -> None:
+        """The waiter (the training thread, its step's compute done): torch's threaded copy."""
+        while (piece := self._take()) is not None:
+            piece[0].copy_(piece[1])
+
+
+class PendingCopy:
+    """A copy running behind the trainer's back: ``wait()`` returns once every byte is in
+    the slot (and raises what the copy raised)."""
+
+    def __init__(self, pieces: _Pieces | None, future: "Future[None] | None",
+                 event: "torch.cuda.Event | None") -> None:
+        self._pieces, self._future, self._event = pieces, future, event
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        if self._pieces is not None:
+            self._pieces.help()
+        if self._future is not None:
+            self._future.result()
+
+
 class TensorCopier:
-    """Device→shared-memory copy. CPU: torch's multi-threaded copy. CUDA: copies into the
-    pinned slot run on a side stream, after the work already queued on the current one."""
+    """Device→shared-memory copy. CPU: torch's multi-threaded copy, or one thread of its
+    own copying in the background (memcpy releases the GIL). CUDA: copies into the pinned
+    slot run on a side stream, after the work already queued on the current one."""
 
     def __init__(self) -> None:
         self._stream = None
+        self._worker: ThreadPoolExecutor | None = None  # started on first use, kept (a thread start is not free)
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        cuda = [(d, s) for d, s in pairs if s.is_cuda]
-        for d, s in pairs:
+    def copy(self, pairs: Pairs) -> None:
+        """Copy now; returns when every byte is in the slot."""
+        self.start([], pairs).wait()
+
+    def start(self, later: Pairs, now: Pairs = ()) -> PendingCopy:
+        """Copy ``now`` before returning (as far as the work queued after it can tell: on
+        CUDA the current stream waits for it on the device), and start copying ``later``."""
+        for d, s in now:
             if not s.is_cuda:
                 d.copy_(s)
-        if cuda:
-            self._copy_cuda(cuda)
+        cuda_now = [(d, s) for d, s in now if s.is_cuda]
+        cuda_later = [(d, s) for d, s in later if s.is_cuda]
+        event = self._start_cuda(cuda_now, cuda_later) if cuda_now or cuda_later else None
+        cpu_later = [(d, s) for d, s in later if not s.is_cuda]
+        if not cpu_later:
+            return PendingCopy(None, None, event)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
+        pieces = _Pieces(cpu_later)
+        return PendingCopy(pieces, self._worker.submit(pieces.work), event)
 
-    def _copy_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+    def _start_cuda(self, now: Pairs, later: Pairs) -> "torch.cuda.Event":
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)  # after the step that produced the state
         with torch.cuda.stream(self._stream):
-            for d, s in pairs:
+            for d, s in now:
                 d.copy_(s, non_blocking=True)
-        self._stream.synchronize()
+            current.wait_event(self._stream.record_event())  # the next forward waits for these, the host does not
+            for d, s in later:
+                d.copy_(s, non_blocking=True)
+            return self._stream.record_event()

@@ -30,7 +30,7 @@ import torch
 from ...errors import CheckpointError
 from ...format.manifest import ManifestError, ShardManifest
 from ..fsutil import atomic_write
-from .copier import TensorCopier
+from .copier import PendingCopy, TensorCopier
 from .namespace import OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_private
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,21 @@ class SlotPool:
     def snapshot(self, slot: ShmSlot, tensors: Sequence[torch.Tensor], manifest: ShardManifest,
                  copier: "TensorCopier") -> None:
         """Copy ``tensors`` into ``slot`` at the manifest's offsets, then seal it."""
+        copier.copy(self.destinations(slot, tensors, manifest))
+        slot.seal(manifest)
+
+    def start_snapshot(self, slot: ShmSlot, tensors: Sequence[torch.Tensor], manifest: ShardManifest,
+                       copier: "TensorCopier", later: Sequence[bool]) -> "PendingCopy":
+        """Copy the tensors not marked ``later`` now and start copying the others; the
+        caller seals the slot once the returned copy is waited for."""
+        pairs = self.destinations(slot, tensors, manifest)
+        defer = [d for e, d in zip(manifest.tensors, later) if e.nbytes]
+        return copier.start([p for p, d in zip(pairs, defer) if d], [p for p, d in zip(pairs, defer) if not d])
+
+    def destinations(self, slot: ShmSlot, tensors: Sequence[torch.Tensor],
+                     manifest: ShardManifest) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Unseal ``slot`` (a crash from here on leaves it invalid, never torn), size it, and
+        pair each non-empty tensor with its place in the slot."""
         slot.unseal()
         if slot.buffer is None or slot.capacity < manifest.data_bytes:
             if manifest.data_bytes:
@@ -223,8 +238,7 @@ class SlotPool:
         for e, t in zip(manifest.tensors, tensors):
             if e.nbytes:
                 pairs.append((buf[e.offset : e.offset + e.nbytes].view(e.torch_dtype).view(e.shape), t))
-        copier.copy(pairs)
-        slot.seal(manifest)
+        return pairs
 
     def close(self) -> None:
         for s in self.slots:

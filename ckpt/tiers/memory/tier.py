@@ -26,6 +26,7 @@ from .reader import SlotReader
 if TYPE_CHECKING:  # the writing side needs torch; readers (the CLI) do not
     import torch
 
+    from .copier import PendingCopy
     from .slots import ShmSlot, SlotPool
 
 _MAX_SEAL_BYTES = 256 << 20
@@ -70,6 +71,12 @@ class MemoryTier(TierReader):
         """The trainer's copy into ``slot``, sealed (without checksums) when complete."""
         self._owned().snapshot(slot, tensors, manifest, self._copier)
 
+    def start_snapshot(self, slot: "ShmSlot", tensors: "Sequence[torch.Tensor]", manifest: ShardManifest,
+                       later: Sequence[bool]) -> "PendingCopy":
+        """Copy the tensors not marked ``later`` into ``slot`` now, start the others' copy
+        (overlapped with training); ``seal`` once it has been waited for."""
+        return self._owned().start_snapshot(slot, tensors, manifest, self._copier, later)
+
     def open_slot(self, slot: ShmSlot, manifest: ShardManifest) -> ShardReader:
         """A reader over the owner's own mapping of ``slot`` (no re-check: the owner knows
         the slot stays put until the drain releases it)."""
@@ -89,6 +96,8 @@ class MemoryTier(TierReader):
         return self.pool
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
         if self.pool is not None:
             self.pool.close()
 

@@ -1,0 +1,256 @@
+"""Step-time overhead of saving every step: ours with ``overlap=True``, ours blocking
+(``overlap=False``), and torch DCP's zero-overhead configuration (``dcp.async_save`` with
+``DefaultStager(StagingOptions(...))``: pinned and shared memory where there is a GPU,
+asynchronous staging, non-blocking copies; staging awaited before ``optimizer.step()``
+and the previous save's write before the next save, as torchtitan does), each against
+not saving, on the same model, bytes and process.
+
+A real training loop (an MLP with AdamW, ``--width`` x ``--layers``, batch ``--batch``)
+runs in blocks of ``--block`` steps; each round runs one block of every arm, in the
+order none, overlap, blocking, dcp, then reversed in the next round, so that drifting
+load on a shared machine hits every arm alike. A block's figure is its mean step time;
+each arm's is the median over rounds, and the per-round ratio to that round's
+"none" block gives the spread. Between blocks each arm's background work is waited
+for, untimed. Our disk root and DCP's directory are on the same filesystem
+(``--dir``, default the temporary directory). The memcpy floor of the state's bytes is
+measured in the same run. Not a test: nothing here asserts a speed.
+
+    PYTHONPATH=. python benchmarks/overlap_bench.py [--device cpu|cuda] [--rounds 6] [--json out.json | --json -]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ckpt import CheckpointManager  # noqa: E402
+
+ARMS = ("none", "overlap", "blocking", "dcp")
+
+
+def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(args.layers):
+        layers += [nn.Linear(args.width, args.width), nn.GELU()]
+    model = nn.Sequential(*layers).to(args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    return model, opt
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class DcpSaver:
+    """DCP's zero-overhead path, as torchtitan drives it."""
+
+    def __init__(self, directory: Path, device: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        gpu = device == "cuda"
+        self._dcp, self.dir = dcp, directory
+        self.options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=True, use_async_staging=True,
+                                      use_non_blocking_copy=gpu)
+        self._stager = DefaultStager(self.options)
+        self._response = None
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        self.wait_upload()  # one save in flight at a time
+        self._response = self._dcp.async_save(state, checkpoint_id=str(self.dir / f"step-{step % 2}"),
+                                              async_stager=self._stager, no_dist=True)
+
+    def wait_staged(self) -> None:
+        if self._response is not None:
+            self._response.staging_completion.result()
+
+    def wait_upload(self) -> None:
+        if self._response is not None:
+            self._response.staging_completion.result()
+            self._response.upload_completion.result()
+            self._response = None
+
+    def close(self) -> None:
+        self.wait_upload()
+        self._stager.close()
+
+
+def run_block(arm: str, steps: int, model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor,
+              save: Callable[[int], Any], before_step: Callable[[], None], counter: list[int],
+              blocking: list[float], staging_wait: list[float]) -> tuple[float, float, float]:
+    """Mean seconds per step over ``steps`` steps, each followed by a save (but for "none"):
+    wall-clock, the process's CPU (training, copy and drain threads) and the training thread's CPU."""
+    sync(batch.device.type)
+    t0, c0, th0 = time.perf_counter(), time.process_time(), time.thread_time()
+    for _ in range(steps):
+        loss = model(batch).float().square().mean()
+        loss.backward()
+        w0 = time.perf_counter()
+        before_step()
+        staging_wait[0] += time.perf_counter() - w0
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        counter[0] += 1
+        if arm != "none":
+            s0 = time.perf_counter()
+            save(counter[0])
+            blocking.append(time.perf_counter() - s0)
+    sync(batch.device.type)
+    return ((time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps,
+            (time.thread_time() - th0) / steps)
+
+
+def memcpy_floor(state_tensors: list[torch.Tensor], repeats: int = 5) -> float:
+    """Seconds to copy every byte of the state into preallocated host memory, best of ``repeats``."""
+    outs = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda) for t in state_tensors]
+    best = float("inf")
+    for _ in range(repeats):
+        sync("cuda" if state_tensors[0].is_cuda else "cpu")
+        t0 = time.perf_counter()
+        for o, t in zip(outs, state_tensors):
+            o.copy_(t, non_blocking=t.is_cuda)
+        sync("cuda" if state_tensors[0].is_cuda else "cpu")
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--block", type=int, default=8, help="steps per block")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
+    ap.add_argument("--dir", default=None, help="where the disk root and DCP's directory go")
+    ap.add_argument("--json", default=None, help="also write the results as JSON to this path ('-': stdout)")
+    args = ap.parse_args()
+    arms = [a for a in ARMS if a in args.arms.split(",")]
+    load_before = os.getloadavg()[0]
+    model, opt = build(args)
+    batch = torch.randn(args.batch, args.width, device=args.device)
+    model(batch).square().mean().backward()
+    opt.step()  # the optimizer's state exists before any save
+    state = {"model": model, "optim": opt}
+    tensors = list(model.state_dict().values()) + [v for s in opt.state.values() for v in s.values()
+                                                     if isinstance(v, torch.Tensor)]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    work = Path(tempfile.mkdtemp(prefix="overlap-bench-", dir=args.dir))
+    shm = [tempfile.mkdtemp(prefix="overlap-bench-", dir="/dev/shm") for _ in range(2)]
+    counter, blocking = [0], {a: [] for a in arms}
+    blocks: list[dict[str, Any]] = []
+    try:
+        ours = {a: CheckpointManager(work / a, memory_dir=m, keep_last=2, overlap=a == "overlap", state=state)
+                for a, m in zip(("overlap", "blocking"), shm) if a in arms}
+        dcp = DcpSaver(work / "dcp", args.device) if "dcp" in arms else None
+        savers: dict[str, tuple[Callable[[int], Any], Callable[[], None], Callable[[], None]]] = {
+            "none": (lambda s: None, lambda: None, lambda: None)}
+        for a, mgr in ours.items():
+            savers[a] = (lambda s, m=mgr: m.save(s, state), lambda: None, mgr.wait)
+        if dcp is not None:
+            savers["dcp"] = (lambda s: dcp.save(s, {"model": model.state_dict(), "optim": opt.state_dict()}),
+                             dcp.wait_staged, dcp.wait_upload)
+        for a in arms:  # warm-up: allocation, first-touch, thread pools
+            run_block(a, 2, model, opt, batch, savers[a][0], savers[a][1], counter, [], [0.0])
+            savers[a][2]()
+        floor = memcpy_floor(tensors)
+        for r in range(args.rounds):
+            order = arms if r % 2 == 0 else arms[::-1]
+            for a in order:
+                save, before_step, settle = savers[a]
+                waited = [-ours[a].staged_wait_s if a in ours else 0.0]  # the pre-hook's waits, or DCP's
+                mean, cpu, thread = run_block(a, args.block, model, opt, batch, save, before_step, counter,
+                                              blocking[a], waited)
+                waited[0] += ours[a].staged_wait_s if a in ours else 0.0
+                c0 = time.process_time()
+                settle()  # what a block left to do in the background counts in its CPU, not its steps
+                cpu += (time.process_time() - c0) / args.block
+                stall = (sum(blocking[a][-args.block:]) if a != "none" else 0.0) + waited[0]
+                blocks.append({"round": r, "arm": a, "mean_step_s": mean, "cpu_per_step_s": cpu,
+                               "train_thread_cpu_per_step_s": thread, "trainer_stall_per_step_s": stall / args.block,
+                               "loadavg_1min": os.getloadavg()[0]})
+                print(f"round {r} {a:9} {1e3 * mean:8.1f} ms/step, CPU {1e3 * cpu:8.1f} ms/step "
+                      f"(training thread {1e3 * thread:.1f})", file=sys.stderr)
+        slot_stall = {a: mgr.stall_s for a, mgr in ours.items()}
+        for mgr in ours.values():
+            mgr.close()
+        if dcp is not None:
+            dcp.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for m in shm:
+            shutil.rmtree(m, ignore_errors=True)
+    step = {a: [b["mean_step_s"] for b in blocks if b["arm"] == a] for a in arms}
+    cpu = {a: [b["cpu_per_step_s"] for b in blocks if b["arm"] == a] for a in arms}
+    by_round = {(b["round"], b["arm"]): b["mean_step_s"] for b in blocks}
+    out: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"},
+        "loadavg_1min": [load_before, os.getloadavg()[0]],
+        "model": {"width": args.width, "layers": args.layers, "batch": args.batch, "optimizer": "AdamW"},
+        "state_bytes": state_bytes, "memcpy_floor_s": floor, "rounds": args.rounds, "block_steps": args.block,
+        "dcp_staging_options": vars(dcp.options) if dcp is not None else None,
+        "mean_step_s": {a: spread(xs) for a, xs in step.items()},
+        "cpu_per_step_s": {a: spread(xs) for a, xs in cpu.items()},
+        "save_call_s": {a: spread(xs) for a, xs in blocking.items() if xs},
+        "slot_wait_s": slot_stall,
+        "trainer_stall_per_step_s": {a: spread([b["trainer_stall_per_step_s"] for b in blocks if b["arm"] == a])
+                                     for a in arms if a != "none"},
+        "blocks": blocks,
+    }
+    if "none" in arms:
+        base = statistics.median(step["none"])
+        out["overhead"] = {a: statistics.median(step[a]) / base - 1 for a in arms if a != "none"}
+        out["cpu_overhead"] = {a: statistics.median(cpu[a]) / statistics.median(cpu["none"]) - 1
+                               for a in arms if a != "none"}
+        out["paired_overhead"] = {a: spread([by_round[(r, a)] / by_round[(r, "none")] - 1 for r in range(args.rounds)])
+                                  for a in arms if a != "none"}
+    print(f"state {state_bytes / 2**20:.0f} MiB, memcpy floor {1e3 * floor:.1f} ms; step without saving "
+          f"{1e3 * statistics.median(step.get('none', [0])):.1f} ms")
+    for a in arms:
+        if a == "none":
+            continue
+        line = f"{a:9} mean step {1e3 * statistics.median(step[a]):8.1f} ms"
+        if "overhead" in out:
+            p = out["paired_overhead"][a]
+            line += (f"  overhead {100 * out['overhead'][a]:+6.1f} % (per round: median {100 * p['median']:+.1f} %, "
+                     f"{100 * p['min']:+.1f}..{100 * p['max']:+.1f})")
+        if "cpu_overhead" in out:
+            line += f"  CPU {100 * out['cpu_overhead'][a]:+.1f} %"
+        if a in out["save_call_s"]:
+            line += (f"  save() returns in {1e3 * out['save_call_s'][a]['median']:.2f} ms, the trainer waits "
+                     f"{1e3 * out['trainer_stall_per_step_s'][a]['median']:.2f} ms per step in all")
+        print(line)
+    if args.json:
+        text = json.dumps(out, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

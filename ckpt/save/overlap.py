@@ -1,0 +1,132 @@
+"""Overlapped snapshots (``CheckpointManager(overlap=True)``): ``save()`` copies at once
+what the next forward and backward may write (buffers such as BatchNorm's running
+statistics, RNG states, the data position, plain values) and leaves the parameters and
+optimizer state, which only ``optimizer.step()`` writes, to a copy that runs during the
+next step's forward and backward. Every optimizer found in the state gets a step
+pre-hook that waits for that copy, so no step writes what is still being copied.
+
+Each deferred tensor's version counter is recorded at ``save()`` and compared when the
+copy is waited for: an in-place write meanwhile (anything but ``optimizer.step()``)
+refuses the seal (``SnapshotChanged``) instead of keeping a torn snapshot. Writes
+through ``.data`` (or ``torch.no_grad()`` code that swaps ``.data``) bump no counter and
+escape the check: do not write saved parameters that way between ``save()`` and the wait.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+import torch
+
+from ..errors import SnapshotChanged
+from ..format.state import local_tensor
+
+if TYPE_CHECKING:
+    from ..format.manifest import ShardManifest
+    from ..tiers.base import CheckpointId
+    from ..tiers.memory.copier import PendingCopy
+    from ..tiers.memory.slots import ShmSlot
+    from .drain import SaveHandle
+
+_WRAPPED = ("optimizer", "_optimizer")  # Accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer
+
+
+def optimizers_in(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers of a state (top level, in lists, tuples and dicts), unwrapped."""
+    found: list[torch.optim.Optimizer] = []
+
+    def visit(obj: Any, depth: int) -> None:
+        for _ in range(3):  # a wrapper of a wrapper at most (some subclass Optimizer without its hooks)
+            inner = next((getattr(obj, a) for a in _WRAPPED
+                          if isinstance(getattr(obj, a, None), torch.optim.Optimizer)), None)
+            if inner is None:
+                break
+            obj = inner
+        if isinstance(obj, torch.optim.Optimizer):
+            if all(o is not obj for o in found):
+                found.append(obj)
+        elif depth < 3 and isinstance(obj, Mapping):
+            for v in obj.values():
+                visit(v, depth + 1)
+        elif depth < 3 and isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v, depth + 1)
+
+    visit(state, 0)
+    return found
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
+def step_written(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
+    """What ``optimizer.step()`` writes: the parameters and the optimizer state (a
+    DTensor's local shard, as ``flatten`` saves it)."""
+    keys = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                keys.add(_key(local_tensor(p)))
+                keys.update(_key(local_tensor(v)) for v in opt.state.get(p, {}).values()
+                            if isinstance(v, torch.Tensor))
+    return keys
+
+
+def deferrable(tensors: list[tuple[str, torch.Tensor]], written: set[tuple]) -> list[bool]:
+    """For each tensor, whether its copy may wait until the next ``optimizer.step()``:
+    only what that step alone writes, and whose in-place writes are counted."""
+    return [_key(t) in written and _versioned(t) for _, t in tensors]
+
+
+def _versioned(t: torch.Tensor) -> bool:
+    """Whether in-place writes to ``t`` are counted (inference tensors count none)."""
+    try:
+        return t._version >= 0
+    except RuntimeError:
+        return False
+
+
+@dataclass
+class StagedSnapshot:
+    """A snapshot whose copy runs behind the trainer: sealed by ``finish()`` once the
+    copy is complete and nothing it read has been written since ``save()``."""
+
+    ckpt_id: CheckpointId
+    slot: ShmSlot
+    manifest: ShardManifest
+    copy: PendingCopy
+    watched: list[tuple[str, torch.Tensor, int]]  # (path, tensor, version at save)
+    drain: tuple[SaveHandle, bool, bool] | None = None  # (handle, upload, urgent): queued once sealed
+
+    def finish(self) -> None:
+        """Wait for the copy; raise ``SnapshotChanged`` naming the tensors written meanwhile."""
+        self.copy.wait()
+        changed = [path for path, t, version in self.watched if t._version != version]
+        if changed:
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            raise SnapshotChanged(
+                f"the snapshot of step {self.ckpt_id.step} was not sealed: {shown} changed in place while it was being "
+                "copied (overlap=True). Only optimizer.step() may write parameters and optimizer state before the "
+                "copy is waited for (it waits by itself); call mgr.wait_staged() before any other in-place write, "
+                "or use overlap=False")
+
+
+class StepHooks:
+    """A step pre-hook on each optimizer of the saved state, calling ``wait`` (the manager's
+    ``wait_staged``); registered once per optimizer, removed at ``close()``."""
+
+    def __init__(self, wait: Callable[[], None]) -> None:
+        self._wait = wait
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+
+    def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        for opt in optimizers:
+            if opt not in self._hooks:
+                self._hooks[opt] = opt.register_step_pre_hook(lambda _opt, _args, _kwargs: self._wait())
+
+    def close(self) -> None:
+        for handle in list(self._hooks.values()):
+            handle.remove()
+        self._hooks.clear()

@@ -1,0 +1,328 @@
+"""Overlapped snapshots (``CheckpointManager(overlap=True)``, docs/overlap.md): a real
+training loop saving every step, while the copy of step k runs during step k+1's
+forward and backward, restores every saved step bitwise; a write the wait does not
+cover is refused, never sealed torn; the lower tiers skip superseded snapshots."""
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ckpt
+from ckpt import CheckpointManager
+from ckpt.errors import SnapshotChanged
+from ckpt.save.overlap import StepHooks, optimizers_in
+from tests.ckpt_helpers import assert_same
+
+MICRO_BATCHES = 2  # gradient accumulation
+
+
+def build(seed: int = 0) -> dict[str, Any]:
+    """BatchNorm (buffers the forward writes), two optimizers (foreach AdamW, SGD with
+    momentum), two schedulers, an AMP grad scaler, RNG and data position."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 4))
+    body = [p for m in list(model)[:4] for p in m.parameters()]
+    opt_a = torch.optim.AdamW(body, lr=1e-2, foreach=True)
+    opt_b = torch.optim.SGD(model[5].parameters(), lr=0.1, momentum=0.9)
+    return {"model": model, "opt_a": opt_a, "opt_b": opt_b,
+            "sched_a": torch.optim.lr_scheduler.StepLR(opt_a, 3, 0.5),
+            "sched_b": torch.optim.lr_scheduler.ExponentialLR(opt_b, 0.9),
+            "scaler": torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2),
+            "rng": torch.get_rng_state(), "data": {"position": 0}}
+
+
+def train_step(state: dict[str, Any]) -> None:
+    model, scaler = state["model"], state["scaler"]
+    for _ in range(MICRO_BATCHES):
+        x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y) / MICRO_BATCHES
+        scaler.scale(loss).backward()
+        state["data"]["position"] += 1
+    for opt in (state["opt_a"], state["opt_b"]):
+        scaler.step(opt)  # calls opt.step(): the pre-hook waits for the copy
+    scaler.update()
+    for name in ("opt_a", "opt_b", "sched_a", "sched_b"):
+        getattr(state[name], "zero_grad" if name.startswith("opt") else "step")()
+    state["rng"] = torch.get_rng_state()
+
+
+def expected_of(state: dict[str, Any]) -> dict[str, Any]:
+    """What a restore of this moment must give back, deep-copied."""
+    return copy.deepcopy({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()})
+
+
+def assert_restores(mgr: CheckpointManager, step: int, expected: dict[str, Any]) -> None:
+    probe = build(seed=step + 100)  # other values everywhere: only the restore can make them equal
+    assert mgr.restore(probe, step=step) == step
+    assert_same(expected_of(probe), expected, f"step {step}")
+
+
+def test_saving_every_step_while_the_next_step_runs_restores_each_step_bitwise(root: Path, shm_dir: str) -> None:
+    state = build()
+    expected = {}
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=100, overlap=True, state=state) as mgr:
+        for step in range(1, 13):
+            train_step(state)
+            expected[step] = expected_of(state)
+            handle = mgr.save(step, state)
+            assert not mgr.memory.holds(step), "the parameters' copy should still be under way, unsealed"
+            assert handle.step == step
+        mgr.wait()
+        saved = sorted({i["step"] for i in mgr.list()})
+        assert saved[-1] == 12 and len(saved) >= 3
+        for step in saved:
+            assert_restores(mgr, step, expected[step])
+
+
+def test_without_the_step_wait_the_snapshot_is_refused_not_torn(root: Path, shm_dir: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above fails if the pre-hook's wait is removed: optimizer.step() then writes
+    the parameters during their copy, and the version check refuses the seal."""
+    monkeypatch.setattr(StepHooks, "watch", lambda self, optimizers: None)
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        train_step(state)
+        mgr.save(1, state)
+        train_step(state)  # no wait: optimizer.step() writes what is being copied
+        with pytest.raises(SnapshotChanged, match=r"step 1 was not sealed: .*model\.0\.weight"):
+            mgr.save(2, state)
+        assert [i["step"] for i in mgr.list()] == []  # nothing torn was sealed
+        mgr.wait_staged()
+        expected = expected_of(state)
+        mgr.save(2, state)  # saving goes on after the refusal
+        mgr.wait()
+        assert_restores(mgr, 2, expected)
+
+
+def test_an_in_place_write_before_the_wait_is_refused_and_the_last_snapshot_stays(root: Path, shm_dir: str) -> None:
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        train_step(state)
+        expected = expected_of(state)
+        mgr.save(1, state)
+        train_step(state)
+        mgr.save(2, state)
+        with torch.no_grad():
+            state["model"][5].bias.add_(1.0)  # not through optimizer.step(): the copy is not waited for
+        with pytest.raises(SnapshotChanged, match=r"model\.5\.bias changed in place"):
+            mgr.wait_staged()
+        mgr.wait()
+        assert sorted({i["step"] for i in mgr.list()}) == [1]
+        assert_restores(mgr, 1, expected)
+
+
+def test_buffers_rng_and_plain_values_are_copied_before_save_returns(root: Path, shm_dir: str) -> None:
+    """What the next forward writes (BatchNorm statistics, num_batches_tracked) cannot wait
+    for the optimizer: it is in the slot when save() returns."""
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        train_step(state)
+        expected = expected_of(state)
+        mgr.save(1, state)
+        state["model"](torch.randn(64, 16))  # a forward in train mode: running stats change
+        state["data"]["position"] = -1
+        mgr.wait()
+        assert_restores(mgr, 1, expected)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, fused=True),
+    lambda ps: torch.optim.Adam(ps, foreach=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+], ids=["fused", "foreach", "for-loop"])
+def test_the_step_pre_hook_waits_for_every_optimizer_implementation(root: Path, shm_dir: str, make) -> None:
+    model = nn.Linear(64, 64)
+    opt = make(model.parameters())
+    state = {"model": model, "optim": opt}
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True) as mgr:
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        mgr.save(1, state)
+        assert not mgr.memory.holds(1)  # being copied: not sealed yet
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        assert mgr.memory.holds(1)  # sealed by the pre-hook, before the step wrote anything
+        mgr.wait()
+        assert [i["step"] for i in mgr.list()] == [1]
+
+
+def test_the_pre_hook_fires_through_accelerate_and_lightning_wrappers(root: Path, shm_dir: str) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    accelerate.Accelerator(cpu=True)
+    model = nn.Linear(32, 32)
+    wrapped = AcceleratedOptimizer(torch.optim.AdamW(model.parameters()), device_placement=False)
+    state = {"model": model, "optimizer": wrapped}
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True) as mgr:
+        model(torch.randn(4, 32)).sum().backward()
+        wrapped.step()
+        mgr.save(1, state)
+        model(torch.randn(4, 32)).sum().backward()
+        wrapped.step()
+        assert mgr.memory.holds(1)
+        mgr.wait()
+    lightning = pytest.importorskip("lightning.pytorch.core.optimizer")
+    raw = torch.optim.SGD(model.parameters())
+    # Lightning's strategy calls the inner optimizer's step(): its hook is the one that fires
+    assert optimizers_in({"optimizers": [lightning.LightningOptimizer(raw)]}) == [raw]
+
+
+def test_superseded_snapshots_are_skipped_and_their_handles_follow_the_newer_step(
+        root: Path, shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk is held while steps 2..5 are saved: it then writes 1, 4 and 5 only (4 was
+    queued when 5 was sealed at flush), and waiting for step 2 means waiting for 4."""
+    from ckpt.tiers.local import LocalDiskTier
+
+    gate = threading.Event()
+    write = LocalDiskTier.write_shard
+    monkeypatch.setattr(LocalDiskTier, "write_shard", lambda self, *a, **k: (gate.wait(60), write(self, *a, **k))[1])
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=100, overlap=True, state=state) as mgr:
+        handles = {}
+        for step in range(1, 6):
+            train_step(state)
+            handles[step] = mgr.save(step, state)
+        assert len(mgr.memory.pool.slots) == 3
+        assert handles[2].superseded_by == 3 and handles[3].superseded_by == 4
+        assert not handles[2].done
+        gate.set()
+        mgr.wait(step=2)
+        assert handles[4].durable_s and not handles[2].durable_s
+        mgr.wait()
+        assert sorted({i["step"] for i in mgr.list() if "disk" in i["tiers"]}) == [1, 4, 5]
+
+
+def test_the_loop_helper_saves_every_step_with_overlap(root: Path, shm_dir: str) -> None:
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        for _ in ckpt.resumable(mgr, state, total=6, every=1, preemption=False):
+            train_step(state)
+        expected = expected_of(state)
+        assert max(i["step"] for i in mgr.list()) == 6
+        assert_restores(mgr, 6, expected)
+
+
+def test_two_ranks_skip_the_same_superseded_steps(tmp_path: Path, shm_dir: str) -> None:
+    """gloo, 2 ranks, rank 1's disk slow: the skipped steps agree, the rest commit and restore."""
+    from tests.integration_helpers import torchrun
+
+    log = torchrun(Path(__file__).with_name("overlap_child.py"), str(tmp_path / "root"), shm_dir, "12")
+    oks = [line for line in log.splitlines() if "overlap ok" in line]
+    assert len(oks) == 2, log[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_saves_every_step_on_a_side_stream_and_restores_bitwise_from_pinned_slots(root: Path,
+                                                                                      shm_dir: str) -> None:
+    """The CUDA path: buffers copied before the next forward (the current stream waits on
+    the device), parameters and fused AdamW state on the side stream during it, the pre-hook
+    waiting on the copy's event; restores from the pinned slots copy asynchronously."""
+    def make() -> dict[str, Any]:
+        model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 256)).cuda()
+        return {"model": model, "opt": torch.optim.AdamW(model.parameters(), fused=True)}
+
+    def train(state: dict[str, Any]) -> None:
+        state["model"](torch.randn(512, 256, device="cuda")).square().mean().backward()
+        state["opt"].step()
+        state["opt"].zero_grad()
+
+    torch.manual_seed(0)
+    state = make()
+    train(state)
+    expected = {}
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=100, overlap=True, state=state) as mgr:
+        for step in range(1, 9):
+            train(state)
+            expected[step] = expected_of(state)
+            mgr.save(step, state)
+        mgr.wait()
+        assert all(s._pinned for s in mgr.memory.pool.slots if s.buffer is not None)
+        for step in sorted({i["step"] for i in mgr.list()}):
+            probe = make()
+            assert mgr.restore(probe, step=step) == step
+            assert next(probe["model"].parameters()).is_cuda
+            assert_same(expected_of(probe), expected[step], f"step {step}")
+
+
+def test_a_state_without_optimizers_is_sealed_when_save_returns(root: Path, shm_dir: str) -> None:
+    """Nothing is deferred (no optimizer step would seal it): the default stays safe."""
+    state = {"w": torch.randn(1000), "step": 1}
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True) as mgr:
+        mgr.save(1, state)
+        assert mgr.memory.holds(1)
+        state["w"].zero_()
+        mgr.wait()
+        back = {"w": torch.empty(1000)}
+        assert mgr.restore(back) == 1 and not torch.equal(back["w"], state["w"])
+
+
+def test_saving_every_step_to_an_object_store_alone_uploads_the_newest(tmp_path: Path, shm_dir: str) -> None:
+    """No disk tier: 4 slots, uploads straight from memory and never skipped; flush()
+    leaves the newest step in the store."""
+    url = f"file://{tmp_path}/bucket/run"
+    state = build()
+    with CheckpointManager(None, object_store=url, memory_dir=shm_dir, overlap=True, object_interval_s=3600,
+                           state=state) as mgr:
+        assert len(mgr.memory.pool.slots) == 4
+        for step in range(1, 7):
+            train_step(state)
+            mgr.save(step, state)
+        expected = expected_of(state)
+        mgr.flush()
+        mgr.wait()
+        stored = sorted({i["step"] for i in mgr.list() if "object" in i["tiers"]})
+        assert stored[0] == 1 and stored[-1] == 6
+    with CheckpointManager(None, object_store=url, memory_dir=str(tmp_path / "no-slots")) as mgr:
+        assert_restores(mgr, 6, expected)
+
+
+def test_a_snapshot_being_copied_is_invisible_to_other_readers(root: Path, shm_dir: str) -> None:
+    """What another process (``ckpt ls``, a restarted trainer) sees mid-copy: the previous
+    sealed step, never the one being copied (its slot is unsealed until the wait)."""
+    from ckpt.tiers.memory import MemoryTier, memory_namespace
+
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        train_step(state)
+        mgr.save(1, state)
+        train_step(state)  # seals step 1
+        mgr.save(2, state)
+        outside = MemoryTier(memory_namespace(root, None, shm_dir), 0)
+        assert [i.id.step for i in outside.list()] == [1]
+        mgr.wait_staged()
+        assert [i.id.step for i in outside.list()] == [1, 2]
+
+
+def test_a_fault_in_the_next_forward_costs_one_step(root: Path, shm_dir: str) -> None:
+    """In-process recovery: step k's copy ran during step k+1's forward and backward, which
+    failed before optimizer.step(); restore() seals step k and restores it from memory."""
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        for step in (1, 2):
+            train_step(state)
+            expected = expected_of(state)
+            mgr.save(step, state)
+        state["scaler"].scale(state["model"](torch.randn(64, 16)).sum()).backward()  # step 3 fails after this
+        probe = build(seed=7)
+        assert mgr.restore(probe) == 2
+        assert_same(expected_of(probe), expected)
+
+
+def test_an_urgent_save_is_sealed_and_durable_without_a_step(root: Path, shm_dir: str) -> None:
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        train_step(state)
+        handle = mgr.save(1, state, urgent=True)
+        assert mgr.memory.holds(1)  # a failure is predicted: nothing waits for the next step
+        handle.wait("disk", timeout=120)
