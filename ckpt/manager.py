@@ -91,12 +91,15 @@ class CheckpointManager:
                  storage_options: dict | None = None, object_interval_s: float = 0.0,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", peers: int = 0,
                  node: str | None = None, peer_bytes_per_s: float | None = None,
-                 peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False) -> None:
+                 peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
+                 keep_memory: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         keep_by_tier, default_keep = retention(keep_last)
         self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
         self.replicated = frozenset(replicated)
+        self.keep_memory = keep_memory
+        self.finished = False  # set at the end of training (resumable, the callbacks): close() may free the slots
         self.coord = Coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.run = run or "default"
@@ -372,17 +375,22 @@ class CheckpointManager:
                                 self.disk.name if self.disk is not None else None)
 
     def close(self) -> None:
-        """``flush()``, then release shared memory mappings (the slots stay).
-        Idempotent: a preempted loop closes before exiting, inside ``with manager``."""
+        """``flush()``, then release shared memory mappings. The slots stay for a restart, except
+        when training ``finished`` and every save is durable: then this rank's slots are removed
+        (``keep_memory=True`` keeps them). Idempotent: a preempted loop closes inside ``with manager``."""
         if self._closed:
             return
         self._closed = True
+        remove = False
         try:
             self.flush()
+            if self.finished and not self.keep_memory:
+                self.wait()  # a failed drain raises here, and the slots stay
+                remove = True
         finally:
-            self._release()
+            self._release(remove_memory=remove)
 
-    def _release(self) -> None:
+    def _release(self, remove_memory: bool = False) -> None:
         self._saves.close_staging()
         self._saves.drainer.close()
         try:
@@ -391,7 +399,7 @@ class CheckpointManager:
         finally:
             if self.peering is not None:
                 self.peering.close()
-            self.memory.close()
+            self.memory.close(remove=remove_memory)
             self.coord.close()
 
     def __enter__(self) -> "CheckpointManager":

@@ -108,6 +108,7 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | I
         mgr.save(total, state)
     mgr.flush()  # the newest step off-node too, if an upload was pending when it was saved
     mgr.wait()
+    mgr.finished = True  # close() may now free this rank's memory slots
     if listener is not None:
         listener.close()
 

@@ -13,12 +13,14 @@ device copies run by DMA; it is unregistered before it is unmapped.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import json
 import logging
 import mmap
 import os
+import shutil
 import socket
 import threading
 import time
@@ -240,7 +242,11 @@ class SlotPool:
                 pairs.append((buf[e.offset : e.offset + e.nbytes].view(e.torch_dtype).view(e.shape), t))
         return pairs
 
-    def close(self) -> None:
+    def close(self, remove: bool = False) -> None:
         for s in self.slots:
             s.release()
+        if remove:  # still under the lock: no sibling or rerun is using these files
+            shutil.rmtree(self.dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the job's namespace, once its last rank is gone
+                self.dir.parent.rmdir()
         os.close(self._lock_fd)

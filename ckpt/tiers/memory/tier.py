@@ -95,11 +95,12 @@ class MemoryTier(TierReader):
             raise RuntimeError("this memory tier was opened read-only")
         return self.pool
 
-    def close(self) -> None:
+    def close(self, remove: bool = False) -> None:
+        """Unmap the slots; ``remove``: also delete this rank's slot files (a finished job)."""
         if self._copier is not None:
             self._copier.close()
         if self.pool is not None:
-            self.pool.close()
+            self.pool.close(remove=remove)
 
     # -- reading ------------------------------------------------------------------
 
