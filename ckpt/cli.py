@@ -136,6 +136,10 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
     already = {i.id for i in target.list()}
     if already and not force:
         raise click.UsageError(f"{dest} already holds {len(already)} checkpoint(s); pass --force to add to it")
+    linked = [p for p in target.root.iterdir() if CheckpointId.parse(p.name) and p.is_symlink()] \
+        if target.root.is_dir() else []
+    if linked:  # writing a step there would write wherever it points
+        raise CheckpointError(f"{linked[0]} is a symlink; refusing to restore through it (remove it first)")
     target.root.mkdir(parents=True, exist_ok=True)
 
     def copy(plan: RestorePlan) -> None:

@@ -218,3 +218,14 @@ def test_restore_into_a_directory_holding_checkpoints_needs_force(saved: Path, t
     assert [row["step"] for row in json.loads(ckpt("ls", dest, "--memory-dir", no_slots, "--json").stdout)] == [2]
     assert ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--force").returncode == 0
     assert [row["step"] for row in json.loads(ckpt("ls", dest, "--memory-dir", no_slots, "--json").stdout)] == [2, 3]
+
+
+def test_restore_force_never_writes_through_a_symlinked_step_directory(saved: Path, tmp_path: Path,
+                                                                       no_slots: Path) -> None:
+    dest, elsewhere = tmp_path / "dest", tmp_path / "elsewhere"
+    assert ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--step", "2").returncode == 0
+    elsewhere.mkdir()
+    ckpt_dir(dest, 3).symlink_to(elsewhere)
+    r = ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--force")
+    assert r.returncode == 1 and "symlink" in r.stderr and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert list(elsewhere.iterdir()) == []
