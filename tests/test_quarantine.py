@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.recovery import quarantine
 from ckpt.quarantine import EXIT_QUARANTINED
+from ckpt.recovery import quarantine
 from tests.integration_helpers import REPO, torchrun
 
 
