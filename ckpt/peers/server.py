@@ -53,6 +53,7 @@ class PeerServer:
         self._thread.start()
 
     def _accept(self) -> None:
+        streak = 0  # accept() failures in a row
         while not self._stop.is_set():
             if not self._slots.acquire(timeout=0.5):  # every slot taken: the oldest end by their deadline
                 continue
@@ -66,11 +67,19 @@ class PeerServer:
                 if self._stop.is_set() or e.errno not in _TRANSIENT:
                     return
                 self.accept_errors += 1
-                log.warning("peer server cannot accept a connection now (%s); retrying in 0.5 s", e)
+                if streak % 120 == 0:  # once a minute while it lasts
+                    log.warning("peer server cannot accept a connection now (%s); retrying every 0.5 s", e)
+                streak += 1
                 self._stop.wait(0.5)
                 continue
-            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="ckpt-peer-conn",
-                             daemon=True).start()
+            streak = 0
+            try:
+                threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="ckpt-peer-conn",
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to be had now: this connection is dropped, not the server
+                conn.close()
+                self._slots.release()
+                log.warning("peer server dropped a connection from %s:%s: %s", peer[0], peer[1], e)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         deadline = time.monotonic() + self.timeout_s
