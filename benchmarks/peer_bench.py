@@ -23,7 +23,8 @@ back to back), which a noisy machine disturbs least; ``cpu_s`` is this process's
 replication's: the throughput ratio to expect where both ends share too few cores
 (replication also checks every byte's CRC32C, ~14 GB/s a core). Both move the bytes with
 the same receive loop (``wire.recv_into``: blocking, MSG_WAITALL, 8 MiB a call), so the
-ratio is the cost of what replication adds (authentication, manifest, checksums, seal).
+ratio is the cost of what replication adds (authentication, AES-256-GCM on every piece at
+both ends, manifest, checksums, seal).
 Replication runs at normal priority here (``--nice 0``, as the copy does); a job's
 periodic replicas run at nice 10 (``CKPT_GUARD_PEER_NICE``), yielding to training on
 busy cores: ``--nice 10`` measures that. Not a test: nothing here asserts a speed; the

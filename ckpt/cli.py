@@ -136,6 +136,10 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
     already = {i.id for i in target.list()}
     if already and not force:
         raise click.UsageError(f"{dest} already holds {len(already)} checkpoint(s); pass --force to add to it")
+    linked = [p for p in target.root.iterdir() if CheckpointId.parse(p.name) and p.is_symlink()] \
+        if target.root.is_dir() else []
+    if linked:  # writing a step there would write wherever it points
+        raise CheckpointError(f"{linked[0]} is a symlink; refusing to restore through it (remove it first)")
     target.root.mkdir(parents=True, exist_ok=True)
 
     def copy(plan: RestorePlan) -> None:
@@ -228,13 +232,17 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
         raise click.UsageError(f"{dest} is not empty; pass --force to write into it")
     ckpt_id, values, tree = read(root, step, run=run)
     if fmt == "dcp":
-        export.write_dcp(values, out)
-        files = sorted(str(p) for p in out.iterdir())
+        def write(into: Path) -> list[Path]:
+            export.write_dcp(values, into)
+            return sorted(into.iterdir())
     else:
         weights = export.model_weights(values, tree, key)
         meta = {"ckpt_guard_step": str(ckpt_id.step), "ckpt_guard_generation": str(ckpt_id.generation)}
-        written = export.write_safetensors(weights, out, max_shard_bytes=max_shard_size, metadata=meta)
-        files = [str(p) for p in [*written, export.write_hf_config(values, out)] if p is not None]
+
+        def write(into: Path) -> list[Path]:
+            written = export.write_safetensors(weights, into, max_shard_bytes=max_shard_size, metadata=meta)
+            return [p for p in [*written, export.write_hf_config(values, into)] if p is not None]
+    files = [str(p) for p in export.write_replacing(out, write)]
     result = {"step": ckpt_id.step, "generation": ckpt_id.generation, "format": fmt, "files": files}
     _emit(as_json, result, f"exported step {ckpt_id.step} as {fmt} into {dest} ({len(files)} file(s))")
 

@@ -233,3 +233,36 @@ def test_restore_into_a_directory_holding_checkpoints_needs_force(saved: Path, t
     assert [row["step"] for row in json.loads(ckpt("ls", dest, "--memory-dir", no_slots, "--json").stdout)] == [2]
     assert ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--force").returncode == 0
     assert [row["step"] for row in json.loads(ckpt("ls", dest, "--memory-dir", no_slots, "--json").stdout)] == [2, 3]
+
+
+def test_restore_force_never_writes_through_a_symlinked_step_directory(saved: Path, tmp_path: Path,
+                                                                       no_slots: Path) -> None:
+    dest, elsewhere = tmp_path / "dest", tmp_path / "elsewhere"
+    assert ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--step", "2").returncode == 0
+    elsewhere.mkdir()
+    ckpt_dir(dest, 3).symlink_to(elsewhere)
+    r = ckpt("restore", saved, "--to", dest, "--memory-dir", no_slots, "--force")
+    assert r.returncode == 1 and "symlink" in r.stderr and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_the_disk_tier_never_writes_or_deletes_through_a_symlinked_step_directory(saved: Path,
+                                                                                   tmp_path: Path) -> None:
+    from ckpt import CheckpointError
+    from ckpt.restore.execute import open_shard
+    from ckpt.tiers.local import LocalDiskTier
+
+    source, target, elsewhere = LocalDiskTier(saved), LocalDiskTier(tmp_path / "dest"), tmp_path / "elsewhere"
+    ckpt_id = source.list()[-1].id
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("not the tier's")
+    target.root.mkdir()
+    (target.root / ckpt_id.name).symlink_to(elsewhere)
+    reader = open_shard(source, ckpt_id, 0)
+    try:
+        with pytest.raises(CheckpointError, match="symlink"):
+            target.write_shard(ckpt_id, reader)
+    finally:
+        reader.close()
+    target.delete(ckpt_id)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep"]

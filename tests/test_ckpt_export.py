@@ -138,3 +138,52 @@ def test_the_hf_examples_checkpoint_exports_to_what_from_pretrained_loads(tmp_pa
         files = {Path(f).name for f in json.loads(r.stdout)["files"]}
         assert "config.json" in files and ("model.safetensors.index.json" in files) == (name == "sharded")
         assert weights_digest(GPT2LMHeadModel.from_pretrained(tmp_path / name)) == digest, name
+
+
+def test_force_over_an_earlier_export_leaves_none_of_its_files(saved_model, tmp_path: Path) -> None:
+    """A single-file export, then a sharded one with --force: the old model.safetensors
+    would be what transformers loads; it is gone, and only the new files are there."""
+    root, _ = saved_model
+    out = tmp_path / "st"
+    assert ckpt("export", root, "--format", "safetensors", "--to", out).returncode == 0
+    (out / "notes.txt").write_text("the user's own file")
+    r = ckpt("export", root, "--format", "safetensors", "--to", out, "--max-shard-size", "4000", "--force", "--json")
+    assert r.returncode == 0, r.stderr
+    assert not (out / "model.safetensors").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(Path(f).name for f in json.loads(r.stdout)["files"]),
+                                                           "notes.txt"])
+
+
+def test_a_dangling_destination_is_one_clear_line(saved_model, tmp_path: Path) -> None:
+    root, _ = saved_model
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    r = ckpt("export", root, "--format", "safetensors", "--to", tmp_path / "link")
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and "link" in r.stderr, r.stderr
+
+
+def test_a_write_that_fails_midway_leaves_the_earlier_export_whole(saved_model, tmp_path: Path) -> None:
+    """The disk fills during the export (here: a file size limit, EFBIG): one clear line,
+    and the earlier export is left as it was, with no partial file beside it."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from tests.ckpt_helpers import REPO
+
+    root, _ = saved_model
+    out = tmp_path / "st"
+    assert ckpt("export", root, "--format", "safetensors", "--to", out).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+
+    for fmt in ("safetensors", "dcp"):
+        r = subprocess.run([sys.executable, "-m", "ckpt.cli", "export", str(root), "--format", fmt, "--to", str(out),
+                            "--force"], cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=small_files,
+                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                                "PYTHONDONTWRITEBYTECODE": "1"})  # the limit would truncate .pyc files
+        assert r.returncode == 1 and "Traceback" not in r.stderr and "error:" in r.stderr, r.stderr
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -8,7 +8,7 @@ import json
 import os
 import pickle
 import warnings
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import pytest
 import torch
@@ -186,3 +186,81 @@ def test_planner_data_placing_an_item_at_a_huge_list_index_is_refused(tmp_path: 
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
     r = ckpt_cli("import", tmp_path / "dcp", "--from", "dcp", "--to", root, "--step", "1")
     assert r.returncode == 1 and "not a path in a state" in r.stderr, r.stderr
+
+
+class _CraftedPath:
+    """Pickles as a PosixPath whose cached text is a plain name while its parts lead
+    elsewhere (what a hostile .metadata can hold)."""
+
+    def __init__(self, shown: str, real: Path) -> None:
+        self.shown, self.real = shown, real
+
+    def __reduce__(self) -> tuple:
+        return PosixPath, (str(self.real),), (None, {"_str": self.shown})
+
+
+def _tamper(directory: Path, change) -> None:
+    """Rewrite ``directory``'s .metadata after ``change(metadata, the .distcp file)``."""
+    from ckpt.interop.dcp_import import read_metadata
+
+    metadata = read_metadata(directory)
+    [data_file] = directory.glob("*.distcp")
+    change(metadata, data_file)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _storage(metadata, fqn_prefix: str = "epoch"):
+    return next(info for index, info in metadata.storage_data.items() if index.fqn.startswith(fqn_prefix))
+
+
+def _outside_copy(data_file: Path) -> Path:
+    outside = data_file.parent.parent / "outside.distcp"
+    outside.write_bytes(data_file.read_bytes())
+    return outside
+
+
+def _crafted_path(metadata, data_file: Path) -> None:
+    outside = _outside_copy(data_file)
+    for info in metadata.storage_data.values():
+        info.relative_path = _CraftedPath(data_file.name, outside)
+    data_file.rename(data_file.with_name("moved-away"))
+
+
+def _symlinked(metadata, data_file: Path) -> None:
+    outside = _outside_copy(data_file)
+    data_file.unlink()
+    data_file.symlink_to(outside)
+
+
+def _set(field: str, value, prefix: str = "epoch"):
+    def change(metadata, data_file: Path) -> None:
+        setattr(_storage(metadata, prefix), field, value)
+    return change
+
+
+def _tensor_size(metadata, data_file: Path) -> None:
+    metadata.state_dict_metadata["model.layers.0.weight"].size = "big"
+
+
+def _deep_path(metadata, data_file: Path) -> None:
+    metadata.planner_data["epoch"] = ("a",) * 100_000
+
+
+@pytest.mark.parametrize("change, message", [
+    (_crafted_path, "outside the directory"),
+    (_symlinked, "not a regular file"),
+    (lambda metadata, data_file: data_file.unlink(), "missing"),
+    (_set("offset", -5), "not in the file"),
+    (_set("length", 1 << 40), "not in the file"),
+    (_set("length", "10"), "not in the file"),
+    (_tensor_size, "not a list of non-negative integers"),
+    (_deep_path, "not a path in a state"),
+], ids=["crafted-posixpath", "symlinked-distcp", "missing-file", "negative-offset", "1-tib-length",
+        "string-length", "string-tensor-size", "100k-deep-path"])
+def test_hostile_storage_metadata_gets_one_clear_line_and_nothing_is_read_or_written(
+        tmp_path: Path, root: Path, change, message: str) -> None:
+    dcp_save({"model": Net(1).state_dict(), "epoch": 7}, tmp_path / "dcp")
+    _tamper(tmp_path / "dcp", change)
+    r = ckpt_cli("import", tmp_path / "dcp", "--from", "dcp", "--to", root, "--step", "1")
+    assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not root.exists() or not any(root.glob("step-*"))

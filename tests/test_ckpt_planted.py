@@ -104,3 +104,22 @@ def test_a_symlinked_shard_on_disk_is_damage_not_a_way_to_read_other_files(root:
         step, got = restored(mgr)
     assert step == 1
     assert_same(got, step_state(1))
+
+
+def test_a_namespace_taken_under_the_jobs_exact_name_makes_the_job_choose_another(root: Path, shm_dir: str,
+                                                                                   tmp_path: Path) -> None:
+    """Another user pre-creates the job's predictable namespace: the job uses a private one
+    of its own beside it, and finds it again after a restart (its slots are still there)."""
+    taken = memory_namespace(root, "default", shm_dir)
+    taken.mkdir(mode=0o777)
+    chown_tree(taken, NOBODY)
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        mgr.save(1, {"w": torch.ones(4)}).wait()
+        ns = mgr._ns
+    assert ns != taken and ns.name.startswith(taken.name + "-") and (ns / "rank-00000").is_dir()
+    assert memory_namespace(root, "default", shm_dir) == ns  # what the CLI and a restarted job look up
+    with CheckpointManager(root, memory_dir=shm_dir) as again:
+        assert again._ns == ns
+        state = {"w": torch.zeros(4)}
+        assert again.restore(state) == 1 and torch.equal(state["w"], torch.ones(4))
+    assert os.lstat(taken).st_uid == NOBODY and not any(taken.iterdir())  # the other user's is left alone

@@ -129,6 +129,30 @@ def test_rank_behind_is_named_through_a_real_store(caplog: pytest.LogCaptureFixt
             dog.close()
 
 
+def test_steps_slowing_past_the_floor_are_reported_as_that(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """Both ranks alive and in step, each step slower than the last until one passes the
+    10 s-style floor (2 s here): the verdict says the steps slowed, not "a hang inside a
+    collective"."""
+    exits: list[int] = []
+    opts = HangDetection(floor_s=2.0, factor=2.0, warmup_steps=3, interval_s=0.1, poll_s=0.05)
+    dogs = watchdogs(tmp_path, opts, exits)
+    for dog in dogs:
+        dog.start()
+    try:
+        with caplog.at_level("WARNING", logger="ckpt.recovery.watchdog"):
+            for gap in (0.0, 0.1, 0.1, 0.1, 0.3, 0.6, 1.2):
+                time.sleep(gap)
+                for dog in dogs:
+                    dog.boundary()
+            assert wait_for(lambda: exits, timeout=20), "the slow step was never declared"
+        verdicts = [r.message for r in caplog.records if "hang detected" in r.message]
+        assert verdicts and all("slowing down" in v and "the last three took" in v for v in verdicts), verdicts
+        assert not any("inside a collective" in v for v in verdicts)
+    finally:
+        for dog in dogs:
+            dog.close()
+
+
 FAST = HangDetection(deadline_s=0.5, warmup_steps=0, interval_s=0.1, poll_s=0.05)  # 4 beats: 0.4 s
 
 

@@ -1,12 +1,17 @@
 """Peer replicas, one process: placement, the authenticated transfer into replica slots
-(real sockets on loopback, real shared-memory slots), reading replicas back, and
-damage (in transit or in a held replica) detected and never restored."""
+(real sockets on loopback, real shared-memory slots), reading replicas back,
+damage (in transit or in a held replica) detected and never restored, and the
+transport against hostile, dripping and malformed ends."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import socket
 import stat
+import subprocess
+import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -15,6 +20,7 @@ import pytest
 import torch
 
 from ckpt import CheckpointError, CheckpointManager
+from ckpt.peers import wire
 from ckpt.peers.placement import node_name, ring_targets
 from ckpt.peers.remote import Held, RemoteTier
 from ckpt.peers.replicas import ReplicaSlots
@@ -201,3 +207,215 @@ def test_a_fetched_replica_is_not_kept_after_its_read(saved, holder) -> None:
     del reader
     gc.collect()
     assert alive() is None and len(remote.fetched) == 1
+
+
+# The transport against hostile and faulty ends (issue #32): a relay that passes the
+# handshake through can neither read nor plant a replica; idle, dripping or malformed
+# connections are bounded in time and number and stop neither the server nor the sender.
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _recv_n(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("closed")
+        buf += got
+    return buf
+
+
+class Relay:
+    """An impostor between a sender and the real holder: it passes the handshake through
+    untouched (both ends see the same nonces and proofs), records what the sender sends
+    after it, and sends the holder its own replica instead (``plant``: frame and data)."""
+
+    def __init__(self, holder_addr: str, plant: bytes) -> None:
+        self.holder, self.plant, self.seen = holder_addr, plant, b""
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        client, _ = self.server.accept()
+        host, port = self.holder.rsplit(":", 1)
+        with client, socket.create_connection((host, int(port))) as up:
+            for src, dst, n in ((up, client, 16), (client, up, 16), (up, client, 32), (client, up, 32)):
+                dst.sendall(_recv_n(src, n))
+            client.settimeout(2)
+            try:
+                while chunk := client.recv(1 << 20):
+                    self.seen += chunk
+            except (TimeoutError, OSError):
+                pass
+            up.settimeout(10)
+            try:
+                up.sendall(self.plant)
+                while reply := up.recv(1 << 16):
+                    client.sendall(reply)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.server.close()
+        self.thread.join(timeout=30)
+
+
+def test_a_relay_between_sender_and_holder_can_neither_read_nor_plant_a_replica(
+        tmp_path: Path, shm_dir: str, saved, holder) -> None:
+    _, src = saved
+    server, held = holder
+    evil = CheckpointManager(tmp_path / "evil", memory_dir=shm_dir, chunk_bytes=64 << 10)
+    try:
+        forged = state_of(7)
+        forged["w"] = forged["w"] + 1000.0
+        evil.save(7, forged).wait()
+        evil_src = MemoryTier(namespace_dir(str((tmp_path / "evil").resolve()), "default", shm_dir), 0)
+        reader = open_shard(evil_src, evil_src.list()[-1].id, 0)
+        frame = ('{"op": "put", "manifest": ' + json.dumps(reader.manifest.to_bytes().decode()) + "}").encode()
+        plant = len(frame).to_bytes(4, "big") + frame + bytes(reader.view(0, reader.manifest.data_bytes))
+        reader.close()
+    finally:
+        evil.close()
+    relay = Relay(server.addr, plant)
+    try:
+        replicate(src, relay.addr, timeout_s=10)
+    finally:
+        relay.close()
+    genuine = open_shard(src, src.list()[-1].id, 0)
+    try:
+        clear = bytes(genuine.view(0, 4096))
+        assert b'"op"' not in relay.seen and clear not in relay.seen, "the relay read the replica"
+    finally:
+        genuine.close()
+    for info in held.list():  # anything sealed is the sender's own replica, never the relay's
+        r = open_shard(held, info.id, 0)
+        try:
+            assert bytes(r.view(0, 4096)) == clear, "the relay planted a replica"
+        finally:
+            r.close()
+
+
+
+@pytest.fixture
+def small_holder(shm_dir: str):
+    """A holder with a 1 s deadline per connection and room for 4 connections."""
+    ns = Path(shm_dir) / "ckpt-guard-small-holder"
+    replicas = ReplicaSlots(ns, {"root": "/nowhere", "run": "t"})
+    server = PeerServer(replicas, [PeerTier(ns)], host="127.0.0.1", timeout_s=1, max_connections=4)
+    server.start(SECRET)
+    yield server
+    server.close()
+    replicas.close()
+
+
+def _ask(addr: str) -> dict:
+    """A well-behaved peer's request for a step nobody holds."""
+    with wire.connect(addr, SECRET, 5) as session:
+        deadline = time.monotonic() + 5
+        session.send_frame({"op": "get", "rank": 0, "generation": 0, "step": 1}, deadline=deadline)
+        return session.recv_frame(deadline=deadline)
+
+
+def test_a_handshake_dripped_one_byte_at_a_time_is_cut_at_the_deadline(small_holder) -> None:
+    host, port = small_holder.addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        t0 = time.monotonic()
+        closed_after = None
+        for _ in range(40):  # one byte every 0.25 s: each recv() would be within a 1 s timeout
+            try:
+                s.sendall(b"x")
+                time.sleep(0.25)
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+        assert closed_after is not None and closed_after < 4, "the server held a dripping connection"
+
+
+def test_idle_connections_are_capped_and_a_real_peer_still_gets_in(small_holder) -> None:
+    host, port = small_holder.addr.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(12)]
+    try:
+        time.sleep(0.3)
+        threads = [t for t in threading.enumerate() if t.name == "ckpt-peer-conn"]
+        assert len(threads) <= 4
+        assert "step 1 (generation 0)" in str(_ask(small_holder.addr).get("error"))
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_the_accept_loop_survives_running_out_of_file_descriptors(tmp_path: Path) -> None:
+    child = f"""
+import os, resource, socket, time
+from pathlib import Path
+from ckpt.peers import wire
+from ckpt.peers.replicas import ReplicaSlots
+from ckpt.peers.server import PeerServer
+secret = b"s" * 32
+server = PeerServer(ReplicaSlots(Path({str(tmp_path)!r}), {{}}), [], host="127.0.0.1", timeout_s=5)
+server.start(secret)
+clients = [socket.socket() for _ in range(3)]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+filler = []
+while True:
+    try:
+        filler.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+host, port = server.addr.rsplit(":", 1)
+for c in clients:
+    c.connect((host, int(port)))  # queued: the server's accept() fails with EMFILE
+time.sleep(1.5)
+for fd in filler:
+    os.close(fd)
+for c in clients:
+    c.close()
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+with wire.connect(server.addr, secret, 5) as session:
+    session.send_frame({{"op": "get", "rank": 0, "generation": 0, "step": 1}}, deadline=time.monotonic() + 5)
+    print("reply", session.recv_frame(deadline=time.monotonic() + 5), "accept_errors", server.accept_errors)
+server.close()
+"""
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "reply {'ok': False" in out.stdout and "accept_errors 0" not in out.stdout, out.stdout + out.stderr
+
+
+def test_a_holder_that_drips_its_nonce_costs_an_urgent_send_no_more_than_its_timeout(saved) -> None:
+    _, src = saved
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as dripper:
+        def drip() -> None:
+            conn, _ = dripper.accept()
+            with conn:
+                while not stop.is_set():
+                    try:
+                        conn.sendall(b"n")
+                    except OSError:
+                        return
+                    stop.wait(0.2)
+
+        t = threading.Thread(target=drip, daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        rep, results = replicate(src, f"127.0.0.1:{dripper.getsockname()[1]}", timeout_s=2)  # submit, join, close
+        took = time.monotonic() - t0
+        stop.set()
+        t.join(timeout=10)
+    assert results == [False] and rep.failed == 1 and took < 6
+
+
+def test_a_manifest_that_is_not_valid_text_gets_an_error_reply_and_the_server_goes_on(holder) -> None:
+    server, held = holder
+    with wire.connect(server.addr, SECRET, 5) as session:
+        deadline = time.monotonic() + 5
+        session.send_frame({"op": "put", "manifest": "\ud800"}, deadline=deadline)
+        reply = session.recv_frame(deadline=deadline)
+    assert reply["ok"] is False and "bad replica manifest" in reply["error"]
+    assert "step 1 (generation 0)" in str(_ask(server.addr).get("error"))
+    assert held.list() == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def test_strikes_within_the_window_quarantine_a_node(tmp_path: Path) -> None:
 
 def test_operator_checks_and_clears_a_node(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "quarantine-r.json"
-    quarantine.write(path, {"a": [strike(1e12 + i, f"i{i}") for i in range(3)]})  # in the future: recent
+    quarantine.write(path, {"a": [strike(time.time() - i, f"i{i}") for i in range(3)]})
     assert quarantine.main(["check", "--record", str(path), "--node", "a"]) == EXIT_QUARANTINED
     assert quarantine.main(["check", "--record", str(path), "--node", "b"]) == 0
     capsys.readouterr()
@@ -42,6 +43,37 @@ def test_operator_checks_and_clears_a_node(tmp_path: Path, capsys: pytest.Captur
     assert quarantine.main(["check", "--record", str(path), "--node", "a"]) == 0
     with pytest.raises(SystemExit):
         quarantine.main(["clear", "--record", str(path)])  # which node?
+
+
+@pytest.mark.parametrize("raw", [b'{"strikes": []}', b"null", b"[1, 2]", b"[" * 100_000, b"\xff\xfe not utf-8",
+                                 b'{"strikes": {"a": [null, {"t": "x"}, 3], "b": 7}}'],
+                         ids=["strikes-a-list", "null", "a-list", "100k-deep", "not-utf8", "bad-strikes"])
+def test_a_record_of_the_wrong_shape_is_ignored_with_one_line(tmp_path: Path, raw: bytes,
+                                                            caplog: pytest.LogCaptureFixture,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "quarantine-r.json"
+    path.write_bytes(raw)
+    assert quarantine.read(path) == {}
+    assert "quarantine record" in caplog.text
+    assert quarantine.main(["list", "--record", str(path)]) == 0
+    assert quarantine.main(["check", "--record", str(path), "--node", "a"]) == 0
+    quarantine.write(path, {"c": [strike(time.time(), "i1")]})  # the next strike replaces the damage
+    assert list(quarantine.read(path)) == ["c"]
+
+
+def test_good_strikes_beside_bad_ones_still_count(tmp_path: Path) -> None:
+    path = tmp_path / "quarantine-r.json"
+    now = time.time()
+    path.write_text(json.dumps({"strikes": {"a": [strike(now - i, f"i{i}") for i in range(3)] + [{"t": None}],
+                                            "b": "garbage"}}))
+    assert quarantine.quarantined(quarantine.read(path), limit=3, window_s=60).keys() == {"a"}
+
+
+def test_strikes_stamped_in_the_future_do_not_count(tmp_path: Path) -> None:
+    now = time.time()
+    strikes = {"a": [strike(now + 1e9 + i, f"i{i}") for i in range(3)], "b": [strike(now + 5 + i, f"j{i}")
+                                                                              for i in range(3)]}
+    assert quarantine.quarantined(strikes, limit=3, window_s=3600, now=now).keys() == {"b"}  # b: clock skew
 
 
 def test_a_node_hung_a_third_time_is_quarantined(tmp_path: Path, shm_dir: str,

@@ -25,8 +25,10 @@ import use much memory or time. Import only directories you chose.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
+import stat
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -35,11 +37,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import CheckpointError
+from ..format.manifest import MAX_JSON_DEPTH
 
 METADATA_FILE = ".metadata"
 _METADATA_CLASSES = {
@@ -83,12 +87,47 @@ def read_metadata(directory: str | Path) -> Metadata:
             raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
-    bad = sorted({str(getattr(info, "relative_path", info)) for info in (metadata.storage_data or {}).values()
-                  if not _DATA_FILE.fullmatch(str(getattr(info, "relative_path", "")))})
-    if metadata.storage_data is None or bad:
-        raise CheckpointError(f"{path}: DCP metadata without storage data, or naming files outside the directory "
-                              f"({', '.join(bad[:5])})")
+    if not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{path}: DCP metadata without storage data")
+    _check_storage(Path(directory), metadata.storage_data)
+    _check_tensors(path, metadata.state_dict_metadata)
     return metadata
+
+
+def _check_storage(directory: Path, storage: dict) -> None:
+    """Every item's bytes lie inside a regular file of ``directory`` (plain names only, as
+    text: a crafted path object can show one name and lead elsewhere; no symlinks)."""
+    names = [getattr(info, "relative_path", None) for info in storage.values()]
+    bad = sorted({repr(n) for n in names if type(n) is not str or not _DATA_FILE.fullmatch(n)})
+    if bad:
+        raise CheckpointError(f"{directory}: DCP metadata naming files outside the directory ({', '.join(bad[:5])})")
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        name = info.relative_path
+        if name not in sizes:
+            try:
+                st = os.lstat(directory / name)
+            except FileNotFoundError:
+                raise CheckpointError(f"{directory}: DCP metadata names {name}, which is missing") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{directory}/{name} is not a regular file (a symlink?); refusing to follow it")
+            sizes[name] = st.st_size
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 \
+                or offset + length > sizes[name]:
+            fqn = getattr(index, "fqn", index)
+            raise CheckpointError(f"{directory}: DCP item {fqn!r}: bytes {offset!r}+{length!r} of {name} are not in "
+                                  f"the file ({sizes[name]} bytes)")
+
+
+def _check_tensors(path: Path, items: dict) -> None:
+    """Tensor items have a dtype and a size of non-negative integers (what allocating them takes)."""
+    for fqn, md in items.items():
+        if isinstance(md, TensorStorageMetadata) and not (
+                isinstance(md.size, tuple) and all(type(d) is int and d >= 0 for d in md.size)
+                and isinstance(getattr(md.properties, "dtype", None), torch.dtype)):
+            raise CheckpointError(f"{path}: DCP item {fqn!r}: tensor size {md.size!r} is not a list of non-negative "
+                                  "integers, or its dtype is not a torch dtype")
 
 
 class _Reader(FileSystemReader):
@@ -173,10 +212,16 @@ def _paths(metadata: Metadata) -> dict[str, tuple]:
     for fqn in items:
         path = saved.get(fqn)
         path = tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)
-        if not all(isinstance(p, str) or (type(p) is int and 0 <= p < len(items)) for p in path):
-            raise CheckpointError(f"DCP planner data: {fqn!r} is placed at {path!r}, not a path in a state")
+        if len(path) > MAX_JSON_DEPTH // 2 \
+                or not all(isinstance(p, str) or (type(p) is int and 0 <= p < len(items)) for p in path):
+            raise CheckpointError(f"DCP planner data: {fqn!r} is placed at {_short(path)}, not a path in a state "
+                                  f"(at most {MAX_JSON_DEPTH // 2} deep)")
         out[fqn] = path
     return out
+
+
+def _short(path: tuple) -> str:
+    return repr(path) if len(path) <= 8 else f"{path[:4]!r}… ({len(path)} parts)"
 
 
 def _load(directory: str | Path, flat: dict[str, Any], progress: Callable[[int], None] | None) -> _Planner:
@@ -188,7 +233,7 @@ def _load(directory: str | Path, flat: dict[str, Any], progress: Callable[[int],
                 dcp.load(flat, storage_reader=_Reader(str(directory)), planner=planner, no_dist=True)
         except CheckpointError:
             raise
-        except Exception as e:  # DCP wraps what its reader raises
+        except (Exception, CheckpointException) as e:  # DCP wraps what its reader raises (in a BaseException)
             raise CheckpointError(f"{directory}: reading the DCP checkpoint failed: {e}") from None
     return planner
 

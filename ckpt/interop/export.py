@@ -17,8 +17,12 @@ global layout that resharding records, and is refused with a message saying so.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -128,3 +132,38 @@ def write_dcp(values: Mapping[str, Any], out: Path) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(dict(values), checkpoint_id=str(out))
+
+
+# What an export writes (either format), and so what a later one with --force replaces.
+_EXPORT_FILE = re.compile(r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
+                          r"|[^/]*\.distcp|\.metadata")
+
+
+def write_replacing(out: Path, write: Callable[[Path], list[Path]]) -> list[Path]:
+    """Run ``write`` into a fresh directory inside ``out``, then move what it wrote into
+    ``out`` and remove an earlier export's other files (left behind, an old
+    ``model.safetensors`` beside new shards is what transformers loads). A failure midway
+    (a full disk) leaves ``out`` as it was: one CheckpointError, no partial file."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    except OSError as e:
+        raise CheckpointError(f"cannot export into {out}: {e}") from None
+    try:
+        written = write(staging)
+        for p in written:
+            os.replace(p, out / p.name)
+        new = {p.name for p in written}
+        for old in out.iterdir():
+            if old.name not in new and _EXPORT_FILE.fullmatch(old.name) and not old.is_dir():
+                old.unlink()
+        return [out / name for name in sorted(new)]
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # OSError, safetensors' and DCP's own errors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(f"cannot write the export into {out}: {first}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

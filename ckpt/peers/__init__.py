@@ -2,7 +2,7 @@
 on other nodes, so losing a node costs what losing a process costs.
 
 placement.py   node identity; which ranks hold whose replicas (a ring of nodes)
-wire.py        the authenticated TCP connection between ranks
+wire.py        the authenticated, encrypted TCP connection between ranks
 replicas.py    writing replicas into this node's replica slots (memory-tier slots)
 server.py      each rank's server: takes replicas, hands them out at restore
 replicator.py  the background sender (bandwidth cap, timeout, newest-only)

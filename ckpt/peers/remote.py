@@ -73,13 +73,14 @@ class RemoteTier(TierReader):
             raise FileNotFoundError(f"step {ckpt_id}: no peer holds rank {ref.rank}'s shard")
         where = f"rank {held.holder}'s replica of rank {ref.rank} ({held.addr})"
         t0 = time.monotonic()
-        with wire.connect(held.addr, self._secret, self.timeout_s) as sock:
-            wire.send_frame(sock, {"op": "get", "rank": ref.rank, "generation": ckpt_id.generation,
-                                   "step": ckpt_id.step})
-            reply = wire.recv_frame(sock)
+        deadline = t0 + self.timeout_s
+        with wire.connect(held.addr, self._secret, self.timeout_s) as session:
+            session.send_frame({"op": "get", "rank": ref.rank, "generation": ckpt_id.generation,
+                                "step": ckpt_id.step}, deadline=deadline)
+            reply = session.recv_frame(deadline=deadline)
             if not reply.get("ok"):
-                raise FileNotFoundError(f"step {ckpt_id}: {where}: {reply.get('error')}")
-            raw = str(reply.get("manifest", "")).encode()
+                raise FileNotFoundError(f"step {ckpt_id}: {where}: {str(reply.get('error'))[:500]}")
+            raw = str(reply.get("manifest", "")).encode("utf-8", "replace")
             if crc32c_of(raw) != held.ref.manifest_crc32c:
                 raise DamagedCheckpoint(ckpt_id.step, where, "manifest does not match the holder's inventory",
                                         self.name)
@@ -89,6 +90,6 @@ class RemoteTier(TierReader):
                 raise DamagedCheckpoint(ckpt_id.step, where, "manifest is not of this shard, or has no checksums",
                                         self.name)
             data = torch.empty(man.data_bytes, dtype=torch.uint8)  # not zeroed: every byte is received
-            wire.recv_into(sock, memoryview(data.numpy()), deadline=t0 + self.timeout_s)
+            session.recv_data(memoryview(data.numpy()), deadline=deadline)
         self.fetched.append((ckpt_id, held, time.monotonic() - t0))
         return FetchedShard(man, data, where)  # restore opens each shard once (restore.OpenShards)

@@ -19,8 +19,9 @@ from ..format.read_items import ReadItem, read_items
 from ..format.verify import mismatch
 from ..tiers.memory.reader import SlotReader
 from ..tiers.memory.slots import SlotPool
+from .wire import PIECE
 
-_RECV_STEP = 8 << 20  # bytes received between hand-offs to the checkers (wire.PIECE: one recv call)
+_RECV_STEP = PIECE  # bytes received between hand-offs to the checkers: one sealed piece, one recv call
 
 
 class ReplicaSlots:

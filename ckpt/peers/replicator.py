@@ -102,24 +102,26 @@ class Replicator:
         try:
             reader = job.open()
             try:
-                with wire.connect(addr, self._secret, self.timeout_s) as sock:
+                deadline = t0 + self.timeout_s
+                with wire.connect(addr, self._secret, self.timeout_s) as session:
                     with self._cond:
-                        self._sock = sock
+                        self._sock = session.sock
                         if job.cut.is_set():  # cut off while connecting
-                            _shut(sock)
+                            _shut(session.sock)
                     try:
-                        wire.send_frame(sock, {"op": "put", "manifest": reader.manifest.to_bytes().decode()})
-                        wire.send_paced(sock, reader.view(0, reader.manifest.data_bytes),
-                                        bytes_per_s=None if job.urgent else self.bytes_per_s,
-                                        deadline=t0 + self.timeout_s, stop=job.cut)
-                        reply = wire.recv_frame(sock)
+                        session.send_frame({"op": "put", "manifest": reader.manifest.to_bytes().decode()},
+                                           deadline=deadline)
+                        session.send_data(reader.view(0, reader.manifest.data_bytes),
+                                          bytes_per_s=None if job.urgent else self.bytes_per_s,
+                                          deadline=deadline, stop=job.cut)
+                        reply = session.recv_frame(deadline=deadline)
                     finally:
                         with self._cond:
                             self._sock = None
             finally:
                 reader.close()
             if not reply.get("ok"):
-                raise wire.PeerError(f"refused: {reply.get('error')}")
+                raise wire.PeerError(f"refused: {str(reply.get('error'))[:500]}")
         except (wire.PeerError, *DAMAGE) as e:
             if job.cut.is_set():
                 return False  # counted once, as superseded, by the loop
@@ -139,6 +141,8 @@ class Replicator:
                 self._cond.wait()
 
     def close(self) -> None:
+        """Stop once the send in flight and the pending one are done: each holder's send,
+        handshake included, ends by ``timeout_s`` whatever the holder does."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()

@@ -2,12 +2,15 @@
 takes replicas from the ranks it holds for (``put``) and hands out, at restore
 (``get``), the replicas it holds and this node's own snapshots of any rank (a rank
 numbered differently after a restart fetches its old shard from here). One
-short-lived thread per connection; every connection first proves it knows the job's
-secret (``wire.handshake``). A ``put`` is received at nice ``nice`` (``priority``:
+short-lived thread per connection, at most ``max_connections`` at once, each done by
+its deadline (``timeout_s`` from its handshake to its reply); every connection first
+proves it knows the job's secret and then speaks encrypted (``wire``). Running out of
+file descriptors pauses the accept loop, never ends it. A ``put`` is received at nice ``nice`` (``priority``:
 training on this node runs first), a ``get`` (a restore waiting for it) at normal
 priority."""
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -24,13 +27,18 @@ from .replicas import ReplicaSlots
 
 log = logging.getLogger(__name__)
 
+# accept() failing with one of these is the machine short of something for a while (file
+# descriptors, memory) or one connection gone before it was taken: wait, then go on.
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+
 
 class PeerServer:
     """Bound at construction (so the address can be gathered), serving after ``start``."""
 
     def __init__(self, replicas: ReplicaSlots, sources: Sequence[TierReader], *, host: str, timeout_s: float,
-                 nice: int = 0) -> None:
+                 nice: int = 0, max_connections: int = 64) -> None:
         self.replicas, self.sources, self.timeout_s, self.nice = replicas, list(sources), timeout_s, nice
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.5)  # the accept loop looks at the stop flag this often
         self.addr = f"{host}:{self._sock.getsockname()[1]}"
@@ -38,61 +46,89 @@ class PeerServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="ckpt-peer-server", daemon=True)
         self.received = 0  # replicas sealed here
+        self.accept_errors = 0  # accept() failures waited out (file descriptors exhausted, ...)
 
     def start(self, secret: bytes) -> None:
         self._secret = secret
         self._thread.start()
 
     def _accept(self) -> None:
+        streak = 0  # accept() failures in a row
         while not self._stop.is_set():
+            if not self._slots.acquire(timeout=0.5):  # every slot taken: the oldest end by their deadline
+                continue
             try:
                 conn, peer = self._sock.accept()
             except TimeoutError:
+                self._slots.release()
                 continue
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="ckpt-peer-conn",
-                             daemon=True).start()
+            except OSError as e:
+                self._slots.release()
+                if self._stop.is_set() or e.errno not in _TRANSIENT:
+                    return
+                self.accept_errors += 1
+                if streak % 120 == 0:  # once a minute while it lasts
+                    log.warning("peer server cannot accept a connection now (%s); retrying every 0.5 s", e)
+                streak += 1
+                self._stop.wait(0.5)
+                continue
+            streak = 0
+            try:
+                threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="ckpt-peer-conn",
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to be had now: this connection is dropped, not the server
+                conn.close()
+                self._slots.release()
+                log.warning("peer server dropped a connection from %s:%s: %s", peer[0], peer[1], e)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
-        with conn:
-            try:
-                conn.settimeout(self.timeout_s)
-                wire.handshake(conn, self._secret, server=True)
-                req = wire.recv_frame(conn)
-                if req.get("op") == "put":
-                    lower_this_thread(self.nice)  # this connection's thread only; its checkers inherit it
-                    self._put(conn, req, peer)
-                elif req.get("op") == "get":
-                    self._get(conn, req, peer)
-                else:
-                    wire.send_frame(conn, {"ok": False, "error": f"unknown request {req.get('op')!r}"})
-            except (CheckpointError, OSError) as e:
-                log.warning("peer request from %s failed: %s", peer, e)
-
-    def _put(self, conn: socket.socket, req: dict, peer: str) -> None:
-        manifest = ShardManifest.from_bytes(str(req.get("manifest", "")).encode(), f"replica manifest from {peer}")
         deadline = time.monotonic() + self.timeout_s
         try:
-            self.replicas.receive(manifest, lambda view: wire.recv_into(conn, view, deadline=deadline))
+            with wire.handshake(conn, self._secret, server=True, deadline=deadline) as session:
+                req = session.recv_frame(deadline=deadline)
+                if req.get("op") == "put":
+                    lower_this_thread(self.nice)  # this connection's thread only; its checkers inherit it
+                    self._put(session, req, peer, deadline)
+                elif req.get("op") == "get":
+                    self._get(session, req, peer, deadline)
+                else:
+                    session.send_frame({"ok": False, "error": f"unknown request {str(req.get('op'))[:80]!r}"},
+                                       deadline=deadline)
+        except (CheckpointError, OSError) as e:
+            log.warning("peer request from %s failed: %s", peer, e)
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def _put(self, session: wire.Session, req: dict, peer: str, deadline: float) -> None:
+        try:
+            raw = req.get("manifest")
+            if not isinstance(raw, str):
+                raise CheckpointError(f"replica manifest from {peer} is not a string")
+            manifest = ShardManifest.from_bytes(raw.encode(), f"replica manifest from {peer}")
+        except (CheckpointError, UnicodeError) as e:
+            log.warning("replica from %s refused: %s", peer, e)
+            session.send_frame({"ok": False, "error": f"bad replica manifest: {e}"}, deadline=deadline)
+            return
+        try:
+            self.replicas.receive(manifest, lambda view: session.recv_data(view, deadline=deadline))
         except (CheckpointError, OSError) as e:
             log.warning("replica of rank %d's step %d from %s rejected: %s", manifest.rank, manifest.step, peer, e)
-            wire.send_frame(conn, {"ok": False, "error": str(e)})
+            session.send_frame({"ok": False, "error": str(e)}, deadline=deadline)
             return
         self.received += 1
-        wire.send_frame(conn, {"ok": True})
+        session.send_frame({"ok": True}, deadline=deadline)
 
-    def _get(self, conn: socket.socket, req: dict, peer: str) -> None:
+    def _get(self, session: wire.Session, req: dict, peer: str, deadline: float) -> None:
         try:
             ckpt_id = CheckpointId(int(req["generation"]), int(req["step"]))
             reader = self._open(ckpt_id, int(req["rank"]))
-        except (KeyError, TypeError, ValueError, *DAMAGE) as e:
-            wire.send_frame(conn, {"ok": False, "error": str(e)})
+        except (KeyError, TypeError, ValueError, OverflowError, *DAMAGE) as e:
+            session.send_frame({"ok": False, "error": str(e)}, deadline=deadline)
             return
         try:
-            wire.send_frame(conn, {"ok": True, "manifest": reader.manifest.to_bytes().decode()})
-            wire.send_paced(conn, reader.view(0, reader.manifest.data_bytes), bytes_per_s=None,
-                            deadline=time.monotonic() + self.timeout_s)
+            session.send_frame({"ok": True, "manifest": reader.manifest.to_bytes().decode()}, deadline=deadline)
+            session.send_data(reader.view(0, reader.manifest.data_bytes), bytes_per_s=None, deadline=deadline)
         finally:
             reader.close()  # raises if the slot was overwritten meanwhile (the client's checksums fail too)
         log.info("sent the replica of rank %s's step %s to %s", req["rank"], ckpt_id.step, peer)

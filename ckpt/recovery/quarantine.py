@@ -21,6 +21,7 @@ import argparse
 import fcntl
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -29,11 +30,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ..errors import ManifestError
+from ..format.bounded_json import loads_bounded
 from .leaving import flush_logs
 
 log = logging.getLogger(__name__)
 
 EXIT_QUARANTINED = 88  # this rank left the job: a node of the job is quarantined
+_MAX_RECORD_BYTES = 16 << 20
+_CLOCK_SKEW_S = 300.0  # a strike stamped later than now by more than this is not believed
 
 
 def record_path(root: str | os.PathLike, run: str) -> Path:
@@ -41,11 +46,35 @@ def record_path(root: str | os.PathLike, run: str) -> Path:
 
 
 def read(path: Path) -> dict[str, list[dict]]:
-    """node -> its strikes ({"t", "cause", "restart"}, oldest first); {} when none."""
+    """node -> its strikes ({"t", "cause", "restart"}, oldest first); {} when none. A
+    record that is not of this shape is ignored, and so are the malformed strikes of one
+    that is, each time with one logged line: a damaged record never stops the job."""
     try:
-        return json.loads(path.read_text()).get("strikes", {})
-    except (OSError, ValueError):
+        doc = loads_bounded(path.read_bytes(), f"quarantine record {path}", 8, _MAX_RECORD_BYTES)
+    except FileNotFoundError:
         return {}
+    except (OSError, ManifestError) as e:
+        log.warning("quarantine record ignored: %s", e)
+        return {}
+    strikes = doc.get("strikes") if isinstance(doc, dict) else None
+    if not isinstance(strikes, dict):
+        log.warning('quarantine record %s ignored: not {"strikes": {node: [strike, ...]}}', path)
+        return {}
+    out, dropped = {}, 0
+    for node, ss in strikes.items():
+        good = [s for s in ss if _is_strike(s)] if isinstance(ss, list) else []
+        dropped += (len(ss) if isinstance(ss, list) else 1) - len(good)
+        if good:
+            out[node] = good
+    if dropped:
+        log.warning("quarantine record %s: %d malformed strike(s) ignored (each needs a finite number t, a text "
+                    "cause and a restart)", path, dropped)
+    return out
+
+
+def _is_strike(s: object) -> bool:
+    return isinstance(s, dict) and type(s.get("t")) in (int, float) and math.isfinite(s["t"]) \
+        and isinstance(s.get("cause"), str) and type(s.get("restart")) in (int, str)
 
 
 def merge(records: list[dict[str, list[dict]]], new: dict[str, dict]) -> dict[str, list[dict]]:
@@ -61,9 +90,10 @@ def merge(records: list[dict[str, list[dict]]], new: dict[str, dict]) -> dict[st
 
 def quarantined(strikes: dict[str, list[dict]], *, limit: int, window_s: float,
                 now: float | None = None) -> dict[str, list[dict]]:
-    """The nodes with ``limit`` strikes or more within ``window_s``: their recent strikes."""
+    """The nodes with ``limit`` strikes or more within ``window_s``: their recent strikes (a
+    strike stamped in the future, beyond clock skew, would never age out: not counted)."""
     now = time.time() if now is None else now
-    recent = {node: [s for s in ss if now - s["t"] <= window_s] for node, ss in strikes.items()}
+    recent = {node: [s for s in ss if -_CLOCK_SKEW_S <= now - s["t"] <= window_s] for node, ss in strikes.items()}
     return {node: ss for node, ss in recent.items() if limit > 0 and len(ss) >= limit}
 
 

@@ -279,12 +279,10 @@ class Watchdog:
         median = statistics.median(self._step_times) if self._step_times else float("nan")
         names = ", ".join(f"rank {r} on node {who[r].node} (pid {who[r].pid})" if r in who else f"rank {r}"
                           for r in culprits)
+        seen = f"{why}: {names}" if culprits else self._no_culprit()
         log.critical("hang detected by rank %d: no step boundary for %.1f s (deadline %.1f s, median step %.3f s); "
-                     "%s; exiting with code %d", self.rank, stalled, deadline, median,
-                     f"{why}: {names}" if culprits else "every rank is alive at the same boundary (a hang inside "
-                     "a collective or a kernel)", EXIT_HUNG)
-        self.recorder.fault(f"hang: {why or 'every rank alive at the same boundary'}: "
-                            f"{names or 'no culprit named'}", time.time() - stalled,
+                     "%s; exiting with code %d", self.rank, stalled, deadline, median, seen, EXIT_HUNG)
+        self.recorder.fault(f"hang: {seen if culprits else seen[:300]}", time.time() - stalled,
                             [who[r].node for r in culprits if r in who])
         if self.rank in culprits or not culprits:
             log.critical("rank %d: this rank's Python stacks follow", self.rank)
@@ -294,6 +292,18 @@ class Watchdog:
             if r in who and who[r].pid != self.me.pid and who[r].host == self.me.host:
                 self._kill(who[r], ask_stacks=why.startswith("frozen"))
         self._leave(EXIT_HUNG)
+
+    def _no_culprit(self) -> str:
+        """What was seen when every rank is alive at the same boundary: steps that grew
+        until one passed the deadline are said to be that, not a hang."""
+        times = list(self._step_times)
+        last, median = times[-3:], statistics.median(times) if times else 0.0
+        seen = f"every rank is alive at boundary {self._boundaries}, none frozen or behind"
+        if len(last) == 3 and last[0] < last[1] < last[2] and last[2] >= 2 * median:
+            return (f"{seen}; the steps were slowing down (the last three took "
+                    f"{', '.join(f'{t:.2f}' for t in last)} s, median {median:.2f} s) until this one passed the "
+                    "deadline: a job slowing down, not necessarily a hang")
+        return f"{seen}; this step is past the deadline: a hang inside a collective or a kernel, or a step that slow"
 
     def _leave(self, code: int, *message: object) -> None:
         """Exit at once (unwinding could block in a collective or a teardown barrier)."""

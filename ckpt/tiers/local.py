@@ -12,7 +12,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import DamagedCheckpoint, ManifestError
+from ..errors import CheckpointError, DamagedCheckpoint, ManifestError
 from ..format.checksum import crc32c_of
 from ..format.manifest import MANIFEST_FILE, Manifest, ShardManifest, ShardRef
 from .base import CheckpointId, CheckpointInfo, DurableTier, ShardReader, check_shard, committed_info, parse_commit
@@ -130,11 +130,7 @@ class LocalDiskTier(DurableTier):
         man = source.manifest
         if not man.has_checksums:
             raise ValueError("the disk tier only accepts shards with checksums")
-        d = self._dir(ckpt_id)
-        fresh = not d.exists()
-        d.mkdir(parents=True, exist_ok=True)
-        if fresh:
-            fsync_dir(self.root)
+        d = self._own_dir(ckpt_id)
         data = d / man.data_file
         with atomic_file(data) as fd:
             if man.data_bytes:
@@ -165,11 +161,26 @@ class LocalDiskTier(DurableTier):
             for f in [pool.submit(region, bounds[i], bounds[i + 1]) for i in range(n)]:
                 f.result()
 
+    def _own_dir(self, ckpt_id: CheckpointId) -> Path:
+        """The checkpoint's directory, created if need be, refused if it is anything but a
+        real directory (a symlink there would send the writes elsewhere)."""
+        d = self._dir(ckpt_id)
+        try:
+            d.mkdir(parents=True)
+            fsync_dir(self.root)
+        except FileExistsError:
+            pass
+        if not stat.S_ISDIR(os.lstat(d).st_mode):
+            raise CheckpointError(f"{d} is a symlink or not a directory; refusing to write a checkpoint through it")
+        return d
+
     def commit(self, ckpt_id: CheckpointId, manifest: Manifest) -> None:
-        atomic_write(self._dir(ckpt_id) / MANIFEST_FILE, manifest.to_bytes())
+        atomic_write(self._own_dir(ckpt_id) / MANIFEST_FILE, manifest.to_bytes())
 
     def delete(self, ckpt_id: CheckpointId) -> None:
         d = self._dir(ckpt_id)
+        if d.is_symlink():
+            return  # not ours: nothing of it was written (see _own_dir)
         if (d / MANIFEST_FILE).exists():
             (d / MANIFEST_FILE).unlink()
             fsync_dir(d)

@@ -8,13 +8,16 @@ root, run) so that the CLI finds a job's slots from its root after a crash.
 /dev/shm is writable by every local user, so nothing found there is trusted by
 name: a namespace, rank directory or file counts only if it is owned by this user,
 private (no group/other bits) and not a symlink. A planted namespace is ignored,
-never listed or restored.
+never listed or restored. A job whose predictable name another user took first uses
+the first of ``<name>-1`` ... ``<name>-64`` that is (or can be made) its own: every
+rank, restart and CLI lookup walks the same list and lands on the same directory.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import stat
@@ -31,13 +34,32 @@ DEFAULT_SHM_DIR = "/dev/shm"
 OWNER_FILE = "owner.json"
 _MAX_OWNER_BYTES = 64 << 10
 _NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+log = logging.getLogger(__name__)
+
+
+_ALTERNATIVES = 64
 
 
 def namespace_dir(root_key: str, run: str, shm_dir: str = DEFAULT_SHM_DIR) -> Path:
-    """Private per-job directory: a hash of the root's real path (or URL), the user and the run id."""
+    """Private per-job directory: a hash of the root's real path (or URL), the user and the
+    run id; when that name is taken by someone else, the first alternative of this user's
+    (made here: ranks racing to make it both end up in it)."""
     uid = os.getuid()
     digest = hashlib.sha256(f"{root_key}\0{uid}\0{run}".encode()).hexdigest()[:16]
-    return Path(shm_dir) / f"ckpt-guard-{uid}-{digest}"
+    ns = Path(shm_dir) / f"ckpt-guard-{uid}-{digest}"
+    if not os.path.lexists(ns) or is_trusted(ns, directory=True):
+        return ns
+    for k in range(1, _ALTERNATIVES + 1):
+        alt = ns.with_name(f"{ns.name}-{k}")
+        try:
+            alt.mkdir(mode=0o700)
+            log.warning("%s is not a private directory of this user (someone else made it); using %s", ns, alt)
+        except OSError:
+            pass  # ours already, or someone else's: told apart below
+        if is_trusted(alt, directory=True):
+            return alt
+    raise CheckpointError(f"{ns} and its {_ALTERNATIVES} alternatives ({ns.name}-N) are taken by someone else; "
+                          f"remove them or pass another memory_dir")
 
 
 def memory_namespace(root: str | os.PathLike, run: str | None, memory_dir: str = DEFAULT_SHM_DIR) -> Path:
