@@ -41,6 +41,7 @@ from .tiers.local import LocalDiskTier
 from .tiers.locations import object_store_tier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
+from .tiers.memory.namespace import rank_dirs
 
 if TYPE_CHECKING:
     from .format.manifest import ShardManifest
@@ -74,6 +75,9 @@ class CheckpointManager:
     ``peer_bytes_per_s`` caps each rank's sending rate, ``peer_timeout_s`` abandons a send;
     ``peer_avoid_at_risk`` places no replica on a node the predictor reports at risk
     while others are left (``ckpt.resumable(predictor=...)`` and the callbacks tell it).
+
+    ``node_memory`` restores from every rank's memory slots on this node, not only this
+    rank's (``ckpt.inprocess``: the survivors of a lost rank read its sealed slots).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -83,11 +87,12 @@ class CheckpointManager:
                  storage_options: dict | None = None, object_interval_s: float = 0.0,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", peers: int = 0,
                  node: str | None = None, peer_bytes_per_s: float | None = None,
-                 peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False) -> None:
+                 peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, node_memory: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         keep_by_tier, default_keep = retention(keep_last)
         self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
+        self.node_memory = node_memory
         self.replicated = frozenset(replicated)
         self.coord = Coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
@@ -313,6 +318,9 @@ class CheckpointManager:
         replica holder's (read-only), then the durable tiers."""
         holder = self._replica_holder
         others = [MemoryTier(self._ns, holder)] if self.replicated and holder != self.rank else []
+        if self.node_memory:  # every rank's slots on this node (read-only): a rank lost in process left its own
+            own = {self.memory.dir, *(t.dir for t in others)}
+            others += [MemoryTier(self._ns, int(d.name.split("-")[1])) for d in rank_dirs(self._ns) if d not in own]
         return [self.memory, *others, *self.tiers[1:]]
 
     def list(self) -> list[dict]:
@@ -342,6 +350,17 @@ class CheckpointManager:
             self.flush()
         finally:
             self._release()
+
+    def abandon(self) -> None:
+        """Let go after a peer failed (``ckpt.inprocess``): background waits on other ranks
+        end at once, nothing more is committed, this rank's memory is released (its sealed
+        slots stay, for the next incarnation's restore). Unlike ``close()`` it never waits for
+        a rank that is gone."""
+        if self._closed:
+            return
+        self._closed = True
+        self.committer.abandoned.set()
+        self._release()
 
     def _release(self) -> None:
         self._saves.drainer.close()

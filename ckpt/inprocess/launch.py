@@ -1,0 +1,135 @@
+"""``python -m ckpt.inprocess.launch``: the one command that starts an in-process-recovering job.
+
+    python -m ckpt.inprocess.launch --nproc 3 --spares 1 train.py [args]
+
+torchrun's agent stops every local worker when one fails; this launcher keeps the healthy
+ones. It hosts the job's store (MASTER_ADDR/MASTER_PORT for the workers), starts ``--nproc``
+workers and ``--spares`` warm spares (started with the job: torch imported, no shard, waiting),
+and decides membership (``membership.py``): when a member exits with an error, a spare takes
+its rank, else the world shrinks (down to ``--min-world``). A worker that asks for it
+(``EXIT_FALLBACK``), or a job that cannot shrink further, is relaunched whole, today's path,
+at most ``--relaunches`` times; every decision is logged with its reason.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from . import membership
+from .runner import EXIT_FALLBACK, WORKER_ENV
+
+log = logging.getLogger("ckpt.inprocess.launch")
+_POLL_S = 0.01
+
+
+def _exit_text(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class Job:
+    """One launch of the workers (a relaunch is a new Job on a new store)."""
+
+    def __init__(self, args: argparse.Namespace, attempt: int) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        n = args.nproc
+        self.members, self.spares = list(range(n)), list(range(n, n + args.spares))
+        self.min_world, self.round = args.min_world, 0
+        self.finished: set[int] = set()
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+               "WORLD_SIZE": str(n), "CKPT_INPROCESS_ATTEMPT": str(attempt)}
+        membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
+                                                             "start", 0.0))
+        self.procs = {w: subprocess.Popen([sys.executable, *args.command],
+                                          env={**env, WORKER_ENV: str(w), "RANK": str(w if w < n else -1),
+                                               "LOCAL_RANK": str(w)})
+                      for w in [*self.members, *self.spares]}
+        log.info("attempt %d: workers %s, spares %s (pids %s)", attempt, self.members, self.spares,
+                 {w: p.pid for w, p in self.procs.items()})
+
+    def watch(self) -> tuple[bool, str]:
+        """Until the members have finished (True) or the job must be relaunched (False, why)."""
+        seen: set[int] = set()
+        while True:
+            for w, p in self.procs.items():
+                code = p.poll()
+                if code is None or w in seen:
+                    continue
+                seen.add(w)
+                if w in self.spares:
+                    self.spares.remove(w)
+                    log.warning("spare %d left (%s)", w, _exit_text(code))
+                elif code == 0:
+                    self.finished.add(w)
+                elif code == EXIT_FALLBACK:
+                    return False, f"worker {w} asked for a relaunch"
+                else:
+                    why = self._replace(w, f"worker {w} (rank {self.members.index(w)}) {_exit_text(code)}")
+                    if why:
+                        return False, why
+            if self.finished and self.finished >= set(self.members):
+                return True, "done"
+            time.sleep(_POLL_S)
+
+    def _replace(self, worker: int, cause: str) -> str | None:
+        """Publish the next round without ``worker``; the reason to relaunch instead, if any."""
+        fault_time = time.time()
+        members = list(self.members)
+        if self.spares:
+            spare = self.spares.pop(0)
+            members[members.index(worker)] = spare
+            reason = f"{cause}: spare {spare} takes rank {members.index(spare)}"
+        else:
+            members.remove(worker)
+            reason = f"{cause}: continuing at world size {len(members)}"
+        if len(members) < self.min_world:
+            return f"{cause}: {len(members)} ranks left, fewer than --min-world {self.min_world}"
+        self.members, self.round = members, self.round + 1
+        membership.publish(self.store, membership.Membership(self.round, tuple(members), tuple(self.spares),
+                                                             reason, fault_time))
+        log.warning("round %d: %s", self.round, reason)
+        return None
+
+    def stop(self) -> None:
+        """The job is over or relaunched: release the spares and end what is left."""
+        self.store.set(membership.DONE_KEY, "1")
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ckpt.inprocess.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, required=True, help="training ranks")
+    ap.add_argument("--spares", type=int, default=0, help="warm spare processes started with the job")
+    ap.add_argument("--min-world", type=int, default=1, help="relaunch rather than shrink below this")
+    ap.add_argument("--relaunches", type=int, default=1, help="whole-job relaunches when in-process fails")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
+    args = ap.parse_args(argv)
+    if not args.command or args.nproc < 1 or args.spares < 0:
+        ap.error("give --nproc >= 1 and a training script")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for attempt in range(args.relaunches + 1):
+        job = Job(args, attempt)
+        try:
+            ok, why = job.watch()
+        finally:
+            job.stop()
+        if ok:
+            return 0
+        log.error("falling back to a relaunch (attempt %d of %d): %s", attempt + 1, args.relaunches, why)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
