@@ -6,7 +6,9 @@ torchrun's agent stops every local worker when one fails; this launcher keeps th
 ones. It hosts the job's store (MASTER_ADDR/MASTER_PORT for the workers), starts ``--nproc``
 workers and ``--spares`` warm spares (started with the job: torch imported, no shard, waiting),
 and decides membership (``membership.py``): when a member exits with an error, a spare takes
-its rank, else the world shrinks (down to ``--min-world``). A worker that asks for it
+its rank, else the world shrinks (down to ``--min-world``). A member whose beat stopped
+(``--hang-s``: SIGSTOP, a wedged process) or that is evicted through the store
+(``membership.evict``: a predicted node failure, an XID 79) is SIGKILLed first. A worker that asks for it
 (``EXIT_FALLBACK``), or a job that cannot shrink further, is relaunched whole, today's path,
 at most ``--relaunches`` times; every decision is logged with its reason.
 """
@@ -44,6 +46,9 @@ class Job:
         self.members, self.spares = list(range(n)), list(range(n, n + args.spares))
         self.min_world, self.round = args.min_world, 0
         self.finished: set[int] = set()
+        self.hang_s = args.hang_s
+        self.beats: dict[int, tuple[int, float]] = {}  # worker -> (beat count, when it last changed)
+        self.causes: dict[int, str] = {}  # workers the launcher killed, and why
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
                "WORLD_SIZE": str(n), "CKPT_INPROCESS_ATTEMPT": str(attempt)}
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
@@ -72,12 +77,37 @@ class Job:
                 elif code == EXIT_FALLBACK:
                     return False, f"worker {w} asked for a relaunch"
                 else:
-                    why = self._replace(w, f"worker {w} (rank {self.members.index(w)}) {_exit_text(code)}")
+                    cause = self.causes.pop(w, _exit_text(code))
+                    why = self._replace(w, f"worker {w} (rank {self.members.index(w)}) {cause}")
                     if why:
                         return False, why
             if self.finished and self.finished >= set(self.members):
                 return True, "done"
+            self._kill_frozen_and_evicted()
             time.sleep(_POLL_S)
+
+    def _kill_frozen_and_evicted(self) -> None:
+        """A member whose beat stopped for ``hang_s`` (a blocked gloo collective cannot be
+        aborted: it is killed, never waited out), or one evicted through the store, is
+        SIGKILLed; its exit then starts the next round like any other death."""
+        now = time.monotonic()
+        for w in self.members:
+            if w in self.causes or w in self.finished or self.procs[w].poll() is not None:
+                continue
+            if self.store.check([membership.evict_key(w)]):
+                self._kill(w, f"evicted: {self.store.get(membership.evict_key(w)).decode()[:200]}")
+                continue
+            count = self.store.add(membership.beat_key(w), 0)
+            last_count, since = self.beats.get(w, (-1, now))
+            if count != last_count:
+                self.beats[w] = (count, now)
+            elif count > 0 and now - since > self.hang_s:
+                self._kill(w, f"frozen: no beat for {now - since:.1f} s")
+
+    def _kill(self, worker: int, cause: str) -> None:
+        self.causes[worker] = cause
+        self.procs[worker].kill()
+        log.warning("worker %d: %s; killed", worker, cause)
 
     def _replace(self, worker: int, cause: str) -> str | None:
         """Publish the next round without ``worker``; the reason to relaunch instead, if any."""
@@ -113,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, required=True, help="training ranks")
     ap.add_argument("--spares", type=int, default=0, help="warm spare processes started with the job")
     ap.add_argument("--min-world", type=int, default=1, help="relaunch rather than shrink below this")
+    ap.add_argument("--hang-s", type=float, default=5.0,
+                    help="kill a member whose beat (every 0.2 s) stopped this long (a frozen process)")
     ap.add_argument("--relaunches", type=int, default=1, help="whole-job relaunches when in-process fails")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = ap.parse_args(argv)

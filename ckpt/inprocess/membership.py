@@ -10,16 +10,31 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
 
 PREFIX = "ckpt-guard/inprocess"
 DONE_KEY = f"{PREFIX}/done"
+_POLL_S = 0.005
 
 
 def round_key(round_id: int) -> str:
     return f"{PREFIX}/round/{round_id}"
+
+
+def beat_key(worker: int) -> str:
+    """A counter each worker's beat thread adds to: a stopped process stops counting."""
+    return f"{PREFIX}/beat/{worker}"
+
+
+def evict_key(worker: int) -> str:
+    return f"{PREFIX}/evict/{worker}"
+
+
+def evict(store: "dist.Store", worker: int, reason: str) -> None:
+    """Ask the launcher to end ``worker`` and go on without it (a predicted node failure, an
+    XID 79 on its GPU): it never resumes in place."""
+    store.set(evict_key(worker), reason)
 
 
 @dataclass(frozen=True)
@@ -55,21 +70,16 @@ def changed(store: "dist.Store", round_id: int) -> bool:
 
 
 def wait_round(store: "dist.Store", round_id: int, timeout_s: float) -> Membership | None:
-    """Round ``round_id`` once published, or None after ``timeout_s`` or when the job is over."""
+    """Round ``round_id`` once published, or None after ``timeout_s`` or when the job is over.
+    Polls (a check is a few µs on the launcher's store; a blocking wait with a timeout logs a
+    warning each time it expires)."""
     deadline = time.monotonic() + timeout_s
     key = round_key(round_id)
-    while True:
-        if store.check([key]):
-            return Membership.from_json(round_id, store.get(key))
-        if store.check([DONE_KEY]):
+    while not store.check([key]):
+        if store.check([DONE_KEY]) or time.monotonic() >= deadline:
             return None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        try:  # wake on the key; re-check the job's end now and then
-            store.wait([key], timedelta(seconds=min(left, 1.0)))
-        except (RuntimeError, TimeoutError):  # DistStoreError: not yet
-            pass
+        time.sleep(_POLL_S)
+    return Membership.from_json(round_id, store.get(key))
 
 
 def latest_after(store: "dist.Store", round_id: int) -> Membership | None:

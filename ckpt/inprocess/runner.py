@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WORKER_ENV = "CKPT_INPROCESS_WORKER"
+BEAT_S = 0.2
 EXIT_FALLBACK = 75  # "relaunch me": no round came, or this process must not resume in place
 
 
@@ -81,8 +83,8 @@ class Result(Generic[T]):
 def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int,
         checkpoint: Mapping[str, Any], state_of: Callable[[T], dict] = lambda objects: objects,
         save_every: int = 1, resume_step: int | None = None, collective_timeout_s: float = 30.0,
-        membership_timeout_s: float = 30.0,
-        on_recovery: Callable[[Recovery], None] | None = None) -> Result[T]:
+        membership_timeout_s: float = 30.0, on_recovery: Callable[[Recovery], None] | None = None,
+        warm_up: Callable[[], Any] | None = None) -> Result[T]:
     """Train ``steps`` steps under ``python -m ckpt.inprocess.launch``, recovering in process.
 
     ``checkpoint``: ``CheckpointManager`` keyword arguments (its ``root`` first); a step is saved
@@ -90,11 +92,13 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
     the newest. ``collective_timeout_s`` bounds the gloo group's collectives;
     ``membership_timeout_s`` how long a survivor waits for the launcher's next round before it
     falls back to a relaunch: the reason is logged and the process exits with ``EXIT_FALLBACK``,
-    on which the launcher relaunches the job."""
+    on which the launcher relaunches the job. ``warm_up`` runs in a warm spare while it waits
+    (no process group yet): build a model and take a local step, so the first step after it is
+    called in pays no lazy import or first-use cost."""
     try:
         return _run(build, step, steps=steps, checkpoint=checkpoint, state_of=state_of, save_every=save_every,
                     resume_step=resume_step, collective_timeout_s=collective_timeout_s,
-                    membership_timeout_s=membership_timeout_s, on_recovery=on_recovery)
+                    membership_timeout_s=membership_timeout_s, on_recovery=on_recovery, warm_up=warm_up)
     except FallBack as e:
         log.error("ckpt-guard inprocess: falling back to a relaunch: %s", e)
         flush_logs()
@@ -103,11 +107,13 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
 
 def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int, checkpoint: Mapping[str, Any],
          state_of: Callable[[T], dict], save_every: int, resume_step: int | None, collective_timeout_s: float,
-         membership_timeout_s: float, on_recovery: Callable[[Recovery], None] | None) -> Result[T]:
+         membership_timeout_s: float, on_recovery: Callable[[Recovery], None] | None,
+         warm_up: Callable[[], Any] | None) -> Result[T]:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=membership_timeout_s))
     worker = int(os.environ[WORKER_ENV])
-    current = _first_round(store, worker, membership_timeout_s)
+    _start_beating(worker, membership_timeout_s)
+    current = _first_round(store, worker, membership_timeout_s, warm_up)
     recoveries: list[Recovery] = []
     pending: tuple[float, str, int | None, dict[str, float]] | None = None  # a recovery in progress
     if current.round:  # a warm spare called in: its recovery starts when it learns of the round
@@ -165,16 +171,33 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             current = nxt
 
 
-def _first_round(store: "dist.Store", worker: int, timeout_s: float) -> membership.Membership:
-    """Round 0, or for a warm spare the first round that names it (it waits, torch imported)."""
-    round_id = 0
-    while True:
-        m = membership.wait_round(store, round_id, timeout_s if round_id == 0 else float("inf"))
-        if m is None:
-            raise FallBack(f"worker {worker}: no membership round {round_id} (the job ended or the launcher is gone)")
-        if m.rank_of(worker) is not None:
-            return m
-        round_id += 1
+def _start_beating(worker: int, timeout_s: float) -> None:
+    """The launcher's frozen-rank detector: a daemon thread adds to this worker's beat counter
+    (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting."""
+    def beat() -> None:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        while True:
+            try:
+                store.add(membership.beat_key(worker), 1)
+            except Exception:  # the launcher (and its store) is gone: nothing left to tell
+                return
+            time.sleep(BEAT_S)
+
+    threading.Thread(target=beat, name="ckpt-inprocess-beat", daemon=True).start()
+
+
+def _first_round(store: "dist.Store", worker: int, timeout_s: float,
+                 warm_up: Callable[[], Any] | None) -> membership.Membership:
+    """Round 0, or for a warm spare the first round that names it (it waits, warmed up)."""
+    m = membership.wait_round(store, 0, timeout_s)
+    if m is not None and m.rank_of(worker) is None and warm_up is not None:
+        warm_up()
+    while m is not None and m.rank_of(worker) is None:
+        m = membership.wait_round(store, m.round + 1, float("inf"))
+    if m is None:
+        raise FallBack(f"worker {worker}: no membership round names it (the job ended or the launcher is gone)")
+    return m
 
 
 def _finish(pending: tuple, current: membership.Membership, ctx: Context, restored: int | None, t_join: float,
