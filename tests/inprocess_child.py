@@ -19,9 +19,18 @@ import torch
 import torch.distributed as dist
 
 from ckpt.distributed import exit_rank
-from ckpt.inprocess import Context, Recovery, run
+from ckpt.inprocess import Context, Recovery, group, membership, run
 
 GLOBAL_BATCH = 12  # divisible by 3, 2 and 1: the global batch is kept when the world shrinks
+
+
+def resources() -> dict[str, int]:
+    """What a survivor holds: threads, open fds, resident KiB (nothing may grow per recovery)."""
+    rss_pages = int(open("/proc/self/statm").read().split()[1])
+    return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+            "rss_kib": rss_pages * os.sysconf("SC_PAGE_SIZE") // 1024,
+            "fd_targets": sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                                 if os.path.exists(f"/proc/self/fd/{fd}"))}
 
 
 def main() -> None:
@@ -31,7 +40,11 @@ def main() -> None:
     ap.add_argument("--events", required=True)
     ap.add_argument("--kill-worker", type=int, default=-1)
     ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--kill-rank-every", type=int, default=0,
+                    help="the worker at rank 1 SIGKILLs itself every this many steps (after a step of its own)")
     ap.add_argument("--hang", action="store_true", help="SIGSTOP instead of SIGKILL (the launcher must kill it)")
+    ap.add_argument("--evict-worker", type=int, default=-1,
+                    help="at --kill-at, worker 0 asks the launcher to evict this worker (an XID 79 on its GPU)")
     ap.add_argument("--resume-step", type=int, default=None)
     ap.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower model)")
     args = ap.parse_args()
@@ -42,6 +55,8 @@ def main() -> None:
             f.write(json.dumps({"worker": worker, "pid": os.getpid(), "t": time.time(), **event}) + "\n")
 
     emit(event="start")
+    evicted: list[int] = []
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 
     def build(ctx: Context) -> dict:
         torch.manual_seed(0)
@@ -49,10 +64,21 @@ def main() -> None:
         return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                 "ctx": ctx}
 
+    own_steps: list[int] = []
+
     def step(objects: dict, i: int) -> None:
+        every = args.kill_rank_every
+        if every and objects["ctx"].rank == 1 and i % every == 0 and own_steps:
+            emit(event="fault", step=i)
+            os.kill(os.getpid(), signal.SIGKILL)
+        own_steps.append(i)
         if worker == args.kill_worker and i == args.kill_at:
             emit(event="fault", step=i)
             os.kill(os.getpid(), signal.SIGSTOP if args.hang else signal.SIGKILL)
+        if worker == 0 and args.evict_worker >= 0 and i == args.kill_at and not evicted:
+            evicted.append(i)
+            emit(event="fault", step=i)
+            membership.evict(store, args.evict_worker, "XID 79 on its GPU (simulated)")
         ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
         g = torch.Generator().manual_seed(1000 + i)
         x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
@@ -74,7 +100,7 @@ def main() -> None:
         objects["optim"].step()
 
     def on_recovery(r: Recovery) -> None:
-        emit(event="recovery", **r.__dict__)
+        emit(event="recovery", leaked_groups=group.leaked(), **resources(), **r.__dict__)
 
     result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
                  checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"]},

@@ -8,7 +8,8 @@ workers and ``--spares`` warm spares (started with the job: torch imported, no s
 and decides membership (``membership.py``): when a member exits with an error, a spare takes
 its rank, else the world shrinks (down to ``--min-world``). A member whose beat stopped
 (``--hang-s``: SIGSTOP, a wedged process) or that is evicted through the store
-(``membership.evict``: a predicted node failure, an XID 79) is SIGKILLed first. A worker that asks for it
+(``membership.evict``: a predicted node failure, an XID 79) is SIGKILLed first. A spare
+called in is replaced by a new one, so the pool stays at ``--spares``. A worker that asks for it
 (``EXIT_FALLBACK``), or a job that cannot shrink further, is relaunched whole, today's path,
 at most ``--relaunches`` times; every decision is logged with its reason.
 """
@@ -49,22 +50,28 @@ class Job:
         self.hang_s = args.hang_s
         self.beats: dict[int, tuple[int, float]] = {}  # worker -> (beat count, when it last changed)
         self.causes: dict[int, str] = {}  # workers the launcher killed, and why
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
-               "WORLD_SIZE": str(n), "CKPT_INPROCESS_ATTEMPT": str(attempt)}
+        self.command = args.command
+        self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+                    "WORLD_SIZE": str(n), "CKPT_INPROCESS_ATTEMPT": str(attempt)}
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
                                                              "start", 0.0))
-        self.procs = {w: subprocess.Popen([sys.executable, *args.command],
-                                          env={**env, WORKER_ENV: str(w), "RANK": str(w if w < n else -1),
-                                               "LOCAL_RANK": str(w)})
-                      for w in [*self.members, *self.spares]}
+        self.procs: dict[int, subprocess.Popen] = {}
+        for w in [*self.members, *self.spares]:
+            self._start(w)
         log.info("attempt %d: workers %s, spares %s (pids %s)", attempt, self.members, self.spares,
                  {w: p.pid for w, p in self.procs.items()})
+
+    def _start(self, worker: int) -> None:
+        rank = self.members.index(worker) if worker in self.members else -1
+        self.procs[worker] = subprocess.Popen([sys.executable, *self.command],
+                                              env={**self.env, WORKER_ENV: str(worker), "RANK": str(rank),
+                                                   "LOCAL_RANK": str(worker)})
 
     def watch(self) -> tuple[bool, str]:
         """Until the members have finished (True) or the job must be relaunched (False, why)."""
         seen: set[int] = set()
         while True:
-            for w, p in self.procs.items():
+            for w, p in list(self.procs.items()):
                 code = p.poll()
                 if code is None or w in seen:
                     continue
@@ -113,10 +120,14 @@ class Job:
         """Publish the next round without ``worker``; the reason to relaunch instead, if any."""
         fault_time = time.time()
         members = list(self.members)
-        if self.spares:
-            spare = self.spares.pop(0)
+        ready = [w for w in self.spares if self.store.check([membership.ready_key(w)])]
+        if ready:
+            spare = ready[0]
+            self.spares.remove(spare)
             members[members.index(worker)] = spare
             reason = f"{cause}: spare {spare} takes rank {members.index(spare)}"
+            self.spares.append(max(self.procs) + 1)  # the pool is topped up: a new spare warms up
+            self._start(self.spares[-1])
         else:
             members.remove(worker)
             reason = f"{cause}: continuing at world size {len(members)}"
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, required=True, help="training ranks")
     ap.add_argument("--spares", type=int, default=0, help="warm spare processes started with the job")
     ap.add_argument("--min-world", type=int, default=1, help="relaunch rather than shrink below this")
-    ap.add_argument("--hang-s", type=float, default=5.0,
+    ap.add_argument("--hang-s", type=float, default=10.0,
                     help="kill a member whose beat (every 0.2 s) stopped this long (a frozen process)")
     ap.add_argument("--relaunches", type=int, default=1, help="whole-job relaunches when in-process fails")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")

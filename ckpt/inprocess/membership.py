@@ -27,6 +27,12 @@ def beat_key(worker: int) -> str:
     return f"{PREFIX}/beat/{worker}"
 
 
+def ready_key(worker: int) -> str:
+    """Set by a spare once warmed up: only a ready spare is called in (one still importing
+    torch would hold every survivor at the next group's rendezvous)."""
+    return f"{PREFIX}/ready/{worker}"
+
+
 def evict_key(worker: int) -> str:
     return f"{PREFIX}/evict/{worker}"
 

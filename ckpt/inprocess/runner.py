@@ -15,6 +15,7 @@ tests keep the global batch and split it over the ranks left.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -162,6 +163,8 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             if mgr is not None:
                 mgr.abandon()
             group.leave()
+            del mgr
+            gc.collect()  # the abandoned manager's cycles hold a store connection each: free them now
             t_left = time.monotonic()
             log.warning("rank %d: step %d failed (%s); round %d: %s", rank, done, _short(e), nxt.round, nxt.reason)
             if nxt.rank_of(worker) is None:
@@ -191,8 +194,10 @@ def _first_round(store: "dist.Store", worker: int, timeout_s: float,
                  warm_up: Callable[[], Any] | None) -> membership.Membership:
     """Round 0, or for a warm spare the first round that names it (it waits, warmed up)."""
     m = membership.wait_round(store, 0, timeout_s)
-    if m is not None and m.rank_of(worker) is None and warm_up is not None:
-        warm_up()
+    if m is not None and m.rank_of(worker) is None:
+        if warm_up is not None:
+            warm_up()
+        store.set(membership.ready_key(worker), "1")
     while m is not None and m.rank_of(worker) is None:
         m = membership.wait_round(store, m.round + 1, float("inf"))
     if m is None:
