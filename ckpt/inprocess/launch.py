@@ -6,8 +6,8 @@ torchrun's agent stops every local worker when one fails; this launcher keeps th
 ones. It hosts the job's store (MASTER_ADDR/MASTER_PORT for the workers), starts ``--nproc``
 workers and ``--spares`` warm spares (started with the job: torch imported, no shard, waiting),
 and decides membership (``membership.py``): when a member exits with an error, a spare takes
-its rank, else the world shrinks (down to ``--min-world``). A member whose beat stopped
-(``--hang-s``: SIGSTOP, a wedged process) or that is evicted through the store
+its rank, else the world shrinks (down to ``--min-world``). A member whose beat and CPU time
+stopped (``--hang-s``: SIGSTOP, a process wedged in the kernel) or that is evicted through the store
 (``membership.evict``: a predicted node failure, an XID 79) is SIGKILLed first. A spare
 called in is replaced by a new one, so the pool stays at ``--spares``. A worker that asks for it
 (``EXIT_FALLBACK``), or a job that cannot shrink further, is relaunched whole, today's path,
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -31,6 +32,15 @@ from .runner import EXIT_FALLBACK, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.launch")
 _POLL_S = 0.01
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system clock ticks a process has used (Linux /proc); -1 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return -1
+    return int(fields[11]) + int(fields[12])
 
 
 def _exit_text(code: int) -> str:
@@ -48,7 +58,9 @@ class Job:
         self.min_world, self.round = args.min_world, 0
         self.finished: set[int] = set()
         self.hang_s = args.hang_s
-        self.beats: dict[int, tuple[int, float]] = {}  # worker -> (beat count, when it last changed)
+        # worker -> ((beat count, CPU ticks), when either last changed): a process starved of the
+        # interpreter lock on a busy machine still uses CPU; a stopped one does not
+        self.beats: dict[int, tuple[tuple[int, int], float]] = {}
         self.causes: dict[int, str] = {}  # workers the launcher killed, and why
         self.command = args.command
         self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
@@ -104,12 +116,12 @@ class Job:
             if self.store.check([membership.evict_key(w)]):
                 self._kill(w, f"evicted: {self.store.get(membership.evict_key(w)).decode()[:200]}")
                 continue
-            count = self.store.add(membership.beat_key(w), 0)
-            last_count, since = self.beats.get(w, (-1, now))
-            if count != last_count:
-                self.beats[w] = (count, now)
-            elif count > 0 and now - since > self.hang_s:
-                self._kill(w, f"frozen: no beat for {now - since:.1f} s")
+            progress = (self.store.add(membership.beat_key(w), 0), _cpu_ticks(self.procs[w].pid))
+            last, since = self.beats.get(w, ((-1, -1), now))
+            if progress != last:
+                self.beats[w] = (progress, now)
+            elif progress[0] > 0 and now - since > self.hang_s:
+                self._kill(w, f"frozen: no beat and no CPU time for {now - since:.1f} s")
 
     def _kill(self, worker: int, cause: str) -> None:
         self.causes[worker] = cause
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spares", type=int, default=0, help="warm spare processes started with the job")
     ap.add_argument("--min-world", type=int, default=1, help="relaunch rather than shrink below this")
     ap.add_argument("--hang-s", type=float, default=10.0,
-                    help="kill a member whose beat (every 0.2 s) stopped this long (a frozen process)")
+                    help="kill a member whose beat (every 0.2 s) and CPU time stopped this long (a frozen process)")
     ap.add_argument("--relaunches", type=int, default=1, help="whole-job relaunches when in-process fails")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = ap.parse_args(argv)

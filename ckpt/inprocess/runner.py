@@ -178,13 +178,16 @@ def _start_beating(worker: int, timeout_s: float) -> None:
     """The launcher's frozen-rank detector: a daemon thread adds to this worker's beat counter
     (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting."""
     def beat() -> None:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
+        store = None
         while True:
             try:
+                if store is None:
+                    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                          is_master=False, timeout=timedelta(seconds=timeout_s))
                 store.add(membership.beat_key(worker), 1)
-            except Exception:  # the launcher (and its store) is gone: nothing left to tell
-                return
+            except Exception as e:  # a slow or restarting store: try again (a silent beat gets this rank killed)
+                log.debug("beat: %s", e)
+                store = None
             time.sleep(BEAT_S)
 
     threading.Thread(target=beat, name="ckpt-inprocess-beat", daemon=True).start()
