@@ -291,7 +291,7 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    from benchmarks.recovery_inprocess import CASES, References, leak_check, run_row
+    from benchmarks.recovery_inprocess import CASES, References, leak_check, readiness_cost, run_row
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write {meta, rows} here")
@@ -325,6 +325,7 @@ def main() -> None:
                 rows.append(median_row(runs))
         leaks = None if args.no_leak_check else leak_check(Path(refdir))
         print(f"leak check: {leaks}", file=sys.stderr, flush=True)
+        ready = readiness_cost(refs.clean_events)
     scenarios = {}
     for scenario in filter(None, args.only.split(",")):
         if scenario not in SCENARIOS:
@@ -336,7 +337,8 @@ def main() -> None:
                     "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "load": [load_before, os.getloadavg()[0]], "repeats": args.repeats},
-           "rows": rows, "leak_check": leaks, **({"scenarios": scenarios} if scenarios else {})}
+           "rows": rows, "leak_check": leaks, "readiness_cost": ready,
+           **({"scenarios": scenarios} if scenarios else {})}
     print(json.dumps(out, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

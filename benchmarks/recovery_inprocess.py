@@ -49,13 +49,14 @@ class References:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir, self._cache = workdir, {}
+        self.clean_events: list[dict] | None = None  # the uninterrupted 2-rank run, once it ran
 
     def get(self, mode: str, restored: int) -> set[str]:
         key = (mode, restored if mode == "inprocess_shrink" else None)
         if key not in self._cache:
             name = f"ref-{mode}-{restored}"
             if mode == "inprocess_spare":
-                evs = launch(self.workdir, name, ["--nproc", "2"], ["--steps", str(STEPS)])
+                evs = self.clean_events = launch(self.workdir, name, ["--nproc", "2"], ["--steps", str(STEPS)])
             else:  # both legs on one root: the relaunch restores the clean run's step
                 launch(self.workdir, name, ["--nproc", "3"], ["--steps", str(restored)])
                 evs = launch(self.workdir, name, ["--nproc", "2"], ["--steps", str(STEPS), "--resume-step",
@@ -100,3 +101,28 @@ def leak_check(workdir: Path, recoveries: int = 5) -> dict:
            for e in seen]
     grew = {k: per[-1][k] - per[0][k] for k in ("threads", "fds", "rss_kib")} if per else {}
     return {"recoveries": len(per), "after_each": per, "growth_first_to_last": grew}
+
+
+def readiness_cost(clean_events: list[dict] | None = None, checks: int = 2000) -> dict:
+    """What being ready costs a healthy step: one store check per step (``membership.changed``,
+    timed here against a loopback TCPStore), beside the median step of a clean run when given.
+    The beat thread adds one store write per 0.2 s off the training thread."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    from ckpt.inprocess import membership
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    t0 = time.perf_counter()
+    for _ in range(checks):
+        membership.changed(client, 0)
+    per_check = (time.perf_counter() - t0) / checks
+    out = {"check_per_step_s": per_check}
+    if clean_events:
+        ts = sorted(e["t"] for e in clean_events if e["event"] == "step" and e["worker"] == 0)
+        step = statistics.median(b - a for a, b in zip(ts, ts[1:]))
+        out.update(median_step_s=step, cost_share_of_step=per_check / step)
+    return out
