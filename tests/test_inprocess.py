@@ -84,3 +84,46 @@ def test_killed_rank_without_spare_shrinks(tmp_path):
            child=("--steps", str(STEPS), "--resume-step", str(min(restored))))
     expected = {e["digest"] for e in finals(events(tmp_path / "ref2.jsonl")).values()}
     assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
+
+
+def test_membership_rounds_through_the_store():
+    """The launcher publishes rounds; a survivor finds the newest, a spare its own; the job's end
+    releases a waiter at once."""
+    import torch.distributed as dist
+
+    from ckpt.inprocess import membership
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first = membership.Membership(0, (0, 1, 2), (3,), "start", 0.0)
+    membership.publish(store, first)
+    assert membership.wait_round(store, 0, 5.0) == first and not membership.changed(store, 0)
+    membership.publish(store, membership.Membership(1, (0, 3, 2), (), "worker 1 died: spare 3", 1.0))
+    membership.publish(store, membership.Membership(2, (0, 3), (), "worker 2 died: shrink", 2.0))
+    newest = membership.latest_after(store, 0)
+    assert membership.changed(store, 0) and newest.round == 2 and newest.rank_of(3) == 1 and newest.rank_of(2) is None
+    assert membership.wait_round(store, 3, 0.05) is None  # bounded
+    store.set(membership.DONE_KEY, "1")
+    assert membership.wait_round(store, 3, 60.0) is None
+
+
+def test_leaving_a_group_frees_it_and_a_new_round_joins():
+    """``group.leave`` forgets the groups at once (no teardown wait) and shuts them down in the
+    background; the next round's group forms on the same store."""
+    import torch
+    import torch.distributed as dist
+
+    from ckpt.inprocess import group
+    from tests.procs import wait_for
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    group.join(store, 0, 0, 1, 30.0)
+    side = dist.new_group(backend="gloo")
+    dist.all_reduce(torch.ones(1), group=side)
+    group.leave()
+    assert not dist.is_initialized()
+    assert wait_for(lambda: group.leaked() == 0, timeout=60)
+    group.join(store, 1, 0, 1, 30.0)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0]
+    group.leave()
