@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from . import membership
-from .runner import EXIT_FALLBACK, WORKER_ENV
+from .runner import EXIT_FALLBACK, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.launch")
 _POLL_S = 0.01
@@ -64,7 +64,7 @@ class Job:
         self.causes: dict[int, str] = {}  # workers the launcher killed, and why
         self.command = args.command
         self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
-                    "WORLD_SIZE": str(n), "CKPT_INPROCESS_ATTEMPT": str(attempt)}
+                    "WORLD_SIZE": str(n), "CKPT_INPROCESS_ATTEMPT": str(attempt), LAUNCHER_ENV: str(os.getpid())}
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
                                                              "start", 0.0))
         self.procs: dict[int, subprocess.Popen] = {}

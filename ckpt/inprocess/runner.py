@@ -15,10 +15,12 @@ tests keep the global batch and split it over the ranks left.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WORKER_ENV = "CKPT_INPROCESS_WORKER"
+LAUNCHER_ENV = "CKPT_INPROCESS_LAUNCHER_PID"
 BEAT_S = 0.2
 EXIT_FALLBACK = 75  # "relaunch me": no round came, or this process must not resume in place
 
@@ -113,6 +116,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=membership_timeout_s))
     worker = int(os.environ[WORKER_ENV])
+    die_with_launcher()
     _start_beating(worker, membership_timeout_s)
     current = _first_round(store, worker, membership_timeout_s, warm_up)
     recoveries: list[Recovery] = []
@@ -172,6 +176,17 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             pending = (t_fault, nxt.reason, done, {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault,
                                                    "abort_s": t_left - t_round})
             current = nxt
+
+
+def die_with_launcher() -> None:
+    """SIGKILL this worker when the launcher dies (Linux prctl PR_SET_PDEATHSIG), so a killed
+    launcher leaves no training process behind; elsewhere the store going away ends it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(os.environ.get(LAUNCHER_ENV, os.getppid())):  # it died before the prctl
+        os._exit(EXIT_FALLBACK)
 
 
 def _start_beating(worker: int, timeout_s: float) -> None:
