@@ -66,6 +66,14 @@ def main() -> None:
 
     own_steps: list[int] = []
 
+    def spares_ready() -> None:
+        """The fault waits for the job's spares to be warm (a busy machine may still be importing
+        torch in them): what is measured is a fault with a spare ready, not a start-up race."""
+        spares = membership.wait_round(store, 0, 60.0).spares
+        deadline = time.monotonic() + 300
+        while not store.check([membership.ready_key(s) for s in spares]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def step(objects: dict, i: int) -> None:
         every = args.kill_rank_every
         if every and objects["ctx"].rank == 1 and i % every == 0 and own_steps:
@@ -73,9 +81,11 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         own_steps.append(i)
         if worker == args.kill_worker and i == args.kill_at:
+            spares_ready()
             emit(event="fault", step=i)
             os.kill(os.getpid(), signal.SIGSTOP if args.hang else signal.SIGKILL)
         if worker == 0 and args.evict_worker >= 0 and i == args.kill_at and not evicted:
+            spares_ready()
             evicted.append(i)
             emit(event="fault", step=i)
             membership.evict(store, args.evict_worker, "XID 79 on its GPU (simulated)")
