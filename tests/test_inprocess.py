@@ -127,3 +127,11 @@ def test_leaving_a_group_frees_it_and_a_new_round_joins():
     dist.all_reduce(t)
     assert t.tolist() == [1.0, 1.0]
     group.leave()
+
+
+def test_a_sticky_device_error_is_never_resumed_in_place():
+    from ckpt.inprocess.runner import _must_leave
+
+    assert _must_leave(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert _must_leave(RuntimeError("CUDA error: GPU has fallen off the bus"))
+    assert not _must_leave(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))

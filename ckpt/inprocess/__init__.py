@@ -4,6 +4,6 @@
 broken process group without waiting on it; ``membership`` is the launcher's round-by-round
 decision of who is in the job.
 """
-from .runner import EXIT_FALLBACK, Context, FallBack, Recovery, Result, run
+from .runner import EXIT_FALLBACK, EXIT_LEAVE, Context, FallBack, Recovery, Result, run
 
-__all__ = ["EXIT_FALLBACK", "Context", "FallBack", "Recovery", "Result", "run"]
+__all__ = ["EXIT_FALLBACK", "EXIT_LEAVE", "Context", "FallBack", "Recovery", "Result", "run"]

@@ -39,7 +39,8 @@ T = TypeVar("T")
 WORKER_ENV = "CKPT_INPROCESS_WORKER"
 LAUNCHER_ENV = "CKPT_INPROCESS_LAUNCHER_PID"
 BEAT_S = 0.2
-EXIT_FALLBACK = 75  # "relaunch me": no round came, or this process must not resume in place
+EXIT_FALLBACK = 75  # "relaunch the job": no round came, or this worker is in none
+EXIT_LEAVE = 76  # "go on without me": a sticky device error (XID 79 leaves one); never resumed in place
 
 
 class FallBack(RuntimeError):
@@ -156,8 +157,11 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             return Result(objects, done, recoveries)
         except Exception as e:
             t_fault = time.monotonic()
-            if _must_leave(e):
-                raise FallBack(f"rank {rank}: a sticky device error, not resumed in place: {e}") from e
+            if _must_leave(e):  # its exit is a death like any other: a spare takes its rank, or the world shrinks
+                log.error("ckpt-guard inprocess: rank %d leaves its process: a sticky device error (%s)", rank,
+                          _short(e))
+                flush_logs()
+                os._exit(EXIT_LEAVE)
             nxt = membership.latest_after(store, current.round) or membership.wait_round(
                 store, current.round + 1, membership_timeout_s)
             if nxt is None:
