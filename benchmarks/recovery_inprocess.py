@@ -87,6 +87,8 @@ def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
             "survivor_pids_kept": all(e["pid"] == started[e["worker"]] for e in done),
             "equal_to_clean": _digests(evs) == refs.get(mode, restored),
             "world_size_after": lead["world_size"], "restored_step": restored, "phases": phases,
+            "recoveries": len({r["round"] for r in recs}),  # > 1: a second fault (or a false frozen) followed
+            "final_world_size": max(e["world"] for e in done),
             "broken_groups_still_held": max((x for x in leaked if x is not None), default=None)}
 
 
