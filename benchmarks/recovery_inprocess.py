@@ -75,12 +75,13 @@ def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
     survivors = [r for r in recs if r["failed_at_step"] is not None]
     if not (done and survivors):
         raise SystemExit(f"{case}/{mode}: no recovery in the events")
-    lead = min(survivors, key=lambda r: r["rank"])
+    lead = min(survivors, key=lambda r: (r["round"], r["rank"]))  # the first recovery, as rank 0 saw it
     restored = lead["restored_step"]
     phases = {k: round(v, 4) for k, v in lead["phases"].items() if k.endswith("_s")}
     leaked = [r.get("leaked_groups") for r in recs]
     return {"case": case, "mode": mode,
-            "fault_to_first_step_s": round(max(r["resumed_at"] for r in recs) - fault["t"], 4),
+            "fault_to_first_step_s": round(max(r["resumed_at"] for r in recs if r["round"] == lead["round"])
+                                           - fault["t"], 4),
             "detect_s": round(lead["phases"]["fault_time"] - fault["t"], 4),
             "steps_lost": lead["failed_at_step"] - restored,
             "relaunched": False,
