@@ -29,9 +29,12 @@ CASES = {"killed": ["--kill-worker", "1", "--kill-at", str(FAULT_AT)],
 
 
 def launch(workdir: Path, name: str, launcher: list[str], child: list[str]) -> list[dict]:
-    """One job under the in-process launcher: its workers' events."""
+    """One job under the in-process launcher: its workers' events. The hung case declares a
+    frozen rank after ``HANG_S``; the others keep the launcher's default (a starved process on
+    a loaded machine must not be taken for a frozen one)."""
     events = workdir / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--hang-s", str(HANG_S), *launcher, str(CHILD),
+    hang = ["--hang-s", str(HANG_S)] if "--hang" in child else []
+    cmd = [sys.executable, "-m", "ckpt.inprocess.launch", *hang, *launcher, str(CHILD),
            "--root", str(workdir / name), "--events", str(events), *child]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
