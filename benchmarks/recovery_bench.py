@@ -1,6 +1,14 @@
 """Recovery benchmark: seconds from a fault to the first resumed training step.
 
-    python benchmarks/recovery_bench.py --json out.json [--repeats 3]
+    python benchmarks/recovery_bench.py --json out.json [--repeats 3] [--cases killed,hung] [--modes ...]
+
+Writes ``{"meta": {command, machine, date, load}, "rows": [...]}``: one row per case (killed,
+hung, lost_node, xid79) and mode (``relaunch``: today's torchrun restart, below;
+``inprocess_spare`` / ``inprocess_shrink``: ``ckpt.inprocess``, benchmarks/recovery_inprocess.py;
+``nvrx_inprocess`` / ``torchft_2_groups``: skipped with the reason) with ``fault_to_first_step_s``,
+``detect_s``, ``steps_lost`` (steps done before the fault that are redone; the step in flight is
+always redone), ``relaunched``, ``survivor_pids_kept``, ``equal_to_clean`` and the phases.
+``--only`` also runs the legacy scenarios below by name (their medians under ``scenarios``).
 
 torchrun (gloo, CPU, 2 ranks, one node) trains examples/train_torchrun.py; its fault
 injector hits rank 1 at step 12, and the job restarts once. Scenarios, each against
@@ -45,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import socket
@@ -55,7 +64,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +105,7 @@ def run(scenario: str, workdir: Path, memory_dir: str) -> dict[str, float | None
     restored = _stamp(re.search(_STAMP + r"rank0 rank 0 restored step", log))
     detected = _stamp(re.search(_STAMP + r"rank\d+ hang detected", log))
     return {"detect_s": None if detected is None else detected - fault, "relaunch_s": restored - fault,
-            "total_s": first - fault, **_phases(log)}
+            "total_s": first - fault, "restored_step": _restored_step(log), **_phases(log)}
 
 
 def _torchrun(scenario: str, workdir: Path, memory_dir: str, *extra: str) -> str:
@@ -147,7 +156,12 @@ def run_xid(workdir: Path, memory_dir: str) -> dict[str, float | None]:
         raise SystemExit(f"xid79: no XID posted, no reaction or no restart in the log:\n{log[-3000:]}")
     return {"detect_s": max(stopped) - posted[0], "relaunch_s": _stamp(re.search(_STAMP + r"rank0 rank 0 restored",
                                                                                   log)) - posted[0],
-            "total_s": float(first.group(1)) - posted[0], **_phases(log)}
+            "total_s": float(first.group(1)) - posted[0], "restored_step": _restored_step(log), **_phases(log)}
+
+
+def _restored_step(log: str) -> int | None:
+    found = re.search(r"rank0 rank 0 restored step (\d+)", log)
+    return None if found is None else int(found.group(1))
 
 
 def _phases(log: str) -> dict[str, float | None]:
@@ -211,7 +225,7 @@ def run_lost_node(workdir: Path, *, peer: bool, spare: bool = False) -> dict[str
     agent_s = None if ready is None or spare else datetime.strptime(
         f"{datetime.now().year}{ready.group(1)}", "%Y%m%d %H:%M:%S.%f").timestamp() - replaced
     return {"detect_s": None, "relaunch_s": restored - lost, "total_s": first - lost,
-            "replacement_agent_startup_s": agent_s, **_phases(log)}
+            "replacement_agent_startup_s": agent_s, "restored_step": _restored_step(log), **_phases(log)}
 
 
 def _abandon(nodes: list[subprocess.Popen], why: str) -> None:
@@ -244,27 +258,90 @@ def median_of(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
             for k in runs[0]}
 
 
+# today's relaunch rows: the scenario that measures each case
+RELAUNCH = {"killed": "killed", "hung": "hung", "lost_node": "lost_node_peer", "xid79": "xid79"}
+FAULT_STEP = {"killed": 12, "hung": 12}  # the step the injector hits (12 steps done)
+SKIPPED = {
+    ("lost_node", "inprocess_spare"): "the in-process launcher runs on one host: two simulated nodes need a "
+                                      "launcher per node (membership through the job store), not built yet",
+    ("lost_node", "inprocess_shrink"): "as inprocess_spare",
+    **{(case, "nvrx_inprocess"): "nvidia-resiliency-ext 0.4.1 not installed in this venv (pip --dry-run: it "
+                                 "installs without touching torch; its Wrapper rows are the next step)"
+       for case in RELAUNCH},
+    **{(case, "torchft_2_groups"): "torchft 0.2.0 not installed in this venv (pip --dry-run: it installs without "
+                                   "touching torch; its Manager rows are the next step)" for case in RELAUNCH},
+}
+MODES = ["relaunch", "inprocess_spare", "inprocess_shrink", "nvrx_inprocess", "torchft_2_groups"]
+
+
+def relaunch_row(case: str, measured: dict[str, float | None]) -> dict:
+    restored = measured.get("restored_step")
+    return {"case": case, "mode": "relaunch", "scenario": RELAUNCH[case],
+            "fault_to_first_step_s": measured["total_s"], "detect_s": measured["detect_s"],
+            "steps_lost": None if restored is None or case not in FAULT_STEP else FAULT_STEP[case] - restored,
+            "relaunched": True, "survivor_pids_kept": False,
+            "equal_to_clean": None,  # not checked here: tests/test_distributed_torchrun.py checks exact resume
+            "phases": {k: v for k, v in measured.items() if k.startswith("phase_")}}
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The run with the median fault-to-first-step time (its fields stay consistent)."""
+    ordered = sorted(rows, key=lambda r: r["fault_to_first_step_s"] or 0.0)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main() -> None:
+    from benchmarks.recovery_inprocess import CASES, References, leak_check, readiness_cost, run_row
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None, help="write the medians here")
+    ap.add_argument("--json", default=None, help="write {meta, rows} here")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
+    ap.add_argument("--cases", default=",".join(RELAUNCH), help="comma-separated: killed, hung, lost_node, xid79")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    ap.add_argument("--no-leak-check", action="store_true", help="skip the 5-consecutive-recoveries check")
+    ap.add_argument("--only", default="", help="also run these legacy scenarios (medians under 'scenarios'): "
+                    + ", ".join(SCENARIOS))
     args = ap.parse_args()
-    table: dict[str, dict[str, float | None]] = {}
-    for scenario in args.only.split(","):
+    load_before = os.getloadavg()[0]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-ref-") as refdir:
+        refs = References(Path(refdir))
+        for case in args.cases.split(","):
+            for mode in args.modes.split(","):
+                if (case, mode) in SKIPPED:
+                    rows.append({"case": case, "mode": mode, "skipped": SKIPPED[case, mode]})
+                    continue
+                runs = []
+                for i in range(args.repeats):
+                    t0 = time.monotonic()
+                    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp, \
+                            tempfile.TemporaryDirectory(prefix="recovery-bench-", dir="/dev/shm") as shm:
+                        if mode == "relaunch":
+                            runs.append(relaunch_row(case, run(RELAUNCH[case], Path(tmp), shm)))
+                        elif case in CASES:
+                            runs.append(run_row(case, mode, Path(tmp), refs))
+                    print(f"{case}/{mode} #{i + 1}: {runs[-1]} ({time.monotonic() - t0:.0f} s)", file=sys.stderr,
+                          flush=True)
+                rows.append(median_row(runs))
+        leaks = None if args.no_leak_check else leak_check(Path(refdir))
+        print(f"leak check: {leaks}", file=sys.stderr, flush=True)
+        ready = readiness_cost(refs.clean_events)
+    scenarios = {}
+    for scenario in filter(None, args.only.split(",")):
         if scenario not in SCENARIOS:
             raise SystemExit(f"unknown scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
-        runs = []
-        for i in range(args.repeats):
-            t0 = time.monotonic()
-            with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp, \
-                    tempfile.TemporaryDirectory(prefix="recovery-bench-", dir="/dev/shm") as shm:
-                runs.append(run(scenario, Path(tmp), shm))
-            print(f"{scenario} #{i + 1}: {runs[-1]} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
-        table[scenario] = median_of(runs)
-    print(json.dumps(table, indent=2))
+        with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp, \
+                tempfile.TemporaryDirectory(prefix="recovery-bench-", dir="/dev/shm") as shm:
+            scenarios[scenario] = median_of([run(scenario, Path(tmp), shm) for _ in range(args.repeats)])
+    out = {"meta": {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+                    "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "load": [load_before, os.getloadavg()[0]], "repeats": args.repeats},
+           "rows": rows, "leak_check": leaks, "readiness_cost": ready,
+           **({"scenarios": scenarios} if scenarios else {})}
+    print(json.dumps(out, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps({"repeats": args.repeats, "medians": table}, indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

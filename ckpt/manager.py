@@ -43,6 +43,7 @@ from .tiers.local import LocalDiskTier
 from .tiers.locations import object_store_tier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
+from .tiers.memory.namespace import rank_dirs
 
 if TYPE_CHECKING:
     from .format.manifest import ShardManifest
@@ -82,6 +83,9 @@ class CheckpointManager:
     ``overlap`` (docs/overlap.md): parameters and optimizer state are copied during the
     next forward and backward, and the next ``optimizer.step()`` waits for it; for saving
     every step, superseded drains are skipped. One more memory slot per rank.
+    ``node_memory`` restores from every rank's memory slots on this node, not only this
+    rank's (``ckpt.inprocess``: the survivors of a lost rank read its sealed slots).
+    ``keep_memory`` keeps a finished job's slots (``close()`` removes them otherwise).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -92,11 +96,12 @@ class CheckpointManager:
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", peers: int = 0,
                  node: str | None = None, peer_bytes_per_s: float | None = None,
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
-                 keep_memory: bool = False) -> None:
+                 keep_memory: bool = False, node_memory: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         keep_by_tier, default_keep = retention(keep_last)
         self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
+        self.node_memory = node_memory
         self.replicated = frozenset(replicated)
         self.keep_memory = keep_memory
         self.finished = False  # set at the end of training (resumable, the callbacks): close() may free the slots
@@ -354,6 +359,9 @@ class CheckpointManager:
         replica holder's (read-only), then the durable tiers."""
         holder = self._replica_holder
         others = [MemoryTier(self._ns, holder)] if self.replicated and holder != self.rank else []
+        if self.node_memory:  # every rank's slots on this node (read-only): a rank lost in process left its own
+            own = {self.memory.dir, *(t.dir for t in others)}
+            others += [MemoryTier(self._ns, int(d.name.split("-")[1])) for d in rank_dirs(self._ns) if d not in own]
         return [self.memory, *others, *self.tiers[1:]]
 
     def list(self) -> list[dict]:
@@ -390,7 +398,19 @@ class CheckpointManager:
         finally:
             self._release(remove_memory=remove)
 
-    def _release(self, remove_memory: bool = False) -> None:
+    def abandon(self) -> None:
+        """Let go after a peer failed (``ckpt.inprocess``): background waits on other ranks
+        end at once, nothing more is committed, this rank's memory is released (its sealed
+        slots stay, for the next incarnation's restore). Unlike ``close()`` it never waits for
+        a rank that is gone, nor destroys its control group (``ckpt.inprocess`` lets go of the
+        broken groups off the critical path)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.committer.abandoned.set()
+        self._release(destroy_group=False)
+
+    def _release(self, remove_memory: bool = False, destroy_group: bool = True) -> None:
         self._saves.close_staging()
         self._saves.drainer.close()
         try:
@@ -400,7 +420,8 @@ class CheckpointManager:
             if self.peering is not None:
                 self.peering.close()
             self.memory.close(remove=remove_memory)
-            self.coord.close()
+            if destroy_group:
+                self.coord.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

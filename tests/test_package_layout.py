@@ -21,7 +21,7 @@ LAYERS = [
     {"peers"},
     {"recovery", "interop"},
     {"manager", "distributed", "dcp_reader", "quarantine", "policy"},
-    {"integrations", "cli", "simulate_cli", "goodput", "__init__"},
+    {"integrations", "inprocess", "cli", "simulate_cli", "goodput", "__init__"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 MAX_TOP_LEVEL_MODULES = 15

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import defaultdict
 from datetime import timedelta
 from typing import Callable, Mapping
@@ -64,6 +65,7 @@ class Committer:
         self._volumes: dict[str, list[int]] = {}  # tier name -> the ranks sharing this rank's volume
         self._pins: dict[str, set[CheckpointId]] = defaultdict(set)
         self._lock = threading.Lock()
+        self.abandoned = threading.Event()  # set: waits for other ranks end (the job goes on without them)
 
     def register(self, tier: DurableTier, volumes: list[str]) -> None:
         """``volumes``: every rank's ``tier.volume``, by rank (one all-gather at start-up)."""
@@ -122,8 +124,19 @@ class Committer:
                 store.delete_key(k)
 
     def _wait(self, store: object, keys: list[str], what: str) -> None:
+        """Poll (a few µs a check) rather than block in the store, so ``abandon()`` ends the
+        wait at once when a peer is gone and the job continues without it (``ckpt.inprocess``)."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pause = 0.001
         try:
-            store.wait(keys, self._timeout)
-        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
-            raise CheckpointError(f"timed out after {self._timeout.total_seconds():.0f} s waiting for {what}: "
-                                  f"{e}") from e
+            while not store.check(keys):
+                if self.abandoned.is_set():
+                    raise CheckpointError(f"abandoned waiting for {what}: the job's membership changed")
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(f"timed out after {self._timeout.total_seconds():.0f} s waiting for {what}")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.02)
+        except CheckpointError:
+            raise
+        except Exception as e:  # the store itself failed (DistStoreError / RuntimeError)
+            raise CheckpointError(f"the store failed waiting for {what}: {e}") from e

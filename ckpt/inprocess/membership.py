@@ -1,0 +1,97 @@
+"""Who is in the job, round by round, agreed through the launcher's store.
+
+The launcher sees every worker's exit first hand, so it is the one to decide membership:
+it publishes round ``r + 1`` (the members in rank order, the spares left, the reason) when a
+member dies or is killed. A survivor whose collective failed waits, bounded, for that round;
+a warm spare waits for a round that names it. No agreement protocol runs among the ranks.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+PREFIX = "ckpt-guard/inprocess"
+DONE_KEY = f"{PREFIX}/done"
+_POLL_S = 0.005
+
+
+def round_key(round_id: int) -> str:
+    return f"{PREFIX}/round/{round_id}"
+
+
+def beat_key(worker: int) -> str:
+    """A counter each worker's beat thread adds to: a stopped process stops counting."""
+    return f"{PREFIX}/beat/{worker}"
+
+
+def ready_key(worker: int) -> str:
+    """Set by a spare once warmed up: only a ready spare is called in (one still importing
+    torch would hold every survivor at the next group's rendezvous)."""
+    return f"{PREFIX}/ready/{worker}"
+
+
+def evict_key(worker: int) -> str:
+    return f"{PREFIX}/evict/{worker}"
+
+
+def evict(store: "dist.Store", worker: int, reason: str) -> None:
+    """Ask the launcher to end ``worker`` and go on without it (a predicted node failure, an
+    XID 79 on its GPU): it never resumes in place."""
+    store.set(evict_key(worker), reason)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One round: ``members`` are worker ids in rank order."""
+
+    round: int
+    members: tuple[int, ...]
+    spares: tuple[int, ...]
+    reason: str
+    fault_time: float  # wall clock of the fault that ended the previous round (0 for the first)
+
+    def rank_of(self, worker: int) -> int | None:
+        return self.members.index(worker) if worker in self.members else None
+
+    def to_json(self) -> str:
+        return json.dumps({"members": list(self.members), "spares": list(self.spares),
+                           "reason": self.reason, "fault_time": self.fault_time})
+
+    @classmethod
+    def from_json(cls, round_id: int, text: bytes) -> "Membership":
+        d = json.loads(text)
+        return cls(round_id, tuple(d["members"]), tuple(d["spares"]), d["reason"], d["fault_time"])
+
+
+def publish(store: "dist.Store", m: Membership) -> None:
+    store.set(round_key(m.round), m.to_json())
+
+
+def changed(store: "dist.Store", round_id: int) -> bool:
+    """Whether the launcher has published a round after ``round_id`` (one store round trip)."""
+    return store.check([round_key(round_id + 1)])
+
+
+def wait_round(store: "dist.Store", round_id: int, timeout_s: float) -> Membership | None:
+    """Round ``round_id`` once published, or None after ``timeout_s`` or when the job is over.
+    Polls (a check is a few µs on the launcher's store; a blocking wait with a timeout logs a
+    warning each time it expires)."""
+    deadline = time.monotonic() + timeout_s
+    key = round_key(round_id)
+    while not store.check([key]):
+        if store.check([DONE_KEY]) or time.monotonic() >= deadline:
+            return None
+        time.sleep(_POLL_S)
+    return Membership.from_json(round_id, store.get(key))
+
+
+def latest_after(store: "dist.Store", round_id: int) -> Membership | None:
+    """The newest published round after ``round_id`` (several faults may have passed), if any."""
+    found = None
+    while store.check([round_key(round_id + 1)]):
+        round_id += 1
+        found = Membership.from_json(round_id, store.get(round_key(round_id)))
+    return found

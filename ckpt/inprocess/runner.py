@@ -1,0 +1,249 @@
+"""Training that survives a lost rank inside the surviving processes (``ckpt.inprocess.run``).
+
+``ckpt.resumable`` is a generator: a failed collective is raised in the caller's loop body,
+where the wrapped model, the optimizer and the data iterator bound to the dead group live,
+so it can only end the process. Here the caller hands over two functions, as with NVRx's
+``inprocess.Wrapper``: ``build(ctx)`` makes the training objects on the current group and
+``step(objects, i)`` runs step ``i``. When a step fails (a peer's collective broke) or the
+launcher publishes a new membership round (``membership.py``), the survivor abandons the
+checkpoint manager and the process group without waiting on them, joins the next round's
+group (a spare takes the lost rank's place, else the world shrinks), builds again, restores
+the newest step complete everywhere (resharded at a new size) and goes on.
+
+Global batch policy when shrinking: ``build`` gets the new ``ctx.world_size``; the example and
+tests keep the global batch and split it over the ranks left.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Generic, Mapping, TypeVar
+
+import torch.distributed as dist
+
+from ..manager import CheckpointManager
+from ..recovery.leaving import flush_logs
+from . import group, membership
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+WORKER_ENV = "CKPT_INPROCESS_WORKER"
+LAUNCHER_ENV = "CKPT_INPROCESS_LAUNCHER_PID"
+BEAT_S = 0.2
+EXIT_FALLBACK = 75  # "relaunch the job": no round came, or this worker is in none
+EXIT_LEAVE = 76  # "go on without me": a sticky device error (XID 79 leaves one); never resumed in place
+
+
+class FallBack(RuntimeError):
+    """In-process recovery is not possible here; the launcher relaunches the job (logged reason)."""
+
+
+class _MembershipChanged(Exception):
+    """The launcher published a new round while this one was still training (a predicted failure)."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What ``build`` needs: this round's rank and world size (and which worker this is)."""
+
+    rank: int
+    world_size: int
+    round: int
+    worker: int
+
+
+@dataclass
+class Recovery:
+    """One recovery as the survivor saw it: cause and phases (seconds), for the log and benchmarks."""
+
+    round: int
+    reason: str
+    rank: int
+    world_size: int
+    restored_step: int | None
+    failed_at_step: int | None  # None for a spare called in
+    resumed_at: float  # wall clock at the end of the first resumed step
+    phases: dict[str, float]
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+@dataclass
+class Result(Generic[T]):
+    objects: T
+    steps_done: int
+    recoveries: list[Recovery]
+
+
+def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int,
+        checkpoint: Mapping[str, Any], state_of: Callable[[T], dict] = lambda objects: objects,
+        save_every: int = 1, resume_step: int | None = None, collective_timeout_s: float = 30.0,
+        membership_timeout_s: float = 30.0, on_recovery: Callable[[Recovery], None] | None = None,
+        warm_up: Callable[[], Any] | None = None) -> Result[T]:
+    """Train ``steps`` steps under ``python -m ckpt.inprocess.launch``, recovering in process.
+
+    ``checkpoint``: ``CheckpointManager`` keyword arguments (its ``root`` first); a step is saved
+    every ``save_every`` steps. ``resume_step``: restore that step at the first start instead of
+    the newest. ``collective_timeout_s`` bounds the gloo group's collectives;
+    ``membership_timeout_s`` how long a survivor waits for the launcher's next round before it
+    falls back to a relaunch: the reason is logged and the process exits with ``EXIT_FALLBACK``,
+    on which the launcher relaunches the job. ``warm_up`` runs in a warm spare while it waits
+    (no process group yet): build a model and take a local step, so the first step after it is
+    called in pays no lazy import or first-use cost."""
+    try:
+        return _run(build, step, steps=steps, checkpoint=checkpoint, state_of=state_of, save_every=save_every,
+                    resume_step=resume_step, collective_timeout_s=collective_timeout_s,
+                    membership_timeout_s=membership_timeout_s, on_recovery=on_recovery, warm_up=warm_up)
+    except FallBack as e:
+        log.error("ckpt-guard inprocess: falling back to a relaunch: %s", e)
+        flush_logs()
+        os._exit(EXIT_FALLBACK)
+
+
+def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int, checkpoint: Mapping[str, Any],
+         state_of: Callable[[T], dict], save_every: int, resume_step: int | None, collective_timeout_s: float,
+         membership_timeout_s: float, on_recovery: Callable[[Recovery], None] | None,
+         warm_up: Callable[[], Any] | None) -> Result[T]:
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=membership_timeout_s))
+    worker = int(os.environ[WORKER_ENV])
+    die_with_launcher()
+    _start_beating(worker, membership_timeout_s)
+    current = _first_round(store, worker, membership_timeout_s, warm_up)
+    recoveries: list[Recovery] = []
+    pending: tuple[float, str, int | None, dict[str, float]] | None = None  # a recovery in progress
+    if current.round:  # a warm spare called in: its recovery starts when it learns of the round
+        pending = (time.monotonic(), current.reason, None, {"fault_time": current.fault_time})
+    while True:
+        rank = current.rank_of(worker)
+        t_join = time.monotonic()
+        ctx = Context(rank, len(current.members), current.round, worker)
+        mgr: CheckpointManager | None = None
+        done = 0
+        try:
+            group.join(store, current.round, rank, len(current.members), collective_timeout_s)
+            t_group = time.monotonic()
+            objects = build(ctx)
+            t_build = time.monotonic()
+            mgr = CheckpointManager(**{"node_memory": True, **checkpoint})
+            state = state_of(objects)
+            first = resume_step if current.round == 0 else None
+            restored = mgr.restore(state, step=first) if first is not None else mgr.restore(state)
+            done = restored or 0
+            t_restore = time.monotonic()
+            while done < steps:
+                if membership.changed(store, current.round):
+                    raise _MembershipChanged()
+                step(objects, done)
+                done += 1
+                if pending is not None:
+                    recoveries.append(_finish(pending, current, ctx, restored, t_join, t_group, t_build, t_restore))
+                    if on_recovery is not None:
+                        on_recovery(recoveries[-1])
+                    pending = None
+                if done % save_every == 0 or done == steps:
+                    mgr.save(done, state)
+            mgr.close()
+            return Result(objects, done, recoveries)
+        except Exception as e:
+            t_fault = time.monotonic()
+            if _must_leave(e):  # its exit is a death like any other: a spare takes its rank, or the world shrinks
+                log.error("ckpt-guard inprocess: rank %d leaves its process: a sticky device error (%s)", rank,
+                          _short(e))
+                flush_logs()
+                os._exit(EXIT_LEAVE)
+            nxt = membership.latest_after(store, current.round) or membership.wait_round(
+                store, current.round + 1, membership_timeout_s)
+            if nxt is None:
+                raise FallBack(f"rank {rank} failed at step {done} ({e}) and no new membership came "
+                               f"within {membership_timeout_s:.0f} s") from e
+            t_round = time.monotonic()
+            if mgr is not None:
+                mgr.abandon()
+            group.leave()
+            del mgr
+            gc.collect()  # the abandoned manager's cycles hold a store connection each: free them now
+            t_left = time.monotonic()
+            log.warning("rank %d: step %d failed (%s); round %d: %s", rank, done, _short(e), nxt.round, nxt.reason)
+            if nxt.rank_of(worker) is None:
+                raise FallBack(f"worker {worker} is not in round {nxt.round}") from e
+            pending = (t_fault, nxt.reason, done, {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault,
+                                                   "abort_s": t_left - t_round})
+            current = nxt
+
+
+def die_with_launcher() -> None:
+    """SIGKILL this worker when the launcher dies (Linux prctl PR_SET_PDEATHSIG), so a killed
+    launcher leaves no training process behind; elsewhere the store going away ends it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(os.environ.get(LAUNCHER_ENV, os.getppid())):  # it died before the prctl
+        os._exit(EXIT_FALLBACK)
+
+
+def _start_beating(worker: int, timeout_s: float) -> None:
+    """The launcher's frozen-rank detector: a daemon thread adds to this worker's beat counter
+    (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting."""
+    def beat() -> None:
+        store = None
+        while True:
+            try:
+                if store is None:
+                    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                          is_master=False, timeout=timedelta(seconds=timeout_s))
+                store.add(membership.beat_key(worker), 1)
+            except Exception as e:  # a slow or restarting store: try again (a silent beat gets this rank killed)
+                log.debug("beat: %s", e)
+                store = None
+            time.sleep(BEAT_S)
+
+    threading.Thread(target=beat, name="ckpt-inprocess-beat", daemon=True).start()
+
+
+def _first_round(store: "dist.Store", worker: int, timeout_s: float,
+                 warm_up: Callable[[], Any] | None) -> membership.Membership:
+    """Round 0, or for a warm spare the first round that names it (it waits, warmed up)."""
+    m = membership.wait_round(store, 0, timeout_s)
+    if m is not None and m.rank_of(worker) is None:
+        if warm_up is not None:
+            warm_up()
+        store.set(membership.ready_key(worker), "1")
+    while m is not None and m.rank_of(worker) is None:
+        m = membership.wait_round(store, m.round + 1, float("inf"))
+    if m is None:
+        raise FallBack(f"worker {worker}: no membership round names it (the job ended or the launcher is gone)")
+    return m
+
+
+def _finish(pending: tuple, current: membership.Membership, ctx: Context, restored: int | None, t_join: float,
+            t_group: float, t_build: float, t_restore: float) -> Recovery:
+    t_fault, reason, failed_at, phases = pending
+    now = time.monotonic()
+    phases = {**phases, "process_group_s": t_group - t_join, "build_s": t_build - t_group,
+              "restore_s": t_restore - t_build, "first_step_s": now - t_restore, "total_s": now - t_fault}
+    rec = Recovery(current.round, reason, ctx.rank, ctx.world_size, restored, failed_at, time.time(), phases)
+    log.warning("ckpt-guard inprocess recovery %s", rec.to_json())
+    return rec
+
+
+def _must_leave(e: BaseException) -> bool:
+    """A sticky CUDA error (the context is unusable; XID 79 leaves one) is never resumed in place."""
+    text = str(e)
+    return "CUDA error" in text and ("illegal" in text or "unspecified launch failure" in text
+                                     or "fallen off the bus" in text)
+
+
+def _short(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__

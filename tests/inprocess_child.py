@@ -1,0 +1,126 @@
+"""A worker of ``python -m ckpt.inprocess.launch`` for tests and the recovery benchmark: a small
+MLP trained data-parallel on gloo (gradients all-reduced by hand), a fixed global batch split
+over however many ranks are left, a checkpoint every step.
+
+    inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
+
+Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from ckpt.distributed import exit_rank
+from ckpt.inprocess import Context, Recovery, group, membership, run
+
+GLOBAL_BATCH = 12  # divisible by 3, 2 and 1: the global batch is kept when the world shrinks
+
+
+def resources() -> dict[str, int]:
+    """What a survivor holds: threads, open fds, resident KiB (nothing may grow per recovery)."""
+    rss_pages = int(open("/proc/self/statm").read().split()[1])
+    return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+            "rss_kib": rss_pages * os.sysconf("SC_PAGE_SIZE") // 1024,
+            "fd_targets": sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                                 if os.path.exists(f"/proc/self/fd/{fd}"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--events", required=True)
+    ap.add_argument("--kill-worker", type=int, default=-1)
+    ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--kill-rank-every", type=int, default=0,
+                    help="the worker at rank 1 SIGKILLs itself every this many steps (after a step of its own)")
+    ap.add_argument("--hang", action="store_true", help="SIGSTOP instead of SIGKILL (the launcher must kill it)")
+    ap.add_argument("--evict-worker", type=int, default=-1,
+                    help="at --kill-at, worker 0 asks the launcher to evict this worker (an XID 79 on its GPU)")
+    ap.add_argument("--resume-step", type=int, default=None)
+    ap.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower model)")
+    args = ap.parse_args()
+    worker = int(os.environ["CKPT_INPROCESS_WORKER"])
+
+    def emit(**event) -> None:
+        with open(args.events, "a") as f:
+            f.write(json.dumps({"worker": worker, "pid": os.getpid(), "t": time.time(), **event}) + "\n")
+
+    emit(event="start")
+    evicted: list[int] = []
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+
+    def build(ctx: Context) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                "ctx": ctx}
+
+    own_steps: list[int] = []
+
+    def spares_ready() -> None:
+        """The fault waits for the job's spares to be warm (a busy machine may still be importing
+        torch in them): what is measured is a fault with a spare ready, not a start-up race."""
+        spares = membership.wait_round(store, 0, 60.0).spares
+        deadline = time.monotonic() + 300
+        while not store.check([membership.ready_key(s) for s in spares]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def step(objects: dict, i: int) -> None:
+        every = args.kill_rank_every
+        if every and objects["ctx"].rank == 1 and i % every == 0 and own_steps:
+            emit(event="fault", step=i)
+            os.kill(os.getpid(), signal.SIGKILL)
+        own_steps.append(i)
+        if worker == args.kill_worker and i == args.kill_at:
+            spares_ready()
+            emit(event="fault", step=i)
+            os.kill(os.getpid(), signal.SIGSTOP if args.hang else signal.SIGKILL)
+        if worker == 0 and args.evict_worker >= 0 and i == args.kill_at and not evicted:
+            spares_ready()
+            evicted.append(i)
+            emit(event="fault", step=i)
+            membership.evict(store, args.evict_worker, "XID 79 on its GPU (simulated)")
+        ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
+        g = torch.Generator().manual_seed(1000 + i)
+        x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+        share = GLOBAL_BATCH // ctx.world_size
+        mine = slice(ctx.rank * share, (ctx.rank + 1) * share)
+        optim.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
+        optim.step()
+        if args.step_s:
+            time.sleep(args.step_s)
+        emit(event="step", step=i + 1, world=ctx.world_size)
+
+    def warm_up() -> None:  # a spare, while it waits: the first step's one-off costs, paid now
+        objects = build(Context(0, 1, -1, worker))
+        objects["model"](torch.zeros(1, 16)).sum().backward()
+        objects["optim"].step()
+
+    def on_recovery(r: Recovery) -> None:
+        emit(event="recovery", leaked_groups=group.leaked(), **resources(), **r.__dict__)
+
+    result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
+                 checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"]},
+                 resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,
+                 warm_up=warm_up)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
+    emit(event="done", steps=result.steps_done, digest=digest.hexdigest(),
+         world=result.objects["ctx"].world_size)
+    exit_rank(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""In-process recovery (ckpt.inprocess) with real processes: ``python -m ckpt.inprocess.launch``
+starts gloo ranks on loopback (tests/inprocess_child.py); a rank SIGKILLs itself mid-training.
+The survivors must keep their processes and finish bitwise equal to the run they stand for:
+with a warm spare, an uninterrupted run; shrinking, a relaunch from the same step at the new size."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ckpt_helpers import REPO
+
+CHILD = REPO / "tests" / "inprocess_child.py"
+STEPS, KILL_AT = 10, 4
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+
+
+def launch(root: Path, events: Path, *launcher: str, child: tuple[str, ...] = ()) -> str:
+    cmd = [sys.executable, "-m", "ckpt.inprocess.launch", *launcher, str(CHILD), "--root", str(root),
+           "--events", str(events), *child]
+    proc = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def finals(evs: list[dict]) -> dict[int, dict]:
+    return {e["worker"]: e for e in evs if e["event"] == "done"}
+
+
+def check_survivors_kept(evs: list[dict], dead: int) -> list[dict]:
+    """Every worker that finished is the process that started (pid unchanged); the recoveries seen."""
+    started = {e["worker"]: e["pid"] for e in evs if e["event"] == "start"}
+    done = finals(evs)
+    assert dead not in done and done, done
+    assert all(e["pid"] == started[w] for w, e in done.items()), (started, done)
+    recs = [e for e in evs if e["event"] == "recovery"]
+    assert {r["worker"] for r in recs} == set(done), recs
+    return recs
+
+
+@pytest.mark.timeout(600)
+def test_killed_rank_spare_takes_its_place(tmp_path):
+    """2 ranks + 1 warm spare: rank 1 dies at step 4; the spare takes rank 1 and the job ends
+    bitwise equal to an uninterrupted 2-rank run, at most the step in flight lost."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "2", "--spares", "1",
+                 child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", str(KILL_AT)))
+    evs = events(tmp_path / "a.jsonl")
+    recs = check_survivors_kept(evs, dead=1)
+    assert "attempt 1" not in log and "spare 2 takes rank 1" in log, log[-3000:]
+    assert all(r["world_size"] == 2 for r in recs), recs
+    assert all(r["failed_at_step"] - r["restored_step"] <= 1 for r in recs if r["worker"] == 0), recs
+    assert {w: e["steps"] for w, e in finals(evs).items()} == {0: STEPS, 2: STEPS}
+    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
+    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
+
+
+@pytest.mark.timeout(600)
+def test_killed_rank_without_spare_shrinks(tmp_path):
+    """3 ranks, no spare: rank 1 dies at step 4; ranks 0 and 2 go on at world size 2 and end
+    bitwise equal to a relaunch at 2 ranks from the step they restored (itself taken from a
+    clean 3-rank run)."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "3",
+                 child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", str(KILL_AT)))
+    evs = events(tmp_path / "a.jsonl")
+    recs = check_survivors_kept(evs, dead=1)
+    assert "attempt 1" not in log and "continuing at world size 2" in log, log[-3000:]
+    restored = {r["restored_step"] for r in recs}
+    assert {r["failed_at_step"] for r in recs} == {KILL_AT}, recs
+    assert len(restored) == 1 and KILL_AT - 1 <= min(restored) <= KILL_AT, recs
+    assert all(e["world"] == 2 for e in finals(evs).values())
+    ref = tmp_path / "ref"
+    launch(ref, tmp_path / "ref3.jsonl", "--nproc", "3", child=("--steps", str(min(restored))))
+    launch(ref, tmp_path / "ref2.jsonl", "--nproc", "2",
+           child=("--steps", str(STEPS), "--resume-step", str(min(restored))))
+    expected = {e["digest"] for e in finals(events(tmp_path / "ref2.jsonl")).values()}
+    assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
+
+
+def test_membership_rounds_through_the_store():
+    """The launcher publishes rounds; a survivor finds the newest, a spare its own; the job's end
+    releases a waiter at once."""
+    import torch.distributed as dist
+
+    from ckpt.inprocess import membership
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first = membership.Membership(0, (0, 1, 2), (3,), "start", 0.0)
+    membership.publish(store, first)
+    assert membership.wait_round(store, 0, 5.0) == first and not membership.changed(store, 0)
+    membership.publish(store, membership.Membership(1, (0, 3, 2), (), "worker 1 died: spare 3", 1.0))
+    membership.publish(store, membership.Membership(2, (0, 3), (), "worker 2 died: shrink", 2.0))
+    newest = membership.latest_after(store, 0)
+    assert membership.changed(store, 0) and newest.round == 2 and newest.rank_of(3) == 1 and newest.rank_of(2) is None
+    assert membership.wait_round(store, 3, 0.05) is None  # bounded
+    store.set(membership.DONE_KEY, "1")
+    assert membership.wait_round(store, 3, 60.0) is None
+
+
+def test_leaving_a_group_frees_it_and_a_new_round_joins():
+    """``group.leave`` forgets the groups at once (no teardown wait) and shuts them down in the
+    background; the next round's group forms on the same store."""
+    import torch
+    import torch.distributed as dist
+
+    from ckpt.inprocess import group
+    from tests.procs import wait_for
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    group.join(store, 0, 0, 1, 30.0)
+    side = dist.new_group(backend="gloo")
+    dist.all_reduce(torch.ones(1), group=side)
+    group.leave()
+    assert not dist.is_initialized()
+    assert wait_for(lambda: group.leaked() == 0, timeout=60)
+    group.join(store, 1, 0, 1, 30.0)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0]
+    group.leave()
+
+
+def test_a_sticky_device_error_is_never_resumed_in_place():
+    from ckpt.inprocess.runner import _must_leave
+
+    assert _must_leave(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert _must_leave(RuntimeError("CUDA error: GPU has fallen off the bus"))
+    assert not _must_leave(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
