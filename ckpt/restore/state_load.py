@@ -69,8 +69,8 @@ def _apply(target: Any, value: Any) -> Any:
         target.load_state_dict(value)
         return target
     if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-        with torch.no_grad():
-            target.copy_(value)
+        with torch.no_grad():  # a DTensor's local shard read apart from it (not contiguous): into the shard
+            (local_tensor(target) if not isinstance(value, DTensor) else target).copy_(value)
         return target
     if isinstance(target, np.ndarray) and isinstance(value, np.ndarray):
         target[...] = value
@@ -104,6 +104,10 @@ def _mismatches(target: Any, value: Any, path: str, found: list[str], strict: bo
         return  # the saved side is no deeper than this (decoding bounds it): nothing left to compare
     mine = _layout(target)
     if mine is not None:
+        if isinstance(target, torch.Tensor) and torch._debug_has_internal_overlap(local_tensor(target)) == 1:
+            found.append(f"{path}: target {_what(target)} cannot be written in place (an expanded view: its "
+                         "elements share memory); restore into a tensor of its own")
+            return
         theirs = _layout(value)
         whole = isinstance(value, _Saved) and value.whole
         if whole and isinstance(target, torch.Tensor):
