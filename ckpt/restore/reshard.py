@@ -45,7 +45,7 @@ from ..tiers.base import CheckpointId, TierReader
 from .execute import LOCAL, OpenShards, first_sound, load_plan, restore_agreed, shard_manifest
 from .optim_names import renumber
 from .plan import Inventory, RestorePlan, ShardNeed, canonical_path, every_shard, layout_changes, reshard_reads
-from .state_load import check_restorable
+from .state_load import align_key_types, check_restorable
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ def load_values(plan: RestorePlan, state: dict, rank: int, world_size: int, *, t
     with OpenShards(plan.ckpt_id) as opened:
         if plan.world_size == world_size:
             create_optimizer_state(state, sharded_only=True)  # FSDP2's moments must be DTensors to read into
-            changes = layout_changes(shard_manifest(plan.shards[0], plan.ckpt_id, opened), state)
+            own = shard_manifest(plan.shards[0], plan.ckpt_id, opened)
+            own.tree = align_key_types(own.tree, state)
+            changes = layout_changes(own, state)
             if not changes:
                 return load_plan(plan, state, threads=threads, opened=opened), None
             log.info("rank %d: step %d is laid out otherwise than the state (%s%s): resharding", rank,
@@ -96,6 +98,7 @@ def _load_resharded(plan: RestorePlan, state: Mapping[str, Any], rank: int, thre
     require_layouts(manifests, ckpt_id)
     renumber(manifests, state)
     _align_module_keys(first.tree, state)
+    first.tree = align_key_types(first.tree, state)
     check_restorable(state, first.tree, first.tensors, whole=True)
     create_optimizer_state(state)  # after the check: a mismatch leaves the optimizer as it was
     targets = tensor_targets(state, first.tree, any_kind=True)
