@@ -74,6 +74,8 @@ def ported() -> list[dict]:
               (8, 4), _spec("1d", "S0", local="noncontiguous"), _spec("1d", "S0")),
         _case("noncontiguous-target", "test_dtensor_checkpoint.py (restored into a DTensor whose local shard "
               "is not contiguous)", (8, 4), _spec("1d", "S0"), _spec("1d", "S1", local="noncontiguous")),
+        _case("noncontiguous-target-same", "test_dtensor_checkpoint.py (the same layout, into a DTensor whose "
+              "local shard is not contiguous)", (8, 4), _spec("1d", "S0"), _spec("1d", "S0", local="noncontiguous")),
         _case("submesh", "test_dtensor_checkpoint.py::DTensorPlanner::test_distributed_tensor_planner (a DTensor on "
               "a sub-mesh: ranks outside hold nothing)", (8, 4), _spec("sub", "S0"), _spec("sub", "S0")),
         _case("submesh-to-1d", "test_dtensor_checkpoint.py (sub-mesh to the whole mesh)", (8, 4), _spec("sub", "S0"),
@@ -137,5 +139,6 @@ def fast_subset(cases: list[dict]) -> list[dict]:
     wanted = {"1d-S0-S1", "1d-S0-R", "1d-R-S1", "2d-S0R-RS0", "2d-RS0-S0R", "2d-S0S1-S1S0", "2d-S0R-S0S1",
               "mesh-1d-S0-2d-RS0", "mesh-2d-S0S1-1d-S1", "uneven-S0-S1", "empty-shard-S0-R", "fsdp-to-tp",
               "fsdp-tp-to-fsdp", "plain-tensor", "dtensor-to-plain", "plain-to-dtensor", "noncontiguous-local",
-              "noncontiguous-target", "submesh", "submesh-to-1d", "1d-to-submesh", "conj-beside"}
+              "noncontiguous-target", "noncontiguous-target-same", "submesh", "submesh-to-1d", "1d-to-submesh",
+              "conj-beside"}
     return [c for c in cases if c["id"] in wanted or c["id"].startswith("gen00")]

@@ -43,10 +43,10 @@ from torch.futures import Future
 from ..errors import CheckpointError
 from ..format.layout import Layout
 from ..format.manifest import ShardManifest, TensorEntry
-from ..format.state import unflatten
+from ..format.state import tree_holds, unflatten
 from ..format.tensor_io import read_chunks, read_tensors
 from ..restore.execute import LOCAL, first_sound, open_shard, restore_agreed, shard_manifest
-from ..restore.plan import Inventory, RestorePlan, ShardNeed, reshard_reads
+from ..restore.plan import Inventory, RestorePlan, ShardNeed, every_shard, reshard_reads
 from ..restore.reshard import require_layouts
 from ..tiers.base import CheckpointId
 from ..tiers.locations import tiers_for
@@ -88,15 +88,21 @@ class CheckpointReader(StorageReader):
         return bool(tiers_for(checkpoint_id)[-1].list())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        def manifests_of(plan: RestorePlan) -> dict[int, ShardManifest]:
-            return {s.rank: shard_manifest(s, plan.ckpt_id) for s in plan.shards}
+        inventory = Inventory(tiers_for(self.location, run=self.run, memory_dir=self.memory_dir))
 
-        found = restore_agreed(LOCAL, Inventory(tiers_for(self.location, run=self.run, memory_dir=self.memory_dir)),
-                               lambda world: [ShardNeed(r) for r in range(world)], manifests_of, step=self.step)
+        def manifests_of(plan: RestorePlan) -> tuple[RestorePlan, dict[int, ShardManifest]]:
+            first = shard_manifest(plan.shards[0], plan.ckpt_id)
+            if plan.world_size == 1 or not tree_holds(first.tree, "__dtensor__"):
+                return plan, {0: first}  # rank 0 holds it all, whole
+            plan = every_shard(inventory, plan, "it holds sharded DTensors")
+            return plan, {s.rank: first if s.rank == 0 else shard_manifest(s, plan.ckpt_id) for s in plan.shards}
+
+        found = restore_agreed(LOCAL, inventory, lambda world: [ShardNeed(0)], manifests_of, step=self.step)
         if found is None:
             raise CheckpointError(f"no checkpoint in {self.location}")
-        self._plan, self._manifests = found
-        require_layouts(self._manifests, self._plan.ckpt_id)  # format 1.1: a DTensor's shard is not the tensor
+        self._plan, self._manifests = found[1]
+        if self._plan.world_size > 1:  # format 1.1 recorded no layout: a DTensor's shard is not the tensor
+            require_layouts(self._manifests, self._plan.ckpt_id)
         manifest = self._manifests[0]
         tree = unflatten(manifest.tree, lambda i: _Placeholder(manifest.tensors[i]))
         metadata: dict[str, Any] = {}

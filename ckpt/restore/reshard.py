@@ -143,16 +143,20 @@ def read_whole(location: str, step: int | None = None, *, run: str | None = None
     one process without a mesh), so what export writes is the saved tensor, not a shard of it."""
     from ..tiers.locations import tiers_for
 
+    inventory = Inventory(tiers_for(location, run=run))
+
     def execute(chosen: RestorePlan) -> dict:
         with OpenShards(chosen.ckpt_id) as opened:
             first = shard_manifest(chosen.shards[0], chosen.ckpt_id, opened)
+            if chosen.world_size == 1 or not tree_holds(first.tree, "__dtensor__"):
+                return load_plan(chosen, None, threads=threads, opened=opened)  # rank 0 holds it all, whole
+            chosen = every_shard(inventory, chosen, "it holds sharded DTensors")
             by_id = {e.id: e for e in first.tensors}
             blank = unflatten(first.tree, lambda i: torch.empty(
                 by_id[i].layout.global_shape if by_id[i].layout else by_id[i].shape, dtype=by_id[i].torch_dtype))
             return _load_resharded(chosen, blank, 0, threads, opened)[0]
 
-    found = restore_agreed(LOCAL, Inventory(tiers_for(location, run=run)),
-                           lambda world: [ShardNeed(r) for r in range(world)], execute, step=step)
+    found = restore_agreed(LOCAL, inventory, lambda world: [ShardNeed(0)], execute, step=step)
     if found is None:
         raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
     return found[0].ckpt_id, found[1]
