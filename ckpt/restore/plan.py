@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import StateMismatch
-from ..format.layout import Layout, full_layout, layout_of, overlap
+from ..format.layout import Layout, full_layout, overlap
 from ..format.manifest import ShardManifest, TensorEntry
 from ..format.read_items import ChunkRead
-from ..format.state import DTensor, local_tensor, tensor_targets
 from ..tiers.base import CheckpointId, CheckpointInfo, TierReader
 
 
@@ -102,36 +101,6 @@ def every_shard(inventory: Inventory | None, chosen: RestorePlan, why: str) -> R
         raise StateMismatch(f"step {chosen.ckpt_id.step}: {why}; restoring that needs every saved shard, and "
                             "some are in no tier this rank reads")
     return found
-
-
-def layout_changes(saved: ShardManifest, state: Mapping) -> list[str]:
-    """Where this rank's saved shard does not hold exactly the elements its target holds (the
-    same global indices, in the same order): a DTensor's runs, a plain tensor for a DTensor or
-    the reverse, a saved DTensor with no target. Empty: the shard can be copied whole."""
-    targets = tensor_targets(state, saved.tree, any_kind=True)
-    changes = []
-    for e in saved.tensors:
-        t = targets.get(e.id)
-        if t is None:
-            if e.layout is not None:
-                changes.append(f"{e.path}: saved as a shard of a DTensor {e.layout.global_shape}, no target holds it")
-            continue
-        mine = layout_of(t, e.path) if isinstance(t, DTensor) else None
-        if tuple(local_tensor(t).shape) != e.shape and (e.layout is not None or mine is not None):
-            changes.append(f"{e.path}: saved local shape {e.shape}, target's {tuple(local_tensor(t).shape)}")
-            continue
-        if e.layout is None and mine is None:
-            continue
-        if e.layout is None or mine is None or (e.layout.global_shape, e.layout.runs) != (mine.global_shape, mine.runs):
-            changes.append(f"{e.path}: saved as {_described(e.layout, e.shape)}, target {_described(mine, t.shape)}")
-    return changes
-
-
-def _described(layout: Layout | None, shape: tuple) -> str:
-    if layout is None:
-        return f"a tensor {tuple(shape)}"
-    return (f"a DTensor {layout.global_shape} {'+'.join(layout.placements) or 'whole'} over mesh {layout.mesh_shape} "
-            f"at {layout.coordinate} (local {layout.local_shape})")
 
 
 def plans(inventory: Inventory, needs: Needs, step: int | None = None,

@@ -12,7 +12,7 @@ What a torchtitan user expects of DCP's resharding, through our sources and chec
   rank (a per-rank RNG state, a data position) is rank 0's: the loop helper re-derives
   those for the new world size.
 * **The same world size is no exception**: this rank's saved shard is copied whole only
-  when every tensor in it covers exactly the elements its target does (``plan.layout_changes``);
+  when every tensor in it covers exactly the elements its target does (``layout_changes``);
   another placement, mesh or local shape, or a plain tensor for a DTensor, reshards.
 * A tensor saved sharded may be restored unsharded (M = 1 without a mesh) and the reverse,
   and a model saved under DDP (``module.``) or torch.compile (``_orig_mod.``) into one
@@ -44,7 +44,7 @@ from ..format.tensor_io import read_chunks, read_tensors
 from ..tiers.base import CheckpointId, TierReader
 from .execute import LOCAL, OpenShards, first_sound, load_plan, restore_agreed, shard_manifest
 from .optim_names import renumber
-from .plan import Inventory, RestorePlan, ShardNeed, canonical_path, every_shard, layout_changes, reshard_reads
+from .plan import Inventory, RestorePlan, ShardNeed, canonical_path, every_shard, reshard_reads
 from .state_load import align_key_types, check_restorable
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,36 @@ def read_whole(location: str, step: int | None = None, *, run: str | None = None
     if found is None:
         raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
     return found[0].ckpt_id, found[1]
+
+
+def layout_changes(saved: ShardManifest, state: Mapping) -> list[str]:
+    """Where this rank's saved shard does not hold exactly the elements its target holds (the
+    same global indices, in the same order): a DTensor's runs, a plain tensor for a DTensor or
+    the reverse, a saved DTensor with no target. Empty: the shard can be copied whole."""
+    targets = tensor_targets(state, saved.tree, any_kind=True)
+    changes = []
+    for e in saved.tensors:
+        t = targets.get(e.id)
+        if t is None:
+            if e.layout is not None:
+                changes.append(f"{e.path}: saved as a shard of a DTensor {e.layout.global_shape}, no target holds it")
+            continue
+        mine = layout_of(t, e.path) if isinstance(t, DTensor) else None
+        if tuple(local_tensor(t).shape) != e.shape and (e.layout is not None or mine is not None):
+            changes.append(f"{e.path}: saved local shape {e.shape}, target's {tuple(local_tensor(t).shape)}")
+            continue
+        if e.layout is None and mine is None:
+            continue
+        if e.layout is None or mine is None or (e.layout.global_shape, e.layout.runs) != (mine.global_shape, mine.runs):
+            changes.append(f"{e.path}: saved as {_described(e.layout, e.shape)}, target {_described(mine, t.shape)}")
+    return changes
+
+
+def _described(layout: Layout | None, shape: tuple) -> str:
+    if layout is None:
+        return f"a tensor {tuple(shape)}"
+    return (f"a DTensor {layout.global_shape} {'+'.join(layout.placements) or 'whole'} over mesh {layout.mesh_shape} "
+            f"at {layout.coordinate} (local {layout.local_shape})")
 
 
 def _align_module_keys(tree: Any, state: Mapping[str, Any]) -> None:
