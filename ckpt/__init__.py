@@ -17,7 +17,7 @@ from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, Manifes
 
 _LAZY = {
     "CheckpointManager": ".manager",
-    "load": ".restore.execute",
+    "load": ".restore.reshard",
     "resumable": ".integrations",
     "SaveRequests": ".integrations",
     "RNGState": ".integrations",

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .errors import CheckpointError, DamagedCheckpoint
 from .format.manifest import Manifest, ShardRef
-from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, read, restore_agreed
+from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
 from .restore.listing import merge_listing, shm_usage
 from .restore.plan import Inventory, RestorePlan, ShardNeed
 from .simulate_cli import simulate_cmd
@@ -225,18 +225,19 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
     from pathlib import Path
 
     from .interop import export
+    from .restore.reshard import read_whole
 
     _must_exist(root)
     out = Path(dest)
     if out.exists() and any(out.iterdir()) and not force:
         raise click.UsageError(f"{dest} is not empty; pass --force to write into it")
-    ckpt_id, values, tree = read(root, step, run=run)
+    ckpt_id, values = read_whole(root, step, run=run)  # sharded tensors assembled from every saved shard
     if fmt == "dcp":
         def write(into: Path) -> list[Path]:
             export.write_dcp(values, into)
             return sorted(into.iterdir())
     else:
-        weights = export.model_weights(values, tree, key)
+        weights = export.model_weights(values, key)
         meta = {"ckpt_guard_step": str(ckpt_id.step), "ckpt_guard_generation": str(ckpt_id.generation)}
 
         def write(into: Path) -> list[Path]:

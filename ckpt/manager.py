@@ -321,8 +321,9 @@ class CheckpointManager:
         needs = partial(shard_needs, rank=self.rank, world=self.world_size, replicated=self.replicated,
                         holder=self._replica_holder)
         self.last_reshard = None
-        load = partial(load_values, state=state, rank=self.rank, world_size=self.world_size, threads=self.threads)
         inventory = Inventory(tiers)
+        load = partial(load_values, state=state, rank=self.rank, world_size=self.world_size, threads=self.threads,
+                       inventory=inventory)
         found = restore_agreed(self.coord, inventory, needs, load, step=step)
         if found is None:
             if step is not None:
@@ -339,7 +340,7 @@ class CheckpointManager:
         if self.metrics is not None:
             self.metrics.restored(plan.shards[0].sources[0].name, seconds)
         # a resharded step is not this rank's saved shard: it is protected by the next save
-        if self.peering is not None and self.peering.restored(plan) and plan.world_size == self.world_size:
+        if self.peering is not None and self.peering.restored(plan) and self.last_reshard is None:
             self._reprotect(plan.ckpt_id, state)
         newest = self._newest_known() or plan.ckpt_id
         generation = self.coord.max(newest.generation)

@@ -76,12 +76,13 @@ def test_dcp_export_is_read_by_dcp_load(saved_model, tmp_path: Path) -> None:
     assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())
 
 
-def test_ddp_prefixes_are_dropped_and_sharded_dtensors_refused() -> None:
+def test_ddp_prefixes_are_dropped_and_top_level_tensors_are_exported_all() -> None:
     w = torch.ones(2)
-    got = model_weights({"model": {"module.fc.weight": w}}, {"model": {"module.fc.weight": {"__tensor__": 0}}})
-    assert list(got) == ["fc.weight"]
-    with pytest.raises(CheckpointError, match="sharded DTensors"):
-        model_weights({"model": {"w": w}}, {"model": {"w": {"__dtensor__": 0}}})
+    assert list(model_weights({"model": {"module.fc.weight": w}})) == ["fc.weight"]
+    # no model entry: the checkpoint's tensors sit at the top level, each is a weight (issue 31)
+    assert list(model_weights({"w": w, "b": w, "epoch": 3})) == ["w", "b"]
+    with pytest.raises(CheckpointError, match="pass --key"):
+        model_weights({"epoch": 3})
 
 
 def test_export_refuses_a_non_empty_destination(saved_model, tmp_path: Path) -> None:

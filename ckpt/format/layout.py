@@ -88,10 +88,15 @@ def layout_of(t: Any, path: str = "") -> Layout:
         layout = _layout(tuple(t.shape), t.device_mesh, tuple(t.placements))
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    if layout.local_shape != tuple(t.to_local().shape):
+    if layout.local_shape != tuple(t.to_local().shape) and not (outside_mesh(t) and t.to_local().numel() == 0):
         raise CheckpointError(f"{path}: DTensor local shape {tuple(t.to_local().shape)} does not match its placements "
                               f"{list(layout.placements)} ({layout.local_shape}); cannot record where it lies")
     return layout
+
+
+def outside_mesh(t: Any) -> bool:
+    """Whether this rank is outside a DTensor's mesh (a sub-mesh): it holds none of the tensor."""
+    return t.device_mesh.get_coordinate() is None
 
 
 @functools.lru_cache(maxsize=4096)  # a model's tensors share a few layouts; save() must stay cheap
@@ -101,8 +106,8 @@ def _layout(global_shape: tuple[int, ...], mesh: Any, placements: tuple) -> Layo
     from torch.distributed.tensor.placement_types import _StridedShard
 
     coord = mesh.get_coordinate()
-    if coord is None:
-        raise CheckpointError("this rank is not in the DTensor's mesh")
+    outside = coord is None  # a DTensor on a sub-mesh: this rank holds none of it
+    coord = coord or [0] * mesh.ndim
     local = list(global_shape)
     offsets: dict[int, "torch.Tensor"] = {}
     names = []
@@ -122,7 +127,8 @@ def _layout(global_shape: tuple[int, ...], mesh: Any, placements: tuple) -> Layo
                                                   offsets.get(d), global_shape[d], False)
         local[d] = size
         offsets[d] = index[:size]
-    runs = tuple(_runs(offsets[d]) if d in offsets else (((0, n),) if n else ()) for d, n in enumerate(global_shape))
+    runs = tuple(() if outside else _runs(offsets[d]) if d in offsets else (((0, n),) if n else ())
+                 for d, n in enumerate(global_shape))
     return Layout(global_shape, tuple(mesh.shape), tuple(n or "" for n in (mesh.mesh_dim_names or [""] * mesh.ndim)),
                   tuple(names), tuple(coord), runs)
 

@@ -54,7 +54,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely."""
     tensors: list[tuple[str, torch.Tensor]] = []
     layouts: dict[int, Layout] = {}
-    seen: dict[tuple, int] = {}  # tied weights (same memory, same view) are stored once
+    seen: dict[tuple, int] = {}  # tied weights (same memory, same view, same conj/neg bits) are stored once
 
     def enc(obj: Any, path: str, depth: int) -> Any:
         """``depth``: the JSON nesting ``obj``'s encoding sits at in the shard manifest."""
@@ -62,15 +62,19 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             raise CheckpointError(f"{path}: the state is nested too deeply to checkpoint "
                                   f"(readers accept {MAX_JSON_DEPTH} levels of JSON)")
         if isinstance(obj, DTensor):
-            index = enc(obj.to_local(), path, depth)["__tensor__"]
-            layouts[index] = layout_of(obj, path)
+            layout, local = layout_of(obj, path), obj.to_local()
+            if tuple(local.shape) != layout.local_shape:  # outside a sub-mesh: nothing, in the tensor's dims
+                local = local.new_empty(layout.local_shape)
+            index = enc(local, path, depth)["__tensor__"]
+            layouts[index] = layout
             return {"__dtensor__": index}
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
                 raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
             if obj.dtype not in DTYPE_NAMES:
                 raise CheckpointError(f"{path}: unsupported dtype {obj.dtype}")
-            key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride())
+            # a conj() or neg view shares the memory but not the values: its bit is part of the key
+            key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride(), obj.is_conj(), obj.is_neg())
             if obj.numel() and key in seen:
                 return {"__tensor__": seen[key]}
             tensors.append((path, obj.detach().resolve_conj().resolve_neg()))

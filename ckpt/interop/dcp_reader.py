@@ -13,13 +13,17 @@ values are decoded from our JSON tree and handed over in DCP's format (serialise
 from values that never were pickled on disk). There is no writer: DCP stores some items
 as pickles, which our format never holds.
 
-Checkpoints of sharded DTensors (FSDP2) need the global layout that restore at another
-world size records and are refused with a message saying so.
+A sharded DTensor (FSDP2, tensor parallel) is described whole, at its global shape; each
+region DCP asks for is read from the saved shards overlapping it (``plan.reshard_reads``,
+as restore at another world size does). Checkpoints from before the layout record (format
+1.1) hold no such record: their DTensors are refused with the reason.
 """
 from __future__ import annotations
 
 import io
 import os
+from functools import partial
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -37,13 +41,24 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from ..errors import CheckpointError
+from ..format.layout import Layout
 from ..format.manifest import ShardManifest, TensorEntry
 from ..format.state import tree_holds, unflatten
-from ..format.tensor_io import read_tensors
+from ..format.tensor_io import read_chunks, read_tensors
 from ..restore.execute import LOCAL, first_sound, open_shard, restore_agreed, shard_manifest
-from ..restore.plan import Inventory, RestorePlan, ShardNeed
+from ..restore.plan import Inventory, RestorePlan, ShardNeed, every_shard, reshard_reads
+from ..restore.reshard import require_layouts
+from ..tiers.base import CheckpointId
 from ..tiers.locations import tiers_for
 from ..tiers.memory import DEFAULT_SHM_DIR
+
+
+def _read_chunks(tier: Any, *, ckpt_id: CheckpointId, rank: int, reads: list, dests: dict) -> None:
+    reader = open_shard(tier, ckpt_id, rank)
+    try:
+        read_chunks(reader, reads, dests, step=ckpt_id.step, tier=tier.name)
+    finally:
+        reader.close()
 
 
 class _Placeholder:
@@ -59,31 +74,36 @@ class CheckpointReader(StorageReader):
         super().__init__()
         self.location, self.step, self.run, self.memory_dir = os.fspath(location), step, run, memory_dir
         self._plan: RestorePlan | None = None
+        self._manifests: dict[int, ShardManifest] = {}
         self._tensors: dict[str, TensorEntry] = {}
         self._values: dict[str, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.location = os.fspath(checkpoint_id)
-        self._plan, self._tensors, self._values = None, {}, {}
+        self._plan, self._manifests, self._tensors, self._values = None, {}, {}, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return bool(tiers_for(checkpoint_id)[-1].list())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        def manifest_of(plan: RestorePlan) -> ShardManifest:
-            return shard_manifest(plan.shards[0], plan.ckpt_id)
+        inventory = Inventory(tiers_for(self.location, run=self.run, memory_dir=self.memory_dir))
 
-        found = restore_agreed(LOCAL, Inventory(tiers_for(self.location, run=self.run, memory_dir=self.memory_dir)),
-                               lambda world: [ShardNeed(0)],
-                               manifest_of, step=self.step)
+        def manifests_of(plan: RestorePlan) -> tuple[RestorePlan, dict[int, ShardManifest]]:
+            first = shard_manifest(plan.shards[0], plan.ckpt_id)
+            if plan.world_size == 1 or not tree_holds(first.tree, "__dtensor__"):
+                return plan, {0: first}  # rank 0 holds it all, whole
+            plan = every_shard(inventory, plan, "it holds sharded DTensors")
+            return plan, {s.rank: first if s.rank == 0 else shard_manifest(s, plan.ckpt_id) for s in plan.shards}
+
+        found = restore_agreed(LOCAL, inventory, lambda world: [ShardNeed(0)], manifests_of, step=self.step)
         if found is None:
             raise CheckpointError(f"no checkpoint in {self.location}")
-        self._plan, manifest = found
-        if tree_holds(manifest.tree, "__dtensor__"):
-            raise CheckpointError("this checkpoint holds sharded DTensors (FSDP2 / tensor parallel): reading them with "
-                                  "DCP needs the global layout that restore at another world size records")
+        self._plan, self._manifests = found[1]
+        if self._plan.world_size > 1:  # format 1.1 recorded no layout: a DTensor's shard is not the tensor
+            require_layouts(self._manifests, self._plan.ckpt_id)
+        manifest = self._manifests[0]
         tree = unflatten(manifest.tree, lambda i: _Placeholder(manifest.tensors[i]))
         metadata: dict[str, Any] = {}
 
@@ -92,15 +112,30 @@ class CheckpointReader(StorageReader):
             if isinstance(value, _Placeholder):
                 e = value.entry
                 self._tensors[fqn] = e
-                metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype=e.torch_dtype), torch.Size(e.shape),
-                                                      [ChunkStorageMetadata(torch.Size([0] * len(e.shape)),
-                                                                            torch.Size(e.shape))])
+                shape = e.layout.global_shape if e.layout is not None else e.shape  # a DTensor: whole
+                metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype=e.torch_dtype), torch.Size(shape),
+                                                      [ChunkStorageMetadata(torch.Size([0] * len(shape)),
+                                                                            torch.Size(shape))])
             else:
                 self._values[fqn] = value
                 metadata[fqn] = BytesStorageMetadata()
 
         traverse_state_dict(tree, visit, keep_traversing=lambda v: isinstance(v, _Placeholder))
         return Metadata(state_dict_metadata=metadata)
+
+    def _region(self, e: TensorEntry, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+        """A box of a DTensor's global tensor, read from the saved chunks that overlap it."""
+        assert self._plan is not None
+        region = Layout(e.layout.global_shape, (), (), (), (), tuple(((o, n),) if n else () for o, n in
+                                                                      zip(offsets, lengths)))
+        out = torch.empty(lengths, dtype=e.torch_dtype)
+        dest = {e.path: out.reshape(1) if out.dim() == 0 else out}
+        shards, ckpt_id = {s.rank: s for s in self._plan.shards}, self._plan.ckpt_id
+        for r, group in groupby(sorted(reshard_reads(self._manifests, {e.path: region}, 0), key=lambda rd: rd.rank),
+                                key=lambda rd: rd.rank):
+            first_sound(shards[r], ckpt_id, partial(_read_chunks, ckpt_id=ckpt_id, rank=r, reads=list(group),
+                                                    dests=dest))
+        return out
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._plan is None:
@@ -121,7 +156,8 @@ class CheckpointReader(StorageReader):
                 torch.save(self._values[item.storage_index.fqn], buf)
                 buf.seek(0)
                 planner.load_bytes(item, buf)
-        wanted = {self._tensors[r.storage_index.fqn].id for r in tensor_items}
+        plain = [r for r in tensor_items if self._tensors[r.storage_index.fqn].layout is None]
+        wanted = {self._tensors[r.storage_index.fqn].id for r in plain}
         shard, ckpt_id = self._plan.shards[0], self._plan.ckpt_id
 
         def read(tier: Any) -> list[torch.Tensor | None]:
@@ -131,10 +167,13 @@ class CheckpointReader(StorageReader):
             finally:
                 reader.close()
 
-        tensors = first_sound(shard, ckpt_id, read)
+        tensors = first_sound(shard, ckpt_id, read) if plain else []
         for item in tensor_items:
-            src = narrow_tensor_by_index(tensors[self._tensors[item.storage_index.fqn].id], item.storage_offsets,
-                                         item.lengths)
+            e = self._tensors[item.storage_index.fqn]
+            if e.layout is None:
+                src = narrow_tensor_by_index(tensors[e.id], item.storage_offsets, item.lengths)
+            else:  # the region DCP asks for, from the saved shards overlapping it
+                src = self._region(e, tuple(item.storage_offsets), tuple(item.lengths))
             dst = planner.resolve_tensor(item).detach()
             dst.copy_(src)
             planner.commit_tensor(item, dst)

@@ -10,9 +10,9 @@
 * ``dcp``: the whole state as a ``torch.distributed.checkpoint`` directory, for
   ``dcp.load`` (torchtitan, FSDP2 users); DCP stores plain values its own way.
 
-Only checkpoints whose weights are whole on one shard are exported (single process,
-or DDP-replicated): a checkpoint of sharded DTensors (FSDP2, tensor parallel) needs the
-global layout that resharding records, and is refused with a message saying so.
+A checkpoint of sharded DTensors (FSDP2, tensor parallel) is exported whole: each tensor
+assembled from every saved shard (``restore.reshard.read_whole``). One from before the
+layout record (format 1.1) is refused with the reason.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ..errors import CheckpointError
-from ..format.state import tree_holds
 
 MODEL_KEYS = ("model", "state_dict")  # ckpt.resumable and the HF callback; Lightning
 PREFIXES = ("module.", "_orig_mod.")
@@ -35,27 +34,27 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default
 HF_CONFIG_KEY = "hf_config"  # the model's config.json as a string (integrations/huggingface.py saves it)
 
 
-def model_key(values: Mapping[str, Any], key: str | None = None) -> str:
-    """Which top-level entry holds the model's weights."""
+def model_key(values: Mapping[str, Any], key: str | None = None) -> str | None:
+    """Which top-level entry holds the model's weights (None: the tensors sit at the top level)."""
     if key is not None:
         if key not in values:
             raise CheckpointError(f"the checkpoint has no {key!r}; it has {sorted(values)}")
         return key
     found = next((k for k in MODEL_KEYS if isinstance(values.get(k), Mapping)), None)
-    if found is None:
+    if found is None and not any(isinstance(v, torch.Tensor) for v in values.values()):
         raise CheckpointError(f"no model weights under {' or '.join(MODEL_KEYS)}; pass --key (one of {sorted(values)})")
     return found
 
 
-def model_weights(values: Mapping[str, Any], tree: Any, key: str | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors by their state-dict names, whole, contiguous, on the CPU."""
+def model_weights(values: Mapping[str, Any], key: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors by their state-dict names, whole, contiguous, on the CPU (``values``
+    as ``reshard.read_whole`` gives them: sharded tensors assembled); without a model entry,
+    every tensor of the checkpoint."""
     key = model_key(values, key)
-    if isinstance(tree, dict) and tree_holds(tree.get(key), "__dtensor__"):
-        raise CheckpointError(f"{key!r} holds sharded DTensors (FSDP2 / tensor parallel): exporting them whole needs "
-                              "the global layout that restore at another world size records; not supported yet")
+    weights = values[key] if key is not None else values
     out: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
-    for name, t in _tensors(values[key]):
+    for name, t in _tensors(weights):
         for prefix in PREFIXES:
             name = name.removeprefix(prefix)
         if name in out:
@@ -66,7 +65,7 @@ def model_weights(values: Mapping[str, Any], tree: Any, key: str | None = None) 
         storages.add(t.untyped_storage().data_ptr())
         out[name] = t
     if not out:
-        raise CheckpointError(f"{key!r} holds no tensors")
+        raise CheckpointError(f"{key or 'the checkpoint'!r} holds no tensors")
     return out
 
 
@@ -81,8 +80,6 @@ def _tensors(node: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
 def write_safetensors(weights: Mapping[str, torch.Tensor], out: Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                       metadata: Mapping[str, str] | None = None) -> list[Path]:
     """One file, or shards of at most ``max_shard_bytes`` (a bigger tensor alone) and an index."""
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -96,15 +93,26 @@ def write_safetensors(weights: Mapping[str, torch.Tensor], out: Path, *, max_sha
     meta = {"format": "pt", **(metadata or {})}
     if len(shards) == 1:
         path = out / "model.safetensors"
-        save_file(shards[0], str(path), metadata=meta)
+        _save_file(shards[0], path, meta)
         return [path]
     paths = [out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for shard, path in zip(shards, paths):
-        save_file(shard, str(path), metadata=meta)
+        _save_file(shard, path, meta)
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
              "weight_map": {name: p.name for shard, p in zip(shards, paths) for name in shard}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     return [*paths, out / "model.safetensors.index.json"]
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=meta)
+    except KeyError as e:  # a dtype safetensors has no name for (complex128)
+        names = [n for n, t in tensors.items() if t.dtype == e.args[0]] if e.args else []
+        raise CheckpointError(f"safetensors has no {e.args[0] if e.args else 'such'} type, for {', '.join(names[:5])}; "
+                              "export --format dcp keeps every dtype") from None
 
 
 def write_hf_config(values: Mapping[str, Any], out: Path) -> Path | None:

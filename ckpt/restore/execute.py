@@ -18,7 +18,7 @@ from ..errors import CheckpointError, DamagedCheckpoint, ManifestError, StateMis
 from ..format.manifest import ShardManifest
 from ..format.verify import Progress
 from ..tiers.base import CheckpointId, ShardReader, TierReader
-from .plan import Inventory, Needs, RestorePlan, ShardNeed, ShardPlan, plans
+from .plan import Inventory, Needs, RestorePlan, ShardPlan, plans
 
 log = logging.getLogger(__name__)
 
@@ -228,27 +228,3 @@ def check_plan(plan: RestorePlan, state: Mapping[str, Any], opened: OpenShards |
         if shard.keys is not None and isinstance(tree, dict):
             tree = {k: v for k, v in tree.items() if k in shard.keys}
         check_restorable({k: v for k, v in state.items() if k in covered}, tree, manifest.tensors)
-
-
-def load(location: str, step: int | None = None, *, run: str | None = None) -> dict:
-    """Read a checkpoint into plain tensors and values, without any training objects
-    (inspection, export, inference): rank 0's shard of the newest valid one, or of ``step``."""
-    return read(location, step, run=run)[1]
-
-
-def read(location: str, step: int | None = None, *, run: str | None = None) -> tuple[CheckpointId, dict, Any]:
-    """``load``, with the checkpoint's id and its tree (export needs the layout); the
-    shard is opened once for both."""
-    from ..tiers.locations import tiers_for
-
-    def execute(plan: RestorePlan) -> tuple[dict, Any]:
-        with OpenShards(plan.ckpt_id) as opened:
-            tree = shard_manifest(plan.shards[0], plan.ckpt_id, opened).tree
-            return load_plan(plan, None, opened=opened), tree
-
-    found = restore_agreed(LOCAL, Inventory(tiers_for(location, run=run)), lambda world: [ShardNeed(0)], execute,
-                           step=step)
-    if found is None:
-        raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {location}")
-    plan, (values, tree) = found
-    return plan.ckpt_id, values, tree

@@ -89,6 +89,20 @@ def plan(inventory: Inventory, ckpt_id: CheckpointId, needs: Needs) -> RestorePl
     return RestorePlan(ckpt_id, world, shards) if all(s.sources for s in shards) else None
 
 
+def every_shard(inventory: Inventory | None, chosen: RestorePlan, why: str) -> RestorePlan:
+    """``chosen``'s checkpoint with every saved shard (to reshard at the saving world size);
+    raises StateMismatch, saying ``why`` it was needed, when this rank's tiers lack one."""
+    ranks = range(chosen.world_size)
+    if inventory is None:
+        found = chosen if {s.rank for s in chosen.shards} == set(ranks) else None
+    else:
+        found = plan(inventory, chosen.ckpt_id, lambda world: [ShardNeed(r) for r in ranks])
+    if found is None:
+        raise StateMismatch(f"step {chosen.ckpt_id.step}: {why}; restoring that needs every saved shard, and "
+                            "some are in no tier this rank reads")
+    return found
+
+
 def plans(inventory: Inventory, needs: Needs, step: int | None = None,
           skip: Iterable[CheckpointId] = ()) -> list[RestorePlan]:
     """Every feasible plan, newest checkpoint first."""

@@ -55,6 +55,25 @@ def check_restorable(state: Mapping[str, Any], tree: Any, tensors: Sequence[Tens
     _raise_mismatches(state, saved)
 
 
+def align_key_types(tree: Any, state: Any, depth: int = 0) -> Any:
+    """``tree`` with each dict's keys typed as ``state``'s are, where they differ only by
+    ``str()``: DCP names every dict key as a string, so an imported checkpoint holds "0"
+    where the state has 0 (``dcp.load`` matches them the same way). Unchanged elsewhere."""
+    if depth > MAX_JSON_DEPTH:
+        return tree
+    if is_stateful(state):
+        state = state.state_dict()
+    if isinstance(state, Mapping) and isinstance(tree, dict) and not any(k.startswith("__") for k in tree):
+        renamed = {str(k): k for k in state if not isinstance(k, str)}
+        if renamed and all(k in tree for k in renamed) and not any(k in state for k in renamed):
+            return {"__dict__": [[renamed.get(k, k), align_key_types(v, state.get(renamed.get(k, k)), depth + 1)]
+                                 for k, v in tree.items()]}
+        return {k: align_key_types(v, state[k], depth + 1) if k in state else v for k, v in tree.items()}
+    if isinstance(state, (list, tuple)) and isinstance(tree, list) and len(tree) == len(state):
+        return [align_key_types(v, s, depth + 1) for v, s in zip(tree, state)]
+    return tree
+
+
 def load_into(state: dict, saved: Mapping[str, Any]) -> None:
     """Load ``saved`` into ``state`` in place: stateful objects via load_state_dict,
     tensors and arrays by copy, everything else by assignment into the dict. Checked
@@ -69,8 +88,8 @@ def _apply(target: Any, value: Any) -> Any:
         target.load_state_dict(value)
         return target
     if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-        with torch.no_grad():
-            target.copy_(value)
+        with torch.no_grad():  # a DTensor's local shard read apart from it (not contiguous): into the shard
+            (local_tensor(target) if not isinstance(value, DTensor) else target).copy_(value)
         return target
     if isinstance(target, np.ndarray) and isinstance(value, np.ndarray):
         target[...] = value
@@ -104,6 +123,10 @@ def _mismatches(target: Any, value: Any, path: str, found: list[str], strict: bo
         return  # the saved side is no deeper than this (decoding bounds it): nothing left to compare
     mine = _layout(target)
     if mine is not None:
+        if isinstance(target, torch.Tensor) and torch._debug_has_internal_overlap(local_tensor(target)) == 1:
+            found.append(f"{path}: target {_what(target)} cannot be written in place (an expanded view: its "
+                         "elements share memory); restore into a tensor of its own")
+            return
         theirs = _layout(value)
         whole = isinstance(value, _Saved) and value.whole
         if whole and isinstance(target, torch.Tensor):
