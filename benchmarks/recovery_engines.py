@@ -118,13 +118,6 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
             log("abort_end")
             return out
 
-    @inprocess.Wrapper(store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 2}, abort=TimedAbort(),
-                       soft_timeout=timedelta(seconds=4), hard_timeout=timedelta(seconds=8),
-                       heartbeat_timeout=timedelta(seconds=4), barrier_timeout=timedelta(seconds=120),
-                       completion_timeout=timedelta(seconds=120), last_call_wait=timedelta(seconds=0.2),
-                       termination_grace_time=timedelta(seconds=2), monitor_thread_interval=timedelta(seconds=0.2),
-                       monitor_process_interval=timedelta(seconds=0.2), heartbeat_interval=timedelta(seconds=0.5),
-                       progress_watchdog_interval=timedelta(seconds=0.2))
     def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         log("fn_start", iteration=call_wrapper.iteration, rank=rank, world=world)
@@ -155,7 +148,17 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
             Path(digest_out).write_text(weights_digest(model))
         dist.destroy_process_group()
 
-    train()
+    # NVRx finds the parameter to fill by its annotation, as a class: not the string that
+    # ``from __future__ import annotations`` leaves
+    train.__annotations__["call_wrapper"] = inprocess.CallWrapper
+    wrapped = inprocess.Wrapper(store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 2}, abort=TimedAbort(),
+                       soft_timeout=timedelta(seconds=4), hard_timeout=timedelta(seconds=8),
+                       heartbeat_timeout=timedelta(seconds=4), barrier_timeout=timedelta(seconds=120),
+                       completion_timeout=timedelta(seconds=120), last_call_wait=timedelta(seconds=0.2),
+                       termination_grace_time=timedelta(seconds=2), monitor_thread_interval=timedelta(seconds=0.2),
+                       monitor_process_interval=timedelta(seconds=0.2), heartbeat_interval=timedelta(seconds=0.5),
+                       progress_watchdog_interval=timedelta(seconds=0.2))(train)
+    wrapped()
 
 
 def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str) -> None:
@@ -366,17 +369,22 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
             if skip:
                 out.append({"case": case, "mode": mode, "skipped": skip})
                 continue
-            if clean is None:
-                with tempfile.TemporaryDirectory(prefix="recovery-engines-") as tmp:
-                    clean = run_one(python, None, Path(tmp))["digest"]
-            runs = []
-            for i in range(repeats):
-                t0 = time.monotonic()
-                with tempfile.TemporaryDirectory(prefix="recovery-engines-") as tmp:
-                    got = run_one(python, case, Path(tmp))
-                got["equal_to_clean"] = got.pop("digest") == clean
-                runs.append(got)
-                print(f"{mode} {case} #{i + 1}: {got} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+            try:
+                if clean is None:
+                    with tempfile.TemporaryDirectory(prefix="recovery-engines-") as tmp:
+                        clean = run_one(python, None, Path(tmp))["digest"]
+                runs = []
+                for i in range(repeats):
+                    t0 = time.monotonic()
+                    with tempfile.TemporaryDirectory(prefix="recovery-engines-") as tmp:
+                        got = run_one(python, case, Path(tmp))
+                    got["equal_to_clean"] = got.pop("digest") == clean
+                    runs.append(got)
+                    print(f"{mode} {case} #{i + 1}: {got} ({time.monotonic() - t0:.0f} s)", file=sys.stderr,
+                          flush=True)
+            except (Exception, SystemExit) as failed:  # one engine's failure leaves the other rows standing
+                out.append({"case": case, "mode": mode, "failed": f"{type(failed).__name__}: {failed}"[-2000:]})
+                continue
             medians = median_of([{k: v for k, v in r.items() if not isinstance(v, bool)} for r in runs])
             out.append({"case": case, "mode": mode, **fixed, **medians, "repeats": repeats,
                         "survivor_pids_kept": all(r["survivor_pids_kept"] for r in runs),
