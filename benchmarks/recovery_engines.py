@@ -53,7 +53,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.recovery_bench import median_of  # noqa: E402
 from tests.procs import free_port, wait_for  # noqa: E402
 
-STEPS, FAULT_STEP, GLOBAL_BATCH = 30, 12, 12
+STEPS, FAULT_STEP, GLOBAL_BATCH = 60, 12, 12
+TORCHFT_STEP_S = 0.2  # group 0 must still train when a restarted group 1 is up to join it
 NVRX_CASES = {"killed": "kill", "hung": "stop", "exception": "raise", "lost_node": "kill_node"}
 TORCHFT_CASES = {"killed": "kill", "hung": "stop"}
 DEFAULT_ENGINES_PYTHON = "/tmp/engines-venv/bin/python"
@@ -184,12 +185,15 @@ def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str
     ddp, opt = DistributedDataParallel(manager, model), Optimizer(manager, optim)
     log("start")
     while manager.current_step() < STEPS:
-        s = manager.current_step()
+        s, t_step = manager.current_step(), time.time()
         opt.zero_grad()  # starts the step's quorum
         x, y = _job(0, 1, s)
         logits = ddp(x)
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
-        committed = opt.step()
+        committed = manager.should_commit()  # what torchft's OptimizerWrapper.step does, with its answer
+        if committed:
+            optim.step()
+        time.sleep(max(0.0, TORCHFT_STEP_S - (time.time() - t_step)))
         log("step", step=s, committed=bool(committed), participants=manager.num_participants())
     if group == 0:
         Path(digest_out).write_text(weights_digest(model))
@@ -286,7 +290,8 @@ def run_nvrx(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
     pg = next(e["t"] for e in after if e["event"] == "pg_ready")
     restored = next(e for e in after if e["event"] == "restored")
     first = next(e for e in after if e["event"] == "step" and e["t"] > restored["t"])
-    done_before = max((e["step"] + 1 for e in events if e["event"] == "step" and e["t"] < fault_t), default=0)
+    # steps rank 0 finished before its abort (rank 1 may log its fault before rank 0 logs the step before)
+    done_before = max((e["step"] + 1 for e in events if e["event"] == "step" and e["t"] < abort_begin), default=0)
     pids = {r: {e["pid"] for e in evs[r]} for r in survivors}
     return {**out, "fault_to_first_step_s": first["t"] - fault_t, "detect_s": abort_begin - fault_t,
             "steps_lost": done_before - restored["step"], "world_after": fn["world"],
