@@ -165,7 +165,7 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
 def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str) -> None:
     """Replica group ``group`` (one rank) of the job under torchft's Manager."""
     import torch
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import Manager, Optimizer, ProcessGroupGloo
 
     from examples.train_torchrun import weights_digest
     log = _Events(f"{events_dir}/group{group}.jsonl")
@@ -182,14 +182,18 @@ def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str
                       replica_id=f"group{group}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
                       store_port=store.port, rank=0, world_size=1, timeout=timedelta(seconds=10),
                       quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=30))
-    ddp, opt = DistributedDataParallel(manager, model), Optimizer(manager, optim)
+    # torchft's DistributedDataParallel trips on a failed all-reduce (``assert fut._fut`` in its
+    # comm hook, torchft 0.2.0 with torch 2.13): the gradients go through Manager.allreduce instead
+    opt = Optimizer(manager, optim)
     log("start")
     while manager.current_step() < STEPS:
         s, t_step = manager.current_step(), time.time()
         opt.zero_grad()  # starts the step's quorum
         x, y = _job(0, 1, s)
-        logits = ddp(x)
+        logits = model(x)
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        for work in [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]:
+            work.wait()
         committed = manager.should_commit()  # what torchft's OptimizerWrapper.step does, with its answer
         if committed:
             optim.step()
