@@ -357,9 +357,9 @@ def run_torchft(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
     return row
 
 
-ENGINES = {"nvrx_inprocess": ("nvidia_resiliency_ext.inprocess", NVRX_CASES, run_nvrx,
-                              {"relaunched": False}),
-           "torchft_2groups": ("torchft", TORCHFT_CASES, run_torchft, {"relaunched": True})}
+# mode: (module, cases, runner, the cases where a process is started again: torchft's killed group)
+ENGINES = {"nvrx_inprocess": ("nvidia_resiliency_ext.inprocess", NVRX_CASES, run_nvrx, ()),
+           "torchft_2groups": ("torchft", TORCHFT_CASES, run_torchft, ("killed",))}
 CASES = ("killed", "hung", "lost_node", "xid79", "exception")
 
 
@@ -368,7 +368,7 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
     """The engines' rows (medians of ``repeats`` faulty runs, each checked against one clean run)."""
     out = []
     for mode in modes:
-        module, engine_cases, run_one, fixed = ENGINES[mode]
+        module, engine_cases, run_one, relaunching = ENGINES[mode]
         missing = engine_available(python, module)
         clean = None
         for case in cases:
@@ -395,7 +395,7 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
                 out.append({"case": case, "mode": mode, "failed": f"{type(failed).__name__}: {failed}"[-2000:]})
                 continue
             medians = median_of([{k: v for k, v in r.items() if not isinstance(v, bool)} for r in runs])
-            out.append({"case": case, "mode": mode, **fixed, **medians, "repeats": repeats,
+            out.append({"case": case, "mode": mode, "relaunched": case in relaunching, **medians, "repeats": repeats,
                         "survivor_pids_kept": all(r["survivor_pids_kept"] for r in runs),
                         "equal_to_clean": all(r["equal_to_clean"] for r in runs)})
     return out
