@@ -22,7 +22,8 @@ can merge them (``rows()``).
   abort, membership (abort done -> the training function runs again), process_group,
   restore (the DDP broadcast), first_step (to the end of the first step after recovery).
 * ``torchft_2groups``: torchft 0.2.0, a Lighthouse on 127.0.0.1 and two replica groups of
-  one rank each (torchft's ``Manager``, its DDP and optimizer wrappers, ProcessGroupGloo).
+  one rank each (torchft's ``Manager`` and optimizer wrapper, ProcessGroupGloo; gradients through
+  ``Manager.allreduce``: its DDP wrapper asserts on a failed all-reduce), steps padded to 0.2 s.
   Faults at step 12 on group 1: ``killed`` (SIGKILL, and a new group 1 started at once: it
   heals from group 0 over torchft's HTTP transport, ``rejoin_s``), ``hung`` (SIGSTOP; group 0
   goes on alone). ``fault_to_first_step_s`` is group 0's first committed step after the fault.
