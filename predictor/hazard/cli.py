@@ -14,8 +14,9 @@ import click
 # numpy, scikit-learn and skops are imported inside the commands: `--help` answers at once.
 
 _history_opt = click.option("--history", "history_path", required=True,
-                            type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                            help="service history CSV (SN, location, insert, remove, duration, out, event)")
+                            type=click.Path(exists=True, path_type=Path),
+                            help="service history CSV (SN, location, insert, remove, duration, out, event), "
+                                 "or a telemetry trace directory (DBE counter, XID 48/79; give --tz UTC)")
 _tz_opt = click.option("--tz", default="America/New_York", show_default=True,
                        help="zone of the history's times (they carry none)")
 _horizon_opt = click.option("--horizon-days", default=180.0, show_default=True, type=click.FloatRange(min=1))
@@ -30,9 +31,10 @@ class BadInput(click.ClickException):
 
 def _read(path: Path, tz: str):
     from predictor.hazard.history import HistoryError, read_history
+    from predictor.hazard.trace_history import read_trace_history
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        return read_history(path, tz=tz)
+        return read_trace_history(path) if path.is_dir() else read_history(path, tz=tz)
     except HistoryError as e:
         raise BadInput(str(e)) from None
 
