@@ -171,6 +171,8 @@ def test_paper_findings_on_the_planted_history(history_csv):
     life = paper.lifetimes(read_history(history_csv))
     hr = paper.hazard_ratios(life)
     assert hr["cage2"] > 2 * hr["cage1"]   # the planted hot cage
+    rates = paper.batch_rates(life)        # the planted old lot fails ~10x as often, at any age and date
+    assert rates["same_quarters_by_cage"]["ratio"] > 3 and rates["age_year_0"]["ratio"] > 3
     t, s = paper.kaplan_meier(np.array([1.0, 2.0, 2.0, 3.0]), np.array([True, True, False, False]))
     assert t.tolist() == [1.0, 2.0] and s == pytest.approx([0.75, 0.5])
 

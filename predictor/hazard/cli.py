@@ -209,6 +209,7 @@ def paper(history_path: Path, out_dir: Path, service_nodes: Path | None, tz: str
     hr = sc20.hazard_ratios(life)
     summary = {"gpus": int(len(life["days"])), "events": int(life["event"].sum()),
                "old_gpus": int(life["old"].sum()), "hazard_ratios": {k: round(v, 3) for k, v in hr.items()},
+               "old_vs_new_per_gpu_year": sc20.batch_rates(life),
                "plots": [str(p) for p in sc20.plot(life, out_dir)]}
     (out_dir / "hazard_ratios.json").write_text(json.dumps(summary, indent=1))
     _emit(summary, as_json)
