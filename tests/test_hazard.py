@@ -235,6 +235,17 @@ def test_trace_reads_as_a_history(trace_dir):
         assert f"{on.node.iloc[0]}/gpu{on.gpu.iloc[0]}" == loc and on.timestamp.min().timestamp() <= t + 1
 
 
+def test_trace_without_uuids_has_one_gpu_per_slot(tmp_path, trace_dir):
+    import pyarrow.parquet as pq
+
+    from predictor.hazard.trace_history import read_trace_history
+    tel = pq.read_table(trace_dir / "telemetry.parquet")
+    pq.write_table(tel.drop_columns(["uuid"]), tmp_path / "telemetry.parquet")
+    h = read_trace_history(tmp_path)      # no xid.parquet either: counter rises only
+    assert len(h.serials) == len(h.stay_in) == 64 and not h.stay_out.any()
+    assert set(h.serials) == set(h.stay_location) and set(h.event_kind) == {"DBE"}
+
+
 def test_train_and_score_on_a_trace(tmp_path, trace_dir):
     model, scores = tmp_path / "m.skops", tmp_path / "scores.csv"
     res = _cli("train", "--history", str(trace_dir), "--out", str(model), "--kind", "cox", "--horizon-days", "1",
