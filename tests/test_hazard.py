@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import csv
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
@@ -249,10 +249,19 @@ def test_trace_without_uuids_has_one_gpu_per_slot(tmp_path, trace_dir):
 def test_train_and_score_on_a_trace(tmp_path, trace_dir):
     model, scores = tmp_path / "m.skops", tmp_path / "scores.csv"
     res = _cli("train", "--history", str(trace_dir), "--out", str(model), "--kind", "cox", "--horizon-days", "1",
-               "--step-days", "1", "--tz", "UTC", "--json")
+               "--step-days", "1", "--json")
     assert res.exit_code == 0, res.output
     res = _cli("drain", "--model", str(model), "--history", str(trace_dir), "--horizon-days", "1", "--json")
     assert res.exit_code == 0, res.output
     assert '"node0' in res.output and "/gpu" not in res.output.split('"blades"')[1]   # a host is drained whole
+    import json
+
+    from predictor.hazard.trace_history import read_trace_history
+    at = datetime.fromtimestamp(read_trace_history(trace_dir).end_t // 3600 * 3600 - 3600, timezone.utc)
+    at = at.replace(tzinfo=None)
+    res = _cli("score", "--model", str(model), "--history", str(trace_dir), "--at", at.isoformat(),
+               "--horizon-days", "1", "--out", str(scores), "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["at"] == at.replace(tzinfo=timezone.utc).timestamp()   # a trace's times are UTC
     res = _cli("score", "--model", str(model), "--history", str(tmp_path), "--out", str(scores))
     assert res.exit_code == 2 and "no telemetry.parquet" in res.output, res.output
