@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import csv
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
@@ -171,5 +171,97 @@ def test_paper_findings_on_the_planted_history(history_csv):
     life = paper.lifetimes(read_history(history_csv))
     hr = paper.hazard_ratios(life)
     assert hr["cage2"] > 2 * hr["cage1"]   # the planted hot cage
+    rates = paper.batch_rates(life)        # the planted old lot fails ~10x as often, at any age and date
+    assert rates["same_quarters_by_cage"]["ratio"] > 3 and rates["age_year_0"]["ratio"] > 3
     t, s = paper.kaplan_meier(np.array([1.0, 2.0, 2.0, 3.0]), np.array([True, True, False, False]))
     assert t.tolist() == [1.0, 2.0] and s == pytest.approx([0.75, 0.5])
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory) -> Path:
+    """A small `agents simulate` trace (64 GPUs, 4 days, failures enriched), plus two XID 48s a minute apart."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.predictor_fixtures import simulate
+    out = simulate(tmp_path_factory.mktemp("trace"), 8, 4, 300, 5, "--failure-rate", "0.3")
+    xid = pq.read_table(out / "xid.parquet")
+    t0 = xid.column("timestamp")[0].value
+    extra = pa.table({"timestamp": pa.array([t0 + 3_600_000, t0 + 3_660_000], xid.schema.field("timestamp").type),
+                      "node": ["node0003", "node0003"], "gpu": pa.array([2, 2], pa.int16()),
+                      "xid": pa.array([48, 48], pa.int32())})
+    pq.write_table(pa.concat_tables([xid, extra.cast(xid.schema)]), out / "xid.parquet")
+    return out
+
+
+def test_trace_reads_as_a_history(trace_dir):
+    import pandas as pd
+
+    from predictor.hazard.trace_history import MERGE_S, read_trace_history
+    from telemetry.schema import DBE
+    h = read_trace_history(trace_dir)
+    tel = pd.read_parquet(trace_dir / "telemetry.parquet", columns=["timestamp", "node", "gpu", "uuid", DBE])
+    xid = pd.read_parquet(trace_dir / "xid.parquet")
+    assert sorted(h.serials) == sorted(tel["uuid"].unique())       # one GPU per UUID
+    replaced = tel.groupby(["node", "gpu"])["uuid"].nunique() - 1
+    assert h.stay_out.sum() == replaced.sum() > 0                 # a new UUID in a slot: the old one went out
+
+    def found(kind):
+        m = h.event_kind == kind
+        return sorted(zip(h.event_location[m], np.round(h.event_t[m], 3)))
+
+    def slot(r):
+        return f"{r.node}/gpu{r.gpu}"
+    otb = xid[xid.xid == 79]
+    assert len(otb) > 3
+    assert found("OTB") == sorted((slot(r), round(r.timestamp.timestamp(), 3)) for r in otb.itertuples())
+    # a DBE: a rise of the double-bit counter or an XID 48; one incident within MERGE_S is one event
+    tel = tel.dropna(subset=[DBE]).sort_values("timestamp")    # a blank reading is skipped, not a reset
+    rises = [(slot(r), round(r.timestamp.timestamp(), 3)) for _, g in tel.groupby(["node", "gpu", "uuid"])
+             for r, d in zip(g.itertuples(), g[DBE].diff().to_numpy()) if d > 0]
+    signs = rises + [(slot(r), round(r.timestamp.timestamp(), 3)) for r in xid[xid.xid == 48].itertuples()]
+    dbe = found("DBE")
+    assert rises and set(dbe) <= set(signs)
+    assert all(any(s == loc and 0 <= t - e <= MERGE_S for loc, e in dbe) for s, t in signs)
+    assert sum(loc == "node0003/gpu2" for loc, _ in dbe) == 1   # the planted pair a minute apart
+    # the ground truth's DBE and OTB failures are all there (or the same incident's first sign)
+    fails = pd.read_parquet(trace_dir / "failures.parquet")
+    for r in fails[fails.xid.isin([48, 79])].itertuples():
+        kind, t = ("DBE" if r.xid == 48 else "OTB"), r.timestamp.timestamp()
+        assert any(loc == slot(r) and 0 <= t - e <= MERGE_S for loc, e in found(kind)), r
+    # every event's GPU is the one in that slot at the time
+    for g, t, loc in zip(h.event_gpu, h.event_t, h.event_location):
+        on = tel[(tel.uuid == h.serials[g])]
+        assert f"{on.node.iloc[0]}/gpu{on.gpu.iloc[0]}" == loc and on.timestamp.min().timestamp() <= t + 1
+
+
+def test_trace_without_uuids_has_one_gpu_per_slot(tmp_path, trace_dir):
+    import pyarrow.parquet as pq
+
+    from predictor.hazard.trace_history import read_trace_history
+    tel = pq.read_table(trace_dir / "telemetry.parquet")
+    pq.write_table(tel.drop_columns(["uuid"]), tmp_path / "telemetry.parquet")
+    h = read_trace_history(tmp_path)      # no xid.parquet either: counter rises only
+    assert len(h.serials) == len(h.stay_in) == 64 and not h.stay_out.any()
+    assert set(h.serials) == set(h.stay_location) and set(h.event_kind) == {"DBE"}
+
+
+def test_train_and_score_on_a_trace(tmp_path, trace_dir):
+    model, scores = tmp_path / "m.skops", tmp_path / "scores.csv"
+    res = _cli("train", "--history", str(trace_dir), "--out", str(model), "--kind", "cox", "--horizon-days", "1",
+               "--step-days", "1", "--json")
+    assert res.exit_code == 0, res.output
+    res = _cli("drain", "--model", str(model), "--history", str(trace_dir), "--horizon-days", "1", "--json")
+    assert res.exit_code == 0, res.output
+    assert '"node0' in res.output and "/gpu" not in res.output.split('"blades"')[1]   # a host is drained whole
+    import json
+
+    from predictor.hazard.trace_history import read_trace_history
+    at = datetime.fromtimestamp(read_trace_history(trace_dir).end_t // 3600 * 3600 - 3600, timezone.utc)
+    at = at.replace(tzinfo=None)
+    res = _cli("score", "--model", str(model), "--history", str(trace_dir), "--at", at.isoformat(),
+               "--horizon-days", "1", "--out", str(scores), "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["at"] == at.replace(tzinfo=timezone.utc).timestamp()   # a trace's times are UTC
+    res = _cli("score", "--model", str(model), "--history", str(tmp_path), "--out", str(scores))
+    assert res.exit_code == 2 and "no telemetry.parquet" in res.output, res.output

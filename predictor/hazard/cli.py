@@ -14,10 +14,11 @@ import click
 # numpy, scikit-learn and skops are imported inside the commands: `--help` answers at once.
 
 _history_opt = click.option("--history", "history_path", required=True,
-                            type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                            help="service history CSV (SN, location, insert, remove, duration, out, event)")
-_tz_opt = click.option("--tz", default="America/New_York", show_default=True,
-                       help="zone of the history's times (they carry none)")
+                            type=click.Path(exists=True, path_type=Path),
+                            help="service history CSV (SN, location, insert, remove, duration, out, event), "
+                                 "or a telemetry trace directory (DBE counter, XID 48/79)")
+_tz_opt = click.option("--tz", help="zone of the history's times and of --at/--as-of "
+                                   "(default: America/New_York for a CSV, whose times carry none; UTC for a trace)")
 _horizon_opt = click.option("--horizon-days", default=180.0, show_default=True, type=click.FloatRange(min=1))
 _json_opt = click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
 
@@ -28,11 +29,18 @@ class BadInput(click.ClickException):
     exit_code = 2
 
 
+def _zone(history_path: Path, tz: str | None) -> str:
+    """The zone to read times in: the one given, else Titan's local time for a CSV, UTC for a trace."""
+    from predictor.hazard.history import DEFAULT_TZ
+    return tz or ("UTC" if history_path.is_dir() else DEFAULT_TZ)
+
+
 def _read(path: Path, tz: str):
     from predictor.hazard.history import HistoryError, read_history
+    from predictor.hazard.trace_history import read_trace_history
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        return read_history(path, tz=tz)
+        return read_trace_history(path) if path.is_dir() else read_history(path, tz=tz)
     except HistoryError as e:
         raise BadInput(str(e)) from None
 
@@ -73,9 +81,10 @@ def hazard() -> None:
 @_tz_opt
 @_json_opt
 def train(history_path: Path, out: Path, kind: str, as_of: str | None, step_days: float, seed: int,
-          horizon_days: float, tz: str, as_json: bool) -> None:
+          horizon_days: float, tz: str | None, as_json: bool) -> None:
     """Fit a model of the time to each GPU's next DBE or OTB on landmark windows of its history."""
     from predictor.hazard import store, training
+    tz = _zone(history_path, tz)
     h = _read(history_path, tz)
     until = _time(as_of, tz, h.end_t)
     try:
@@ -91,12 +100,13 @@ def train(history_path: Path, out: Path, kind: str, as_of: str | None, step_days
     _emit({"model": str(out), "kind": kind, "horizon_days": horizon_days, **info}, as_json)
 
 
-def _scores(model_path: Path, history_path: Path, at: str | None, horizon_days: float, tz: str):
+def _scores(model_path: Path, history_path: Path, at: str | None, horizon_days: float, tz: str | None):
     from predictor.hazard import scoring, store
     try:
         hm = store.load(model_path)
     except (OSError, ValueError) as e:
         raise click.ClickException(f"cannot load model: {e}") from None
+    tz = _zone(history_path, tz)
     h = _read(history_path, tz)
     t = _time(at, tz, h.end_t)
     return scoring.score(hm, h, t, horizon_days), t
@@ -118,7 +128,7 @@ _at_opt = click.option("--at", help="score the GPUs in service at this time (def
 @_tz_opt
 @_json_opt
 def score(model_path: Path, history_path: Path, at: str | None, horizon_days: float, out: Path,
-          prom: Path | None, tz: str, as_json: bool) -> None:
+          prom: Path | None, tz: str | None, as_json: bool) -> None:
     """Write, for every GPU in service at --at, the probability of a DBE or OTB within the horizon."""
     from predictor.hazard import scoring
     s, t = _scores(model_path, history_path, at, horizon_days, tz)
@@ -140,7 +150,7 @@ def score(model_path: Path, history_path: Path, at: str | None, horizon_days: fl
 @click.option("--top", default=20, show_default=True, type=click.IntRange(min=1))
 @_tz_opt
 @_json_opt
-def drain(model_path: Path, history_path: Path, at: str | None, horizon_days: float, top: int, tz: str,
+def drain(model_path: Path, history_path: Path, at: str | None, horizon_days: float, top: int, tz: str | None,
           as_json: bool) -> None:
     """The GPUs and blades to pull first, each with its probability and reasons."""
     from predictor.hazard.drain import drain_list
@@ -169,9 +179,10 @@ def drain(model_path: Path, history_path: Path, at: str | None, horizon_days: fl
 @_tz_opt
 @_json_opt
 def compare(history_path: Path, as_of: tuple[str, ...], resamples: int, out: Path | None, horizon_days: float,
-            tz: str, as_json: bool) -> None:
+            tz: str | None, as_json: bool) -> None:
     """Compare the models (and the hand-made score) on landmark splits, with 95 % bootstrap intervals."""
     from predictor.hazard.comparison import compare_models
+    tz = _zone(history_path, tz)
     h = _read(history_path, tz)
     res = compare_models(h, {a: _time(a, tz, h.end_t) for a in as_of}, horizon_days, resamples,
                          progress=lambda msg: click.echo(msg, err=True))
@@ -198,15 +209,16 @@ def compare(history_path: Path, as_of: tuple[str, ...], resamples: int, out: Pat
               help="titan.service.txt: service nodes, left out as in the paper")
 @_tz_opt
 @_json_opt
-def paper(history_path: Path, out_dir: Path, service_nodes: Path | None, tz: str, as_json: bool) -> None:
+def paper(history_path: Path, out_dir: Path, service_nodes: Path | None, tz: str | None, as_json: bool) -> None:
     """The SC20 paper's findings from the history: survival by batch, cage and node; Cox hazard ratios."""
     from predictor.hazard import paper as sc20
-    h = _read(history_path, tz)
+    h = _read(history_path, _zone(history_path, tz))
     life = sc20.lifetimes(h, sc20.service_locations(service_nodes) if service_nodes else set())
     out_dir.mkdir(parents=True, exist_ok=True)
     hr = sc20.hazard_ratios(life)
     summary = {"gpus": int(len(life["days"])), "events": int(life["event"].sum()),
                "old_gpus": int(life["old"].sum()), "hazard_ratios": {k: round(v, 3) for k, v in hr.items()},
+               "old_vs_new_per_gpu_year": sc20.batch_rates(life),
                "plots": [str(p) for p in sc20.plot(life, out_dir)]}
     (out_dir / "hazard_ratios.json").write_text(json.dumps(summary, indent=1))
     _emit(summary, as_json)

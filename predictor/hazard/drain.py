@@ -11,7 +11,8 @@ from predictor.hazard.scoring import Scores
 
 
 def blade_of(location: str) -> str:
-    return location.rsplit("n", 1)[0]
+    """The unit drained together: a Titan blade (``c0-0c1s2`` of ``c0-0c1s2n3``), or a trace's host."""
+    return location.split("/gpu")[0] if "/gpu" in location else location.rsplit("n", 1)[0]
 
 
 def drain_list(s: Scores, top: int = 20) -> dict:

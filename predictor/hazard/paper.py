@@ -34,7 +34,7 @@ def lifetimes(h: History, service_locations: set[str] = frozenset()) -> dict[str
     event = np.isfinite(ev_t)
     end = np.where(event, ev_t, last)
     loc = h.stay_loc[first_stay[keep]]
-    return {"days": np.maximum((end - first)[keep] / DAY, 0.0), "event": event[keep],
+    return {"days": np.maximum((end - first)[keep] / DAY, 0.0), "event": event[keep], "start": first[keep],
             "old": first[keep] < parse_time(NEW_BATCH_FROM), "cage": loc[:, 2], "node": loc[:, 4]}
 
 
@@ -60,6 +60,43 @@ def hazard_ratios(life: dict[str, np.ndarray]) -> dict[str, float]:
     names = ("old_batch", "cage1", "cage2", "node1", "node2", "node3")
     coef, std, _, _ = fit_cox(z, np.maximum(life["days"], 1e-3), life["event"], ridge=1e-3)
     return {n: float(np.exp(c / s)) for n, c, s in zip(names, coef, std.scale)}
+
+
+def _rate(days_in: np.ndarray, event_in: np.ndarray) -> tuple[int, float]:
+    """(events, GPU-years) of a group."""
+    return int(event_in.sum()), float(days_in.sum() / 365.25)
+
+
+def batch_rates(life: dict[str, np.ndarray], age_years: int = 2) -> dict[str, dict]:
+    """Old vs new batch failures per GPU-year, where the two can be compared at all.
+
+    At equal age: each of the first ``age_years`` years since first insert (the new batch is
+    followed less than two). In the same months: a Mantel-Haenszel rate ratio over calendar
+    quarters x cage from 2016 on, when both batches were in service side by side."""
+    days, event, old, start = life["days"], life["event"], life["old"], life["start"]
+    out: dict[str, dict] = {}
+    for k in range(age_years):
+        lo, hi = k * 365.25, (k + 1) * 365.25
+        exposure = np.clip(np.minimum(days, hi) - lo, 0, None)
+        hit = event & (days >= lo) & (days < hi)
+        (eo, yo), (en, yn) = _rate(exposure[old], hit[old]), _rate(exposure[~old], hit[~old])
+        out[f"age_year_{k}"] = {"old": [eo, round(yo)], "new": [en, round(yn)],
+                                "ratio": round((eo / yo) / (en / yn), 3) if eo and en else None}
+    end = start + days * DAY
+    bounds = [parse_time(f"{y}-{m:02d}-01") for y in range(2016, 2030) for m in (1, 4, 7, 10)]
+    bounds = [b for b in bounds if b < end.max()] + [float(end.max()) + 1]
+    num = den = 0.0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        exposure = np.clip(np.minimum(end, hi) - np.maximum(start, lo), 0, None) / DAY
+        hit = event & (end >= lo) & (end < hi)
+        for c in np.unique(life["cage"]):
+            m = life["cage"] == c
+            t_old, t_new = exposure[m & old].sum(), exposure[m & ~old].sum()
+            if t_old + t_new > 0:
+                num += hit[m & old].sum() * t_new / (t_old + t_new)
+                den += hit[m & ~old].sum() * t_old / (t_old + t_new)
+    out["same_quarters_by_cage"] = {"ratio": round(num / den, 2) if den else None}
+    return out
 
 
 def plot(life: dict[str, np.ndarray], out_dir: Path) -> list[Path]:
