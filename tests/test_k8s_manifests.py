@@ -31,7 +31,8 @@ K8S = REPO / "deploy" / "k8s"
 VERSIONS = ("1.29", "1.37")   # the oldest we claim (docs/kubernetes.md) and the newest schemas shipped
 CUSTOM = {"monitoring.coreos.com/v1", "kubeflow.org/v1"}
 CRDS = REPO / "tests" / "data" / "crds"
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule"}
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule",
+               ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor"}
 RULE_FILES = (REPO / "deploy" / "prometheus" / "rules.yml", REPO / "deploy" / "agents" / "alerts.yml")
 
 
