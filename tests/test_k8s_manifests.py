@@ -2,10 +2,14 @@
 Kubernetes API schemas kubernetes-validate ships, for the oldest and newest API versions
 we claim; the pieces that must agree with each other or with the code checked to agree.
 
-Not tested here (no cluster, no kustomize, no CRD schemas from a registry): the
-ServiceMonitor, PrometheusRule and PyTorchJob envelopes against their CRDs (their pod
-templates and alert rules are checked: the templates as core PodTemplates, the rules by
-promtool), `kustomize build`, and the responder against a real API server."""
+The custom resources (ServiceMonitor, PrometheusRule, PyTorchJob) against their CRDs'
+openAPIV3Schema, vendored in tests/data/crds (no registry package ships them; each one's .md
+names its source), also strict: a key the schema does not know fails (the API server would
+prune it without a word). The PyTorchJob schema is abridged: its pod templates are checked
+as core PodTemplates instead; the alert rules also pass promtool.
+
+Not tested here (no cluster, no kustomize): `kustomize build`, the CRDs' CEL rules
+(x-kubernetes-validations), and the responder against a real API server."""
 from __future__ import annotations
 
 import json
@@ -14,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -25,6 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
 VERSIONS = ("1.29", "1.37")   # the oldest we claim (docs/kubernetes.md) and the newest schemas shipped
 CUSTOM = {"monitoring.coreos.com/v1", "kubeflow.org/v1"}
+CRDS = REPO / "tests" / "data" / "crds"
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule",
+               ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor",
+               ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob"}   # abridged: pod templates checked as core
 RULE_FILES = (REPO / "deploy" / "prometheus" / "rules.yml", REPO / "deploy" / "agents" / "alerts.yml")
 
 
@@ -55,6 +64,57 @@ def validate(doc: dict) -> None:
                         f"{e.message}")
 
 
+def crd_schema(doc: dict) -> dict:
+    return json.loads((CRDS / f"{CRD_SCHEMAS[doc['apiVersion'], doc['kind']]}.schema.json").read_text())
+
+
+def int_or_string(schema: object) -> object:
+    """The schema with Kubernetes' `x-kubernetes-int-or-string` spelled as JSON Schema (anyOf)."""
+    if isinstance(schema, list):
+        return [int_or_string(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: int_or_string(v) for k, v in schema.items()}
+    if out.get("x-kubernetes-int-or-string") and "anyOf" not in out:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
+def unknown_keys(schema: dict, value: object, path: str = "") -> list[str]:
+    """Keys a structural schema does not declare: the API server prunes them without a word,
+    so a misspelt field would pass a plain validation. `metadata` is the API server's own."""
+    if isinstance(value, list):
+        return [k for i, v in enumerate(value) for k in unknown_keys(schema.get("items", {}), v, f"{path}[{i}]")]
+    if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    found = []
+    for key, item in value.items():
+        if path == "" and key == "metadata":
+            continue
+        if key in schema.get("properties", {}):
+            found += unknown_keys(schema["properties"][key], item, f"{path}.{key}")
+        elif isinstance(schema.get("additionalProperties"), dict):
+            found += unknown_keys(schema["additionalProperties"], item, f"{path}.{key}")
+        else:
+            found.append(f"{path}.{key}")
+    return found
+
+
+def validate_custom(doc: dict) -> None:
+    """A custom resource against its vendored CRD schema: types, patterns, required; then unknown keys."""
+    schema = crd_schema(doc)
+    errors = sorted(jsonschema.Draft7Validator(int_or_string(schema)).iter_errors(doc), key=lambda e: e.path)
+    name = f"{doc['kind']} {doc['metadata'].get('name')}"
+    if errors:
+        pytest.fail("\n".join(f"{name} at {'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors))
+    assert not unknown_keys(schema, doc), f"{name}: fields its CRD does not know: {unknown_keys(schema, doc)}"
+
+
+def custom_resources() -> list[dict]:
+    return [d for d in base() + documents(K8S / "training" / "pytorchjob.yaml")
+            if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
+
+
 def test_kustomization_lists_every_manifest() -> None:
     listed = set(yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["resources"])
     assert listed == {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"}
@@ -64,6 +124,26 @@ def test_kustomization_lists_every_manifest() -> None:
                          ids=lambda d: f"{d['kind']}-{d['metadata']['name']}")
 def test_core_kinds_match_the_api_schema(doc: dict) -> None:
     validate(doc)
+
+
+@pytest.mark.parametrize("doc", custom_resources(), ids=lambda d: f"{d['kind']}-{d['metadata']['name']}")
+def test_custom_resources_match_their_crd_schema(doc: dict) -> None:
+    validate_custom(doc)
+
+
+def test_crd_validation_refuses_a_wrong_type_and_an_unknown_key() -> None:
+    [rule] = [d for d in custom_resources() if d["kind"] == "PrometheusRule"]
+    wrong_type = json.loads(json.dumps(rule))
+    wrong_type["spec"]["groups"][0]["rules"][0]["labels"] = {"severity": 1}
+    with pytest.raises(pytest.fail.Exception, match=r"groups/0/rules/0/labels/severity: 1 is not of type 'string'"):
+        validate_custom(wrong_type)
+    misspelt = json.loads(json.dumps(rule))
+    misspelt["spec"]["groups"][0]["rules"][0]["annotation"] = {"summary": "x"}
+    with pytest.raises(AssertionError, match=r"\.spec\.groups\[0\]\.rules\[0\]\.annotation"):
+        validate_custom(misspelt)
+    int_expr = json.loads(json.dumps(rule))
+    int_expr["spec"]["groups"][0]["rules"][0]["expr"] = 1   # int-or-string: an integer is a valid expr
+    validate_custom(int_expr)
 
 
 def test_prometheusrule_is_the_tested_rules(tmp_path: Path) -> None:
