@@ -29,9 +29,11 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import torch.distributed as dist
 
+from ..integrations.risk import RiskListener
 from ..manager import CheckpointManager
+from ..peers.placement import node_name
 from ..recovery.leaving import flush_logs
-from . import group, membership
+from . import evictions, group, membership
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,7 +91,7 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
         checkpoint: Mapping[str, Any], state_of: Callable[[T], dict] = lambda objects: objects,
         save_every: int = 1, resume_step: int | None = None, collective_timeout_s: float = 30.0,
         membership_timeout_s: float = 30.0, on_recovery: Callable[[Recovery], None] | None = None,
-        warm_up: Callable[[], Any] | None = None) -> Result[T]:
+        warm_up: Callable[[], Any] | None = None, listener: RiskListener | None = None) -> Result[T]:
     """Train ``steps`` steps under ``python -m ckpt.inprocess.launch``, recovering in process.
 
     ``checkpoint``: ``CheckpointManager`` keyword arguments (its ``root`` first); a step is saved
@@ -99,11 +101,14 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
     falls back to a relaunch: the reason is logged and the process exits with ``EXIT_FALLBACK``,
     on which the launcher relaunches the job. ``warm_up`` runs in a warm spare while it waits
     (no process group yet): build a model and take a local step, so the first step after it is
-    called in pays no lazy import or first-use cost."""
+    called in pays no lazy import or first-use cost. ``listener``: the predictor's
+    ``RiskListener`` (started by the caller); its "node_failed" events evict the workers on the
+    lost GPU (``evictions.on_node_failed``) instead of ending the job."""
     try:
         return _run(build, step, steps=steps, checkpoint=checkpoint, state_of=state_of, save_every=save_every,
                     resume_step=resume_step, collective_timeout_s=collective_timeout_s,
-                    membership_timeout_s=membership_timeout_s, on_recovery=on_recovery, warm_up=warm_up)
+                    membership_timeout_s=membership_timeout_s, on_recovery=on_recovery, warm_up=warm_up,
+                    listener=listener)
     except FallBack as e:
         log.error("ckpt-guard inprocess: falling back to a relaunch: %s", e)
         flush_logs()
@@ -113,11 +118,15 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
 def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int, checkpoint: Mapping[str, Any],
          state_of: Callable[[T], dict], save_every: int, resume_step: int | None, collective_timeout_s: float,
          membership_timeout_s: float, on_recovery: Callable[[Recovery], None] | None,
-         warm_up: Callable[[], Any] | None) -> Result[T]:
+         warm_up: Callable[[], Any] | None, listener: RiskListener | None) -> Result[T]:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=membership_timeout_s))
     worker = int(os.environ[WORKER_ENV])
     die_with_launcher()
+    gpu = int(os.environ.get("LOCAL_RANK", worker))
+    evictions.announce_place(store, worker, node_name(checkpoint.get("node")), gpu)
+    if listener is not None:
+        listener.on_node_failed = evictions.on_node_failed(store)
     _start_beating(worker, membership_timeout_s)
     current = _first_round(store, worker, membership_timeout_s, warm_up)
     recoveries: list[Recovery] = []
