@@ -3,7 +3,7 @@ MLP trained data-parallel on gloo (gradients all-reduced by hand), a fixed globa
 over however many ranks are left, a checkpoint every step.
 
     inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
-        [--evict-worker W | --node-failed-gpu G --kill-at S]
+        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S
 
 Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
 """
@@ -51,6 +51,8 @@ def main() -> None:
                     help="at --kill-at, worker 0 asks the launcher to evict this worker (an XID 79 on its GPU)")
     ap.add_argument("--node-failed-gpu", type=int, default=-1,
                     help="at --kill-at, worker 0's predictor listener hears node_failed for this GPU of its node")
+    ap.add_argument("--stall-worker", type=int, default=-1,
+                    help="this worker sleeps at the end of step --kill-at: alive and beating, never stepping again")
     ap.add_argument("--resume-step", type=int, default=None)
     ap.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower model)")
     args = ap.parse_args()
@@ -116,6 +118,9 @@ def main() -> None:
         optim.step()
         if args.step_s:
             time.sleep(args.step_s)
+        if worker == args.stall_worker and i == args.kill_at:
+            emit(event="fault", step=i)
+            time.sleep(3600)  # the launcher's progress deadline must end it
         emit(event="step", step=i + 1, world=ctx.world_size)
 
     def warm_up() -> None:  # a spare, while it waits: the first step's one-off costs, paid now

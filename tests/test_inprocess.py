@@ -100,6 +100,20 @@ def test_predictor_node_failed_evicts_only_that_rank(tmp_path):
     assert {w: (e["steps"], e["world"]) for w, e in finals(evs).items()} == {0: (8, 2), 2: (8, 2)}
 
 
+@pytest.mark.timeout(600)
+def test_a_rank_left_behind_is_evicted_by_the_progress_deadline(tmp_path):
+    """3 ranks: worker 1 stops stepping after step 4 (alive, beating: not frozen); the others
+    wait for it in step 5's collective. Past ``--progress-s`` the launcher evicts it as the
+    watchdog would name it ("behind"), instead of every rank exiting 86; 0 and 2 go on."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "3", "--progress-s", "2",
+                 child=("--steps", "8", "--stall-worker", "1", "--kill-at", str(KILL_AT)))
+    evs = events(tmp_path / "a.jsonl")
+    check_survivors_kept(evs, dead=1)
+    assert f"worker 1: behind: at step {KILL_AT}" in log and "frozen" not in log, log[-3000:]
+    assert "attempt 1" not in log and "continuing at world size 2" in log, log[-3000:]
+    assert {w: (e["steps"], e["world"]) for w, e in finals(evs).items()} == {0: (8, 2), 2: (8, 2)}
+
+
 def test_node_failed_maps_the_event_to_the_workers_there():
     """Only current members on the event's node (and GPU, when it names one) are evicted."""
     import torch.distributed as dist

@@ -155,6 +155,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                     raise _MembershipChanged()
                 step(objects, done)
                 done += 1
+                store.set(membership.step_key(worker), str(done))
                 if pending is not None:
                     recoveries.append(_finish(pending, current, ctx, restored, t_join, t_group, t_build, t_restore))
                     if on_recovery is not None:
