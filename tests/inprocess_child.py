@@ -119,6 +119,7 @@ def main() -> None:
         if args.step_s:
             time.sleep(args.step_s)
         if worker == args.stall_worker and i == args.kill_at:
+            spares_ready()
             emit(event="fault", step=i)
             time.sleep(3600)  # the launcher's progress deadline must end it
         emit(event="step", step=i + 1, world=ctx.world_size)
