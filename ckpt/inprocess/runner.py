@@ -127,7 +127,8 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
     evictions.announce_place(store, worker, node_name(checkpoint.get("node")), gpu)
     if listener is not None:
         listener.on_node_failed = evictions.on_node_failed(store)
-    _start_beating(worker, membership_timeout_s)
+    watched = _Watched()
+    _start_beating(worker, membership_timeout_s, watched)
     current = _first_round(store, worker, membership_timeout_s, warm_up)
     recoveries: list[Recovery] = []
     pending: tuple[float, str, int | None, dict[str, float]] | None = None  # a recovery in progress
@@ -145,6 +146,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             objects = build(ctx)
             t_build = time.monotonic()
             mgr = CheckpointManager(**{"node_memory": True, **checkpoint})
+            watched.round, watched.mgr = current.round, mgr
             state = state_of(objects)
             first = resume_step if current.round == 0 else None
             restored = mgr.restore(state, step=first) if first is not None else mgr.restore(state)
@@ -167,6 +169,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             return Result(objects, done, recoveries)
         except Exception as e:
             t_fault = time.monotonic()
+            watched.mgr = None
             if _must_leave(e):  # its exit is a death like any other: a spare takes its rank, or the world shrinks
                 log.error("ckpt-guard inprocess: rank %d leaves its process: a sticky device error (%s)", rank,
                           _short(e))
@@ -203,9 +206,20 @@ def die_with_launcher() -> None:
         os._exit(EXIT_FALLBACK)
 
 
-def _start_beating(worker: int, timeout_s: float) -> None:
+@dataclass
+class _Watched:
+    """The round training runs in and its manager, for the beat thread."""
+
+    round: int = 0
+    mgr: CheckpointManager | None = None
+
+
+def _start_beating(worker: int, timeout_s: float, watched: _Watched) -> None:
     """The launcher's frozen-rank detector: a daemon thread adds to this worker's beat counter
-    (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting."""
+    (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting.
+    It also ends the manager's commit waits once a newer round is published: a save blocked on
+    a full memory slot whose drain waits for a lost rank's commit would otherwise never return
+    to the step loop that notices the new round."""
     def beat() -> None:
         store = None
         while True:
@@ -214,6 +228,9 @@ def _start_beating(worker: int, timeout_s: float) -> None:
                     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                           is_master=False, timeout=timedelta(seconds=timeout_s))
                 store.add(membership.beat_key(worker), 1)
+                mgr = watched.mgr
+                if mgr is not None and membership.changed(store, watched.round):
+                    mgr.committer.abandoned.set()
             except Exception as e:  # a slow or restarting store: try again (a silent beat gets this rank killed)
                 log.debug("beat: %s", e)
                 store = None
