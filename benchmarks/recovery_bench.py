@@ -3,7 +3,7 @@
     python benchmarks/recovery_bench.py --json out.json [--repeats 3] [--cases killed,hung] [--modes ...]
 
 Writes ``{"meta": {command, machine, date, load}, "rows": [...]}``: one row per case (killed,
-hung, lost_node, xid79) and mode (``relaunch``: today's torchrun restart, below;
+hung, lost_node, xid79; node_failed and behind in process only) and mode (``relaunch``: today's torchrun restart, below;
 ``inprocess_spare`` / ``inprocess_shrink``: ``ckpt.inprocess``, benchmarks/recovery_inprocess.py;
 ``nvrx_inprocess`` / ``torchft_2_groups``: skipped with the reason) with ``fault_to_first_step_s``,
 ``detect_s``, ``steps_lost`` (steps done before the fault that are redone; the step in flight is
@@ -261,15 +261,21 @@ def median_of(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
 # today's relaunch rows: the scenario that measures each case
 RELAUNCH = {"killed": "killed", "hung": "hung", "lost_node": "lost_node_peer", "xid79": "xid79"}
 FAULT_STEP = {"killed": 12, "hung": 12}  # the step the injector hits (12 steps done)
+INPROCESS_ONLY = ["node_failed", "behind"]  # detectors wired to eviction: their relaunch path is another row's
 SKIPPED = {
     ("lost_node", "inprocess_spare"): "the in-process launcher runs on one host: two simulated nodes need a "
                                       "launcher per node (membership through the job store), not built yet",
     ("lost_node", "inprocess_shrink"): "as inprocess_spare",
+    ("node_failed", "relaunch"): "the xid79 relaunch row: under ckpt.resumable the predictor's node_failed "
+                                 "ends every rank (exit 87) and torchrun restarts the job",
+    ("behind", "relaunch"): "the hung relaunch row's path: the watchdog's verdict ends every rank (exit 86) and "
+                            "torchrun restarts the job",
     **{(case, "nvrx_inprocess"): "nvidia-resiliency-ext 0.4.1 not installed in this venv (pip --dry-run: it "
                                  "installs without touching torch; its Wrapper rows are the next step)"
-       for case in RELAUNCH},
+       for case in [*RELAUNCH, *INPROCESS_ONLY]},
     **{(case, "torchft_2_groups"): "torchft 0.2.0 not installed in this venv (pip --dry-run: it installs without "
-                                   "touching torch; its Manager rows are the next step)" for case in RELAUNCH},
+                                   "touching torch; its Manager rows are the next step)"
+       for case in [*RELAUNCH, *INPROCESS_ONLY]},
 }
 MODES = ["relaunch", "inprocess_spare", "inprocess_shrink", "nvrx_inprocess", "torchft_2_groups"]
 
@@ -296,7 +302,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write {meta, rows} here")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--cases", default=",".join(RELAUNCH), help="comma-separated: killed, hung, lost_node, xid79")
+    ap.add_argument("--cases", default=",".join([*RELAUNCH, *INPROCESS_ONLY]),
+                    help="comma-separated: killed, hung, lost_node, xid79, node_failed, behind")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     ap.add_argument("--no-leak-check", action="store_true", help="skip the 5-consecutive-recoveries check")
     ap.add_argument("--only", default="", help="also run these legacy scenarios (medians under 'scenarios'): "

@@ -6,6 +6,10 @@ under ``python -m ckpt.inprocess.launch`` with a warm spare (2 ranks + 1 spare) 
 * ``hung``: it SIGSTOPs itself; the launcher's beat check (``--hang-s``) declares and kills it.
 * ``xid79``: rank 0 posts an eviction of the other rank to the launcher's store (what a
   predictor listener does on an XID 79): the launcher SIGKILLs it, it never resumes in place.
+* ``node_failed``: rank 0's predictor listener (``run(listener=...)``) hears "node_failed" for
+  the other rank's GPU, as ``predictor serve`` sends it: that rank alone is evicted.
+* ``behind``: the rank stops stepping after step ``FAULT_AT`` (alive, beating: not frozen); the
+  launcher's progress deadline (``--progress-s PROGRESS_S``) names it behind and evicts it.
 
 Each row's equality is checked against a run of the same launcher: with a spare, an
 uninterrupted 2-rank run; shrinking, a clean 3-rank run to the restored step then a relaunch
@@ -21,19 +25,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "inprocess_child.py"
-STEPS, FAULT_AT, HANG_S = 20, 10, 2.0
+STEPS, FAULT_AT, HANG_S, PROGRESS_S = 20, 10, 2.0, 2.0
 MODES = {"inprocess_spare": ["--nproc", "2", "--spares", "1"], "inprocess_shrink": ["--nproc", "3"]}
 CASES = {"killed": ["--kill-worker", "1", "--kill-at", str(FAULT_AT)],
          "hung": ["--kill-worker", "1", "--kill-at", str(FAULT_AT), "--hang"],
-         "xid79": ["--evict-worker", "1", "--kill-at", str(FAULT_AT)]}
+         "xid79": ["--evict-worker", "1", "--kill-at", str(FAULT_AT)],
+         "node_failed": ["--node-failed-gpu", "1", "--kill-at", str(FAULT_AT)],
+         "behind": ["--stall-worker", "1", "--kill-at", str(FAULT_AT)]}
 
 
 def launch(workdir: Path, name: str, launcher: list[str], child: list[str]) -> list[dict]:
     """One job under the in-process launcher: its workers' events. The hung case declares a
-    frozen rank after ``HANG_S``; the others keep the launcher's default (a starved process on
-    a loaded machine must not be taken for a frozen one)."""
+    frozen rank after ``HANG_S``, the behind case a rank left behind after ``PROGRESS_S``; the
+    others keep the launcher's defaults (a starved process on a loaded machine must not be
+    taken for a frozen one)."""
     events = workdir / f"{name}.jsonl"
     hang = ["--hang-s", str(HANG_S)] if "--hang" in child else []
+    hang += ["--progress-s", str(PROGRESS_S)] if "--stall-worker" in child else []
     cmd = [sys.executable, "-m", "ckpt.inprocess.launch", *hang, *launcher, str(CHILD),
            "--root", str(workdir / name), "--events", str(events), *child]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}

@@ -3,6 +3,7 @@ MLP trained data-parallel on gloo (gradients all-reduced by hand), a fixed globa
 over however many ranks are left, a checkpoint every step.
 
     inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
+        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S
 
 Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
 """
@@ -20,6 +21,9 @@ import torch.distributed as dist
 
 from ckpt.distributed import exit_rank
 from ckpt.inprocess import Context, Recovery, group, membership, run
+from ckpt.integrations.risk import RiskListener
+from ckpt.integrations.urgency import SaveRequests
+from ckpt.peers.placement import node_name
 
 GLOBAL_BATCH = 12  # divisible by 3, 2 and 1: the global batch is kept when the world shrinks
 
@@ -45,6 +49,10 @@ def main() -> None:
     ap.add_argument("--hang", action="store_true", help="SIGSTOP instead of SIGKILL (the launcher must kill it)")
     ap.add_argument("--evict-worker", type=int, default=-1,
                     help="at --kill-at, worker 0 asks the launcher to evict this worker (an XID 79 on its GPU)")
+    ap.add_argument("--node-failed-gpu", type=int, default=-1,
+                    help="at --kill-at, worker 0's predictor listener hears node_failed for this GPU of its node")
+    ap.add_argument("--stall-worker", type=int, default=-1,
+                    help="this worker sleeps at the end of step --kill-at: alive and beating, never stepping again")
     ap.add_argument("--resume-step", type=int, default=None)
     ap.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower model)")
     args = ap.parse_args()
@@ -56,6 +64,7 @@ def main() -> None:
 
     emit(event="start")
     evicted: list[int] = []
+    listener = RiskListener("http://127.0.0.1:9", [node_name()], SaveRequests())  # never started: fed by hand
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 
     def build(ctx: Context) -> dict:
@@ -89,6 +98,13 @@ def main() -> None:
             evicted.append(i)
             emit(event="fault", step=i)
             membership.evict(store, args.evict_worker, "XID 79 on its GPU (simulated)")
+        if worker == 0 and args.node_failed_gpu >= 0 and i == args.kill_at and not evicted:
+            spares_ready()
+            evicted.append(i)
+            emit(event="fault", step=i)
+            gpu = args.node_failed_gpu  # the event as `predictor serve` sends it (tests/test_node_failed.py)
+            listener.on_node_failed({"event": "node_failed", "node": node_name(), "gpu": gpu, "xid": 79,
+                                     "reason": f"critical XID 79 on GPU {gpu}"})
         ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
         g = torch.Generator().manual_seed(1000 + i)
         x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
@@ -102,6 +118,10 @@ def main() -> None:
         optim.step()
         if args.step_s:
             time.sleep(args.step_s)
+        if worker == args.stall_worker and i == args.kill_at:
+            spares_ready()
+            emit(event="fault", step=i)
+            time.sleep(3600)  # the launcher's progress deadline must end it
         emit(event="step", step=i + 1, world=ctx.world_size)
 
     def warm_up() -> None:  # a spare, while it waits: the first step's one-off costs, paid now
@@ -115,7 +135,7 @@ def main() -> None:
     result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
                  checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"]},
                  resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,
-                 warm_up=warm_up)
+                 warm_up=warm_up, listener=listener)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
     emit(event="done", steps=result.steps_done, digest=digest.hexdigest(),
          world=result.objects["ctx"].world_size)

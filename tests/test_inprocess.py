@@ -86,6 +86,56 @@ def test_killed_rank_without_spare_shrinks(tmp_path):
     assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
 
 
+@pytest.mark.timeout(600)
+def test_predictor_node_failed_evicts_only_that_rank(tmp_path):
+    """3 ranks: at step 4 the predictor listener (as wired by ``run(listener=...)``) hears
+    "node_failed" for GPU 1 of this node; the launcher evicts worker 1 (its LOCAL_RANK) alone,
+    where ``ckpt.resumable`` would end every rank; workers 0 and 2 keep their processes."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "3",
+                 child=("--steps", "8", "--node-failed-gpu", "1", "--kill-at", str(KILL_AT)))
+    evs = events(tmp_path / "a.jsonl")
+    check_survivors_kept(evs, dead=1)
+    assert "worker 1: evicted: the predictor reports node" in log and "evicting worker 0" not in log, log[-3000:]
+    assert "attempt 1" not in log and "continuing at world size 2" in log, log[-3000:]
+    assert {w: (e["steps"], e["world"]) for w, e in finals(evs).items()} == {0: (8, 2), 2: (8, 2)}
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_left_behind_is_evicted_by_the_progress_deadline(tmp_path):
+    """3 ranks: worker 1 stops stepping after step 4 (alive, beating: not frozen); the others
+    wait for it in step 5's collective. Past ``--progress-s`` the launcher evicts it as the
+    watchdog would name it ("behind"), instead of every rank exiting 86; 0 and 2 go on."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "3", "--progress-s", "2",
+                 child=("--steps", "8", "--stall-worker", "1", "--kill-at", str(KILL_AT)))
+    evs = events(tmp_path / "a.jsonl")
+    check_survivors_kept(evs, dead=1)
+    assert f"worker 1: behind: at step {KILL_AT}" in log and "frozen" not in log, log[-3000:]
+    assert "attempt 1" not in log and "continuing at world size 2" in log, log[-3000:]
+    assert {w: (e["steps"], e["world"]) for w, e in finals(evs).items()} == {0: (8, 2), 2: (8, 2)}
+
+
+def test_node_failed_maps_the_event_to_the_workers_there():
+    """Only current members on the event's node (and GPU, when it names one) are evicted."""
+    import torch.distributed as dist
+
+    from ckpt.inprocess import evictions, membership
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    membership.publish(store, membership.Membership(0, (0, 1, 2, 3), (4,), "start", 0.0))
+    for w, (node, gpu) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 2)]):
+        evictions.announce_place(store, w, node, gpu)
+    evict = evictions.on_node_failed(store)
+    evict({"node": "a", "gpu": 1, "reason": "critical XID 79 on GPU 1"})
+    evicted = lambda: [w for w in range(5) if store.check([membership.evict_key(w)])]  # noqa: E731
+    assert evicted() == [1]
+    evict({"node": "b", "reason": "lost"})  # no GPU named: the whole node
+    assert evicted() == [1, 2, 3]
+    evict({"node": "a", "gpu": 2})  # a spare's GPU: not a member, nothing to do
+    evict({"gpu": 0})  # malformed: ignored
+    assert evicted() == [1, 2, 3]
+    assert b"GPU 1" in store.get(membership.evict_key(1))
+
+
 def test_membership_rounds_through_the_store():
     """The launcher publishes rounds; a survivor finds the newest, a spare its own; the job's end
     releases a waiter at once."""

@@ -8,7 +8,8 @@ workers and ``--spares`` warm spares (started with the job: torch imported, no s
 and decides membership (``membership.py``): when a member exits with an error, a spare takes
 its rank, else the world shrinks (down to ``--min-world``). A member whose beat and CPU time
 stopped (``--hang-s``: SIGSTOP, a process wedged in the kernel) or that is evicted through the store
-(``membership.evict``: a predicted node failure, an XID 79) is SIGKILLed first. A spare
+(``membership.evict``: a predicted node failure, an XID 79) or that is left behind by the
+others past the watchdog's progress deadline (``--progress-s``) is SIGKILLed first. A spare
 called in is replaced by a new one, so the pool stays at ``--spares``. A worker that asks for it
 (``EXIT_FALLBACK``), or a job that cannot shrink further, is relaunched whole, today's path,
 at most ``--relaunches`` times; every decision is logged with its reason.
@@ -19,16 +20,19 @@ import argparse
 import logging
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
+from ..recovery.hang_policy import HangDetection
 from . import membership
-from .runner import EXIT_FALLBACK, LAUNCHER_ENV, WORKER_ENV
+from .runner import BEAT_S, EXIT_FALLBACK, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.launch")
 _POLL_S = 0.01
@@ -62,6 +66,10 @@ class Job:
         # interpreter lock on a busy machine still uses CPU; a stopped one does not
         self.beats: dict[int, tuple[tuple[int, int], float]] = {}
         self.causes: dict[int, str] = {}  # workers the launcher killed, and why
+        # the watchdog's progress deadline (hang_policy), judged here: worker -> (step, when it last changed)
+        self.progress_policy = HangDetection(deadline_s=args.progress_s, interval_s=BEAT_S)
+        self.steps: dict[int, tuple[int, float]] = {}
+        self.step_times: deque[float] = deque(maxlen=64)
         self.command = args.command
         self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
                     "WORLD_SIZE": str(n), "CKPT_INPROCESS_ATTEMPT": str(attempt), LAUNCHER_ENV: str(os.getpid())}
@@ -122,6 +130,31 @@ class Job:
                 self.beats[w] = (progress, now)
             elif progress[0] > 0 and now - since > self.hang_s:
                 self._kill(w, f"frozen: no beat and no CPU time for {now - since:.1f} s")
+        self._kill_behind(now)
+
+    def _kill_behind(self, now: float) -> None:
+        """The watchdog's progress deadline with its "behind" culprit rule: a member alive and
+        beating whose step stayed below the others' for ``factor`` × the median step (at least
+        ``--progress-s`` when given) is SIGKILLed. Ranks all at one step (a hang inside a
+        collective) name no culprit: the collective timeout, then a relaunch, handles them."""
+        live = [w for w in self.members if w not in self.causes and w not in self.finished]
+        keys = [w for w in live if self.store.check([membership.step_key(w)])]
+        for w, v in zip(keys, self.store.multi_get([membership.step_key(w) for w in keys]) if keys else []):
+            step, since = self.steps.get(w, (-1, now))
+            if int(v) != step:
+                if int(v) == step + 1:
+                    self.step_times.append(now - since)
+                self.steps[w] = (int(v), now)
+        reached = {w: self.steps[w] for w in keys}
+        if len({s for s, _ in reached.values()}) < 2:
+            return
+        deadline = self.progress_policy.deadline(list(self.step_times))
+        low = min(s for s, _ in reached.values())
+        for w, (s, since) in reached.items():
+            if s == low and now - since > deadline:
+                median = statistics.median(self.step_times) if self.step_times else float("nan")
+                self._kill(w, f"behind: at step {s} for {now - since:.1f} s while others are further "
+                              f"(deadline {deadline:.1f} s, median step {median:.3f} s)")
 
     def _kill(self, worker: int, cause: str) -> None:
         self.causes[worker] = cause
@@ -146,6 +179,7 @@ class Job:
         if len(members) < self.min_world:
             return f"{cause}: {len(members)} ranks left, fewer than --min-world {self.min_world}"
         self.members, self.round = members, self.round + 1
+        self.steps.clear()  # survivors restore an earlier step: progress is judged afresh each round
         membership.publish(self.store, membership.Membership(self.round, tuple(members), tuple(self.spares),
                                                              reason, fault_time))
         log.warning("round %d: %s", self.round, reason)
@@ -168,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-world", type=int, default=1, help="relaunch rather than shrink below this")
     ap.add_argument("--hang-s", type=float, default=10.0,
                     help="kill a member whose beat (every 0.2 s) and CPU time stopped this long (a frozen process)")
+    ap.add_argument("--progress-s", type=float, default=None,
+                    help="evict a member left behind by the others (alive, not stepping) after this long "
+                         "(default: the watchdog's policy, 5 x the median step, at least 10 s)")
     ap.add_argument("--relaunches", type=int, default=1, help="whole-job relaunches when in-process fails")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = ap.parse_args(argv)

@@ -27,6 +27,12 @@ def beat_key(worker: int) -> str:
     return f"{PREFIX}/beat/{worker}"
 
 
+def step_key(worker: int) -> str:
+    """The step index this worker reached last (set after each step): the launcher's progress
+    deadline names a member left behind by the others (alive and beating, not stepping)."""
+    return f"{PREFIX}/step/{worker}"
+
+
 def ready_key(worker: int) -> str:
     """Set by a spare once warmed up: only a ready spare is called in (one still importing
     torch would hold every survivor at the next group's rendezvous)."""

@@ -29,9 +29,11 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import torch.distributed as dist
 
+from ..integrations.risk import RiskListener
 from ..manager import CheckpointManager
+from ..peers.placement import node_name
 from ..recovery.leaving import flush_logs
-from . import group, membership
+from . import evictions, group, membership
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,7 +91,7 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
         checkpoint: Mapping[str, Any], state_of: Callable[[T], dict] = lambda objects: objects,
         save_every: int = 1, resume_step: int | None = None, collective_timeout_s: float = 30.0,
         membership_timeout_s: float = 30.0, on_recovery: Callable[[Recovery], None] | None = None,
-        warm_up: Callable[[], Any] | None = None) -> Result[T]:
+        warm_up: Callable[[], Any] | None = None, listener: RiskListener | None = None) -> Result[T]:
     """Train ``steps`` steps under ``python -m ckpt.inprocess.launch``, recovering in process.
 
     ``checkpoint``: ``CheckpointManager`` keyword arguments (its ``root`` first); a step is saved
@@ -99,11 +101,14 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
     falls back to a relaunch: the reason is logged and the process exits with ``EXIT_FALLBACK``,
     on which the launcher relaunches the job. ``warm_up`` runs in a warm spare while it waits
     (no process group yet): build a model and take a local step, so the first step after it is
-    called in pays no lazy import or first-use cost."""
+    called in pays no lazy import or first-use cost. ``listener``: the predictor's
+    ``RiskListener`` (started by the caller); its "node_failed" events evict the workers on the
+    lost GPU (``evictions.on_node_failed``) instead of ending the job."""
     try:
         return _run(build, step, steps=steps, checkpoint=checkpoint, state_of=state_of, save_every=save_every,
                     resume_step=resume_step, collective_timeout_s=collective_timeout_s,
-                    membership_timeout_s=membership_timeout_s, on_recovery=on_recovery, warm_up=warm_up)
+                    membership_timeout_s=membership_timeout_s, on_recovery=on_recovery, warm_up=warm_up,
+                    listener=listener)
     except FallBack as e:
         log.error("ckpt-guard inprocess: falling back to a relaunch: %s", e)
         flush_logs()
@@ -113,12 +118,17 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
 def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int, checkpoint: Mapping[str, Any],
          state_of: Callable[[T], dict], save_every: int, resume_step: int | None, collective_timeout_s: float,
          membership_timeout_s: float, on_recovery: Callable[[Recovery], None] | None,
-         warm_up: Callable[[], Any] | None) -> Result[T]:
+         warm_up: Callable[[], Any] | None, listener: RiskListener | None) -> Result[T]:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=membership_timeout_s))
     worker = int(os.environ[WORKER_ENV])
     die_with_launcher()
-    _start_beating(worker, membership_timeout_s)
+    gpu = int(os.environ.get("LOCAL_RANK", worker))
+    evictions.announce_place(store, worker, node_name(checkpoint.get("node")), gpu)
+    if listener is not None:
+        listener.on_node_failed = evictions.on_node_failed(store)
+    watched = _Watched()
+    _start_beating(worker, membership_timeout_s, watched)
     current = _first_round(store, worker, membership_timeout_s, warm_up)
     recoveries: list[Recovery] = []
     pending: tuple[float, str, int | None, dict[str, float]] | None = None  # a recovery in progress
@@ -136,6 +146,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             objects = build(ctx)
             t_build = time.monotonic()
             mgr = CheckpointManager(**{"node_memory": True, **checkpoint})
+            watched.round, watched.mgr = current.round, mgr
             state = state_of(objects)
             first = resume_step if current.round == 0 else None
             restored = mgr.restore(state, step=first) if first is not None else mgr.restore(state)
@@ -146,6 +157,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                     raise _MembershipChanged()
                 step(objects, done)
                 done += 1
+                store.set(membership.step_key(worker), str(done))
                 if pending is not None:
                     recoveries.append(_finish(pending, current, ctx, restored, t_join, t_group, t_build, t_restore))
                     if on_recovery is not None:
@@ -157,6 +169,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             return Result(objects, done, recoveries)
         except Exception as e:
             t_fault = time.monotonic()
+            watched.mgr = None
             if _must_leave(e):  # its exit is a death like any other: a spare takes its rank, or the world shrinks
                 log.error("ckpt-guard inprocess: rank %d leaves its process: a sticky device error (%s)", rank,
                           _short(e))
@@ -193,9 +206,20 @@ def die_with_launcher() -> None:
         os._exit(EXIT_FALLBACK)
 
 
-def _start_beating(worker: int, timeout_s: float) -> None:
+@dataclass
+class _Watched:
+    """The round training runs in and its manager, for the beat thread."""
+
+    round: int = 0
+    mgr: CheckpointManager | None = None
+
+
+def _start_beating(worker: int, timeout_s: float, watched: _Watched) -> None:
     """The launcher's frozen-rank detector: a daemon thread adds to this worker's beat counter
-    (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting."""
+    (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting.
+    It also ends the manager's commit waits once a newer round is published: a save blocked on
+    a full memory slot whose drain waits for a lost rank's commit would otherwise never return
+    to the step loop that notices the new round."""
     def beat() -> None:
         store = None
         while True:
@@ -204,6 +228,9 @@ def _start_beating(worker: int, timeout_s: float) -> None:
                     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                           is_master=False, timeout=timedelta(seconds=timeout_s))
                 store.add(membership.beat_key(worker), 1)
+                mgr = watched.mgr
+                if mgr is not None and membership.changed(store, watched.round):
+                    mgr.committer.abandoned.set()
             except Exception as e:  # a slow or restarting store: try again (a silent beat gets this rank killed)
                 log.debug("beat: %s", e)
                 store = None
