@@ -20,6 +20,7 @@ store onto a "new node". The summary puts the two restores side by side.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -167,9 +168,8 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
     nodes = ["node0", "node1", "node2"] if with_predictor else ["node-a"]
     memory = {n: Path(tempfile.mkdtemp(prefix=f"ckpt-demo-{name}-{n}-", dir="/dev/shm")) for n in nodes}
     lost = nodes[1] if with_predictor else nodes[0]
-    t0 = time.time()
     try:
-        run.events["start"] = t0
+        run.events["start"] = time.time()
         if with_predictor:
             extra, env = predictor_and_agent(run, args, lost)
             port = free_port()
@@ -182,16 +182,7 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
             agents = {lost: torchrun(run, args, run.dir / lost, memory[lost])}
             say(f"{name}: training started (2 ranks, a step every {args.step_time:g} s, periodic checkpoint every "
                 f"{args.every} steps, off-node tier {args.object_store_for(run)})")
-        t_fail = t0 + args.fail_after
-        last = -1
-        while time.time() < t_fail:
-            time.sleep(0.5)
-            for event, text in collect_alarm(run):  # as they happen, not only in the summary
-                say(f"{name}: {text} ({run.events[event] - t0:.1f} s)")
-            done = steps_done(run.dir / "timeline.jsonl")
-            if done and done[-1]["step"] // 25 != last // 25:
-                last = done[-1]["step"]
-                say(f"{name}: step {last}")
+        wait_for_failure(run, args, agents[lost], with_predictor)
         # The GPU fails: the node's processes die with it, its memory and local disk are gone.
         kill_tree(agents[lost].pid)
         agents[lost].wait()
@@ -223,6 +214,76 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
         run.stop_all()
         for d in memory.values():
             shutil.rmtree(d, ignore_errors=True)
+
+
+def failure_gate(run: Run, with_predictor: bool, store_steps: list[int], late: bool) -> str | None:
+    """What the story still needs before the node may fail, or None once it may fail.
+
+    The failure is scheduled by the wall clock but checkpoints come by training steps: on a
+    slow machine the job may not have saved anything yet when the clock says "fail".
+    With the predictor the node fails once the urgent checkpoint is durable off-node (or,
+    ``late`` — the alarm never came — once any checkpoint is); periodic-only once a
+    periodic checkpoint is in the object store, else there would be nothing to restore."""
+    if with_predictor and "urgent_durable" not in run.events and not late:
+        return "the urgent checkpoint to be durable off-node"
+    if not store_steps and not (with_predictor and "urgent_durable" in run.events):
+        return "a checkpoint in the object store"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def object_store(url: str):
+    """The object-store tier at ``url``, opened once (the demo only lists it)."""
+    from ckpt.tiers.object_store import ObjectStoreTier  # the job's own view of what is committed
+
+    return ObjectStoreTier(url, concurrency=1)
+
+
+def object_store_steps(run: Run, args: argparse.Namespace) -> list[int]:
+    """Steps committed in this run's object-store tier (none while it does not exist yet)."""
+    try:
+        return [i.id.step for i in object_store(args.object_store_for(run)).list() if not i.error]
+    except (OSError, ValueError):
+        return []
+
+
+def wait_for_failure(run: Run, args: argparse.Namespace, job: subprocess.Popen, with_predictor: bool) -> None:
+    """Train until the GPU's scheduled failure (``--fail-after``) and, past it, until the job
+    has what the story needs (``failure_gate``), printing the events as they happen. A job
+    that dies, or that has no checkpoint ``--gate-timeout`` s after the scheduled failure,
+    ends the demo with the reason: that is a real failure, not a slow machine."""
+    t0 = run.events["start"]
+    t_fail, last, waiting, store_steps, polled = t0 + args.fail_after, -1, None, [], 0.0
+    while True:
+        time.sleep(0.5)
+        for event, text in collect_alarm(run):  # as they happen, not only in the summary
+            say(f"{run.name}: {text} ({run.events[event] - t0:.1f} s)")
+        done = steps_done(run.dir / "timeline.jsonl")
+        if done and done[-1]["step"] // 25 != last // 25:
+            last = done[-1]["step"]
+            say(f"{run.name}: step {last}")
+        now = time.time()
+        if now < t_fail:
+            continue
+        if job.poll() is not None:
+            raise SystemExit(f"{run.name}: the training job exited ({job.returncode}) before the failure; see the logs "
+                             f"in {run.dir}")
+        if now - polled > 2:
+            store_steps, polled = object_store_steps(run, args), now
+        late = now > t_fail + args.alarm_grace
+        need = failure_gate(run, with_predictor, store_steps, late)
+        if need is None:
+            break
+        if need != waiting:
+            waiting = need
+            say(f"{run.name}: the GPU's failure is due ({now - t0:.0f} s) but the job is at step "
+                f"{done[-1]['step'] if done else 0}: the node fails once there is {need}")
+        if now > t_fail + args.gate_timeout:
+            raise SystemExit(f"{run.name}: still no {need} {args.gate_timeout:.0f} s after the scheduled failure "
+                             f"(step {done[-1]['step'] if done else 0}); see the logs in {run.dir}")
+    if with_predictor and "urgent_durable" not in run.events:
+        say(f"{run.name}: NO URGENT CHECKPOINT: the predictor's alarm did not reach the job within "
+            f"{args.alarm_grace:.0f} s of the failure; the node fails anyway (restore from the newest periodic one)")
 
 
 def resumed(run: Run, n_before: int) -> dict:
@@ -354,6 +415,12 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where logs and checkpoints go (default: a new temp dir)")
     ap.add_argument("--object-store", default=None, help="fsspec URL prefix of the off-node tier (default: file://WORKDIR)")
     ap.add_argument("--fail-after", type=float, default=150.0, help="wall seconds until the GPU fails")
+    ap.add_argument("--alarm-grace", type=float, default=240.0,
+                    help="with the predictor: seconds past the scheduled failure to wait for the urgent checkpoint "
+                         "before failing the node without it (the demo then exits 1)")
+    ap.add_argument("--gate-timeout", type=float, default=900.0,
+                    help="seconds past the scheduled failure to wait for a checkpoint to restore before giving up "
+                         "(a slow machine delays the failure until the job has saved; this is the hang guard)")
     ap.add_argument("--time-scale", type=float, default=30.0, help="how much faster the simulated precursors run")
     ap.add_argument("--interval", type=float, default=2.0, help="agent sampling interval, wall seconds")
     ap.add_argument("--step-time", type=float, default=0.5)
@@ -376,6 +443,9 @@ def main() -> None:
     out = report(runs, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+    if any(r.name == "with-predictor" and "urgent_durable" not in r.events for r in runs):
+        raise SystemExit("the predictor's alarm never made the job save urgently: see the logs in "
+                         f"{args.workdir}/with-predictor")
 
 
 if __name__ == "__main__":
