@@ -158,11 +158,13 @@ def predictor_and_agent(run: Run, args: argparse.Namespace, node: str) -> tuple[
     return ["--predictor", url, "--elevated-every", str(max(1, args.every // 4))], {"CKPT_GUARD_JOB_TOKEN": job_tok}
 
 
-def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
+def scenario(args: argparse.Namespace, name: str, with_predictor: bool, fail_at_step: int | None = None) -> Run:
     """With the predictor: two simulated nodes (node0, node1; one rank each, peer replicas),
     node1 at risk and lost, a replacement node2 restoring node1's shard from node0's
     memory. Periodic-only: today's job without either, one node of 2 ranks, lost whole,
-    restored from the object store onto a new node."""
+    restored from the object store onto a new node. ``fail_at_step``: the node fails at
+    that step (the step the other run failed at: the same work at risk) rather than at
+    ``--fail-after``."""
     run = Run(name, Path(args.workdir) / name)
     run.dir.mkdir(parents=True, exist_ok=True)
     nodes = ["node0", "node1", "node2"] if with_predictor else ["node-a"]
@@ -182,7 +184,7 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
             agents = {lost: torchrun(run, args, run.dir / lost, memory[lost])}
             say(f"{name}: training started (2 ranks, a step every {args.step_time:g} s, periodic checkpoint every "
                 f"{args.every} steps, off-node tier {args.object_store_for(run)})")
-        wait_for_failure(run, args, agents[lost], with_predictor)
+        wait_for_failure(run, args, agents[lost], with_predictor, fail_at_step)
         # The GPU fails: the node's processes die with it, its memory and local disk are gone.
         kill_tree(agents[lost].pid)
         agents[lost].wait()
@@ -247,13 +249,15 @@ def object_store_steps(run: Run, args: argparse.Namespace) -> list[int]:
         return []
 
 
-def wait_for_failure(run: Run, args: argparse.Namespace, job: subprocess.Popen, with_predictor: bool) -> None:
-    """Train until the GPU's scheduled failure (``--fail-after``) and, past it, until the job
-    has what the story needs (``failure_gate``), printing the events as they happen. A job
-    that dies, or that has no checkpoint ``--gate-timeout`` s after the scheduled failure,
-    ends the demo with the reason: that is a real failure, not a slow machine."""
+def wait_for_failure(run: Run, args: argparse.Namespace, job: subprocess.Popen, with_predictor: bool,
+                     fail_at_step: int | None = None) -> None:
+    """Train until the GPU's scheduled failure (``--fail-after``, or ``fail_at_step``) and,
+    past it, until the job has what the story needs (``failure_gate``), printing the events
+    as they happen. A job that dies, or trains no step for ``--stall-timeout`` s, ends the
+    demo with the reason: that is a real failure; a slow machine only delays the failure."""
     t0 = run.events["start"]
     t_fail, last, waiting, store_steps, polled = t0 + args.fail_after, -1, None, [], 0.0
+    progress = (-1, time.time())  # the newest step seen, and when
     while True:
         time.sleep(0.5)
         for event, text in collect_alarm(run):  # as they happen, not only in the summary
@@ -263,11 +267,17 @@ def wait_for_failure(run: Run, args: argparse.Namespace, job: subprocess.Popen, 
             last = done[-1]["step"]
             say(f"{run.name}: step {last}")
         now = time.time()
-        if now < t_fail:
-            continue
+        step = done[-1]["step"] if done else 0
+        if step != progress[0]:
+            progress = (step, now)
         if job.poll() is not None:
             raise SystemExit(f"{run.name}: the training job exited ({job.returncode}) before the failure; see the logs "
                              f"in {run.dir}")
+        if now - progress[1] > args.stall_timeout:
+            raise SystemExit(f"{run.name}: the job trained no step for {args.stall_timeout:.0f} s (at step {step}); "
+                             f"see the logs in {run.dir}")
+        if (step < fail_at_step) if fail_at_step is not None else now < t_fail:
+            continue
         if now - polled > 2:
             store_steps, polled = object_store_steps(run, args), now
         late = now > t_fail + args.alarm_grace
@@ -276,11 +286,8 @@ def wait_for_failure(run: Run, args: argparse.Namespace, job: subprocess.Popen, 
             break
         if need != waiting:
             waiting = need
-            say(f"{run.name}: the GPU's failure is due ({now - t0:.0f} s) but the job is at step "
-                f"{done[-1]['step'] if done else 0}: the node fails once there is {need}")
-        if now > t_fail + args.gate_timeout:
-            raise SystemExit(f"{run.name}: still no {need} {args.gate_timeout:.0f} s after the scheduled failure "
-                             f"(step {done[-1]['step'] if done else 0}); see the logs in {run.dir}")
+            say(f"{run.name}: the GPU's failure is due ({now - t0:.0f} s) but the job is at step {step}: the node "
+                "fails once there is " + need)
     if with_predictor and "urgent_durable" not in run.events:
         say(f"{run.name}: NO URGENT CHECKPOINT: the predictor's alarm did not reach the job within "
             f"{args.alarm_grace:.0f} s of the failure; the node fails anyway (restore from the newest periodic one)")
@@ -418,9 +425,9 @@ def main() -> None:
     ap.add_argument("--alarm-grace", type=float, default=240.0,
                     help="with the predictor: seconds past the scheduled failure to wait for the urgent checkpoint "
                          "before failing the node without it (the demo then exits 1)")
-    ap.add_argument("--gate-timeout", type=float, default=900.0,
-                    help="seconds past the scheduled failure to wait for a checkpoint to restore before giving up "
-                         "(a slow machine delays the failure until the job has saved; this is the hang guard)")
+    ap.add_argument("--stall-timeout", type=float, default=600.0,
+                    help="give up when the job trains no step for this long (the hang guard: a slow machine only "
+                         "delays the failure until the job has the checkpoint the story restores)")
     ap.add_argument("--time-scale", type=float, default=30.0, help="how much faster the simulated precursors run")
     ap.add_argument("--interval", type=float, default=2.0, help="agent sampling interval, wall seconds")
     ap.add_argument("--step-time", type=float, default=0.5)
@@ -438,7 +445,8 @@ def main() -> None:
     if args.only != "periodic":
         runs.append(scenario(args, "with-predictor", True))
     if args.only != "predictor":
-        runs.append(scenario(args, "periodic-only", False))
+        same_step = runs[0].events["last_step"] if runs else None  # the same work at risk in both runs
+        runs.append(scenario(args, "periodic-only", False, same_step))
         runs[-1].events["reread_s"] = store_rereads(runs[-1], args)
     out = report(runs, args)
     if args.json:
