@@ -421,7 +421,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default=None, help="where logs and checkpoints go (default: a new temp dir)")
     ap.add_argument("--object-store", default=None, help="fsspec URL prefix of the off-node tier (default: file://WORKDIR)")
-    ap.add_argument("--fail-after", type=float, default=150.0, help="wall seconds until the GPU fails")
+    ap.add_argument("--fail-after", type=float, default=190.0,
+                    help="wall seconds until the GPU fails (about step 345: 105 steps past a periodic checkpoint)")
     ap.add_argument("--alarm-grace", type=float, default=240.0,
                     help="with the predictor: seconds past the scheduled failure to wait for the urgent checkpoint "
                          "before failing the node without it (the demo then exits 1)")
