@@ -20,6 +20,7 @@ store onto a "new node". The summary puts the two restores side by side.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -157,19 +158,20 @@ def predictor_and_agent(run: Run, args: argparse.Namespace, node: str) -> tuple[
     return ["--predictor", url, "--elevated-every", str(max(1, args.every // 4))], {"CKPT_GUARD_JOB_TOKEN": job_tok}
 
 
-def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
+def scenario(args: argparse.Namespace, name: str, with_predictor: bool, fail_at_step: int | None = None) -> Run:
     """With the predictor: two simulated nodes (node0, node1; one rank each, peer replicas),
     node1 at risk and lost, a replacement node2 restoring node1's shard from node0's
     memory. Periodic-only: today's job without either, one node of 2 ranks, lost whole,
-    restored from the object store onto a new node."""
+    restored from the object store onto a new node. ``fail_at_step``: the node fails at
+    that step (the step the other run failed at: the same work at risk) rather than at
+    ``--fail-after``."""
     run = Run(name, Path(args.workdir) / name)
     run.dir.mkdir(parents=True, exist_ok=True)
     nodes = ["node0", "node1", "node2"] if with_predictor else ["node-a"]
     memory = {n: Path(tempfile.mkdtemp(prefix=f"ckpt-demo-{name}-{n}-", dir="/dev/shm")) for n in nodes}
     lost = nodes[1] if with_predictor else nodes[0]
-    t0 = time.time()
     try:
-        run.events["start"] = t0
+        run.events["start"] = time.time()
         if with_predictor:
             extra, env = predictor_and_agent(run, args, lost)
             port = free_port()
@@ -182,16 +184,7 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
             agents = {lost: torchrun(run, args, run.dir / lost, memory[lost])}
             say(f"{name}: training started (2 ranks, a step every {args.step_time:g} s, periodic checkpoint every "
                 f"{args.every} steps, off-node tier {args.object_store_for(run)})")
-        t_fail = t0 + args.fail_after
-        last = -1
-        while time.time() < t_fail:
-            time.sleep(0.5)
-            for event, text in collect_alarm(run):  # as they happen, not only in the summary
-                say(f"{name}: {text} ({run.events[event] - t0:.1f} s)")
-            done = steps_done(run.dir / "timeline.jsonl")
-            if done and done[-1]["step"] // 25 != last // 25:
-                last = done[-1]["step"]
-                say(f"{name}: step {last}")
+        wait_for_failure(run, args, agents[lost], with_predictor, fail_at_step)
         # The GPU fails: the node's processes die with it, its memory and local disk are gone.
         kill_tree(agents[lost].pid)
         agents[lost].wait()
@@ -223,6 +216,81 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool) -> Run:
         run.stop_all()
         for d in memory.values():
             shutil.rmtree(d, ignore_errors=True)
+
+
+def failure_gate(run: Run, with_predictor: bool, store_steps: list[int], late: bool) -> str | None:
+    """What the story still needs before the node may fail, or None once it may fail.
+
+    The failure is scheduled by the wall clock but checkpoints come by training steps: on a
+    slow machine the job may not have saved anything yet when the clock says "fail".
+    With the predictor the node fails once the urgent checkpoint is durable off-node (or,
+    ``late`` — the alarm never came — once any checkpoint is); periodic-only once a
+    periodic checkpoint is in the object store, else there would be nothing to restore."""
+    if with_predictor and "urgent_durable" not in run.events and not late:
+        return "the urgent checkpoint to be durable off-node"
+    if not store_steps and not (with_predictor and "urgent_durable" in run.events):
+        return "a checkpoint in the object store"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def object_store(url: str):
+    """The object-store tier at ``url``, opened once (the demo only lists it)."""
+    from ckpt.tiers.object_store import ObjectStoreTier  # the job's own view of what is committed
+
+    return ObjectStoreTier(url, concurrency=1)
+
+
+def object_store_steps(run: Run, args: argparse.Namespace) -> list[int]:
+    """Steps committed in this run's object-store tier (none while it does not exist yet)."""
+    try:
+        return [i.id.step for i in object_store(args.object_store_for(run)).list() if not i.error]
+    except (OSError, ValueError):
+        return []
+
+
+def wait_for_failure(run: Run, args: argparse.Namespace, job: subprocess.Popen, with_predictor: bool,
+                     fail_at_step: int | None = None) -> None:
+    """Train until the GPU's scheduled failure (``--fail-after``, or ``fail_at_step``) and,
+    past it, until the job has what the story needs (``failure_gate``), printing the events
+    as they happen. A job that dies, or trains no step for ``--stall-timeout`` s, ends the
+    demo with the reason: that is a real failure; a slow machine only delays the failure."""
+    t0 = run.events["start"]
+    t_fail, last, waiting, store_steps, polled = t0 + args.fail_after, -1, None, [], 0.0
+    progress = (-1, time.time())  # the newest step seen, and when
+    while True:
+        time.sleep(0.5)
+        for event, text in collect_alarm(run):  # as they happen, not only in the summary
+            say(f"{run.name}: {text} ({run.events[event] - t0:.1f} s)")
+        done = steps_done(run.dir / "timeline.jsonl")
+        if done and done[-1]["step"] // 25 != last // 25:
+            last = done[-1]["step"]
+            say(f"{run.name}: step {last}")
+        now = time.time()
+        step = done[-1]["step"] if done else 0
+        if step != progress[0]:
+            progress = (step, now)
+        if job.poll() is not None:
+            raise SystemExit(f"{run.name}: the training job exited ({job.returncode}) before the failure; see the logs "
+                             f"in {run.dir}")
+        if now - progress[1] > args.stall_timeout:
+            raise SystemExit(f"{run.name}: the job trained no step for {args.stall_timeout:.0f} s (at step {step}); "
+                             f"see the logs in {run.dir}")
+        if (step < fail_at_step) if fail_at_step is not None else now < t_fail:
+            continue
+        if now - polled > 2:
+            store_steps, polled = object_store_steps(run, args), now
+        late = now > t_fail + args.alarm_grace
+        need = failure_gate(run, with_predictor, store_steps, late)
+        if need is None:
+            break
+        if need != waiting:
+            waiting = need
+            say(f"{run.name}: the GPU's failure is due ({now - t0:.0f} s) but the job is at step {step}: the node "
+                "fails once there is " + need)
+    if with_predictor and "urgent_durable" not in run.events:
+        say(f"{run.name}: NO URGENT CHECKPOINT: the predictor's alarm did not reach the job within "
+            f"{args.alarm_grace:.0f} s of the failure; the node fails anyway (restore from the newest periodic one)")
 
 
 def resumed(run: Run, n_before: int) -> dict:
@@ -353,7 +421,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default=None, help="where logs and checkpoints go (default: a new temp dir)")
     ap.add_argument("--object-store", default=None, help="fsspec URL prefix of the off-node tier (default: file://WORKDIR)")
-    ap.add_argument("--fail-after", type=float, default=150.0, help="wall seconds until the GPU fails")
+    ap.add_argument("--fail-after", type=float, default=190.0,
+                    help="wall seconds until the GPU fails (about step 345: 105 steps past a periodic checkpoint)")
+    ap.add_argument("--alarm-grace", type=float, default=240.0,
+                    help="with the predictor: seconds past the scheduled failure to wait for the urgent checkpoint "
+                         "before failing the node without it (the demo then exits 1)")
+    ap.add_argument("--stall-timeout", type=float, default=600.0,
+                    help="give up when the job trains no step for this long (the hang guard: a slow machine only "
+                         "delays the failure until the job has the checkpoint the story restores)")
     ap.add_argument("--time-scale", type=float, default=30.0, help="how much faster the simulated precursors run")
     ap.add_argument("--interval", type=float, default=2.0, help="agent sampling interval, wall seconds")
     ap.add_argument("--step-time", type=float, default=0.5)
@@ -371,11 +446,15 @@ def main() -> None:
     if args.only != "periodic":
         runs.append(scenario(args, "with-predictor", True))
     if args.only != "predictor":
-        runs.append(scenario(args, "periodic-only", False))
+        same_step = runs[0].events["last_step"] if runs else None  # the same work at risk in both runs
+        runs.append(scenario(args, "periodic-only", False, same_step))
         runs[-1].events["reread_s"] = store_rereads(runs[-1], args)
     out = report(runs, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+    if any(r.name == "with-predictor" and "urgent_durable" not in r.events for r in runs):
+        raise SystemExit("the predictor's alarm never made the job save urgently: see the logs in "
+                         f"{args.workdir}/with-predictor")
 
 
 if __name__ == "__main__":

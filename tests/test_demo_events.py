@@ -1,9 +1,10 @@
 """The demo prints its story's events live, each once, as the job logs them."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
-from examples.demo import Run, collect_alarm, collect_peer_restore
+from examples.demo import Run, collect_alarm, collect_peer_restore, failure_gate, object_store_steps
 
 
 def test_alarm_and_urgent_save_are_reported_once_as_they_appear(tmp_path: Path) -> None:
@@ -37,3 +38,23 @@ def test_the_replacement_nodes_restore_from_a_peer_is_read_from_its_log(tmp_path
     assert collect_peer_restore(run)
     e = run.events
     assert (e["restored_step"], e["restore_s"], e["restore_from"]) == (270, 0.31, "a peer replica in node0's memory")
+
+
+def test_the_node_fails_only_once_the_job_has_what_the_story_needs(tmp_path: Path) -> None:
+    """A slow start puts the scheduled failure before the first checkpoint: the demo waits
+    for it rather than failing a node that has nothing to restore."""
+    periodic = Run("periodic-only", tmp_path)
+    assert failure_gate(periodic, False, [], late=False) == "a checkpoint in the object store"
+    assert failure_gate(periodic, False, [120], late=False) is None
+    predicted = Run("with-predictor", tmp_path)
+    assert failure_gate(predicted, True, [120], late=False) == "the urgent checkpoint to be durable off-node"
+    predicted.events["urgent_durable"] = 1.0
+    assert failure_gate(predicted, True, [], late=False) is None  # durable off-node means in the object store too
+    no_alarm = Run("with-predictor", tmp_path)  # the alarm never came: fail once a periodic checkpoint is there
+    assert failure_gate(no_alarm, True, [], late=True) == "a checkpoint in the object store"
+    assert failure_gate(no_alarm, True, [120], late=True) is None
+
+
+def test_an_object_store_not_written_yet_holds_no_steps(tmp_path: Path) -> None:
+    args = argparse.Namespace(object_store_for=lambda run: f"file://{tmp_path}/{run.name}/objstore")
+    assert object_store_steps(Run("periodic-only", tmp_path), args) == []
