@@ -20,11 +20,8 @@ from predictor.features import FEATURE_NAMES
 
 FORMAT_VERSION = 1
 DEFAULT_MODEL = "default.skops"
-#: Types a model file may contain; anything else makes `load` refuse the file.
-TRUSTED_TYPES = [
-    "sklearn.calibration._CalibratedClassifier",
-    "sklearn.calibration._SigmoidCalibration",
-    "sklearn.frozen._frozen.FrozenEstimator",
+#: The types a fitted HistGradientBoosting model is made of (the hazard model's store uses them too).
+BOOSTER_TYPES = [
     "sklearn.ensemble._hist_gradient_boosting.binning._BinMapper",
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
     "sklearn._loss.loss.HalfBinomialLoss",
@@ -32,6 +29,13 @@ TRUSTED_TYPES = [
     "sklearn._loss.link.Interval",
     "sklearn._loss._loss.CyHalfBinomialLoss",
     "numpy.dtype",
+]
+#: Types a model file may contain; anything else makes `load` refuse the file.
+TRUSTED_TYPES = [
+    "sklearn.calibration._CalibratedClassifier",
+    "sklearn.calibration._SigmoidCalibration",
+    "sklearn.frozen._frozen.FrozenEstimator",
+    *BOOSTER_TYPES,
 ]
 
 

@@ -14,18 +14,11 @@ import skops.io as sio
 
 from predictor.hazard.features import FEATURE_NAMES
 from predictor.hazard.models import BoostedModel, CoxModel, Standardizer, WeibullAFT
+from predictor.model import BOOSTER_TYPES
 
 FORMAT_VERSION = 1
-TRUSTED_TYPES = [
-    "sklearn.ensemble._hist_gradient_boosting.gradient_boosting.HistGradientBoostingClassifier",
-    "sklearn.ensemble._hist_gradient_boosting.binning._BinMapper",
-    "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
-    "sklearn._loss.loss.HalfBinomialLoss",
-    "sklearn._loss.link.LogitLink",
-    "sklearn._loss.link.Interval",
-    "sklearn._loss._loss.CyHalfBinomialLoss",
-    "numpy.dtype",
-]
+TRUSTED_TYPES = ["sklearn.ensemble._hist_gradient_boosting.gradient_boosting.HistGradientBoostingClassifier",
+                 *BOOSTER_TYPES]
 
 
 @dataclass
