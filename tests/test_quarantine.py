@@ -83,7 +83,8 @@ def test_a_node_hung_a_third_time_is_quarantined(tmp_path: Path, shm_dir: str,
     root.mkdir()
     run = "none"  # torchrun's run id when it is given none: the example's default run
     now = time.time()  # two strikes in the last minutes: the hang below adds the third within the hour
-    quarantine.write(quarantine.record_path(root, run), {"nodeq": [strike(now - 120, "old1"), strike(now - 60, "old2")]})
+    strikes = {"nodeq": [strike(now - 120, "old1"), strike(now - 60, "old2")]}
+    quarantine.write(quarantine.record_path(root, run), strikes)
     log = torchrun(REPO / "examples" / "train_torchrun.py", "--root", str(root), "--steps", "30",
                    "--every", "5", "--memory-dir", shm_dir, "--faults", "12:stop", "--hang-deadline", "3",
                    restarts=1, check=False)
