@@ -67,6 +67,19 @@ class LoopbackHTTP:
         self._server.server_close()
 
 
+def drip_to(conn: socket.socket, pieces: Iterable[bytes], every_s: float, stop: threading.Event) -> None:
+    """Send ``pieces`` on a raw connection, ``every_s`` apart, until ``stop`` (a server below HTTP
+    that answers one byte at a time); a client that hangs up is fine."""
+    for piece in pieces:
+        if stop.is_set():
+            return
+        try:
+            conn.sendall(piece)
+        except OSError:
+            return
+        stop.wait(every_s)
+
+
 def write_dripping(out: BinaryIO, pieces: Iterable[bytes], drip_s: float) -> None:
     """Write a body, in 256-byte pieces ``drip_s`` apart when dripping; a client that gives up is fine."""
     try:

@@ -19,7 +19,7 @@ from telemetry import dcgm as D
 from telemetry import schema as S
 from tests.dcgm_fixtures import MODEL, FakeExporter, gpu, render
 from tests.predictor_fixtures import ROOT, TOKENS
-from tests.procs import stop_process, wait_for
+from tests.procs import drip_to, stop_process, wait_for
 
 
 @pytest.fixture
@@ -249,14 +249,8 @@ def test_a_server_dripping_its_headers_is_cut_at_the_timeout() -> None:
         conn, _ = listener.accept()
         with conn:
             conn.recv(65536)
-            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 600:
-                if stop.is_set():
-                    return
-                try:
-                    conn.sendall(bytes([byte]))
-                except OSError:
-                    return
-                time.sleep(0.1)
+            head = b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 600
+            drip_to(conn, (head[i:i + 1] for i in range(len(head))), 0.1, stop)
     server = threading.Thread(target=drip, daemon=True)
     server.start()
     started = time.monotonic()

@@ -5,6 +5,7 @@ transport against hostile, dripping and malformed ends."""
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import socket
@@ -31,6 +32,7 @@ from ckpt.restore.plan import Inventory, ShardNeed
 from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.memory import MemoryTier, namespace_dir, sweep_orphans
 from ckpt.tiers.peer import PeerTier
+from tests.procs import drip_to
 
 SECRET = b"s" * 32
 
@@ -393,12 +395,7 @@ def test_a_holder_that_drips_its_nonce_costs_an_urgent_send_no_more_than_its_tim
         def drip() -> None:
             conn, _ = dripper.accept()
             with conn:
-                while not stop.is_set():
-                    try:
-                        conn.sendall(b"n")
-                    except OSError:
-                        return
-                    stop.wait(0.2)
+                drip_to(conn, itertools.repeat(b"n"), 0.2, stop)
 
         t = threading.Thread(target=drip, daemon=True)
         t.start()
