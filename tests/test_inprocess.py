@@ -185,3 +185,51 @@ def test_a_sticky_device_error_is_never_resumed_in_place():
     assert _must_leave(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert _must_leave(RuntimeError("CUDA error: GPU has fallen off the bus"))
     assert not _must_leave(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+
+
+PEER_IN_A_COLLECTIVE = """
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+from ckpt.inprocess import group
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=300))
+store.set("connected", "1")
+group.join(store, 0, 1, 2, 300.0)
+dist.all_reduce(torch.ones(1))
+store.set("entering", "1")
+try:
+    dist.all_reduce(torch.ones(1))  # rank 0 leaves instead of joining it
+    print("returned")
+except RuntimeError as e:
+    print("failed:", e)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_leaving_closes_the_connections_a_peer_in_a_collective_waits_on():
+    """A survivor that sees a new round before its next step leaves while another is already in
+    that step's collective: leaving closes this rank's side of the group's connections, so the
+    other's collective fails at once ("Connection closed by peer") instead of waiting out the
+    collective timeout (300 s here). Freeing the group closes them too, but the last round's
+    objects (a DDP model) may still hold it, and gloo's shutdown and abort leave them open."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from ckpt.inprocess import group
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    peer = subprocess.Popen([sys.executable, "-c", PEER_IN_A_COLLECTIVE, str(store.port)], cwd=REPO,
+                            env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        store.wait(["connected"])  # its store connection is not one of the group's
+        group.join(store, 0, 0, 2, 300.0)
+        dist.all_reduce(torch.ones(1))
+        held = dist.group.WORLD  # as the last round's DDP model or optimizer would hold it
+        store.wait(["entering"])
+        group.leave()
+        out, _ = peer.communicate(timeout=500)
+    finally:
+        peer.kill()
+    del held
+    assert "failed:" in out and "Connection closed by peer" in out, out[-2000:]

@@ -5,10 +5,18 @@ a peer that is stopped rather than dead, that can block for the whole collective
 So a survivor forgets the broken groups at once (torch's registry is cleared, the objects
 are kept) and a daemon thread shuts them down; once it has, nothing of them is left
 (``leaked()`` counts what is still held, for the no-accumulation check).
+
+Leaving also closes this rank's side of the group's connections (``socket.shutdown`` on the
+pair sockets the group opened), which is what "abort" can mean for gloo: a peer blocked in a
+collective that waits on this rank then fails at once ("Connection closed by peer") instead of
+waiting out the collective timeout. Gloo's own ``shutdown``/``abort`` and
+``destroy_process_group`` leave the connections open (measured: the peer waited 20 s of 20).
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 from datetime import timedelta
 
@@ -19,17 +27,22 @@ log = logging.getLogger(__name__)
 
 _held: list[object] = []  # broken groups whose shutdown has not returned yet
 _held_lock = threading.Lock()
+_pair_sockets: dict[int, str] = {}  # fd -> its /proc link ("socket:[inode]"): the current group's connections
 
 
 def join(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout_s: float) -> None:
     """The default (gloo) group of membership round ``round_id``, on keys of its own."""
     prefix = dist.PrefixStore(f"ckpt-guard/inprocess/pg/{round_id}", store)
+    before = _sockets()
     dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    _pair_sockets.clear()
+    _pair_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
 
 
 def leave() -> None:
     """Forget every process group now; shut them down in the background."""
+    _close_connections()
     if not dist.is_initialized():
         return
     world = c10d._world
@@ -47,6 +60,45 @@ def leave() -> None:
     with _held_lock:
         _held.extend(groups)
     threading.Thread(target=_shut_down, args=(groups,), name="ckpt-inprocess-reap", daemon=True).start()
+
+
+def _sockets() -> dict[int, str]:
+    links: dict[int, str] = {}
+    if not os.path.isdir("/proc/self/fd"):  # not Linux: the peer waits out the collective timeout
+        return links
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:"):
+            links[int(name)] = link
+    return links
+
+
+def _close_connections() -> None:
+    """Shut down (not close: gloo still owns the fds) the connected sockets the current group
+    opened. Its listener is left alone (gloo's accept loop aborts the process on an error), and
+    so is anything on the store's port (a reconnect of another thread during the join); an fd
+    whose link changed since the join was reused and is not ours."""
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    for fd, link in list(_pair_sockets.items()):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with conn:
+            try:
+                if conn.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                if store_port in (conn.getsockname()[1], conn.getpeername()[1]):
+                    continue
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError as e:  # already reset by the peer: nothing to close
+                log.debug("closing a pair socket: %s", e)
+    _pair_sockets.clear()
 
 
 def _shut_down(groups: list) -> None:
