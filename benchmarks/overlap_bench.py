@@ -1,5 +1,6 @@
-"""Step-time overhead of saving every step: ours with ``overlap=True``, ours blocking
-(``overlap=False``), and torch DCP's zero-overhead configuration (``dcp.async_save`` with
+"""Step-time overhead of saving every step: ours with ``overlap=True``, the same with the
+lower tiers paced (``paced``: ``drain_interval_s``, the memory tier still takes every
+step), ours blocking (``overlap=False``), and torch DCP's zero-overhead configuration (``dcp.async_save`` with
 ``DefaultStager(StagingOptions(...))``: pinned and shared memory where there is a GPU,
 asynchronous staging, non-blocking copies; staging awaited before ``optimizer.step()``
 and the previous save's write before the next save, as torchtitan does), each against
@@ -7,12 +8,13 @@ not saving, on the same model, bytes and process.
 
 A real training loop (an MLP with AdamW, ``--width`` x ``--layers``, batch ``--batch``)
 runs in blocks of ``--block`` steps; each round runs one block of every arm, in the
-order none, overlap, blocking, dcp, then reversed in the next round, so that drifting
+order none, overlap, paced, blocking, dcp, then reversed in the next round, so that drifting
 load on a shared machine hits every arm alike. A block's figure is its mean step time;
 each arm's is the median over rounds, and the per-round ratio to that round's
 "none" block gives the spread. Between blocks each arm's background work is waited
-for, untimed. Our disk root and DCP's directory are on the same filesystem
-(``--dir``, default the temporary directory). The memcpy floor of the state's bytes is
+for, untimed (the paced arm's last drain too: make blocks last several intervals). Our
+disk root and DCP's directory are on the same filesystem (``--dir``, default the
+temporary directory). The memcpy floor of the state's bytes is
 measured in the same run. Not a test: nothing here asserts a speed.
 
     PYTHONPATH=. python benchmarks/overlap_bench.py [--device cpu|cuda] [--rounds 6] [--json out.json | --json -]
@@ -32,13 +34,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckpt import CheckpointManager  # noqa: E402
 
-ARMS = ("none", "overlap", "blocking", "dcp")
+ARMS = ("none", "overlap", "paced", "blocking", "dcp")
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -129,6 +132,21 @@ def memcpy_floor(state_tensors: list[torch.Tensor], repeats: int = 5) -> float:
     return best
 
 
+def one_thread_copy_s(state_tensors: list[torch.Tensor], repeats: int = 5) -> float:
+    """CPU state: seconds one thread takes to copy it (numpy, as the overlapped copy does),
+    best of ``repeats``. When training keeps every core busy this is the copy's floor on
+    the step: its CPU time is taken from the step whenever it runs."""
+    outs = [np.empty(t.numel() * t.element_size(), dtype=np.uint8) for t in state_tensors]
+    srcs = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in state_tensors]
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for o, t in zip(outs, srcs):
+            np.copyto(o, t)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
@@ -142,6 +160,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--block", type=int, default=8, help="steps per block")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
+    ap.add_argument("--drain-interval-s", type=float, default=1.0,
+                    help="the paced arm: overlap=True with this drain_interval_s (blocks should last several)")
     ap.add_argument("--dir", default=None, help="where the disk root and DCP's directory go")
     ap.add_argument("--json", default=None, help="also write the results as JSON to this path ('-': stdout)")
     args = ap.parse_args()
@@ -156,12 +176,14 @@ def main() -> None:
                                                      if isinstance(v, torch.Tensor)]
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     work = Path(tempfile.mkdtemp(prefix="overlap-bench-", dir=args.dir))
-    shm = [tempfile.mkdtemp(prefix="overlap-bench-", dir="/dev/shm") for _ in range(2)]
+    shm = [tempfile.mkdtemp(prefix="overlap-bench-", dir="/dev/shm") for _ in range(3)]
     counter, blocking = [0], {a: [] for a in arms}
     blocks: list[dict[str, Any]] = []
     try:
-        ours = {a: CheckpointManager(work / a, memory_dir=m, keep_last=2, overlap=a == "overlap", state=state)
-                for a, m in zip(("overlap", "blocking"), shm) if a in arms}
+        paced = {"overlap": True, "drain_interval_s": args.drain_interval_s}
+        options = {"overlap": {"overlap": True}, "paced": paced, "blocking": {}}
+        ours = {a: CheckpointManager(work / a, memory_dir=m, keep_last=2, state=state, **options[a])
+                for a, m in zip(options, shm) if a in arms}
         dcp = DcpSaver(work / "dcp", args.device) if "dcp" in arms else None
         savers: dict[str, tuple[Callable[[int], Any], Callable[[], None], Callable[[], None]]] = {
             "none": (lambda s: None, lambda: None, lambda: None)}
@@ -174,6 +196,7 @@ def main() -> None:
             run_block(a, 2, model, opt, batch, savers[a][0], savers[a][1], counter, [], [0.0])
             savers[a][2]()
         floor = memcpy_floor(tensors)
+        copy_1t = one_thread_copy_s(tensors) if args.device == "cpu" else None
         for r in range(args.rounds):
             order = arms if r % 2 == 0 else arms[::-1]
             for a in order:
@@ -210,8 +233,10 @@ def main() -> None:
                     "threads": torch.get_num_threads(),
                     "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"},
         "loadavg_1min": [load_before, os.getloadavg()[0]],
+        "drain_interval_s": args.drain_interval_s,
         "model": {"width": args.width, "layers": args.layers, "batch": args.batch, "optimizer": "AdamW"},
-        "state_bytes": state_bytes, "memcpy_floor_s": floor, "rounds": args.rounds, "block_steps": args.block,
+        "state_bytes": state_bytes, "memcpy_floor_s": floor, "one_thread_copy_s": copy_1t,
+        "rounds": args.rounds, "block_steps": args.block,
         "dcp_staging_options": vars(dcp.options) if dcp is not None else None,
         "mean_step_s": {a: spread(xs) for a, xs in step.items()},
         "cpu_per_step_s": {a: spread(xs) for a, xs in cpu.items()},
@@ -228,8 +253,13 @@ def main() -> None:
                                for a in arms if a != "none"}
         out["paired_overhead"] = {a: spread([by_round[(r, a)] / by_round[(r, "none")] - 1 for r in range(args.rounds)])
                                   for a in arms if a != "none"}
+    base_s = statistics.median(step.get("none", [0]))
     print(f"state {state_bytes / 2**20:.0f} MiB, memcpy floor {1e3 * floor:.1f} ms; step without saving "
-          f"{1e3 * statistics.median(step.get('none', [0])):.1f} ms")
+          f"{1e3 * base_s:.1f} ms")
+    if copy_1t is not None and base_s:
+        out["copy_floor_overhead"] = copy_1t / base_s
+        print(f"one thread copies the state in {1e3 * copy_1t:.1f} ms: {100 * copy_1t / base_s:.1f} % of a step, "
+              "the floor on the overhead when training keeps every core busy")
     for a in arms:
         if a == "none":
             continue

@@ -31,7 +31,7 @@ from .restore.plan import Inventory, shard_needs
 from .restore.reshard import ReshardStats, load_values
 from .restore.state_load import load_into
 from .save.commit import Committer, retention
-from .save.drain import SaveHandle
+from .save.drain import Pace, SaveHandle
 from .save.metrics import CheckpointMetrics
 from .save.offload import Offloader
 from .save.ownership import claim_for_job
@@ -83,6 +83,9 @@ class CheckpointManager:
     ``overlap`` (docs/overlap.md): parameters and optimizer state are copied during the
     next forward and backward, and the next ``optimizer.step()`` waits for it; for saving
     every step, superseded drains are skipped. One more memory slot per rank.
+    ``drain_interval_s`` (with ``overlap``): a drain to the lower tiers starts at most
+    this often; the snapshots saved meanwhile stay in memory only (superseded), so saving
+    every step keeps the checksum, peer and disk work off the training's cores.
     ``node_memory`` restores from every rank's memory slots on this node, not only this
     rank's (``ckpt.inprocess``: the survivors of a lost rank read its sealed slots).
     ``keep_memory`` keeps a finished job's slots (``close()`` removes them otherwise).
@@ -96,9 +99,11 @@ class CheckpointManager:
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", peers: int = 0,
                  node: str | None = None, peer_bytes_per_s: float | None = None,
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
-                 keep_memory: bool = False, node_memory: bool = False) -> None:
+                 keep_memory: bool = False, node_memory: bool = False, drain_interval_s: float = 0.0) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
+        if drain_interval_s and not overlap:
+            raise ValueError("drain_interval_s paces the drains that a newer snapshot may skip: it needs overlap=True")
         keep_by_tier, default_keep = retention(keep_last)
         self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
         self.node_memory = node_memory
@@ -160,7 +165,7 @@ class CheckpointManager:
         self._saves = SavePath(rank=self.rank, world_size=self.world_size, memory=self.memory, disk=self.disk,
                                offload=self._offload, committer=self.committer, peering=self.peering,
                                metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
-                               replicated=self.replicated, overlap=overlap,
+                               replicated=self.replicated, overlap=overlap, pace=Pace(drain_interval_s),
                                yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"))
         if self._offload is not None:
             self._current_generation()  # list the store now: save() must not wait on it during an outage
@@ -210,6 +215,7 @@ class CheckpointManager:
         """
         t0 = time.monotonic()
         self.wait_staged()
+        self._saves.pace.resume()
         self._raise_background_errors()
         ckpt_id = CheckpointId(self._current_generation(), int(step))
         if self.overlap:
@@ -274,6 +280,7 @@ class CheckpointManager:
         counts as done when that newer step is durable. Raise BackgroundError, once per
         failure, if a background write failed."""
         self.wait_staged()
+        self._saves.pace.hurry()
         for h in list(self._handles):
             if step is None or h.step == step:
                 try:
@@ -377,7 +384,7 @@ class CheckpointManager:
         until it is off-node. Then the newest committed step is in every tier (failures
         surface at the next ``save()``/``wait()``)."""
         self.wait_staged()
-        self._saves.drainer.join()
+        self._saves.join()
         if self._offload is not None:
             source = self.disk or self.memory
             self._offload.flush(lambda ckpt_id: open_shard(source, ckpt_id, self.rank),
@@ -413,6 +420,7 @@ class CheckpointManager:
 
     def _release(self, remove_memory: bool = False, destroy_group: bool = True) -> None:
         self._saves.close_staging()
+        self._saves.pace.hurry()
         self._saves.drainer.close()
         try:
             if self._offload is not None:

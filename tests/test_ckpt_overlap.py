@@ -203,6 +203,28 @@ def test_superseded_snapshots_are_skipped_and_their_handles_follow_the_newer_ste
         assert sorted({i["step"] for i in mgr.list() if "disk" in i["tiers"]}) == [1, 4, 5]
 
 
+def test_a_drain_interval_keeps_the_lower_tiers_to_the_newest_snapshot_that_often(root: Path,
+                                                                                    shm_dir: str) -> None:
+    """``drain_interval_s``: after step 1's drain, the steps saved within the interval are
+    superseded in memory; ``wait()`` and ``close()`` end the pause instead of sleeping it out."""
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=100, overlap=True, drain_interval_s=3600,
+                           state=state) as mgr:
+        handles = {}
+        for step in range(1, 7):
+            train_step(state)
+            handles[step] = mgr.save(step, state)
+        expected = expected_of(state)
+        mgr.wait()
+        assert [handles[s].superseded_by for s in (2, 3, 4)] == [3, 4, 5]
+        assert sorted({i["step"] for i in mgr.list() if "disk" in i["tiers"]}) == [1, 5, 6]
+        assert_restores(mgr, 6, expected)
+        train_step(state)
+        mgr.save(7, state)  # paced again: close() must not wait out the hour
+    with pytest.raises(ValueError, match="needs overlap=True"):
+        CheckpointManager(root, memory_dir=shm_dir, drain_interval_s=1.0)
+
+
 def test_the_loop_helper_saves_every_step_with_overlap(root: Path, shm_dir: str) -> None:
     state = build()
     with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:

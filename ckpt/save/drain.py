@@ -159,6 +159,34 @@ class Claim:
         return self._state == "queued"
 
 
+class Pace:
+    """Skippable drains (saving every step with ``overlap``) start at most once per
+    ``interval_s``: the lower tiers (checksums, peers, disk) take the newest snapshot that
+    often and the ones queued meanwhile are superseded, so their CPU stays off the training's
+    cores; the memory tier keeps every step. A wait for durability (``hurry``) ends the
+    pause until the next save."""
+
+    def __init__(self, interval_s: float = 0.0) -> None:
+        self.interval_s = interval_s
+        self._last_start = float("-inf")
+        self._hurry = threading.Event()
+
+    def wait_turn(self) -> None:
+        """The drain thread, before a skippable drain: sleep out the rest of the interval."""
+        delay = self._last_start + self.interval_s - time.monotonic()
+        if delay > 0:
+            self._hurry.wait(delay)
+
+    def started(self) -> None:
+        self._last_start = time.monotonic()
+
+    def hurry(self) -> None:
+        self._hurry.set()
+
+    def resume(self) -> None:
+        self._hurry.clear()
+
+
 @dataclass(order=True)
 class _Job:
     priority: int

@@ -15,7 +15,7 @@ from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader
 from ..tiers.memory.copier import plan_layout
-from .drain import Claim, Drainer, Lease, SaveHandle
+from .drain import Claim, Drainer, Lease, Pace, SaveHandle
 from .overlap import StagedSnapshot, StepHooks, deferrable, optimizers_in, step_written
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
@@ -48,6 +48,7 @@ class SavePath:
     # how a skippable drain runs: at low priority, so that saving every step yields the CPU to training
     yielding: Callable[[Callable[[], None]], None] = lambda run: run()
     drainer: Drainer = dataclasses.field(default_factory=Drainer)
+    pace: Pace = dataclasses.field(default_factory=Pace)  # how often a skippable drain may start
     stall_s: float = 0.0  # total time a snapshot waited for a slot still draining
     staged_wait_s: float = 0.0  # total time the trainer waited for overlapped copies to end
     _moot: list[tuple[Claim, SaveHandle, Lease]] = dataclasses.field(default_factory=list)  # skippable drains
@@ -154,7 +155,10 @@ class SavePath:
         def run() -> None:
             if claim is None:
                 self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease)
-            elif claim.start():
+                return
+            self.pace.wait_turn()  # meanwhile a newer snapshot may supersede this one
+            if claim.start():
+                self.pace.started()
                 self.yielding(lambda: self._drain(slot, manifest, ckpt_id, handle, upload, urgent, lease))
 
         def release() -> None:
@@ -165,6 +169,11 @@ class SavePath:
         if claim is not None:
             self._moot.append((claim, handle, lease))
         self._newest = handle
+
+    def join(self) -> None:
+        """Wait for every queued drain, none of them paced."""
+        self.pace.hurry()
+        self.drainer.join()
 
     def skip_superseded(self, agree_max: Callable[[int], int]) -> list[int]:
         """Skip the queued drains older than the newest one, freeing their slots: the lower
