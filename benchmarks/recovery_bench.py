@@ -5,12 +5,15 @@
 Writes ``{"meta": {command, machine, date, load}, "rows": [...]}``: one row per case (killed,
 hung, lost_node, xid79; node_failed and behind in process only) and mode (``relaunch``: today's torchrun restart, below;
 ``inprocess_spare`` / ``inprocess_shrink``: ``ckpt.inprocess``, benchmarks/recovery_inprocess.py;
-``nvrx_inprocess`` / ``torchft_2_groups``: skipped with the reason) with ``fault_to_first_step_s``,
+``nvrx_inprocess`` / ``torchft_2_groups``: NVRx's in-process restart and torchft,
+benchmarks/recovery_engines.py, in ``--engines-python``, skipped with the reason where an engine
+is absent or has no such case) with ``fault_to_first_step_s``,
 ``detect_s``, ``steps_lost`` (steps done before the fault that are redone; the step in flight is
 always redone), ``relaunched``, ``survivor_pids_kept``, ``equal_to_clean`` and the phases.
 ``--only`` also runs the legacy scenarios below by name (their medians under ``scenarios``).
 
-torchrun (gloo, CPU, 2 ranks, one node) trains examples/train_torchrun.py; its fault
+Every mode trains the same model (benchmarks/recovery_model.py: examples/train_torchrun.py's
+tiny GPT). torchrun (gloo, CPU, 2 ranks, one node) trains examples/train_torchrun.py; its fault
 injector hits rank 1 at step 12, and the job restarts once. Scenarios, each against
 today's behaviour where it differs:
 
@@ -270,14 +273,9 @@ SKIPPED = {
                                  "ends every rank (exit 87) and torchrun restarts the job",
     ("behind", "relaunch"): "the hung relaunch row's path: the watchdog's verdict ends every rank (exit 86) and "
                             "torchrun restarts the job",
-    **{(case, "nvrx_inprocess"): "nvidia-resiliency-ext 0.4.1 not installed in this venv (pip --dry-run: it "
-                                 "installs without touching torch; its Wrapper rows are the next step)"
-       for case in [*RELAUNCH, *INPROCESS_ONLY]},
-    **{(case, "torchft_2_groups"): "torchft 0.2.0 not installed in this venv (pip --dry-run: it installs without "
-                                   "touching torch; its Manager rows are the next step)"
-       for case in [*RELAUNCH, *INPROCESS_ONLY]},
 }
-MODES = ["relaunch", "inprocess_spare", "inprocess_shrink", "nvrx_inprocess", "torchft_2_groups"]
+ENGINE_MODES = ["nvrx_inprocess", "torchft_2_groups"]  # benchmarks/recovery_engines.py, in --engines-python
+MODES = ["relaunch", "inprocess_spare", "inprocess_shrink", *ENGINE_MODES]
 
 
 def relaunch_row(case: str, measured: dict[str, float | None]) -> dict:
@@ -297,6 +295,8 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def main() -> None:
+    from benchmarks.recovery_engines import DEFAULT_ENGINES_PYTHON
+    from benchmarks.recovery_engines import rows as engine_rows
     from benchmarks.recovery_inprocess import CASES, References, leak_check, readiness_cost, run_row
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,6 +305,9 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join([*RELAUNCH, *INPROCESS_ONLY]),
                     help="comma-separated: killed, hung, lost_node, xid79, node_failed, behind")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    ap.add_argument("--engines-python", default=os.environ.get("RECOVERY_ENGINES_PYTHON", DEFAULT_ENGINES_PYTHON),
+                    help="an interpreter with nvidia-resiliency-ext 0.4.1 and torchft 0.2.0 for their rows "
+                    "(docs/research/recovery-engines.md); without them those rows are skipped with the reason")
     ap.add_argument("--no-leak-check", action="store_true", help="skip the 5-consecutive-recoveries check")
     ap.add_argument("--only", default="", help="also run these legacy scenarios (medians under 'scenarios'): "
                     + ", ".join(SCENARIOS))
@@ -317,6 +320,9 @@ def main() -> None:
             for mode in args.modes.split(","):
                 if (case, mode) in SKIPPED:
                     rows.append({"case": case, "mode": mode, "skipped": SKIPPED[case, mode]})
+                    continue
+                if mode in ENGINE_MODES:
+                    rows.extend(engine_rows(args.engines_python, args.repeats, (mode,), (case,)))
                     continue
                 runs = []
                 for i in range(args.repeats):

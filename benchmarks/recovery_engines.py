@@ -21,7 +21,7 @@ can merge them (``rows()``).
   Phases from the ranks' own stamps: detect (fault -> the first survivor's abort begins),
   abort, membership (abort done -> the training function runs again), process_group,
   restore (the DDP broadcast), first_step (to the end of the first step after recovery).
-* ``torchft_2groups``: torchft 0.2.0, a Lighthouse on 127.0.0.1 and two replica groups of
+* ``torchft_2_groups``: torchft 0.2.0, a Lighthouse on 127.0.0.1 and two replica groups of
   one rank each (torchft's ``Manager`` and optimizer wrapper, ProcessGroupGloo; gradients through
   ``Manager.allreduce``: its DDP wrapper asserts on a failed all-reduce), steps padded to 0.2 s.
   Faults at step 12 on group 1: ``killed`` (SIGKILL, and a new group 1 started at once: it
@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.recovery_bench import median_of  # noqa: E402
 from tests.procs import free_port, wait_for  # noqa: E402
 
-STEPS, FAULT_STEP, GLOBAL_BATCH = 60, 12, 12
+STEPS, FAULT_STEP = 60, 12
 TORCHFT_STEP_S = 0.2  # group 0 must still train when a restarted group 1 is up to join it
 NVRX_CASES = {"killed": "kill", "hung": "stop", "exception": "raise", "lost_node": "kill_node"}
 TORCHFT_CASES = {"killed": "kill", "hung": "stop"}
@@ -66,26 +66,6 @@ TORCHFT_NODE_SKIP = ("a replica group per node holds no per-node state (the rest
 
 
 # ---------------------------------------------------------------- workers (run in the engines' python)
-
-def _job(rank: int, world: int, step: int) -> tuple[Any, Any]:
-    """This rank's share of global batch ``step`` (the same samples whatever the world size)."""
-    from examples.gpt import GPTConfig
-    from examples.train_torchrun import synthetic_corpus
-    data = _job.data = getattr(_job, "data", None) or synthetic_corpus(GLOBAL_BATCH * STEPS, GPTConfig.tiny())
-    x, y = data[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
-    share = GLOBAL_BATCH // world
-    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-
-
-def _model() -> tuple[Any, Any]:
-    import torch
-
-    from examples.gpt import GPT, GPTConfig
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = GPT(GPTConfig.tiny())
-    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
-
 
 class _Events:
     """One JSON line per event, stamped with wall time, in this rank's file."""
@@ -104,10 +84,11 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
     from nvidia_resiliency_ext import inprocess
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from benchmarks import recovery_model
     from examples.train_torchrun import weights_digest
     initial_rank = int(os.environ["RANK"])
     log = _Events(f"{events_dir}/rank{initial_rank}.jsonl")
-    model, optim = _model()
+    model, optim = recovery_model.model()
     progress = {"step": 0, "raised": False}
     base_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1,
                                             int(os.environ["WORLD_SIZE"]), is_master=initial_rank == 0,
@@ -137,9 +118,8 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
                 progress["raised"] = True
                 log("fault", step=s)
                 raise RuntimeError("injected fault")
-            x, y = _job(rank, world, s)
-            logits = ddp(x)  # through DDP's forward: its gradient hooks
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            x, y = recovery_model.batch(s, rank, world)
+            loss = recovery_model.loss(ddp, x, y)  # through DDP's forward: its gradient hooks
             optim.zero_grad(set_to_none=True)
             loss.backward()
             optim.step()
@@ -168,9 +148,10 @@ def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str
     import torch
     from torchft import Manager, Optimizer, ProcessGroupGloo
 
+    from benchmarks import recovery_model
     from examples.train_torchrun import weights_digest
     log = _Events(f"{events_dir}/group{group}.jsonl")
-    model, optim = _model()
+    model, optim = recovery_model.model()
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
 
     def heal(sd: dict[str, Any]) -> None:  # the state source: the live peer's, over torchft's HTTP transport
@@ -190,9 +171,8 @@ def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str
     while manager.current_step() < STEPS:
         s, t_step = manager.current_step(), time.time()
         opt.zero_grad()  # starts the step's quorum
-        x, y = _job(0, 1, s)
-        logits = model(x)
-        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        x, y = recovery_model.batch(s, 0, 1)
+        recovery_model.loss(model, x, y).backward()
         for work in [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]:
             work.wait()
         committed = manager.should_commit()  # what torchft's OptimizerWrapper.step does, with its answer
@@ -360,7 +340,7 @@ def run_torchft(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
 
 # mode: (module, cases, runner, the cases where a process is started again: torchft's killed group)
 ENGINES = {"nvrx_inprocess": ("nvidia_resiliency_ext.inprocess", NVRX_CASES, run_nvrx, ()),
-           "torchft_2groups": ("torchft", TORCHFT_CASES, run_torchft, ("killed",))}
+           "torchft_2_groups": ("torchft", TORCHFT_CASES, run_torchft, ("killed",))}
 CASES = ("killed", "hung", "lost_node", "xid79", "exception")
 
 
@@ -374,7 +354,7 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
         clean = None
         for case in cases:
             skip = (f"{module} does not import in {python}: {missing}" if missing else XID_SKIP if case == "xid79"
-                    else TORCHFT_NODE_SKIP if case == "lost_node" and mode == "torchft_2groups"
+                    else TORCHFT_NODE_SKIP if case == "lost_node" and mode == "torchft_2_groups"
                     else None if case in engine_cases else f"{mode} has no {case} case")
             if skip:
                 out.append({"case": case, "mode": mode, "skipped": skip})

@@ -1,6 +1,8 @@
 """The in-process rows of the recovery benchmark (benchmarks/recovery_bench.py): the same fault
 under ``python -m ckpt.inprocess.launch`` with a warm spare (2 ranks + 1 spare) and shrinking
-(3 ranks -> 2), trained by tests/inprocess_child.py (a small MLP, gloo, a snapshot every step).
+(3 ranks -> 2), trained by tests/inprocess_child.py (``--model gpt``: every mode's model,
+benchmarks/recovery_model.py; gloo; an overlapped snapshot every step, the disk paced to one a
+second: ``--overlap``).
 
 * ``killed``: the rank SIGKILLs itself at step ``FAULT_AT``.
 * ``hung``: it SIGSTOPs itself; the launcher's beat check (``--hang-s``) declares and kills it.
@@ -25,6 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "inprocess_child.py"
+MODEL = ["--model", "gpt", "--overlap"]
 STEPS, FAULT_AT, HANG_S, PROGRESS_S = 20, 10, 2.0, 2.0
 MODES = {"inprocess_spare": ["--nproc", "2", "--spares", "1"], "inprocess_shrink": ["--nproc", "3"]}
 CASES = {"killed": ["--kill-worker", "1", "--kill-at", str(FAULT_AT)],
@@ -43,7 +46,7 @@ def launch(workdir: Path, name: str, launcher: list[str], child: list[str]) -> l
     hang = ["--hang-s", str(HANG_S)] if "--hang" in child else []
     hang += ["--progress-s", str(PROGRESS_S)] if "--stall-worker" in child else []
     cmd = [sys.executable, "-m", "ckpt.inprocess.launch", *hang, *launcher, str(CHILD),
-           "--root", str(workdir / name), "--events", str(events), *child]
+           "--root", str(workdir / name), "--events", str(events), *MODEL, *child]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
     if proc.returncode != 0:

@@ -3,7 +3,7 @@ MLP trained data-parallel on gloo (gradients all-reduced by hand), a fixed globa
 over however many ranks are left, a checkpoint every step.
 
     inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
-        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S
+        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S [--model gpt]
 
 Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import signal
@@ -55,8 +56,13 @@ def main() -> None:
                     help="this worker sleeps at the end of step --kill-at: alive and beating, never stepping again")
     ap.add_argument("--resume-step", type=int, default=None)
     ap.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower model)")
+    ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
+                    help="gpt: the recovery benchmark's model (benchmarks/recovery_model.py), as every engine's row")
+    ap.add_argument("--overlap", action="store_true",
+                    help="overlapped snapshots every step, the lower tiers paced (drain_interval_s=1)")
     args = ap.parse_args()
     worker = int(os.environ["CKPT_INPROCESS_WORKER"])
+    recovery_model = importlib.import_module("benchmarks.recovery_model") if args.model == "gpt" else None
 
     def emit(**event) -> None:
         with open(args.events, "a") as f:
@@ -68,6 +74,9 @@ def main() -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 
     def build(ctx: Context) -> dict:
+        if args.model == "gpt":
+            model, optim = recovery_model.model()
+            return {"model": model, "optim": optim, "ctx": ctx}
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
         return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -106,12 +115,15 @@ def main() -> None:
             listener.on_node_failed({"event": "node_failed", "node": node_name(), "gpu": gpu, "xid": 79,
                                      "reason": f"critical XID 79 on GPU {gpu}"})
         ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
-        g = torch.Generator().manual_seed(1000 + i)
-        x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
-        share = GLOBAL_BATCH // ctx.world_size
-        mine = slice(ctx.rank * share, (ctx.rank + 1) * share)
         optim.zero_grad()
-        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        if args.model == "gpt":
+            recovery_model.loss(model, *recovery_model.batch(i, ctx.rank, ctx.world_size)).backward()
+        else:
+            g = torch.Generator().manual_seed(1000 + i)
+            x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+            share = GLOBAL_BATCH // ctx.world_size
+            mine = slice(ctx.rank * share, (ctx.rank + 1) * share)
+            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
             p.grad /= ctx.world_size
@@ -126,14 +138,16 @@ def main() -> None:
 
     def warm_up() -> None:  # a spare, while it waits: the first step's one-off costs, paid now
         objects = build(Context(0, 1, -1, worker))
-        objects["model"](torch.zeros(1, 16)).sum().backward()
+        sample = recovery_model.batch(0, 0, 1)[0] if recovery_model else torch.zeros(1, 16)
+        objects["model"](sample).sum().backward()
         objects["optim"].step()
 
     def on_recovery(r: Recovery) -> None:
         emit(event="recovery", leaked_groups=group.leaked(), **resources(), **r.__dict__)
 
     result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
-                 checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"]},
+                 checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"],
+                             **({"overlap": True, "drain_interval_s": 1.0} if args.overlap else {})},
                  resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,
                  warm_up=warm_up, listener=listener)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
