@@ -67,6 +67,8 @@ class NodeLauncher:
         # the watchdog's progress deadline (hang_policy), judged here: worker -> (step, when it last changed)
         self.progress_policy = HangDetection(deadline_s=progress_s, interval_s=BEAT_S)
         self.steps: dict[int, tuple[int, float]] = {}
+        self.stepped: set[int] = set()  # members whose step changed in this round (the others' is stale)
+        self.split_at: float | None = None  # since when the members' steps differ
         self.step_times: deque[float] = deque(maxlen=64)
         self.beat_at = 0.0
         self._start_assigned()
@@ -92,6 +94,7 @@ class NodeLauncher:
         if newer is not None:
             self.current = newer
             self.steps.clear()  # survivors restore an earlier step: progress is judged afresh each round
+            self.stepped.clear()
             self._start_assigned()
         for w, p in self.procs.items():
             code = p.poll()
@@ -129,24 +132,29 @@ class NodeLauncher:
     def _kill_behind(self, now: float) -> None:
         """The watchdog's progress deadline with its "behind" culprit rule: a member alive and
         beating whose step stayed below the others' (on any node) for ``factor`` × the median step
-        (at least ``--progress-s`` when given) is SIGKILLed, if it is this node's. Ranks all at one
-        step (a hang inside a collective) name no culprit: the collective timeout, then a relaunch,
-        handles them."""
+        (at least ``--progress-s`` when given) is SIGKILLed, if it is this node's. Only steps taken
+        in this round count (a survivor still joining the round's group is not behind). Ranks all at
+        one step (a hang inside a collective) name no culprit: the collective timeout, then a
+        relaunch, handles them."""
         live = [w for w in self.current.members if w not in self.causes and w not in self.finished]
         keys = [w for w in live if self.store.check([membership.step_key(w)])]
         for w, v in zip(keys, self.store.multi_get([membership.step_key(w) for w in keys]) if keys else []):
-            step, since = self.steps.get(w, (-1, now))
+            step, since = self.steps.get(w, (None, now))
             if int(v) != step:
-                if int(v) == step + 1:
-                    self.step_times.append(now - since)
+                if step is not None:
+                    self.stepped.add(w)
+                    if int(v) == step + 1:
+                        self.step_times.append(now - since)
                 self.steps[w] = (int(v), now)
-        reached = {w: self.steps[w] for w in keys}
+        reached = {w: self.steps[w] for w in keys if w in self.stepped}
         if len({s for s, _ in reached.values()}) < 2:
+            self.split_at = None
             return
+        self.split_at = self.split_at or now  # a member is behind only as long as the others are ahead
         deadline = self.progress_policy.deadline(list(self.step_times))
         low = min(s for s, _ in reached.values())
         for w, (s, since) in reached.items():
-            if s == low and now - since > deadline and w in self._mine():
+            if s == low and now - max(since, self.split_at) > deadline and w in self._mine():
                 median = statistics.median(self.step_times) if self.step_times else float("nan")
                 self._kill(w, f"behind: at step {s} for {now - since:.1f} s while others are further "
                               f"(deadline {deadline:.1f} s, median step {median:.3f} s)")
