@@ -3,7 +3,8 @@ MLP trained data-parallel on gloo (gradients all-reduced by hand), a fixed globa
 over however many ranks are left, a checkpoint every step.
 
     inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
-        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S [--memory-dir D --peers 1]
+        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S
+        [--memory-dir D] [--peers 1 | --object-store URL]
 
 Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
 """
@@ -57,6 +58,7 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower model)")
     ap.add_argument("--memory-dir", default="/dev/shm", help="this node's memory tier")
     ap.add_argument("--peers", type=int, default=0, help="peer replicas on other nodes (CKPT_GUARD_NODE)")
+    ap.add_argument("--object-store", default=None, help="the job's shared object store (file://DIR)")
     args = ap.parse_args()
     worker = int(os.environ["CKPT_INPROCESS_WORKER"])
 
@@ -136,7 +138,7 @@ def main() -> None:
 
     result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
                  checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"],
-                             "memory_dir": args.memory_dir, "peers": args.peers},
+                             "memory_dir": args.memory_dir, "peers": args.peers, "object_store": args.object_store},
                  resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,
                  warm_up=warm_up, listener=listener)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))

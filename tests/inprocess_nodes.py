@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -82,3 +83,14 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     node1 = {e["pid"] for e in evs if e["event"] == "start" and hosts.get(e["worker"]) == 1}
     return LostNode(evs, fault_t, log, not any(Path(f"/proc/{pid}").exists() for pid in node1))
+
+
+def lost_shard_sources(log: str, step: int, ranks: list[int]) -> dict[int, set[str]]:
+    """Where the survivors' restore lines (``rank R restored step S (shard K from TIER, ...)``) say
+    the shards of ``ranks`` came from (each survivor reads only the shards it needs)."""
+    found: dict[int, set[str]] = {r: set() for r in ranks}
+    for line in re.findall(rf"rank \d+ restored step {step} \((.*?)\)", log):
+        for rank, tier in re.findall(r"shard (\d+) from ([\w-]+)", line):
+            if int(rank) in found:
+                found[int(rank)].add(tier)
+    return found
