@@ -1,7 +1,7 @@
 """``python -m ckpt.inprocess.launch``: the one command that starts an in-process-recovering job.
 
     python -m ckpt.inprocess.launch --nproc 3 --spares 1 train.py [args]
-    python -m ckpt.inprocess.launch --nodes 2 --node-rank 0 --master-port P --nproc 2 train.py [args]
+    python -m ckpt.inprocess.launch --nodes 2 --node-rank 0 --master-addr H --master-port P --nproc 2 train.py [args]
     python -m ckpt.inprocess.launch --nodes 2 --node-rank 1 --master-addr H --master-port P --nproc 2 train.py [args]
 
 torchrun's agent stops every local worker when one fails; this launcher keeps the healthy
