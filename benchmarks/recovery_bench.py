@@ -266,9 +266,6 @@ RELAUNCH = {"killed": "killed", "hung": "hung", "lost_node": "lost_node_peer", "
 FAULT_STEP = {"killed": 12, "hung": 12}  # the step the injector hits (12 steps done)
 INPROCESS_ONLY = ["node_failed", "behind"]  # detectors wired to eviction: their relaunch path is another row's
 SKIPPED = {
-    ("lost_node", "inprocess_spare"): "the in-process launcher runs on one host: two simulated nodes need a "
-                                      "launcher per node (membership through the job store), not built yet",
-    ("lost_node", "inprocess_shrink"): "as inprocess_spare",
     ("node_failed", "relaunch"): "the xid79 relaunch row: under ckpt.resumable the predictor's node_failed "
                                  "ends every rank (exit 87) and torchrun restarts the job",
     ("behind", "relaunch"): "the hung relaunch row's path: the watchdog's verdict ends every rank (exit 86) and "

@@ -12,10 +12,18 @@ second: ``--overlap``).
   the other rank's GPU, as ``predictor serve`` sends it: that rank alone is evicted.
 * ``behind``: the rank stops stepping after step ``FAULT_AT`` (alive, beating: not frozen); the
   launcher's progress deadline (``--progress-s PROGRESS_S``) names it behind and evicts it.
+* ``lost_node``: two simulated nodes on loopback (``--nodes 2``, tests/inprocess_nodes.py): with
+  a spare, 1 rank + 1 spare each and peer replicas (``--peers 1``); shrinking, 2 ranks each
+  (4 -> 2) and a shared object store (``file://``), as in tests/test_inprocess_nodes.py. Past step
+  ``FAULT_AT`` node 1's launcher is SIGKILLed (its workers die with it) and its memory dir and
+  disk root removed; it is declared lost after ``--hang-s HANG_S`` without a beat. The row is
+  fault -> first resumed step on node 0; ``lost_shards_from``: where the survivors read the lost
+  ranks' shards (node 1's memory and disk are gone).
 
 Each row's equality is checked against a run of the same launcher: with a spare, an
-uninterrupted 2-rank run; shrinking, a clean 3-rank run to the restored step then a relaunch
-at 2 ranks from it (so: bitwise equal to a relaunch from the same checkpoint at the new size).
+uninterrupted 2-rank run; shrinking, a clean 3-rank (lost_node: 4-rank) run to the restored step
+then a relaunch at 2 ranks from it (so: bitwise equal to a relaunch from the same checkpoint at
+the new size).
 """
 from __future__ import annotations
 
@@ -23,7 +31,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from tests.inprocess_nodes import lose_node_1, lost_shard_sources
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "inprocess_child.py"
@@ -34,7 +45,10 @@ CASES = {"killed": ["--kill-worker", "1", "--kill-at", str(FAULT_AT)],
          "hung": ["--kill-worker", "1", "--kill-at", str(FAULT_AT), "--hang"],
          "xid79": ["--evict-worker", "1", "--kill-at", str(FAULT_AT)],
          "node_failed": ["--node-failed-gpu", "1", "--kill-at", str(FAULT_AT)],
-         "behind": ["--stall-worker", "1", "--kill-at", str(FAULT_AT)]}
+         "behind": ["--stall-worker", "1", "--kill-at", str(FAULT_AT)], "lost_node": []}
+# lost_node, per node: the launcher's flags, and the tier the lost ranks' shards are restored from
+NODE_MODES = {"inprocess_spare": (["--nproc", "1", "--spares", "1"], "peer"),
+              "inprocess_shrink": (["--nproc", "2"], "object")}
 
 
 def launch(workdir: Path, name: str, launcher: list[str], child: list[str]) -> list[dict]:
@@ -65,14 +79,15 @@ class References:
         self.workdir, self._cache = workdir, {}
         self.clean_events: list[dict] | None = None  # the uninterrupted 2-rank run, once it ran
 
-    def get(self, mode: str, restored: int) -> set[str]:
-        key = (mode, restored if mode == "inprocess_shrink" else None)
+    def get(self, mode: str, restored: int, before: int = 3) -> set[str]:
+        """``before``: the world size the shrinking run had before the fault."""
+        key = (mode, (restored, before) if mode == "inprocess_shrink" else None)
         if key not in self._cache:
-            name = f"ref-{mode}-{restored}"
+            name = f"ref-{mode}-{restored}-{before}"
             if mode == "inprocess_spare":
                 evs = self.clean_events = launch(self.workdir, name, ["--nproc", "2"], ["--steps", str(STEPS)])
             else:  # both legs on one root: the relaunch restores the clean run's step
-                launch(self.workdir, name, ["--nproc", "3"], ["--steps", str(restored)])
+                launch(self.workdir, name, ["--nproc", str(before)], ["--steps", str(restored)])
                 evs = launch(self.workdir, name, ["--nproc", "2"], ["--steps", str(STEPS), "--resume-step",
                                                                         str(restored)])
             # both legs append to one events file: the relaunch's ends are the ones at 2 ranks
@@ -82,8 +97,17 @@ class References:
 
 def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
     """One fault under one in-process mode: the benchmark's row."""
-    evs = launch(workdir, f"{case}-{mode}", MODES[mode], ["--steps", str(STEPS), *CASES[case]])
-    fault = next(e for e in evs if e["event"] == "fault")
+    lost = None
+    if case == "lost_node":
+        flags, tier = NODE_MODES[mode]
+        where = ["--peers", "1"] if tier == "peer" else ["--object-store", f"file://{workdir / 'objstore'}"]
+        with tempfile.TemporaryDirectory(prefix="recovery-bench-nodes-", dir="/dev/shm") as shm:
+            lost = lose_node_1(workdir / f"{case}-{mode}", Path(shm), flags, [*MODEL, "--steps", str(STEPS), *where],
+                               at_step=FAULT_AT, hang_s=HANG_S)
+        evs, fault = lost.events, {"t": lost.fault_t}
+    else:
+        evs = launch(workdir, f"{case}-{mode}", MODES[mode], ["--steps", str(STEPS), *CASES[case]])
+        fault = next(e for e in evs if e["event"] == "fault")
     started = {e["worker"]: e["pid"] for e in evs if e["event"] == "start"}
     done = [e for e in evs if e["event"] == "done"]
     recs = [e for e in evs if e["event"] == "recovery"]
@@ -101,11 +125,14 @@ def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
             "steps_lost": lead["failed_at_step"] - restored,
             "relaunched": False,
             "survivor_pids_kept": all(e["pid"] == started[e["worker"]] for e in done),
-            "equal_to_clean": _digests(evs) == refs.get(mode, restored),
+            "equal_to_clean": _digests(evs) == refs.get(mode, restored, 3 if lost is None else 4),
             "world_size_after": lead["world_size"], "restored_step": restored, "phases": phases,
             "recoveries": len({r["round"] for r in recs}),  # > 1: a second fault (or a false frozen) followed
             "final_world_size": max(e["world"] for e in done),
-            "broken_groups_still_held": max((x for x in leaked if x is not None), default=None)}
+            "broken_groups_still_held": max((x for x in leaked if x is not None), default=None),
+            **({} if lost is None else {"node1_workers_gone": lost.node1_workers_gone, "lost_shards_from": {
+                r: sorted(t) for r, t in lost_shard_sources(lost.log, restored, [1] if mode == "inprocess_spare"
+                                                            else [2, 3]).items()}})}
 
 
 def leak_check(workdir: Path, recoveries: int = 5) -> dict:

@@ -3,7 +3,8 @@ MLP trained data-parallel on gloo (gradients all-reduced by hand), a fixed globa
 over however many ranks are left, a checkpoint every step.
 
     inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
-        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S [--model gpt]
+        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S
+        [--memory-dir D] [--peers 1 | --object-store URL] [--model gpt] [--overlap]
 
 Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
 """
@@ -60,6 +61,9 @@ def main() -> None:
                     help="gpt: the recovery benchmark's model (benchmarks/recovery_model.py), as every engine's row")
     ap.add_argument("--overlap", action="store_true",
                     help="overlapped snapshots every step, the lower tiers paced (drain_interval_s=1)")
+    ap.add_argument("--memory-dir", default="/dev/shm", help="this node's memory tier")
+    ap.add_argument("--peers", type=int, default=0, help="peer replicas on other nodes (CKPT_GUARD_NODE)")
+    ap.add_argument("--object-store", default=None, help="the job's shared object store (file://DIR)")
     args = ap.parse_args()
     worker = int(os.environ["CKPT_INPROCESS_WORKER"])
     recovery_model = importlib.import_module("benchmarks.recovery_model") if args.model == "gpt" else None
@@ -147,6 +151,7 @@ def main() -> None:
 
     result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
                  checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"],
+                             "memory_dir": args.memory_dir, "peers": args.peers, "object_store": args.object_store,
                              **({"overlap": True, "drain_interval_s": 1.0} if args.overlap else {})},
                  resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,
                  warm_up=warm_up, listener=listener)

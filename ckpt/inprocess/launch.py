@@ -1,225 +1,188 @@
 """``python -m ckpt.inprocess.launch``: the one command that starts an in-process-recovering job.
 
     python -m ckpt.inprocess.launch --nproc 3 --spares 1 train.py [args]
+    python -m ckpt.inprocess.launch --nodes 2 --node-rank 0 --master-addr H --master-port P --nproc 2 train.py [args]
+    python -m ckpt.inprocess.launch --nodes 2 --node-rank 1 --master-addr H --master-port P --nproc 2 train.py [args]
 
 torchrun's agent stops every local worker when one fails; this launcher keeps the healthy
-ones. It hosts the job's store (MASTER_ADDR/MASTER_PORT for the workers), starts ``--nproc``
-workers and ``--spares`` warm spares (started with the job: torch imported, no shard, waiting),
-and decides membership (``membership.py``): when a member exits with an error, a spare takes
-its rank, else the world shrinks (down to ``--min-world``). A member whose beat and CPU time
-stopped (``--hang-s``: SIGSTOP, a process wedged in the kernel) or that is evicted through the store
+ones. The job launcher (node rank 0) hosts the job's store (MASTER_ADDR/MASTER_PORT for the
+workers) and decides membership (``membership.py``); every node runs a node launcher
+(``node.py``; on node 0 inside the job launcher) that starts ``--nproc`` workers and
+``--spares`` warm spares there (torch imported, no shard, waiting) and reports their exits.
+When a member exits with an error, a spare takes its rank (one on another node first), else
+the world shrinks (down to ``--min-world``). A member whose beat and CPU time stopped
+(``--hang-s``: SIGSTOP, a process wedged in the kernel) or that is evicted through the store
 (``membership.evict``: a predicted node failure, an XID 79) or that is left behind by the
-others past the watchdog's progress deadline (``--progress-s``) is SIGKILLed first. A spare
-called in is replaced by a new one, so the pool stays at ``--spares``. A worker that asks for it
-(``EXIT_FALLBACK``), or a job that cannot shrink further, is relaunched whole, today's path,
-at most ``--relaunches`` times; every decision is logged with its reason.
+others past the watchdog's progress deadline (``--progress-s``) is SIGKILLed first by its node
+launcher. A node launcher silent for ``--hang-s`` is a lost node: all its members go in one
+round, its spares leave the pool. A spare called in is replaced by a new one on its node, so
+the pool stays at ``--spares``. A worker that asks for it (``EXIT_FALLBACK``), or a job that
+cannot shrink further, is relaunched whole, today's path, at most ``--relaunches`` times (on
+one node only); every decision is logged with its reason.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import os
-import signal
-import statistics
-import subprocess
 import sys
 import time
-from collections import deque
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
-from ..recovery.hang_policy import HangDetection
 from . import membership
-from .runner import BEAT_S, EXIT_FALLBACK, LAUNCHER_ENV, WORKER_ENV
+from .node import POLL_S, NodeLauncher, run_node
+from .runner import EXIT_FALLBACK
 
 log = logging.getLogger("ckpt.inprocess.launch")
-_POLL_S = 0.01
-
-
-def _cpu_ticks(pid: int) -> int:
-    """User + system clock ticks a process has used (Linux /proc); -1 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return -1
-    return int(fields[11]) + int(fields[12])
-
-
-def _exit_text(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 class Job:
-    """One launch of the workers (a relaunch is a new Job on a new store)."""
+    """One launch of the workers on every node (a relaunch is a new Job on a new store)."""
 
     def __init__(self, args: argparse.Namespace, attempt: int) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        self.store = dist.TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
-        n = args.nproc
-        self.members, self.spares = list(range(n)), list(range(n, n + args.spares))
-        self.min_world, self.round = args.min_world, 0
+        n, per_node = args.nproc, args.nproc + args.spares
+        # worker ids K * (nproc + spares) + i on node K: members first, then spares
+        self.hosts = {k * per_node + i: k for k in range(args.nodes) for i in range(per_node)}
+        self.members = [w for w in self.hosts if w % per_node < n]
+        self.spares = [w for w in self.hosts if w % per_node >= n]
+        self.min_world, self.round, self.hang_s = args.min_world, 0, args.hang_s
         self.finished: set[int] = set()
-        self.hang_s = args.hang_s
-        # worker -> ((beat count, CPU ticks), when either last changed): a process starved of the
-        # interpreter lock on a busy machine still uses CPU; a stopped one does not
-        self.beats: dict[int, tuple[tuple[int, int], float]] = {}
-        self.causes: dict[int, str] = {}  # workers the launcher killed, and why
-        # the watchdog's progress deadline (hang_policy), judged here: worker -> (step, when it last changed)
-        self.progress_policy = HangDetection(deadline_s=args.progress_s, interval_s=BEAT_S)
-        self.steps: dict[int, tuple[int, float]] = {}
-        self.step_times: deque[float] = deque(maxlen=64)
-        self.command = args.command
-        self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
-                    "WORLD_SIZE": str(n), "CKPT_INPROCESS_ATTEMPT": str(attempt), LAUNCHER_ENV: str(os.getpid())}
+        self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
+        self.lost: set[int] = set()
+        self.store.multi_set([membership.host_key(w) for w in self.hosts], [str(k) for k in self.hosts.values()])
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
                                                              "start", 0.0))
-        self.procs: dict[int, subprocess.Popen] = {}
-        for w in [*self.members, *self.spares]:
-            self._start(w)
-        log.info("attempt %d: workers %s, spares %s (pids %s)", attempt, self.members, self.spares,
-                 {w: p.pid for w, p in self.procs.items()})
-
-    def _start(self, worker: int) -> None:
-        rank = self.members.index(worker) if worker in self.members else -1
-        self.procs[worker] = subprocess.Popen([sys.executable, *self.command],
-                                              env={**self.env, WORKER_ENV: str(worker), "RANK": str(rank),
-                                                   "LOCAL_RANK": str(worker)})
+        log.info("attempt %d: workers %s, spares %s on %d node(s)", attempt, self.members, self.spares, args.nodes)
+        self.local = NodeLauncher(self.store, 0, master=(args.master_addr, self.store.port), command=args.command,
+                                  attempt=attempt, hang_s=args.hang_s, progress_s=args.progress_s)
 
     def watch(self) -> tuple[bool, str]:
         """Until the members have finished (True) or the job must be relaunched (False, why)."""
         seen: set[int] = set()
         while True:
-            for w, p in list(self.procs.items()):
-                code = p.poll()
-                if code is None or w in seen:
+            self.local.poll()
+            for w in [w for w in [*self.members, *self.spares] if w not in seen]:
+                if not self.store.check([membership.exit_key(w)]):
                     continue
                 seen.add(w)
+                ended = json.loads(self.store.get(membership.exit_key(w)))
                 if w in self.spares:
                     self.spares.remove(w)
-                    log.warning("spare %d left (%s)", w, _exit_text(code))
-                elif code == 0:
+                    log.warning("spare %d left (%s)", w, ended["cause"])
+                elif ended["code"] == 0:
                     self.finished.add(w)
-                elif code == EXIT_FALLBACK:
+                elif ended["code"] == EXIT_FALLBACK:
                     return False, f"worker {w} asked for a relaunch"
-                else:
-                    cause = self.causes.pop(w, _exit_text(code))
-                    why = self._replace(w, f"worker {w} (rank {self.members.index(w)}) {cause}")
-                    if why:
-                        return False, why
+                elif why := self._replace([w], f"worker {w} (rank {self.members.index(w)}) {ended['cause']}"):
+                    return False, why
             if self.finished and self.finished >= set(self.members):
                 return True, "done"
-            self._kill_frozen_and_evicted()
-            time.sleep(_POLL_S)
+            if why := self._lost_nodes():
+                return False, why
+            time.sleep(POLL_S)
 
-    def _kill_frozen_and_evicted(self) -> None:
-        """A member whose beat stopped for ``hang_s`` (a blocked gloo collective cannot be
-        aborted: it is killed, never waited out), or one evicted through the store, is
-        SIGKILLed; its exit then starts the next round like any other death."""
+    def _lost_nodes(self) -> str | None:
+        """A node launcher whose beat stopped for ``hang_s`` is a lost node: its spares leave the
+        pool and its members go in one round. The reason to relaunch instead, if any."""
         now = time.monotonic()
-        for w in self.members:
-            if w in self.causes or w in self.finished or self.procs[w].poll() is not None:
-                continue
-            if self.store.check([membership.evict_key(w)]):
-                self._kill(w, f"evicted: {self.store.get(membership.evict_key(w)).decode()[:200]}")
-                continue
-            progress = (self.store.add(membership.beat_key(w), 0), _cpu_ticks(self.procs[w].pid))
-            last, since = self.beats.get(w, ((-1, -1), now))
-            if progress != last:
-                self.beats[w] = (progress, now)
-            elif progress[0] > 0 and now - since > self.hang_s:
-                self._kill(w, f"frozen: no beat and no CPU time for {now - since:.1f} s")
-        self._kill_behind(now)
+        for k in sorted(set(self.hosts.values()) - self.lost):
+            beats = self.store.add(membership.node_key(k), 0)
+            last, since = self.nodes.get(k, (-1, now))
+            if beats != last:
+                self.nodes[k] = (beats, now)
+            elif beats > 0 and now - since > self.hang_s:
+                self.lost.add(k)
+                self.spares = [w for w in self.spares if self.hosts[w] != k]
+                gone = [w for w in self.members if self.hosts[w] == k]
+                log.warning("node %d lost: no beat for %.1f s (members %s)", k, now - since, gone)
+                if gone and (why := self._replace(gone, f"node {k} lost (no beat for {now - since:.1f} s)")):
+                    return why
+        return None
 
-    def _kill_behind(self, now: float) -> None:
-        """The watchdog's progress deadline with its "behind" culprit rule: a member alive and
-        beating whose step stayed below the others' for ``factor`` × the median step (at least
-        ``--progress-s`` when given) is SIGKILLed. Ranks all at one step (a hang inside a
-        collective) name no culprit: the collective timeout, then a relaunch, handles them."""
-        live = [w for w in self.members if w not in self.causes and w not in self.finished]
-        keys = [w for w in live if self.store.check([membership.step_key(w)])]
-        for w, v in zip(keys, self.store.multi_get([membership.step_key(w) for w in keys]) if keys else []):
-            step, since = self.steps.get(w, (-1, now))
-            if int(v) != step:
-                if int(v) == step + 1:
-                    self.step_times.append(now - since)
-                self.steps[w] = (int(v), now)
-        reached = {w: self.steps[w] for w in keys}
-        if len({s for s, _ in reached.values()}) < 2:
-            return
-        deadline = self.progress_policy.deadline(list(self.step_times))
-        low = min(s for s, _ in reached.values())
-        for w, (s, since) in reached.items():
-            if s == low and now - since > deadline:
-                median = statistics.median(self.step_times) if self.step_times else float("nan")
-                self._kill(w, f"behind: at step {s} for {now - since:.1f} s while others are further "
-                              f"(deadline {deadline:.1f} s, median step {median:.3f} s)")
-
-    def _kill(self, worker: int, cause: str) -> None:
-        self.causes[worker] = cause
-        self.procs[worker].kill()
-        log.warning("worker %d: %s; killed", worker, cause)
-
-    def _replace(self, worker: int, cause: str) -> str | None:
-        """Publish the next round without ``worker``; the reason to relaunch instead, if any."""
+    def _replace(self, lost: list[int], cause: str) -> str | None:
+        """Publish the next round without the ``lost`` members (a ready spare takes each one's rank
+        while there is one); the reason to relaunch instead, if any."""
         fault_time = time.time()
         members = list(self.members)
         ready = [w for w in self.spares if self.store.check([membership.ready_key(w)])]
-        if ready:
-            spare = ready[0]
-            self.spares.remove(spare)
-            members[members.index(worker)] = spare
-            reason = f"{cause}: spare {spare} takes rank {members.index(spare)}"
-            self.spares.append(max(self.procs) + 1)  # the pool is topped up: a new spare warms up
-            self._start(self.spares[-1])
-        else:
-            members.remove(worker)
-            reason = f"{cause}: continuing at world size {len(members)}"
+        called = []
+        for worker in lost:
+            if ready:
+                spare = ready.pop(0)
+                self.spares.remove(spare)
+                members[members.index(worker)] = spare
+                called.append(spare)
+                new = max(self.hosts) + 1  # the pool is topped up: a new spare warms up on that node
+                self.hosts[new] = self.hosts[spare]
+                self.store.set(membership.host_key(new), str(self.hosts[new]))
+                self.spares.append(new)
+            else:
+                members.remove(worker)
+        what = [f"spare {s} takes rank {members.index(s)}" for s in called]
+        what += [f"continuing at world size {len(members)}"] if len(members) < len(self.members) else []
         if len(members) < self.min_world:
             return f"{cause}: {len(members)} ranks left, fewer than --min-world {self.min_world}"
         self.members, self.round = members, self.round + 1
-        self.steps.clear()  # survivors restore an earlier step: progress is judged afresh each round
+        reason = f"{cause}: {', '.join(what)}"
         membership.publish(self.store, membership.Membership(self.round, tuple(members), tuple(self.spares),
                                                              reason, fault_time))
         log.warning("round %d: %s", self.round, reason)
         return None
 
-    def stop(self) -> None:
-        """The job is over or relaunched: release the spares and end what is left."""
-        self.store.set(membership.DONE_KEY, "1")
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            p.wait()
+    def stop(self, why: str) -> None:
+        """The job is over or relaunched: release the spares, end what is left, and give the other
+        nodes' launchers (bounded by ``hang_s``) the time to end theirs before the store goes."""
+        self.store.set(membership.DONE_KEY, why)
+        self.local.stop()
+        others = [membership.left_key(k) for k in set(self.hosts.values()) - self.lost - {0}]
+        deadline = time.monotonic() + self.hang_s
+        while others and not self.store.check(others) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ckpt.inprocess.launch", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, required=True, help="training ranks")
-    ap.add_argument("--spares", type=int, default=0, help="warm spare processes started with the job")
+    ap.add_argument("--nproc", type=int, required=True, help="training ranks per node")
+    ap.add_argument("--spares", type=int, default=0, help="warm spare processes per node, started with the job")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes in the job, each running this command")
+    ap.add_argument("--node-rank", type=int, default=0, help="this node's; 0 runs the job launcher (the store)")
+    ap.add_argument("--master-addr", default="127.0.0.1",
+                    help="the job launcher's host as every node reaches it (its workers announce it to peers)")
+    ap.add_argument("--master-port", type=int, default=0, help="the job's store port (any free one on one node)")
     ap.add_argument("--min-world", type=int, default=1, help="relaunch rather than shrink below this")
     ap.add_argument("--hang-s", type=float, default=10.0,
-                    help="kill a member whose beat (every 0.2 s) and CPU time stopped this long (a frozen process)")
+                    help="kill a member whose beat (every 0.2 s) and CPU time stopped this long (a frozen "
+                         "process); a node launcher silent this long is a lost node")
     ap.add_argument("--progress-s", type=float, default=None,
                     help="evict a member left behind by the others (alive, not stepping) after this long "
                          "(default: the watchdog's policy, 5 x the median step, at least 10 s)")
-    ap.add_argument("--relaunches", type=int, default=1, help="whole-job relaunches when in-process fails")
+    ap.add_argument("--relaunches", type=int, default=1,
+                    help="whole-job relaunches when in-process fails (one node only, for now)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = ap.parse_args(argv)
     if not args.command or args.nproc < 1 or args.spares < 0:
         ap.error("give --nproc >= 1 and a training script")
+    if not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.master_port):
+        ap.error("give 0 <= --node-rank < --nodes, and --master-port with several nodes")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for attempt in range(args.relaunches + 1):
+    if args.node_rank:
+        return run_node(args.node_rank, (args.master_addr, args.master_port), args.command, args.hang_s,
+                        args.progress_s)
+    relaunches = args.relaunches if args.nodes == 1 else 0  # across nodes: not built yet (docs/inprocess.md)
+    for attempt in range(relaunches + 1):
         job = Job(args, attempt)
+        ok, why = False, "the launcher failed"
         try:
             ok, why = job.watch()
         finally:
-            job.stop()
+            job.stop("done" if ok else why)
         if ok:
             return 0
-        log.error("falling back to a relaunch (attempt %d of %d): %s", attempt + 1, args.relaunches, why)
+        log.error("falling back to a relaunch (attempt %d of %d): %s", attempt + 1, relaunches, why)
     return 1
 
 

@@ -43,6 +43,28 @@ def evict_key(worker: int) -> str:
     return f"{PREFIX}/evict/{worker}"
 
 
+def host_key(worker: int) -> str:
+    """The node (``--node-rank``) whose node launcher runs ``worker``: set by the job launcher
+    before the round that first names the worker."""
+    return f"{PREFIX}/host/{worker}"
+
+
+def exit_key(worker: int) -> str:
+    """How ``worker`` ended (JSON: exit code, cause), set by its node launcher: the job launcher
+    turns it into the next round."""
+    return f"{PREFIX}/exit/{worker}"
+
+
+def node_key(node: int) -> str:
+    """A counter each node launcher adds to every ``BEAT_S``: a silent node is a lost node."""
+    return f"{PREFIX}/node/{node}"
+
+
+def left_key(node: int) -> str:
+    """Set by a node launcher once its workers are gone at the job's end."""
+    return f"{PREFIX}/left/{node}"
+
+
 def evict(store: "dist.Store", worker: int, reason: str) -> None:
     """Ask the launcher to end ``worker`` and go on without it (a predicted node failure, an
     XID 79 on its GPU): it never resumes in place."""

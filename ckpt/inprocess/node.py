@@ -1,0 +1,193 @@
+"""One node's part of an in-process-recovering job: run this node's workers, watch them, report.
+
+The job launcher (``launch.Job``) decides membership for every node through the store; a node
+launcher runs the workers the rounds assign to it (``membership.host_key``: the first round's,
+then each spare that tops up the pool), reports each exit (``membership.exit_key``) instead of
+acting on it, beats (``membership.node_key``: a node silent for ``--hang-s`` is lost, all its
+members at once) and SIGKILLs those of its members that are evicted, frozen or left behind:
+the frozen check reads /proc, which is local.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..recovery.hang_policy import HangDetection
+from . import membership
+from .runner import BEAT_S, LAUNCHER_ENV, WORKER_ENV
+
+log = logging.getLogger("ckpt.inprocess.node")
+POLL_S = 0.01  # a launcher tick
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system clock ticks a process has used (Linux /proc); -1 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return -1
+    return int(fields[11]) + int(fields[12])
+
+
+def _exit_text(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class NodeLauncher:
+    """The workers of node ``node``; ``poll()`` once per launcher tick."""
+
+    def __init__(self, store: "dist.Store", node: int, *, master: tuple[str, int], command: list[str],
+                 attempt: int, hang_s: float, progress_s: float | None) -> None:
+        self.store, self.node, self.command, self.hang_s = store, node, command, hang_s
+        first = membership.wait_round(store, 0, 300.0)
+        if first is None:
+            raise RuntimeError(f"node {node}: the job launcher published no first round")
+        self.current = first
+        self.env = {**os.environ, "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+                    "WORLD_SIZE": str(len(first.members)), "CKPT_INPROCESS_ATTEMPT": str(attempt),
+                    LAUNCHER_ENV: str(os.getpid())}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.reported: set[int] = set()  # workers whose exit is in the store
+        self.finished: set[int] = set()
+        self.causes: dict[int, str] = {}  # workers this node launcher killed, and why
+        # worker -> ((beat count, CPU ticks), when either last changed): a process starved of the
+        # interpreter lock on a busy machine still uses CPU; a stopped one does not
+        self.beats: dict[int, tuple[tuple[int, int], float]] = {}
+        # the watchdog's progress deadline (hang_policy), judged here: worker -> (step, when it last changed)
+        self.progress_policy = HangDetection(deadline_s=progress_s, interval_s=BEAT_S)
+        self.steps: dict[int, tuple[int, float]] = {}
+        self.stepped: set[int] = set()  # members whose step changed in this round (the others' is stale)
+        self.split_at: float | None = None  # since when the members' steps differ
+        self.step_times: deque[float] = deque(maxlen=64)
+        self.beat_at = 0.0
+        self._start_assigned()
+        log.info("node %d: workers %s (pids %s)", node, sorted(self.procs), {w: p.pid for w, p in self.procs.items()})
+
+    def _start_assigned(self) -> None:
+        """Start the workers of the current round that are this node's and not started yet."""
+        new = [w for w in [*self.current.members, *self.current.spares] if w not in self.procs]
+        hosts = self.store.multi_get([membership.host_key(w) for w in new]) if new else []
+        for w in (w for w, host in zip(new, hosts) if int(host) == self.node):
+            rank = self.current.rank_of(w)
+            self.procs[w] = subprocess.Popen([sys.executable, *self.command], env={
+                **self.env, WORKER_ENV: str(w), "RANK": str(-1 if rank is None else rank),
+                "LOCAL_RANK": str(len(self.procs))})
+
+    def poll(self) -> bool:
+        """Beat, follow the rounds, report exits, kill the members to kill; False once the job is over."""
+        now = time.monotonic()
+        if now - self.beat_at >= BEAT_S:
+            self.store.add(membership.node_key(self.node), 1)
+            self.beat_at = now
+        newer = membership.latest_after(self.store, self.current.round)
+        if newer is not None:
+            self.current = newer
+            self.steps.clear()  # survivors restore an earlier step: progress is judged afresh each round
+            self.stepped.clear()
+            self._start_assigned()
+        for w, p in self.procs.items():
+            code = p.poll()
+            if code is None or w in self.reported:
+                continue
+            self.reported.add(w)
+            if code == 0:
+                self.finished.add(w)
+            self.store.set(membership.exit_key(w), json.dumps({"code": code,
+                                                               "cause": self.causes.get(w, _exit_text(code))}))
+        self._kill_frozen_and_evicted(now)
+        return not self.store.check([membership.DONE_KEY])
+
+    def _mine(self) -> list[int]:
+        """This node's members of the current round, alive and not killed."""
+        return [w for w in self.current.members
+                if w in self.procs and w not in self.causes and self.procs[w].poll() is None]
+
+    def _kill_frozen_and_evicted(self, now: float) -> None:
+        """A member whose beat stopped for ``hang_s`` (a blocked gloo collective cannot be
+        aborted: it is killed, never waited out), or one evicted through the store, is
+        SIGKILLed; its exit then starts the next round like any other death."""
+        for w in self._mine():
+            if self.store.check([membership.evict_key(w)]):
+                self._kill(w, f"evicted: {self.store.get(membership.evict_key(w)).decode()[:200]}")
+                continue
+            progress = (self.store.add(membership.beat_key(w), 0), _cpu_ticks(self.procs[w].pid))
+            last, since = self.beats.get(w, ((-1, -1), now))
+            if progress != last:
+                self.beats[w] = (progress, now)
+            elif progress[0] > 0 and now - since > self.hang_s:
+                self._kill(w, f"frozen: no beat and no CPU time for {now - since:.1f} s")
+        self._kill_behind(now)
+
+    def _kill_behind(self, now: float) -> None:
+        """The watchdog's progress deadline with its "behind" culprit rule: a member alive and
+        beating whose step stayed below the others' (on any node) for ``factor`` × the median step
+        (at least ``--progress-s`` when given) is SIGKILLed, if it is this node's. Only steps taken
+        in this round count (a survivor still joining the round's group is not behind). Ranks all at
+        one step (a hang inside a collective) name no culprit: the collective timeout, then a
+        relaunch, handles them."""
+        live = [w for w in self.current.members if w not in self.causes and w not in self.finished]
+        keys = [w for w in live if self.store.check([membership.step_key(w)])]
+        for w, v in zip(keys, self.store.multi_get([membership.step_key(w) for w in keys]) if keys else []):
+            step, since = self.steps.get(w, (None, now))
+            if int(v) != step:
+                if step is not None:
+                    self.stepped.add(w)
+                    if int(v) == step + 1:
+                        self.step_times.append(now - since)
+                self.steps[w] = (int(v), now)
+        reached = {w: self.steps[w] for w in keys if w in self.stepped}
+        if len({s for s, _ in reached.values()}) < 2:
+            self.split_at = None
+            return
+        self.split_at = self.split_at or now  # a member is behind only as long as the others are ahead
+        deadline = self.progress_policy.deadline(list(self.step_times))
+        low = min(s for s, _ in reached.values())
+        for w, (s, since) in reached.items():
+            if s == low and now - max(since, self.split_at) > deadline and w in self._mine():
+                median = statistics.median(self.step_times) if self.step_times else float("nan")
+                self._kill(w, f"behind: at step {s} for {now - since:.1f} s while others are further "
+                              f"(deadline {deadline:.1f} s, median step {median:.3f} s)")
+
+    def _kill(self, worker: int, cause: str) -> None:
+        self.causes[worker] = cause
+        self.procs[worker].kill()
+        log.warning("worker %d: %s; killed", worker, cause)
+
+    def stop(self) -> None:
+        """The job is over (or this node launcher leaves it): end what is left of its workers."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait()
+
+
+def run_node(node: int, master: tuple[str, int], command: list[str], hang_s: float,
+             progress_s: float | None) -> int:
+    """A node launcher on a node other than the job launcher's, until the job is over: 0 when
+    it ended well. A job launcher gone (its store unreachable) ends this node's workers too."""
+    store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=60))
+    launcher = NodeLauncher(store, node, master=master, command=command, attempt=0, hang_s=hang_s,
+                            progress_s=progress_s)
+    try:
+        while launcher.poll():
+            time.sleep(POLL_S)
+        ok = store.get(membership.DONE_KEY) == b"done"
+    except RuntimeError as e:  # torch's store errors (DistStoreError) are RuntimeErrors
+        log.error("node %d: the job launcher's store is gone (%s): ending this node's workers", node, e)
+        return 1
+    finally:
+        launcher.stop()
+    store.set(membership.left_key(node), "1")
+    return 0 if ok else 1

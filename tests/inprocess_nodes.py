@@ -1,0 +1,96 @@
+"""Two simulated nodes under ``python -m ckpt.inprocess.launch --nodes 2`` on loopback, and the
+loss of node 1 (for tests/test_inprocess_nodes.py and benchmarks/recovery_inprocess.py).
+
+Each node launcher has its own ``CKPT_GUARD_NODE``, memory dir and disk root; the workers are
+tests/inprocess_child.py. Node 1 is lost the way a host is: its launcher SIGKILLed (its workers
+die with it, ``PR_SET_PDEATHSIG``), its memory dir and disk root removed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ckpt.inprocess import membership
+from tests.procs import free_port, stop_process, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+CHILD = REPO / "tests" / "inprocess_child.py"
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+
+
+@dataclass
+class LostNode:
+    events: list[dict]  # every worker's, both nodes
+    fault_t: float  # wall clock of node 1's loss
+    log: str  # node 0's launcher and workers
+    node1_workers_gone: bool  # no worker of node 1 outlived its launcher
+
+
+def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str], *, at_step: int,
+                hang_s: float) -> LostNode:
+    """Start node 0 (the job launcher) and node 1; once worker 0 has done ``at_step`` steps and
+    node 0's spares are ready, lose node 1; node 0's launcher must then end the job well."""
+    port, events = free_port(), workdir / "events.jsonl"
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], [workdir / f"node{k}.log" for k in range(2)]
+    for k in range(2):
+        (shm / f"node{k}").mkdir(mode=0o700)
+        cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--nodes", "2", "--node-rank", str(k),
+               "--master-port", str(port), "--hang-s", str(hang_s), *launcher, str(CHILD),
+               "--root", str(workdir / f"node{k}"), "--memory-dir", str(shm / f"node{k}"), "--events", str(events),
+               *child]
+        with open(logs[k], "wb") as out:
+            procs.append(subprocess.Popen(cmd, env={**os.environ, **ENV, "CKPT_GUARD_NODE": f"node{k}"}, cwd=REPO,
+                                          stdout=out, stderr=subprocess.STDOUT))
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+        first = membership.wait_round(store, 0, 300.0)
+        if first is None:
+            raise AssertionError(f"no first round:\n{logs[0].read_text()[-3000:]}")
+        hosts = {w: int(h) for w, h in zip(first.members + first.spares, store.multi_get(
+            [membership.host_key(w) for w in first.members + first.spares]))}
+        ready = [membership.ready_key(s) for s in first.spares if hosts[s] == 0]
+
+        def fault_point() -> bool:
+            return (store.check([membership.step_key(0)]) and int(store.get(membership.step_key(0))) >= at_step
+                    and (not ready or store.check(ready)))
+
+        if not wait_for(fault_point, timeout=300, interval=0.01):
+            raise AssertionError(f"worker 0 never reached step {at_step}:\n{logs[0].read_text()[-3000:]}")
+        fault_t = time.time()
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait()
+        shutil.rmtree(shm / "node1")
+        shutil.rmtree(workdir / "node1", ignore_errors=True)
+        procs[0].wait(timeout=600)
+        log = logs[0].read_text()
+        if procs[0].returncode != 0:
+            raise AssertionError(f"node 0's launcher failed ({procs[0].returncode}):\n{log[-4000:]}")
+    finally:
+        for p in procs:
+            stop_process(p)
+    evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    node1 = {e["pid"] for e in evs if e["event"] == "start" and hosts.get(e["worker"]) == 1}
+    return LostNode(evs, fault_t, log, not any(Path(f"/proc/{pid}").exists() for pid in node1))
+
+
+def lost_shard_sources(log: str, step: int, ranks: list[int]) -> dict[int, set[str]]:
+    """Where the survivors' restore lines (``rank R restored step S (shard K from TIER, ...)``) say
+    the shards of ``ranks`` came from (each survivor reads only the shards it needs)."""
+    found: dict[int, set[str]] = {r: set() for r in ranks}
+    for line in re.findall(rf"rank \d+ restored step {step} \((.*?)\)", log):
+        for rank, tier in re.findall(r"shard (\d+) from ([\w-]+)", line):
+            if int(rank) in found:
+                found[int(rank)].add(tier)
+    return found
