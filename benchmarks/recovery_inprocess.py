@@ -1,8 +1,7 @@
 """The in-process rows of the recovery benchmark (benchmarks/recovery_bench.py): the same fault
 under ``python -m ckpt.inprocess.launch`` with a warm spare (2 ranks + 1 spare) and shrinking
 (3 ranks -> 2), trained by tests/inprocess_child.py (``--model gpt``: every mode's model,
-benchmarks/recovery_model.py; gloo; an overlapped snapshot every step, the disk paced to one a
-second: ``--overlap``).
+benchmarks/recovery_model.py; gloo; an overlapped snapshot every step: ``--overlap``).
 
 * ``killed``: the rank SIGKILLs itself at step ``FAULT_AT``.
 * ``hung``: it SIGSTOPs itself; the launcher's beat check (``--hang-s``) declares and kills it.
@@ -108,7 +107,8 @@ def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
     else:
         evs = launch(workdir, f"{case}-{mode}", MODES[mode], ["--steps", str(STEPS), *CASES[case]])
         fault = next(e for e in evs if e["event"] == "fault")
-    started = {e["worker"]: e["pid"] for e in evs if e["event"] == "start"}
+    starts = [e for e in evs if e["event"] == "start"]
+    started = {e["worker"]: e["pid"] for e in starts}
     done = [e for e in evs if e["event"] == "done"]
     recs = [e for e in evs if e["event"] == "recovery"]
     survivors = [r for r in recs if r["failed_at_step"] is not None]
@@ -123,7 +123,7 @@ def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
                                            - fault["t"], 4),
             "detect_s": round(lead["phases"]["fault_time"] - fault["t"], 4),
             "steps_lost": lead["failed_at_step"] - restored,
-            "relaunched": False,
+            "relaunched": len(starts) > len(started),  # a fallback relaunch starts a worker again
             "survivor_pids_kept": all(e["pid"] == started[e["worker"]] for e in done),
             "equal_to_clean": _digests(evs) == refs.get(mode, restored, 3 if lost is None else 4),
             "world_size_after": lead["world_size"], "restored_step": restored, "phases": phases,

@@ -60,7 +60,8 @@ def main() -> None:
     ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
                     help="gpt: the recovery benchmark's model (benchmarks/recovery_model.py), as every engine's row")
     ap.add_argument("--overlap", action="store_true",
-                    help="overlapped snapshots every step, the lower tiers paced (drain_interval_s=1)")
+                    help="overlapped snapshots every step (superseded drains skipped, not paced: the peer "
+                    "replicas a lost node restores from must keep up)")
     ap.add_argument("--memory-dir", default="/dev/shm", help="this node's memory tier")
     ap.add_argument("--peers", type=int, default=0, help="peer replicas on other nodes (CKPT_GUARD_NODE)")
     ap.add_argument("--object-store", default=None, help="the job's shared object store (file://DIR)")
@@ -152,7 +153,7 @@ def main() -> None:
     result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
                  checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"],
                              "memory_dir": args.memory_dir, "peers": args.peers, "object_store": args.object_store,
-                             **({"overlap": True, "drain_interval_s": 1.0} if args.overlap else {})},
+                             **({"overlap": True} if args.overlap else {})},
                  resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,
                  warm_up=warm_up, listener=listener)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))

@@ -1,8 +1,10 @@
 """In-process recovery: survivors keep their processes when a rank is lost (docs/inprocess.md).
 
-``run(build, step, ...)`` trains under ``python -m ckpt.inprocess.launch``; ``group`` leaves a
-broken process group without waiting on it; ``membership`` is the launcher's round-by-round
-decision of who is in the job.
+``run(build, step, ...)`` trains under ``python -m ckpt.inprocess.launch`` (``launch``: the job
+launcher, its store and membership decisions; ``node``: a node's launcher, which starts, watches
+and reports that node's workers); ``group`` leaves a broken process group without waiting on it
+and closes its connections; ``membership`` is the round-by-round decision of who is in the job;
+``evictions`` maps the predictor's events to the workers to evict.
 """
 from .runner import EXIT_FALLBACK, EXIT_LEAVE, Context, FallBack, Recovery, Result, run
 
