@@ -59,7 +59,10 @@ def test_preempted_job_resumes_bitwise(slurm: SlurmCluster) -> None:
     slurm.run("scancel", "--batch", "--signal=USR1", jobs["time_limit"])
     slurm.scontrol("requeue", jobs["requeue"])
     for name in ("time_limit", "requeue"):
-        pending = slurm.wait_state(jobs[name], {"PENDING"})
+        slurm.wait_state(jobs[name], {"PENDING"})
+        # the reason is "None" until the scheduler's next pass sets it (a busy machine sees it)
+        pending = wait_for(lambda n=name: (j := slurm.job(jobs[n]))["Reason"] != "None" and j, timeout=120,
+                           interval=0.5) or slurm.job(jobs[name])
         assert pending["Restarts"] == "1" and pending["Reason"] == "BeginTime", pending
         slurm.scontrol("update", f"JobId={jobs[name]}", "StartTime=now")
     done = {name: slurm.wait_state(j, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=240)
