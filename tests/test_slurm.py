@@ -61,7 +61,7 @@ def test_preempted_job_resumes_bitwise(slurm: SlurmCluster) -> None:
     for name in ("time_limit", "requeue"):
         pending = slurm.wait_state(jobs[name], {"PENDING"})
         # held until its begin time; the reason reads "None" until the scheduler's next pass sets
-        # it (a busy machine sees that; waiting for it here made the requeued job fail, 3 of 6)
+        # it (a busy machine sees that)
         assert pending["Restarts"] == "1" and pending["Reason"] in ("BeginTime", "None"), pending
         slurm.scontrol("update", f"JobId={jobs[name]}", "StartTime=now")
     done = {name: slurm.wait_state(j, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=240)
