@@ -203,7 +203,7 @@ def main() -> None:
         last = max(mgr.disk.list(), key=lambda i: i.id).id
 
         def restore_from(tier) -> None:
-            load_into(state, read_shard(tier, last, 0, state=state))
+            load_into(state, read_shard(tier, last, 0, state=state, threads=mgr.restore_threads))
             sync(tensors)
         res["ours_restore_memory_s"] = median_time(lambda: restore_from(mgr.memory), args.repeats)
         mgr.close()

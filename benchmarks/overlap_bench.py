@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckpt import CheckpointManager  # noqa: E402
@@ -70,11 +71,19 @@ class DcpSaver:
         self._dcp, self.dir = dcp, directory
         self.options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=True, use_async_staging=True,
                                       use_non_blocking_copy=gpu)
-        self._stager = DefaultStager(self.options)
+        self._new_stager = lambda: DefaultStager(self.options)
+        # torch before 2.13 closes the stager's copy table and staged buffers at the end of
+        # every staging (torch 2.11 on an H100: the next save failed in the cleared table), so
+        # there each save gets a new stager, paying the allocation DCP itself pays there.
+        self._stager_per_save = TorchVersion(torch.__version__) < (2, 13)
+        self._stager = self._new_stager()
         self._response = None
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.wait_upload()  # one save in flight at a time
+        if self._stager_per_save:
+            self._stager.close()
+            self._stager = self._new_stager()
         self._response = self._dcp.async_save(state, checkpoint_id=str(self.dir / f"step-{step % 2}"),
                                               async_stager=self._stager, no_dist=True)
 
@@ -238,6 +247,7 @@ def main() -> None:
         "state_bytes": state_bytes, "memcpy_floor_s": floor, "one_thread_copy_s": copy_1t,
         "rounds": args.rounds, "block_steps": args.block,
         "dcp_staging_options": vars(dcp.options) if dcp is not None else None,
+        "dcp_stager_per_save": dcp._stager_per_save if dcp is not None else None,
         "mean_step_s": {a: spread(xs) for a, xs in step.items()},
         "cpu_per_step_s": {a: spread(xs) for a, xs in cpu.items()},
         "save_call_s": {a: spread(xs) for a, xs in blocking.items() if xs},

@@ -106,6 +106,8 @@ class CheckpointManager:
             raise ValueError("drain_interval_s paces the drains that a newer snapshot may skip: it needs overlap=True")
         keep_by_tier, default_keep = retention(keep_last)
         self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
+        # a restore runs while training waits, so its checksums take up to 8 cores
+        self.restore_threads = max(threads, min(8, os.cpu_count() or 1))
         self.node_memory = node_memory
         self.replicated = frozenset(replicated)
         self.keep_memory = keep_memory
@@ -329,8 +331,8 @@ class CheckpointManager:
                         holder=self._replica_holder)
         self.last_reshard = None
         inventory = Inventory(tiers)
-        load = partial(load_values, state=state, rank=self.rank, world_size=self.world_size, threads=self.threads,
-                       inventory=inventory)
+        load = partial(load_values, state=state, rank=self.rank, world_size=self.world_size,
+                       threads=self.restore_threads, inventory=inventory)
         found = restore_agreed(self.coord, inventory, needs, load, step=step)
         if found is None:
             if step is not None:

@@ -13,8 +13,6 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import s3fs
-
 from .procs import free_port, stop_process
 
 MOTO_SERVER = [sys.executable, "-m", "moto.server"]  # works wherever moto is importable (a venv, --target)
@@ -81,5 +79,7 @@ def moto_server(env: dict | None = None):
 
 def create_bucket(server: S3Server, name: str | None = None) -> str:
     name = name or f"ckpt-{uuid.uuid4().hex[:12]}"
+    import s3fs  # here, not at the top: conftest loads this module where s3fs is absent (the GPU machine)
+
     s3fs.S3FileSystem(skip_instance_cache=True, **server.options()).call_s3("create_bucket", Bucket=name)
     return name

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable, Iterator, TypeVar
 
 from ..errors import DamagedCheckpoint
 from .checksum import crc32c_of
@@ -12,6 +12,7 @@ from .read_items import ReadItem, read_items
 from .shard_reader import ShardReader
 
 Progress = Callable[[int], None]
+T = TypeVar("T")
 DEFAULT_THREADS = 4
 
 
@@ -43,10 +44,22 @@ def verify_shard(reader: ShardReader, *, step: int = -1, tier: str = "", threads
 
 def run_parallel(fn: Callable, items: list, threads: int) -> None:
     """``fn`` over ``items`` on ``threads`` threads (CRC32C and file reads release the GIL)."""
+    for _ in map_parallel(fn, items, threads):
+        pass
+
+
+def map_parallel(fn: Callable[[Any], T], items: list, threads: int) -> Iterator[T]:
+    """``fn``'s results over ``items``, in order, while ``threads`` threads go on with the
+    next ones: the caller acts on each result (say, issues its device copy) as it comes.
+    The first error is raised and the items not yet started are dropped."""
     if threads <= 1 or len(items) <= 1:
-        for it in items:
-            fn(it)
+        yield from map(fn, items)
         return
     with ThreadPoolExecutor(threads) as pool:
-        for f in [pool.submit(fn, it) for it in items]:
-            f.result()
+        futures = [pool.submit(fn, it) for it in items]
+        try:
+            for f in futures:
+                yield f.result()
+        finally:
+            for f in futures:
+                f.cancel()
