@@ -6,9 +6,9 @@ Under torch.distributed every rank runs one manager: each writes its own shard
 (replicated keys, e.g. a DDP model, only on the first rank of each disk volume), the
 ``Committer`` makes a step visible once every shard is durable, and restore agrees
 on one step across ranks. The wiring is here; the mechanisms live in their modules:
-``tiers/`` (storage by role), ``commit.py``, ``save_path.py`` (a save's bytes, tier
-by tier), ``drain.py``/``offload.py`` (background queues), ``plan.py``/``restore.py``
-(what to read, and reading it).
+``tiers/`` (storage by role), ``save/`` (``commit.py``, ``save_path.py``: a save's bytes,
+tier by tier; ``drain.py``/``offload.py``: background queues), ``restore/`` (``job.py``:
+a rank's restore; ``plan.py``, ``execute.py``, ``reshard.py``: what to read, and reading it).
 """
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ from .format.checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .format.state import flatten
 from .peers.priority import at_low_priority, replication_nice
 from .recovery.restarts import mark
-from .restore.execute import log_restored, open_shard, restore_agreed
-from .restore.fresh_start import JobListing, refuse_if_present, set_aside
-from .restore.plan import Inventory, shard_needs
-from .restore.reshard import ReshardStats, load_values
-from .restore.state_load import load_into
+from .restore.execute import log_restored, open_shard
+from .restore.fresh_start import set_aside
+from .restore.job import readable_tiers, restore_job
+from .restore.plan import shard_needs
+from .restore.reshard import ReshardStats
 from .save.commit import Committer, retention
 from .save.drain import Pace, SaveHandle
+from .save.lineage import Lineage
 from .save.metrics import CheckpointMetrics
 from .save.offload import Offloader
 from .save.ownership import claim_for_job
@@ -43,7 +44,6 @@ from .tiers.local import LocalDiskTier
 from .tiers.locations import object_store_tier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
-from .tiers.memory.namespace import rank_dirs
 
 if TYPE_CHECKING:
     from .format.manifest import ShardManifest
@@ -118,10 +118,8 @@ class CheckpointManager:
         self.disk = LocalDiskTier(root, threads=threads) if root is not None else None
         if self.disk is not None:
             self.disk.root.mkdir(parents=True, exist_ok=True)
-        self.object: DurableTier | None = None
-        if object_store is not None:
-            self.object = (object_store if isinstance(object_store, DurableTier)
-                           else object_store_tier(object_store, storage_options))
+        self.object: DurableTier | None = (object_store if object_store is None or isinstance(object_store, DurableTier)
+                                           else object_store_tier(object_store, storage_options))
         durable = [t for t in (self.disk, self.object) if t is not None]
         claim_for_job(self.coord, durable, self.run)  # before anything is swept or pruned
         # Alone, each tier is one volume: nothing is written to the root to find out.
@@ -147,7 +145,7 @@ class CheckpointManager:
         self._offload = None if self.object is None else Offloader(self.object, self.committer,
                                                                    interval_s=object_interval_s)
         self._handles: list[SaveHandle] = []
-        self._generation: int | None = None
+        self._lineage = Lineage(self.coord, self.tiers)
         self._prepared = False
         self._closed = False
         self.last_reshard: ReshardStats | None = None  # the last restore's, when it was at another world size
@@ -170,7 +168,7 @@ class CheckpointManager:
                                replicated=self.replicated, overlap=overlap, pace=Pace(drain_interval_s),
                                yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"))
         if self._offload is not None:
-            self._current_generation()  # list the store now: save() must not wait on it during an outage
+            self._lineage.current()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small
             refused = [e for e in self.coord.gather(refusal_of(self.prepare, state)) if e]
             if refused:
@@ -219,7 +217,7 @@ class CheckpointManager:
         self.wait_staged()
         self._saves.pace.resume()
         self._raise_background_errors()
-        ckpt_id = CheckpointId(self._current_generation(), int(step))
+        ckpt_id = CheckpointId(self._lineage.current(), int(step))
         if self.overlap:
             self._saves.skip_superseded(self.coord.max)
         slot, manifest = self._snapshot(ckpt_id, state, staged=self.overlap)
@@ -262,16 +260,6 @@ class CheckpointManager:
         if self._prepared:
             self.memory.wait_prepared()
         return (self._saves.stage if staged else self._saves.snapshot)(ckpt_id, self._own_part(state), state)
-
-    def _newest_known(self) -> CheckpointId | None:
-        return max((i.id for t in self.tiers for i in t.list()), default=None)
-
-    def _current_generation(self) -> int:
-        if self._generation is None:
-            newest = self._newest_known()
-            # No restore happened: whatever is here belongs to another lineage.
-            self._generation = self.coord.max(newest.generation + 1 if newest else 0)
-        return self._generation
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> None:
         """Block until every pending save (or ``step``) is durable in every tier its handle
@@ -324,55 +312,28 @@ class CheckpointManager:
     def _restore(self, state: dict, step: int | None) -> int | None:
         t0 = time.monotonic()
         mark("restore_start")  # restart timing (ckpt.restarts)
-        tiers = self._restore_tiers()
-        if self.peering is not None:
-            tiers = self.peering.restore_tiers(self.coord, tiers)
+        tiers = readable_tiers(self.memory, self._ns, self._replica_holder, replicated=bool(self.replicated),
+                               node_memory=self.node_memory, durable=self.tiers[1:])
         needs = partial(shard_needs, rank=self.rank, world=self.world_size, replicated=self.replicated,
                         holder=self._replica_holder)
         self.last_reshard = None
-        inventory = Inventory(tiers)
-        load = partial(load_values, state=state, rank=self.rank, world_size=self.world_size,
-                       threads=self.restore_threads, inventory=inventory)
-        found = restore_agreed(self.coord, inventory, needs, load, step=step)
+        found = restore_job(self.coord, tiers, needs, state, step, rank=self.rank, world_size=self.world_size,
+                            threads=self.restore_threads, peering=self.peering)
         if found is None:
-            if step is not None:
-                raise CheckpointError(f"step {step} is in no tier ({', '.join(t.location for t in self.tiers)})")
-            listing = JobListing(self.coord, inventory)  # what was there, from every rank: why none was used
-            if self.peering is not None:
-                self.peering.nothing_readable(listing)
-            refuse_if_present(listing)
             return None
-        plan, (values, self.last_reshard) = found
-        load_into(state, values)
+        plan, self.last_reshard = found
         seconds = time.monotonic() - t0
         log_restored(plan, seconds, self.rank, self.world_size)
         if self.metrics is not None:
             self.metrics.restored(plan.shards[0].sources[0].name, seconds)
-        # a resharded step is not this rank's saved shard: it is protected by the next save
+        # A shard that came from another node has one copy left: snapshot the restored state
+        # into memory now (before training changes it) and replicate it at once. A resharded
+        # step is not this rank's saved shard: the next save protects it.
         if self.peering is not None and self.peering.restored(plan) and self.last_reshard is None:
-            self._reprotect(plan.ckpt_id, state)
-        newest = self._newest_known() or plan.ckpt_id
-        generation = self.coord.max(newest.generation)
-        # Resuming anything but the newest abandons a branch: later saves start a new lineage.
-        self._generation = generation if self.coord.all(plan.ckpt_id == newest) else generation + 1
+            self._saves.protect(*self._snapshot(plan.ckpt_id, state), plan.ckpt_id)
+        self._lineage.resumed(plan.ckpt_id)
         mark("restore_done")
         return plan.ckpt_id.step
-
-    def _reprotect(self, ckpt_id: CheckpointId, state: Mapping[str, Any]) -> None:
-        """This rank's shard of the restored step came from another node: one copy is left.
-        Snapshot the restored state into memory now (before training changes it) and
-        replicate it at once, not at the next save; the peering logs the window."""
-        self._saves.protect(*self._snapshot(ckpt_id, state), ckpt_id)
-
-    def _restore_tiers(self) -> list[TierReader]:
-        """Every tier a needed shard may come from, fastest first: this rank's memory and the
-        replica holder's (read-only), then the durable tiers."""
-        holder = self._replica_holder
-        others = [MemoryTier(self._ns, holder)] if self.replicated and holder != self.rank else []
-        if self.node_memory:  # every rank's slots on this node (read-only): a rank lost in process left its own
-            own = {self.memory.dir, *(t.dir for t in others)}
-            others += [MemoryTier(self._ns, int(d.name.split("-")[1])) for d in rank_dirs(self._ns) if d not in own]
-        return [self.memory, *others, *self.tiers[1:]]
 
     def list(self) -> list[dict]:
         """Every checkpoint: step, generation, time, size, the tiers holding it, and status."""
@@ -421,9 +382,7 @@ class CheckpointManager:
         self._release(destroy_group=False)
 
     def _release(self, remove_memory: bool = False, destroy_group: bool = True) -> None:
-        self._saves.close_staging()
-        self._saves.pace.hurry()
-        self._saves.drainer.close()
+        self._saves.close()
         try:
             if self._offload is not None:
                 self._offload.close()

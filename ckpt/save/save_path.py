@@ -113,6 +113,12 @@ class SavePath:
         handle, upload, urgent = staged.drain
         self.submit(staged.slot, staged.manifest, staged.ckpt_id, handle, upload=upload, urgent=urgent)
 
+    def close(self) -> None:
+        """Stop: the staging (below), then the drains, hurried past any pacing."""
+        self.close_staging()
+        self.pace.hurry()
+        self.drainer.close()
+
     def close_staging(self) -> None:
         """Remove the step pre-hooks; let a copy still running end (before the slots are unmapped)."""
         if self._hooks is not None:
