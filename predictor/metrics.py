@@ -65,7 +65,7 @@ class _RiskCollector:
         svc = self.service
         yield GaugeMetricFamily("predictor_job_risk_calibrated",
                                 "1 when the model states job-level risk (it has a node calibration)",
-                                value=float(svc.calibration is not None))
+                                value=float(svc.job_risks.calibration is not None))
         labels = ["job_id", "job_name"]
         prob = GaugeMetricFamily("predictor_job_failure_probability",
                                  "P(a node of the job fails within the horizon), calibrated", labels=labels)
@@ -74,10 +74,10 @@ class _RiskCollector:
         ratio = GaugeMetricFamily("predictor_job_hazard_ratio",
                                   "The job's failure hazard over as many nodes' at the base rate", labels=labels)
         jobs = list(svc.jobs.jobs.values())
-        if svc.calibration is not None and jobs:
+        if svc.job_risks.calibration is not None and jobs:
             scores = node_scores(svc.scorer)
             for job in jobs:
-                r = svc.job_risk(job, scores)
+                r = svc.job_risks.of(job, scores)
                 prob.add_metric([job.id, job.name], r["probability"])
                 base.add_metric([job.id, job.name], r["base_probability"])
                 if r["hazard_ratio"] is not None:

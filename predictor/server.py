@@ -22,8 +22,8 @@ from predictor import wire
 from predictor.alerts import StrictAlerts
 from predictor.auth import Tokens
 from predictor.batch_ids import BatchIds
-from predictor.job_risk import NodeCalibration, job_risk, node_scores
-from predictor.jobs import DEFAULT_MIN_INTERVAL_S, LISTENER_QUEUE, MAX_NODES_PER_JOB, Job, JobRegistry
+from predictor.job_risk import JobRisks, NodeCalibration, node_scores
+from predictor.jobs import DEFAULT_MIN_INTERVAL_S, LISTENER_QUEUE, MAX_NODES_PER_JOB, JobRegistry
 from predictor.metrics import ServiceMetrics
 from predictor.model import Model
 from predictor.scoring import Scored, Scorer
@@ -50,8 +50,7 @@ class Service:
                  alerts: StrictAlerts | None = None, max_ahead_s: float = wire.MAX_AHEAD_S,
                  max_nodes: int = MAX_NODES):
         self.scorer = Scorer(model)
-        self.calibration = NodeCalibration.of(model)
-        self._job_node_ids: dict[str, tuple[int, list[str], np.ndarray]] = {}
+        self.job_risks = JobRisks(self.scorer, NodeCalibration.of(model))
         self.tokens = tokens
         self.max_body = max_body
         self.max_ahead_s = max_ahead_s
@@ -202,7 +201,7 @@ class Service:
 
     def _publish_job_risk(self, nodes: set[str]) -> None:
         """A "risk" event to each job with a node just scored, if its probability moved enough."""
-        if self.calibration is None or not self.jobs.jobs:
+        if self.job_risks.calibration is None or not self.jobs.jobs:
             return
         job_ids = set().union(*(self.jobs.by_node.get(n, ()) for n in nodes))
         if not job_ids:
@@ -211,37 +210,7 @@ class Service:
         for job_id in job_ids:
             job = self.jobs.jobs.get(job_id)
             if job is not None:
-                self.jobs.risk(job, self.job_risk(job, scores))
-
-    def job_risk(self, job: Job, scores: np.ndarray | None = None) -> dict:
-        """P(any node of the job fails within the horizon) from calibrated node probabilities;
-        a node never heard from counts at the base rate."""
-        cal = self.calibration
-        if cal is None:
-            return {"job": job.id, "calibrated": False,
-                    "error": "the model has no node calibration: run `predictor calibrate` on it"}
-        scores = node_scores(self.scorer) if scores is None else scores
-        names, ids = self._node_ids(job)
-        s = np.full(len(ids), np.nan)
-        known = (ids >= 0) & (ids < len(scores))
-        s[known] = scores[ids[known]]
-        p = np.where(np.isnan(s), cal.base_probability, cal.probability(np.nan_to_num(s)))
-        top = np.argsort(-p, kind="stable")[:3]
-        return {"job": job.id, "calibrated": True, **job_risk(p, cal), "unseen_nodes": int((~known).sum()),
-                "top_nodes": [{"node": names[i], "probability": round(float(p[i]), 6)} for i in top.tolist()],
-                "sent_at_ms": int(time.time() * 1000)}
-
-    def _node_ids(self, job: Job) -> tuple[list[str], np.ndarray]:
-        """The job's node names, sorted, and their scorer node ids (-1: not seen yet); cached
-        until new nodes appear (a job may have 100,000 nodes and a pass comes every few ms)."""
-        seen = len(self.scorer.state.node_names)
-        cached = self._job_node_ids.get(job.id)
-        if cached is None or cached[0] != seen:
-            of = self.scorer.state.node_of
-            names = cached[1] if cached else sorted(job.nodes)
-            cached = (seen, names, np.fromiter((of.get(n, -1) for n in names), np.int64, len(names)))
-            self._job_node_ids[job.id] = cached
-        return cached[1], cached[2]
+                self.jobs.risk(job, self.job_risks.of(job, scores))
 
     def _firing_slots(self) -> np.ndarray:
         of = self.scorer.state.slot_of
@@ -255,7 +224,7 @@ class Service:
             job = self.jobs.jobs.get(job_id)
             if job is None:
                 raise _json_error(web.HTTPNotFound, "no such job")
-            return web.json_response(self.job_risk(job))
+            return web.json_response(self.job_risks.of(job))
         self._require(request, "risk")
         node = request.query.get("node")
         if not node:
@@ -302,7 +271,7 @@ class Service:
     async def delete_job(self, request: web.Request) -> web.Response:
         job = self._job(request)
         self.jobs.remove(job.id)
-        self._job_node_ids.pop(job.id, None)
+        self.job_risks.forget(job.id)
         return web.json_response({"deleted": job.id})
 
     async def job_events(self, request: web.Request) -> web.StreamResponse:
@@ -317,7 +286,7 @@ class Service:
             hello = {"job": job.id, "nodes": len(job.nodes), "sensitive": self.scorer.model.sensitive,
                      "at_risk": [r for r in (self.scorer.node_risk(n) for n in sorted(job.nodes))
                                  if r and r["risk"] >= self.scorer.model.sensitive],
-                     "risk": self.job_risk(job)}
+                     "risk": self.job_risks.of(job)}
             await resp.write(_sse("hello", hello))
             while True:
                 try:
