@@ -7,12 +7,14 @@ with the weights of an uninterrupted run.
   the script turns it into SIGTERM for the ranks, waits for their save, requeues itself.
 - Preemption / `scontrol requeue`: Slurm sends SIGTERM to every process of the job and
   requeues it.
-A requeued job waits ~120 s (BeginTime) unless its StartTime is set to now, as here.
+A requeued job waits ~120 s (BeginTime) unless its StartTime is set to now, as here, in a
+later second than its requeue (start_again).
 """
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,19 @@ def submit(slurm: SlurmCluster, work: Path) -> str:
     return out.stdout.strip().split(";")[0]
 
 
+def start_again(slurm: SlurmCluster, job_id: str) -> None:
+    """StartTime=now for a requeued job seen PENDING, set in a later second than its requeue.
+
+    slurmd revokes the old incarnation's credential at the requeue with a time in whole
+    seconds and refuses a credential issued in that same second ("Job N already killed, do
+    not launch batch job"; slurmctld: "Killing non-startable batch JobId=N: Job credential
+    revoked"): the job ends FAILED instead of running again. Slurm's own hold (BeginTime,
+    AuthInfo cred_expire, 120 s) is what normally keeps the two apart. The requeue came before
+    the job was seen PENDING, so a start in any second after now is a later one."""
+    time.sleep(1.05 - time.time() % 1)
+    slurm.scontrol("update", f"JobId={job_id}", "StartTime=now")
+
+
 def steps_done(work: Path) -> int:
     timeline = work / "timeline.jsonl"
     return len(timeline.read_text().splitlines()) if timeline.exists() else 0
@@ -63,7 +78,7 @@ def test_preempted_job_resumes_bitwise(slurm: SlurmCluster) -> None:
         # held until its begin time; the reason reads "None" until the scheduler's next pass sets
         # it (a busy machine sees that)
         assert pending["Restarts"] == "1" and pending["Reason"] in ("BeginTime", "None"), pending
-        slurm.scontrol("update", f"JobId={jobs[name]}", "StartTime=now")
+        start_again(slurm, jobs[name])
     done = {name: slurm.wait_state(j, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=240)
             for name, j in jobs.items()}
     logs = {name: (base / name / "job.log").read_text() for name in jobs}
