@@ -3,7 +3,8 @@
     python benchmarks/recovery_bench.py --json out.json [--repeats 3] [--cases killed,hung] [--modes ...]
 
 Writes ``{"meta": {command, machine, date, load}, "rows": [...]}``: one row per case (killed,
-hung, lost_node, xid79; node_failed and behind in process only) and mode (``relaunch``: today's torchrun restart, below;
+hung, lost_node, xid79; node_failed, behind and vanished_node in process only) and mode
+(``relaunch``: today's torchrun restart, below;
 ``inprocess_spare`` / ``inprocess_shrink``: ``ckpt.inprocess``, benchmarks/recovery_inprocess.py;
 ``nvrx_inprocess`` / ``torchft_2_groups``: NVRx's in-process restart and torchft,
 benchmarks/recovery_engines.py, in ``--engines-python``, skipped with the reason where an engine
@@ -264,12 +265,13 @@ def median_of(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
 # today's relaunch rows: the scenario that measures each case
 RELAUNCH = {"killed": "killed", "hung": "hung", "lost_node": "lost_node_peer", "xid79": "xid79"}
 FAULT_STEP = {"killed": 12, "hung": 12}  # the step the injector hits (12 steps done)
-INPROCESS_ONLY = ["node_failed", "behind"]  # detectors wired to eviction: their relaunch path is another row's
+INPROCESS_ONLY = ["node_failed", "behind", "vanished_node"]  # their relaunch path is another row's
 SKIPPED = {
     ("node_failed", "relaunch"): "the xid79 relaunch row: under ckpt.resumable the predictor's node_failed "
                                  "ends every rank (exit 87) and torchrun restarts the job",
     ("behind", "relaunch"): "the hung relaunch row's path: the watchdog's verdict ends every rank (exit 86) and "
                             "torchrun restarts the job",
+    ("vanished_node", "relaunch"): "the lost_node relaunch row's path, detected by the rendezvous' heartbeat",
 }
 ENGINE_MODES = ["nvrx_inprocess", "torchft_2_groups"]  # benchmarks/recovery_engines.py, in --engines-python
 MODES = ["relaunch", "inprocess_spare", "inprocess_shrink", *ENGINE_MODES]
@@ -300,7 +302,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write {meta, rows} here")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--cases", default=",".join([*RELAUNCH, *INPROCESS_ONLY]),
-                    help="comma-separated: killed, hung, lost_node, xid79, node_failed, behind")
+                    help="comma-separated: killed, hung, lost_node, xid79, node_failed, behind, vanished_node")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     ap.add_argument("--engines-python", default=os.environ.get("RECOVERY_ENGINES_PYTHON", DEFAULT_ENGINES_PYTHON),
                     help="an interpreter with nvidia-resiliency-ext 0.4.1 and torchft 0.2.0 for their rows "

@@ -15,9 +15,12 @@ benchmarks/recovery_model.py; gloo; an overlapped snapshot every step: ``--overl
   a spare, 1 rank + 1 spare each and peer replicas (``--peers 1``); shrinking, 2 ranks each
   (4 -> 2) and a shared object store (``file://``), as in tests/test_inprocess_nodes.py. Past step
   ``FAULT_AT`` node 1's launcher is SIGKILLed (its workers die with it) and its memory dir and
-  disk root removed; it is declared lost after ``--hang-s HANG_S`` without a beat. The row is
-  fault -> first resumed step on node 0; ``lost_shards_from``: where the survivors read the lost
-  ranks' shards (node 1's memory and disk are gone).
+  disk root removed; its lifeline closes, so it is declared lost at once. The row is fault ->
+  first resumed step on node 0; ``lost_shards_from``: where the survivors read the lost ranks'
+  shards (node 1's memory and disk are gone).
+* ``vanished_node``: as ``lost_node``, but node 1's launcher and workers are SIGSTOPped (a host
+  that vanished: its sockets stay open): it is declared lost after ``--hang-s HANG_S`` without a
+  beat, and node 0's ranks blocked in a collective with it are cut loose.
 
 Each row's equality is checked against a run of the same launcher: with a spare, an
 uninterrupted 2-rank run; shrinking, a clean 3-rank (lost_node: 4-rank) run to the restored step
@@ -44,7 +47,7 @@ CASES = {"killed": ["--kill-worker", "1", "--kill-at", str(FAULT_AT)],
          "hung": ["--kill-worker", "1", "--kill-at", str(FAULT_AT), "--hang"],
          "xid79": ["--evict-worker", "1", "--kill-at", str(FAULT_AT)],
          "node_failed": ["--node-failed-gpu", "1", "--kill-at", str(FAULT_AT)],
-         "behind": ["--stall-worker", "1", "--kill-at", str(FAULT_AT)], "lost_node": []}
+         "behind": ["--stall-worker", "1", "--kill-at", str(FAULT_AT)], "lost_node": [], "vanished_node": []}
 # lost_node, per node: the launcher's flags, and the tier the lost ranks' shards are restored from
 NODE_MODES = {"inprocess_spare": (["--nproc", "1", "--spares", "1"], "peer"),
               "inprocess_shrink": (["--nproc", "2"], "object")}
@@ -97,12 +100,12 @@ class References:
 def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
     """One fault under one in-process mode: the benchmark's row."""
     lost = None
-    if case == "lost_node":
+    if case in ("lost_node", "vanished_node"):
         flags, tier = NODE_MODES[mode]
         where = ["--peers", "1"] if tier == "peer" else ["--object-store", f"file://{workdir / 'objstore'}"]
         with tempfile.TemporaryDirectory(prefix="recovery-bench-nodes-", dir="/dev/shm") as shm:
             lost = lose_node_1(workdir / f"{case}-{mode}", Path(shm), flags, [*MODEL, "--steps", str(STEPS), *where],
-                               at_step=FAULT_AT, hang_s=HANG_S)
+                               at_step=FAULT_AT, hang_s=HANG_S, silent=case == "vanished_node")
         evs, fault = lost.events, {"t": lost.fault_t}
     else:
         evs = launch(workdir, f"{case}-{mode}", MODES[mode], ["--steps", str(STEPS), *CASES[case]])

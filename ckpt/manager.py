@@ -373,24 +373,24 @@ class CheckpointManager:
         """Let go after a peer failed (``ckpt.inprocess``): background waits on other ranks
         end at once, nothing more is committed, this rank's memory is released (its sealed
         slots stay, for the next incarnation's restore). Unlike ``close()`` it never waits for
-        a rank that is gone, nor destroys its control group (``ckpt.inprocess`` lets go of the
-        broken groups off the critical path)."""
+        a rank that is gone (a replica in flight is cut off), nor destroys its control group
+        (``ckpt.inprocess`` lets go of the broken groups off the critical path)."""
         if self._closed:
             return
         self._closed = True
         self.committer.abandoned.set()
-        self._release(destroy_group=False)
+        self._release(abandoned=True)
 
-    def _release(self, remove_memory: bool = False, destroy_group: bool = True) -> None:
+    def _release(self, remove_memory: bool = False, abandoned: bool = False) -> None:
         self._saves.close()
         try:
             if self._offload is not None:
                 self._offload.close()
         finally:
             if self.peering is not None:
-                self.peering.close()
+                self.peering.close(abort=abandoned)
             self.memory.close(remove=remove_memory)
-            if destroy_group:
+            if not abandoned:
                 self.coord.close()
 
     def __enter__(self) -> "CheckpointManager":

@@ -2,8 +2,10 @@
 loss of node 1 (for tests/test_inprocess_nodes.py and benchmarks/recovery_inprocess.py).
 
 Each node launcher has its own ``CKPT_GUARD_NODE``, memory dir and disk root; the workers are
-tests/inprocess_child.py. Node 1 is lost the way a host is: its launcher SIGKILLed (its workers
-die with it, ``PR_SET_PDEATHSIG``), its memory dir and disk root removed.
+tests/inprocess_child.py. Node 1 is lost the way a host is, its memory dir and disk root
+removed: its launcher SIGKILLed (its workers die with it, ``PR_SET_PDEATHSIG``; the lifeline
+closes), or, ``silent``, its launcher and workers SIGSTOPped (a host that vanished: its
+sockets stay open, its beats stop), SIGKILLed once node 0 is done.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ class LostNode:
 
 
 def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str], *, at_step: int,
-                hang_s: float) -> LostNode:
+                hang_s: float, silent: bool = False) -> LostNode:
     """Start node 0 (the job launcher) and node 1; once worker 0 has done ``at_step`` steps and
     node 0's spares are ready, lose node 1; node 0's launcher must then end the job well."""
     port, events = free_port(), workdir / "events.jsonl"
@@ -52,7 +54,7 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
                *child]
         with open(logs[k], "wb") as out:
             procs.append(subprocess.Popen(cmd, env={**os.environ, **ENV, "CKPT_GUARD_NODE": f"node{k}"}, cwd=REPO,
-                                          stdout=out, stderr=subprocess.STDOUT))
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=k == 1))
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
         first = membership.wait_round(store, 0, 300.0)
@@ -69,8 +71,11 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
         if not wait_for(fault_point, timeout=300, interval=0.01):
             raise AssertionError(f"worker 0 never reached step {at_step}:\n{logs[0].read_text()[-3000:]}")
         fault_t = time.time()
-        procs[1].send_signal(signal.SIGKILL)
-        procs[1].wait()
+        if silent:
+            os.killpg(procs[1].pid, signal.SIGSTOP)  # the launcher and its workers: one session
+        else:
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait()
         shutil.rmtree(shm / "node1")
         shutil.rmtree(workdir / "node1", ignore_errors=True)
         procs[0].wait(timeout=600)
@@ -78,11 +83,23 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
         if procs[0].returncode != 0:
             raise AssertionError(f"node 0's launcher failed ({procs[0].returncode}):\n{log[-4000:]}")
     finally:
+        if silent:
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            procs[1].wait()
         for p in procs:
             stop_process(p)
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     node1 = {e["pid"] for e in evs if e["event"] == "start" and hosts.get(e["worker"]) == 1}
-    return LostNode(evs, fault_t, log, not any(Path(f"/proc/{pid}").exists() for pid in node1))
+    gone = wait_for(lambda: not any(_running(pid) for pid in node1), timeout=30, interval=0.05)
+    return LostNode(evs, fault_t, log, gone)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for init to reap it is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def lost_shard_sources(log: str, step: int, ranks: list[int]) -> dict[int, set[str]]:

@@ -1,8 +1,9 @@
 """In-process recovery across two simulated nodes on loopback (tests/inprocess_nodes.py): node 1
-is lost mid-training (its launcher SIGKILLed, its workers dying with it, its memory dir and disk
-root wiped). Node 0's workers must keep their processes, restore the lost ranks' shards from
-what survives off node 1 (the peer replicas node 0 holds with ``--peers 1``; else the job's shared
-object store) and finish bitwise equal to the run they stand for."""
+is lost mid-training (its launcher SIGKILLed, its workers dying with it, or all of them stopped
+as if the host vanished; its memory dir and disk root wiped). Node 0's workers must keep their
+processes, restore the lost ranks' shards from what survives off node 1 (the peer replicas node 0
+holds with ``--peers 1``; else the job's shared object store) and finish bitwise equal to the run
+they stand for."""
 from __future__ import annotations
 
 import tempfile
@@ -16,14 +17,15 @@ from tests.test_inprocess import STEPS, events, finals, launch
 LOST_AT = 4
 
 
-def check_node_0_kept(lost, node0: set[int]) -> list[dict]:
-    """Node 0's workers finished in the processes that started; node 1's died with their launcher."""
+def check_node_0_kept(lost, node0: set[int], how: str = "its launcher's lifeline closed") -> list[dict]:
+    """Node 0's workers finished in the processes that started; node 1's died with their launcher,
+    which the job launcher saw as ``how``."""
     started = {e["worker"]: e["pid"] for e in lost.events if e["event"] == "start"}
     done = finals(lost.events)
     assert set(done) == node0, done
     assert all(e["pid"] == started[w] for w, e in done.items()), (started, done)
     assert lost.node1_workers_gone
-    assert "node 1 lost" in lost.log and "attempt 1" not in lost.log, lost.log[-3000:]
+    assert f"node 1 lost ({how}" in lost.log and "attempt 1" not in lost.log, lost.log[-3000:]
     recs = [e for e in lost.events if e["event"] == "recovery"]
     assert {r["worker"] for r in recs} == node0 and len({r["restored_step"] for r in recs}) == 1, recs
     return recs
@@ -34,8 +36,7 @@ def restored_from(tier: str, log: str, step: int, lost_ranks: list[int]) -> bool
     return all(tiers == {tier} for tiers in lost_shard_sources(log, step, lost_ranks).values())
 
 
-@pytest.mark.timeout(900)
-def test_lost_node_shrinks_restoring_from_the_object_store(tmp_path):
+def shrinks_to_2(tmp_path: Path, *, silent: bool) -> None:
     """2 nodes x 2 ranks, no spare, no peer replicas, a shared object store: node 1 (ranks 2, 3)
     is lost past step 4; ranks 0 and 1 go on at world size 2, read ranks 2 and 3's shards from the
     object store (a step it committed: older than the newest in node 0's memory) and end bitwise
@@ -45,8 +46,9 @@ def test_lost_node_shrinks_restoring_from_the_object_store(tmp_path):
     objstore = f"file://{tmp_path / 'objstore'}"
     with tempfile.TemporaryDirectory(prefix="inprocess-nodes-", dir="/dev/shm") as shm:
         lost = lose_node_1(tmp_path / "a", Path(shm), ["--nproc", "2"],
-                           ["--steps", str(STEPS), "--object-store", objstore], at_step=LOST_AT, hang_s=3.0)
-    recs = check_node_0_kept(lost, {0, 1})
+                           ["--steps", str(STEPS), "--object-store", objstore], at_step=LOST_AT, hang_s=3.0,
+                           silent=silent)
+    recs = check_node_0_kept(lost, {0, 1}, **({"how": "no beat for"} if silent else {}))
     assert "continuing at world size 2" in lost.log, lost.log[-3000:]
     assert all(r["world_size"] == 2 for r in recs) and all(e["world"] == 2 for e in finals(lost.events).values())
     restored = recs[0]["restored_step"]
@@ -59,17 +61,45 @@ def test_lost_node_shrinks_restoring_from_the_object_store(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_lost_node_a_spare_on_node_0_takes_its_rank(tmp_path):
+def test_lost_node_shrinks_restoring_from_the_object_store(tmp_path):
+    """Node 1's launcher killed: its lifeline closes, the node is lost at once."""
+    shrinks_to_2(tmp_path, silent=False)
+
+
+def spare_takes_rank_1(tmp_path: Path, *, silent: bool) -> None:
     """2 nodes x (1 rank + 1 spare), peer replicas on: node 1 (rank 1 and its spare) is lost past
     step 4; node 0's spare takes rank 1 (node 1's spare leaves the pool), reads rank 1's shard from
     the replica node 0 holds, and the job ends bitwise equal to an uninterrupted 2-rank run."""
     with tempfile.TemporaryDirectory(prefix="inprocess-nodes-", dir="/dev/shm") as shm:
         lost = lose_node_1(tmp_path / "a", Path(shm), ["--nproc", "1", "--spares", "1"],
-                           ["--steps", str(STEPS), "--peers", "1"], at_step=LOST_AT, hang_s=3.0)
-    recs = check_node_0_kept(lost, {0, 1})
+                           ["--steps", str(STEPS), "--peers", "1"], at_step=LOST_AT, hang_s=3.0, silent=silent)
+    recs = check_node_0_kept(lost, {0, 1}, **({"how": "no beat for"} if silent else {}))
     assert "spare 1 takes rank 1" in lost.log, lost.log[-3000:]
     assert all(r["world_size"] == 2 for r in recs), recs
     assert restored_from("peer", lost.log, recs[0]["restored_step"], [1]), lost.log[-3000:]
     launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
     clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
     assert len(clean) == 1 and {e["digest"] for e in finals(lost.events).values()} == clean
+
+
+@pytest.mark.timeout(900)
+def test_lost_node_a_spare_on_node_0_takes_its_rank(tmp_path):
+    """Node 1's launcher killed: its lifeline closes, the node is lost at once."""
+    spare_takes_rank_1(tmp_path, silent=False)
+
+
+@pytest.mark.timeout(900)
+def test_a_node_that_goes_silent_is_lost_after_hang_s(tmp_path):
+    """Node 1's launcher and workers stopped, not killed (a host that vanished: its lifeline and
+    its sockets stay open): the job launcher loses the node once its beats have been missing for
+    ``--hang-s``; node 0's ranks, blocked in a collective with a stopped peer, are cut loose
+    (``group.interrupt``) and go on at world size 2."""
+    shrinks_to_2(tmp_path, silent=True)
+
+
+@pytest.mark.timeout(900)
+def test_a_silent_node_holding_replicas_holds_nothing_up(tmp_path):
+    """Node 1 stopped, not killed: node 0's rank was sending its replica to node 1's stopped
+    holder; leaving the round cuts that send off (``Replicator.abort``) instead of waiting out the
+    peer timeout."""
+    spare_takes_rank_1(tmp_path, silent=True)

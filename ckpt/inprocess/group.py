@@ -18,7 +18,9 @@ import logging
 import os
 import socket
 import threading
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Iterator
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 _held: list[object] = []  # broken groups whose shutdown has not returned yet
 _held_lock = threading.Lock()
 _pair_sockets: dict[int, str] = {}  # fd -> its /proc link ("socket:[inode]"): the current group's connections
+_joined_round: int | None = None  # the membership round those connections belong to
+_pairs_lock = threading.Lock()  # the beat thread interrupts while the training thread joins or leaves
 
 
 def join(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout_s: float) -> None:
@@ -36,13 +40,41 @@ def join(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout
     before = _sockets()
     dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    _pair_sockets.clear()
-    _pair_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+    global _joined_round
+    with _pairs_lock:
+        _pair_sockets.clear()
+        _pair_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+        _joined_round = round_id
+
+
+@contextmanager
+def holding(round_id: int) -> Iterator[None]:
+    """Connections opened inside (the checkpoint manager's own gloo group, whose collectives
+    at save time wait 120 s on a stopped peer) belong to round ``round_id``: ``interrupt`` and
+    ``leave`` shut them down with the default group's."""
+    before = _sockets()
+    try:
+        yield
+    finally:
+        with _pairs_lock:
+            if _joined_round == round_id:
+                _pair_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+
+
+def interrupt(round_id: int) -> None:
+    """From another thread, once a newer round is out: round ``round_id``'s group is broken, so
+    shut down its connections now. A collective blocked on a peer that vanished (stopped, not
+    dead: its sockets stay open, nothing fails) then fails at once instead of waiting out the
+    collective timeout. A later round's group is left alone."""
+    with _pairs_lock:
+        if _joined_round == round_id:
+            _close_connections()
 
 
 def leave() -> None:
     """Forget every process group now; shut them down in the background."""
-    _close_connections()
+    with _pairs_lock:
+        _close_connections()
     if not dist.is_initialized():
         return
     world = c10d._world

@@ -14,10 +14,11 @@ the world shrinks (down to ``--min-world``). A member whose beat and CPU time st
 (``--hang-s``: SIGSTOP, a process wedged in the kernel) or that is evicted through the store
 (``membership.evict``: a predicted node failure, an XID 79) or that is left behind by the
 others past the watchdog's progress deadline (``--progress-s``) is SIGKILLed first by its node
-launcher. A node launcher silent for ``--hang-s`` is a lost node: all its members go in one
-round, its spares leave the pool. A spare called in is replaced by a new one on its node, so
-the pool stays at ``--spares``. A worker that asks for it (``EXIT_FALLBACK``), or a job that
-cannot shrink further, is relaunched whole, today's path, at most ``--relaunches`` times (on
+launcher. A node launcher whose lifeline closes (it died) or that is silent for ``--hang-s``
+(its host vanished) is a lost node: all its members go in one round, its spares leave the
+pool. A spare called in is replaced by a new one on its node, so the pool stays at
+``--spares``. A worker that asks for it (``EXIT_FALLBACK``), or a job that cannot shrink
+further, is relaunched whole, today's path, at most ``--relaunches`` times (on
 one node only); every decision is logged with its reason.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from . import membership
+from .lifeline import Lifelines
 from .node import POLL_S, NodeLauncher, run_node
 from .runner import EXIT_FALLBACK
 
@@ -53,6 +55,7 @@ class Job:
         self.finished: set[int] = set()
         self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
         self.lost: set[int] = set()
+        self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
         self.store.multi_set([membership.host_key(w) for w in self.hosts], [str(k) for k in self.hosts.values()])
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
                                                              "start", 0.0))
@@ -86,21 +89,29 @@ class Job:
             time.sleep(POLL_S)
 
     def _lost_nodes(self) -> str | None:
-        """A node launcher whose beat stopped for ``hang_s`` is a lost node: its spares leave the
-        pool and its members go in one round. The reason to relaunch instead, if any."""
+        """A node launcher whose lifeline closed (``lifeline.py``: it died) or whose beat stopped
+        for ``hang_s`` (its host went silent) is a lost node: its spares leave the pool and its
+        members go in one round. The reason to relaunch instead, if any."""
         now = time.monotonic()
+        cut = set(self.lifelines.cut())
         for k in sorted(set(self.hosts.values()) - self.lost):
             beats = self.store.add(membership.node_key(k), 0)
             last, since = self.nodes.get(k, (-1, now))
-            if beats != last:
+            if k in cut:
+                how = "its launcher's lifeline closed"
+            elif beats != last:
                 self.nodes[k] = (beats, now)
+                continue
             elif beats > 0 and now - since > self.hang_s:
-                self.lost.add(k)
-                self.spares = [w for w in self.spares if self.hosts[w] != k]
-                gone = [w for w in self.members if self.hosts[w] == k]
-                log.warning("node %d lost: no beat for %.1f s (members %s)", k, now - since, gone)
-                if gone and (why := self._replace(gone, f"node {k} lost (no beat for {now - since:.1f} s)")):
-                    return why
+                how = f"no beat for {now - since:.1f} s"
+            else:
+                continue
+            self.lost.add(k)
+            self.spares = [w for w in self.spares if self.hosts[w] != k]
+            gone = [w for w in self.members if self.hosts[w] == k]
+            log.warning("node %d lost: %s (members %s)", k, how, gone)
+            if gone and (why := self._replace(gone, f"node {k} lost ({how})")):
+                return why
         return None
 
     def _replace(self, lost: list[int], cause: str) -> str | None:
@@ -142,6 +153,7 @@ class Job:
         deadline = time.monotonic() + self.hang_s
         while others and not self.store.check(others) and time.monotonic() < deadline:
             time.sleep(POLL_S)
+        self.lifelines.close()
 
 
 def main(argv: list[str] | None = None) -> int:

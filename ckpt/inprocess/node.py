@@ -3,9 +3,10 @@
 The job launcher (``launch.Job``) decides membership for every node through the store; a node
 launcher runs the workers the rounds assign to it (``membership.host_key``: the first round's,
 then each spare that tops up the pool), reports each exit (``membership.exit_key``) instead of
-acting on it, beats (``membership.node_key``: a node silent for ``--hang-s`` is lost, all its
-members at once) and SIGKILLs those of its members that are evicted, frozen or left behind:
-the frozen check reads /proc, which is local.
+acting on it, holds a lifeline and beats (``lifeline.py``: its end, or silence for
+``--hang-s`` on ``membership.node_key``, loses the node, all its members at once) and SIGKILLs
+those of its members that are evicted, frozen or left behind: the frozen check reads /proc,
+which is local.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..recovery.hang_policy import HangDetection
-from . import membership
+from . import lifeline, membership
 from .runner import BEAT_S, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.node")
@@ -178,6 +179,7 @@ def run_node(node: int, master: tuple[str, int], command: list[str], hang_s: flo
     """A node launcher on a node other than the job launcher's, until the job is over: 0 when
     it ended well. A job launcher gone (its store unreachable) ends this node's workers too."""
     store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=60))
+    line = lifeline.hold(store, master[0], node)  # open while this process lives: its end is news
     launcher = NodeLauncher(store, node, master=master, command=command, attempt=0, hang_s=hang_s,
                             progress_s=progress_s)
     try:
@@ -190,4 +192,5 @@ def run_node(node: int, master: tuple[str, int], command: list[str], hang_s: flo
     finally:
         launcher.stop()
     store.set(membership.left_key(node), "1")
+    line.close()
     return 0 if ok else 1

@@ -145,7 +145,8 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             t_group = time.monotonic()
             objects = build(ctx)
             t_build = time.monotonic()
-            mgr = CheckpointManager(**{"node_memory": True, **checkpoint})
+            with group.holding(current.round):
+                mgr = CheckpointManager(**{"node_memory": True, **checkpoint})
             watched.round, watched.mgr = current.round, mgr
             state = state_of(objects)
             first = resume_step if current.round == 0 else None
@@ -219,7 +220,8 @@ def _start_beating(worker: int, timeout_s: float, watched: _Watched) -> None:
     (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting.
     It also ends the manager's commit waits once a newer round is published: a save blocked on
     a full memory slot whose drain waits for a lost rank's commit would otherwise never return
-    to the step loop that notices the new round."""
+    to the step loop that notices the new round; and it breaks the round's group, so that a
+    collective blocked on a rank whose host vanished (stopped, its sockets open) fails now."""
     def beat() -> None:
         store = None
         while True:
@@ -231,6 +233,7 @@ def _start_beating(worker: int, timeout_s: float, watched: _Watched) -> None:
                 mgr = watched.mgr
                 if mgr is not None and membership.changed(store, watched.round):
                     mgr.committer.abandoned.set()
+                    group.interrupt(watched.round)
             except Exception as e:  # a slow or restarting store: try again (a silent beat gets this rank killed)
                 log.debug("beat: %s", e)
                 store = None

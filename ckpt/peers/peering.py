@@ -194,10 +194,11 @@ class Peering:
             f"exists: {lost}. Refusing to start over; bring back a copy (or clear the checkpoints to start from "
             "scratch)")
 
-    def close(self) -> None:
-        """Send the last pending replica (bounded by the timeout), then stop serving."""
+    def close(self, *, abort: bool = False) -> None:
+        """Send the last pending replica (bounded by the timeout), then stop serving;
+        ``abort``: cut the replicas off instead (``Replicator.abort``)."""
         try:
-            self.replicator.close()
+            (self.replicator.abort if abort else self.replicator.close)()
         finally:
             self.server.close()
             self.replicas.close()

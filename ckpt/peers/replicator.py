@@ -148,6 +148,26 @@ class Replicator:
             self._cond.notify_all()
         self._thread.join()
 
+    def abort(self) -> None:
+        """Stop now, waiting on no holder (a rank failed and this one goes on in process): the
+        pending replica is dropped and the one in flight cut off. A send past its handshake
+        fails at its next write, and is waited for: it reads the slot. One still connecting
+        is not: once connected it sees the cut before it reads anything, so a holder that
+        vanished (stopped, its socket open) cannot hold this up."""
+        with self._cond:
+            self._closed = True
+            pending, self._pending = self._pending, None
+            if self._busy is not None:
+                self._busy.cut.set()
+                if self._sock is not None:
+                    _shut(self._sock)
+            reading = self._sock is not None
+            self._cond.notify_all()
+        if pending is not None:
+            pending.done(False)
+        if reading:
+            self._thread.join()
+
 
 def _shut(sock: socket.socket) -> None:
     """End a send from another thread: the sender's next write fails at once."""
