@@ -349,3 +349,65 @@ def test_an_urgent_save_is_sealed_and_durable_without_a_step(root: Path, shm_dir
         handle = mgr.save(1, state, urgent=True)
         assert mgr.memory.holds(1)  # a failure is predicted: nothing waits for the next step
         handle.wait("disk", timeout=120)
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_a_closure_step_waits_after_its_forward_and_backward(how: str) -> None:
+    """LBFGS (and Lightning's automatic optimization) run the forward and backward inside
+    step(closure): the wait comes after the closure, before any update, so the copy overlaps
+    them."""
+    model = nn.Linear(8, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    order: list[str] = []
+    hooks = StepHooks(lambda: order.append("wait"))
+    hooks.watch([opt])
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+
+    def closure() -> torch.Tensor:
+        order.append("closure")
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    before = model.weight.detach().clone()
+    opt.step(closure) if how == "positional" else opt.step(closure=closure)
+    # every call of the closure is followed by the wait (a no-op after the first, in the manager)
+    assert len(order) > 2 and order == ["closure", "wait"] * (len(order) // 2), order
+    assert not torch.equal(model.weight, before)  # the step still updated
+    order.clear()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks.watch([sgd])
+    sgd.step()  # no closure: the wait comes first, as before
+    assert order == ["wait"]
+    hooks.close()
+
+
+def test_saving_every_step_with_a_closure_optimizer_restores_each_step_bitwise(root: Path, shm_dir: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(32, 4)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=4, history_size=3)
+    state = {"model": model, "optim": opt}
+    x, y = torch.randn(64, 32), torch.randn(64, 4)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    expected = {}
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=100, overlap=True, state=state) as mgr:
+        for step in range(1, 7):
+            opt.step(closure)
+            expected[step] = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
+            mgr.save(step, state)
+            assert not mgr.memory.holds(step)  # deferred: the next step's closure runs during the copy
+        mgr.wait()
+        for step in sorted({i["step"] for i in mgr.list()}):
+            probe_model = nn.Linear(32, 4)
+            probe = {"model": probe_model, "optim": torch.optim.LBFGS(probe_model.parameters(), max_iter=4,
+                                                                      history_size=3)}
+            assert mgr.restore(probe, step=step) == step
+            assert_same({"model": probe_model.state_dict(), "optim": probe["optim"].state_dict()}, expected[step],
+                        f"step {step}")

@@ -144,7 +144,13 @@ class PeerServer:
         raise FileNotFoundError("; ".join(missing) or f"step {ckpt_id}: nothing served here")
 
     def close(self) -> None:
+        """Stop accepting: shutting the listener down wakes the accept loop at once (closing it
+        alone leaves accept() to its 0.5 s timeout, half a second of every in-process abort)."""
         self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # never listened, or already shut
+            pass
         self._sock.close()
         if self._thread.is_alive():
             self._thread.join()

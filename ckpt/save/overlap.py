@@ -115,7 +115,12 @@ class StagedSnapshot:
 
 class StepHooks:
     """A step pre-hook on each optimizer of the saved state, calling ``wait`` (the manager's
-    ``wait_staged``); registered once per optimizer, removed at ``close()``."""
+    ``wait_staged``); registered once per optimizer, removed at ``close()``.
+
+    A step given a closure (LBFGS, Lightning's automatic optimization) runs the forward and
+    backward inside ``step()``, after the pre-hook: the hook hands the step a closure that
+    runs the user's first, then waits, so the copy still overlaps them and no update is
+    applied before the wait (an optimizer updates only after its closure returned)."""
 
     def __init__(self, wait: Callable[[], None]) -> None:
         self._wait = wait
@@ -124,7 +129,23 @@ class StepHooks:
     def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         for opt in optimizers:
             if opt not in self._hooks:
-                self._hooks[opt] = opt.register_step_pre_hook(lambda _opt, _args, _kwargs: self._wait())
+                self._hooks[opt] = opt.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, _opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """``args`` are the step's own, the optimizer first: ``(opt, closure)`` when positional."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            self._wait()
+            return None
+
+        def then_wait() -> Any:
+            loss = closure()
+            self._wait()  # after the first call it returns at once (LBFGS calls its closure again)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": then_wait}
+        return (args[0], then_wait, *args[2:]), kwargs
 
     def close(self) -> None:
         for handle in list(self._hooks.values()):
