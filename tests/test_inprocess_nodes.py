@@ -15,6 +15,9 @@ from tests.inprocess_nodes import lose_node_1, lost_shard_sources
 from tests.test_inprocess import STEPS, events, finals, launch
 
 LOST_AT = 4
+# half a second a step: the job is still training when node 1 is lost, however late a busy
+# machine lets this process see step LOST_AT (it saw it once with every step done)
+PACED = ["--step-s", "0.5"]
 
 
 def check_node_0_kept(lost, node0: set[int], how: str = "its launcher's lifeline closed") -> list[dict]:
@@ -46,7 +49,7 @@ def shrinks_to_2(tmp_path: Path, *, silent: bool) -> None:
     objstore = f"file://{tmp_path / 'objstore'}"
     with tempfile.TemporaryDirectory(prefix="inprocess-nodes-", dir="/dev/shm") as shm:
         lost = lose_node_1(tmp_path / "a", Path(shm), ["--nproc", "2"],
-                           ["--steps", str(STEPS), "--object-store", objstore], at_step=LOST_AT, hang_s=3.0,
+                           ["--steps", str(STEPS), "--object-store", objstore, *PACED], at_step=LOST_AT, hang_s=3.0,
                            silent=silent)
     recs = check_node_0_kept(lost, {0, 1}, **({"how": "no beat for"} if silent else {}))
     assert "continuing at world size 2" in lost.log, lost.log[-3000:]
@@ -72,7 +75,8 @@ def spare_takes_rank_1(tmp_path: Path, *, silent: bool) -> None:
     the replica node 0 holds, and the job ends bitwise equal to an uninterrupted 2-rank run."""
     with tempfile.TemporaryDirectory(prefix="inprocess-nodes-", dir="/dev/shm") as shm:
         lost = lose_node_1(tmp_path / "a", Path(shm), ["--nproc", "1", "--spares", "1"],
-                           ["--steps", str(STEPS), "--peers", "1"], at_step=LOST_AT, hang_s=3.0, silent=silent)
+                           ["--steps", str(STEPS), "--peers", "1", *PACED], at_step=LOST_AT, hang_s=3.0,
+                           silent=silent)
     recs = check_node_0_kept(lost, {0, 1}, **({"how": "no beat for"} if silent else {}))
     assert "spare 1 takes rank 1" in lost.log, lost.log[-3000:]
     assert all(r["world_size"] == 2 for r in recs), recs
