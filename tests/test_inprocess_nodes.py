@@ -18,6 +18,10 @@ LOST_AT = 4
 # half a second a step: the job is still training when node 1 is lost, however late a busy
 # machine lets this process see step LOST_AT (it saw it once with every step done)
 PACED = ["--step-s", "0.5"]
+# the launcher's default: a busy machine can starve a live node launcher's beats for seconds
+# (3 s here took a live node for a lost one at load 10); a launcher that dies is noticed by its
+# lifeline whatever this is, a vanished node after it
+HANG_S = 10.0
 
 
 def check_node_0_kept(lost, node0: set[int], how: str = "its launcher's lifeline closed") -> list[dict]:
@@ -49,7 +53,7 @@ def shrinks_to_2(tmp_path: Path, *, silent: bool) -> None:
     objstore = f"file://{tmp_path / 'objstore'}"
     with tempfile.TemporaryDirectory(prefix="inprocess-nodes-", dir="/dev/shm") as shm:
         lost = lose_node_1(tmp_path / "a", Path(shm), ["--nproc", "2"],
-                           ["--steps", str(STEPS), "--object-store", objstore, *PACED], at_step=LOST_AT, hang_s=3.0,
+                           ["--steps", str(STEPS), "--object-store", objstore, *PACED], at_step=LOST_AT, hang_s=HANG_S,
                            silent=silent)
     recs = check_node_0_kept(lost, {0, 1}, **({"how": "no beat for"} if silent else {}))
     assert "continuing at world size 2" in lost.log, lost.log[-3000:]
@@ -75,7 +79,7 @@ def spare_takes_rank_1(tmp_path: Path, *, silent: bool) -> None:
     the replica node 0 holds, and the job ends bitwise equal to an uninterrupted 2-rank run."""
     with tempfile.TemporaryDirectory(prefix="inprocess-nodes-", dir="/dev/shm") as shm:
         lost = lose_node_1(tmp_path / "a", Path(shm), ["--nproc", "1", "--spares", "1"],
-                           ["--steps", str(STEPS), "--peers", "1", *PACED], at_step=LOST_AT, hang_s=3.0,
+                           ["--steps", str(STEPS), "--peers", "1", *PACED], at_step=LOST_AT, hang_s=HANG_S,
                            silent=silent)
     recs = check_node_0_kept(lost, {0, 1}, **({"how": "no beat for"} if silent else {}))
     assert "spare 1 takes rank 1" in lost.log, lost.log[-3000:]
