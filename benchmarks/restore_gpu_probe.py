@@ -24,11 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.ckpt_bench import build_state, median_time, sync, tensors_of  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
-from ckpt.format.checksum import crc32c_of  # noqa: E402
 from ckpt.format.read_items import read_items  # noqa: E402
 from ckpt.format.state import tensor_targets  # noqa: E402
 from ckpt.format.tensor_io import read_tensors  # noqa: E402
-from ckpt.format.verify import run_parallel  # noqa: E402
+from ckpt.format.verify import verify_shard  # noqa: E402
 from ckpt.restore.execute import open_shard, read_shard  # noqa: E402
 from ckpt.restore.state_load import load_into  # noqa: E402
 from examples.gpt import GPTConfig  # noqa: E402
@@ -67,7 +66,7 @@ def main() -> None:
                 sync(tensors)
 
             def crc_only(threads: int = threads) -> None:
-                run_parallel(lambda i: crc32c_of(reader.view(i.tensor.offset + i.lo, i.hi - i.lo)), items, threads)
+                verify_shard(reader, threads=threads)
             out[f"restore_threads{threads}_s"] = median_time(restore, 3)
             out[f"read_noverify_threads{threads}_s"] = median_time(noverify, 3)
             out[f"crc_only_threads{threads}_s"] = median_time(crc_only, 3)

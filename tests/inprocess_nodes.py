@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ckpt.inprocess import membership
-from tests.procs import free_port, stop_process, wait_for
+from tests.procs import free_port, running, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "inprocess_child.py"
@@ -90,16 +90,8 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
             stop_process(p)
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     node1 = {e["pid"] for e in evs if e["event"] == "start" and hosts.get(e["worker"]) == 1}
-    gone = wait_for(lambda: not any(_running(pid) for pid in node1), timeout=30, interval=0.05)
+    gone = wait_for(lambda: not any(running(pid) for pid in node1), timeout=30, interval=0.05)
     return LostNode(evs, fault_t, log, gone)
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie waiting for init to reap it is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def lost_shard_sources(log: str, step: int, ranks: list[int]) -> dict[int, set[str]]:

@@ -23,10 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name (which may hold spaces): state first (Linux)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for init to reap it is not)."""
+    try:
+        return stat_fields(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

@@ -43,7 +43,7 @@ def join(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout
     global _joined_round
     with _pairs_lock:
         _pair_sockets.clear()
-        _pair_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+        _pair_sockets.update(_opened_since(before))
         _joined_round = round_id
 
 
@@ -58,7 +58,7 @@ def holding(round_id: int) -> Iterator[None]:
     finally:
         with _pairs_lock:
             if _joined_round == round_id:
-                _pair_sockets.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+                _pair_sockets.update(_opened_since(before))
 
 
 def interrupt(round_id: int) -> None:
@@ -106,6 +106,11 @@ def _sockets() -> dict[int, str]:
         if link.startswith("socket:"):
             links[int(name)] = link
     return links
+
+
+def _opened_since(before: dict[int, str]) -> dict[int, str]:
+    """The sockets open now that were not (an fd reused for another socket counts as new)."""
+    return {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
 
 
 def _close_connections() -> None:
