@@ -1,9 +1,11 @@
 """Where a restore from memory to a GPU spends its time: the whole verified restore
-against its parts, each timed alone on the same slot and the same parameters: CRC32C of
-every piece on the host (``crc_only``), the reads without verification
-(``read_noverify``), and the bare DMA from the pinned slot (``dma``), against the floor
-(pinned host → device of the same bytes, ``cudaMemcpyAsync`` into preallocated tensors),
-at 4, 8 and 16 threads. Medians of 3. Not a test: nothing here asserts a speed.
+against its parts, each timed alone on the same slot and the same parameters: the staged
+device reads (copy, check on the device, scatter: ``staged_*``) at several block sizes,
+the device's CRC32C alone (``device_crc``), CRC32C of every piece on the host
+(``host_crc_only``), the reads without verification (``read_noverify``), and the bare DMA
+from the pinned slot (``dma``), against the floor (pinned host → device of the same bytes,
+``cudaMemcpyAsync`` into preallocated tensors). Medians of 3. Not a test: nothing here
+asserts a speed.
 
     PYTHONPATH=. python benchmarks/restore_gpu_probe.py [--config medium|tiny] [--json out.json]
 
@@ -12,21 +14,26 @@ Needs CUDA for the DMA rows and the floor; on a CPU it times the host parts only
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
+import pstats
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.ckpt_bench import build_state, median_time, sync, tensors_of  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
+from ckpt.format.device_crc import RowCRC  # noqa: E402
+from ckpt.format.device_reads import DevicePiece, StagedDeviceReads  # noqa: E402
 from ckpt.format.read_items import read_items  # noqa: E402
 from ckpt.format.state import tensor_targets  # noqa: E402
-from ckpt.format.tensor_io import read_tensors  # noqa: E402
+from ckpt.format.tensor_io import DEVICE_CHECK_MIN_BYTES, read_tensors  # noqa: E402
 from ckpt.format.verify import verify_shard  # noqa: E402
 from ckpt.restore.execute import open_shard, read_shard  # noqa: E402
 from ckpt.restore.state_load import load_into  # noqa: E402
@@ -37,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=["medium", "tiny"], default="medium")
     ap.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    ap.add_argument("--profile", action="store_true", help="also print where one restore spends its Python time")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state, nbytes = build_state(GPTConfig.medium() if args.config == "medium" else GPTConfig.tiny(), device)
@@ -56,20 +64,43 @@ def main() -> None:
         targets = tensor_targets(state, reader.manifest.tree)
         out.update(slot_is_pinned=bool(reader.tensor(0, 1).is_pinned()), pieces=len(items),
                    chunk_bytes=reader.manifest.chunk_bytes, targets_on_gpu=sum(t.is_cuda for t in targets.values()))
-        for threads in (4, 8, 16):
-            def restore(threads: int = threads) -> None:
-                load_into(state, read_shard(mgr.memory, last, 0, state=state, threads=threads))
-                sync(tensors)
+        threads = 8
 
-            def noverify(threads: int = threads) -> None:
-                read_tensors(reader, targets, verify=False, threads=threads)
-                sync(tensors)
+        def restore() -> None:
+            load_into(state, read_shard(mgr.memory, last, 0, state=state, threads=threads))
+            sync(tensors)
 
-            def crc_only(threads: int = threads) -> None:
-                verify_shard(reader, threads=threads)
-            out[f"restore_threads{threads}_s"] = median_time(restore, 3)
-            out[f"read_noverify_threads{threads}_s"] = median_time(noverify, 3)
-            out[f"crc_only_threads{threads}_s"] = median_time(crc_only, 3)
+        def noverify() -> None:
+            read_tensors(reader, targets, verify=False, threads=threads)
+            sync(tensors)
+
+        out["restore_s"] = median_time(restore, 3)
+        out["read_noverify_s"] = median_time(noverify, 3)
+        out["host_crc_only_s"] = median_time(lambda: verify_shard(reader, threads=threads), 3)
+        if device == "cuda":
+            pieces = [DevicePiece(reader.tensor(i.tensor.offset + i.lo, i.hi - i.lo),
+                                  targets[i.tensor.id].reshape(-1).view(torch.uint8)[i.lo:i.hi],
+                                  i.tensor.checksums[i.lo // reader.manifest.chunk_bytes], i)
+                      for i in items if i.tensor.id in targets and targets[i.tensor.id].is_cuda
+                      and i.hi - i.lo >= DEVICE_CHECK_MIN_BYTES]
+            out["staged_bytes"] = sum(p.host.numel() for p in pieces)
+            for block, depth in ((128, 3), (128, 4), (256, 3)):
+                staged = StagedDeviceReads(torch.device("cuda"), block_bytes=block << 20, depth=depth)
+                out[f"staged_block{block}M_depth{depth}_s"] = median_time(
+                    lambda staged=staged: staged.run(pieces, lambda p: AssertionError(p.tag)), 3)
+            if args.profile:
+                profile("restore", restore)
+                profile("staged reads", lambda: StagedDeviceReads(torch.device("cuda")).run(
+                    pieces, lambda p: AssertionError(p.tag)))
+            rows = torch.randint(0, 256, (16, reader.manifest.chunk_bytes), dtype=torch.uint8, device="cuda")
+            crc = RowCRC(rows.shape[1], rows.device)
+
+            def device_crc() -> None:
+                for _ in range(-(-out["staged_bytes"] // rows.numel())):
+                    crc(rows)
+                torch.cuda.synchronize()
+            device_crc()
+            out["device_crc_s"] = median_time(device_crc, 3)
         if device == "cuda":
             def dma() -> None:
                 stream = torch.cuda.Stream()
@@ -98,6 +129,14 @@ def main() -> None:
             print(f"  {k:28} {v:8.3f} s" + (f"  {v / floor_s:5.2f}x the floor" if floor_s else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def profile(what: str, fn: Callable[[], None]) -> None:
+    """Print the 25 functions that take the most of one run of ``fn`` (cProfile, own time)."""
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    print(f"== profile: {what}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Round trip of every supported type through each tier, bitwise, and restore in place."""
 from __future__ import annotations
 
+import logging
 import math
 import random
 import shutil
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from ckpt import CheckpointError, CheckpointManager
-from ckpt.format.manifest import DTYPES
+from ckpt.format.manifest import DTYPES, ShardManifest
 from ckpt.format.state import is_stateful
 from ckpt.restore.execute import LOCAL, restore_agreed
 from ckpt.restore.plan import Inventory, RestorePlan, ShardNeed
@@ -233,7 +234,8 @@ def test_cuda_state_round_trips_through_pinned_shared_memory(root: Path, shm_dir
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_restore_from_each_tier_skips_damage_and_unpins_slots(root: Path, shm_dir: str, tmp_path: Path) -> None:
+def test_cuda_restore_from_each_tier_skips_damage_and_unpins_slots(root: Path, shm_dir: str, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     def state_at(step: int) -> dict:
         g = torch.Generator(device="cuda").manual_seed(step)
         return {"big": torch.randn(9 << 20, device="cuda", generator=g),  # 36 MiB: several 16 MiB pieces
@@ -249,6 +251,16 @@ def test_cuda_restore_from_each_tier_skips_damage_and_unpins_slots(root: Path, s
         target = zeros()
         assert mgr.restore(target) == 2  # from the pinned slot, in place on the GPU
         assert target["big"].is_cuda and torch.equal(target["big"], state_at(2)["big"])
+        # damage in the slot is caught on the device (the pieces are checked there): the
+        # disk copy of the same step is loaded instead
+        seal = next(p for p in Path(shm_dir).rglob("slot-*.json") if ShardManifest.from_bytes(p.read_bytes()).step == 2)
+        big = next(t for t in ShardManifest.from_bytes(seal.read_bytes()).tensors if t.path == "big")
+        flip_byte(seal.with_suffix(".bin"), big.offset + (20 << 20))
+        target = zeros()
+        with caplog.at_level(logging.WARNING):
+            assert mgr.restore(target) == 2
+        assert_same({k: target[k] for k in ("big", "half")}, {k: state_at(2)[k] for k in ("big", "half")})
+        assert "checksum mismatch in tensor 'big'" in caplog.text and "tier memory" in caplog.text
     # the slots were unregistered before they were unmapped: memory reusing their
     # address range can be copied to the GPU (it failed with "resource already mapped")
     for _ in range(4):

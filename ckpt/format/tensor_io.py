@@ -7,17 +7,22 @@ copies all release the GIL).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .checksum import chunk_checksums, crc32c_of
+from .device_reads import DevicePiece, StagedDeviceReads
 from .manifest import ITEMSIZE, ShardManifest, TensorEntry
 from .read_items import ChunkRead, ReadItem, read_items
 from .shard_reader import ShardReader
 from .state import local_tensor
-from .verify import DEFAULT_THREADS, Progress, map_parallel, mismatch, run_parallel
+from .verify import DEFAULT_THREADS, Progress, mismatch, run_parallel
+
+log = logging.getLogger(__name__)
+DEVICE_CHECK_MIN_BYTES = 1 << 20
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -44,9 +49,10 @@ def read_tensors(
     a new tensor; verify each piece's CRC when the manifest has them. Returns the
     targets used and the new tensors, by id.
 
-    A target on a GPU is filled piece by piece: each piece is verified in host memory
-    (the slot itself for the memory tier) and copied to the device once, asynchronously
-    from pinned memory (``DeviceCopies``); every copy is complete when this returns."""
+    A target on a GPU is filled from a pinned slot (the memory tier) by asynchronous
+    copies, each piece verified on the device before it reaches its target
+    (``StagedDeviceReads``); from other readers each piece is verified in host memory,
+    then copied. Every copy is complete when this returns."""
     man = reader.manifest
     targets = targets or {}
     out: list[torch.Tensor | None] = []
@@ -63,36 +69,51 @@ def read_tensors(
             t = local = torch.empty(e.shape, dtype=e.torch_dtype)
         out.append(t)
         dests.append(byte_view(local) if local.device.type == "cpu" else local.reshape(-1).view(torch.uint8))
+    items = [i for i in read_items(man) if only is None or i.tensor.id in only]
     chunk = man.chunk_bytes
-    # Pieces of a pinned slot go to the device asynchronously, issued here, in order, while
-    # the pool verifies the next ones; any other piece is copied by the thread that read it.
-    device = DeviceCopies() if any(isinstance(d, torch.Tensor) for d in dests) and _pinned(reader) else None
 
-    def one(item: ReadItem) -> tuple[torch.Tensor, torch.Tensor] | None:
-        e, lo, hi = item.tensor, item.lo, item.hi
-        crc = e.checksums[lo // chunk] if verify and e.checksums is not None else None
-        dst = dests[e.id]
-        pending = None
+    def crc_of(item: ReadItem) -> int | None:
+        e = item.tensor
+        return e.checksums[item.lo // chunk] if verify and e.checksums is not None else None
+
+    # A pinned slot's pieces of a MiB or more bound for a GPU are copied there and verified
+    # on the device; every other piece is read, verified and copied by a thread of the pool
+    # (small pieces: the device's checks cost a few dozen kernel launches per size of row).
+    on_device: dict[torch.device, list[DevicePiece]] = {}
+    on_host = items
+    if any(isinstance(d, torch.Tensor) for d in dests) and _pinned(reader):
+        on_host = []
+        for item in items:
+            e, lo, hi, dst = item.tensor, item.lo, item.hi, dests[item.tensor.id]
+            big = isinstance(dst, torch.Tensor) and (hi - lo >= DEVICE_CHECK_MIN_BYTES or crc_of(item) is None)
+            src = reader.tensor(e.offset + lo, hi - lo) if big else None
+            if src is None:
+                on_host.append(item)
+            else:
+                on_device.setdefault(dst.device, []).append(DevicePiece(src, dst[lo:hi], crc_of(item), item))
+
+    def one(item: ReadItem) -> None:
+        e, lo, hi, dst = item.tensor, item.lo, item.hi, dests[item.tensor.id]
         if isinstance(dst, torch.Tensor):
-            host, mapped = _verified_piece(reader, e, lo, hi, crc, step, tier)
-            if device is not None and mapped:
-                pending = (dst[lo:hi], host)
-            elif hi > lo:
+            host = _verified_piece(reader, e, lo, hi, crc_of(item), step, tier)
+            if hi > lo:
                 dst[lo:hi].copy_(host)
         else:
-            _to_host(reader, e, lo, hi, dst[lo:hi], crc, step, tier)
+            _to_host(reader, e, lo, hi, dst[lo:hi], crc_of(item), step, tier)
         if progress:
             progress(hi - lo)
-        return pending
 
-    items = [i for i in read_items(man) if only is None or i.tensor.id in only]
-    try:
-        for pending in map_parallel(one, items, threads):
-            if pending is not None:
-                device.copy(*pending)
-    finally:
-        if device is not None:
-            device.finish()  # the reader (a slot's mapping) may be closed after this
+    def to_devices() -> None:
+        for device, pieces in on_device.items():
+            try:
+                StagedDeviceReads(device).run(
+                    pieces, lambda p: mismatch(reader, p.tag.tensor, p.tag.lo, p.tag.hi, step, tier), progress)
+            except torch.OutOfMemoryError:  # no room to stage: verify on the host (any piece again)
+                log.warning("no device memory to stage a restore on %s: checking its pieces on the host", device)
+                run_parallel(one, [p.tag for p in pieces], threads)
+
+    # the device reads finish (and wait for their copies) before the reader may be closed
+    run_parallel(one, on_host, threads, meanwhile=to_devices if on_device else None)
     return out
 
 
@@ -115,42 +136,15 @@ def _pinned(reader: ShardReader) -> bool:
 
 
 def _verified_piece(reader: ShardReader, e: TensorEntry, lo: int, hi: int, crc: int | None, step: int,
-                    tier: str) -> tuple[torch.Tensor, bool]:
-    """The piece's host bytes, verified before anything is copied from them, and whether
-    they are the reader's own mapping (else a fresh pageable copy)."""
+                    tier: str) -> torch.Tensor:
+    """The piece's host bytes, verified before anything is copied from them."""
     host = reader.tensor(e.offset + lo, hi - lo)
-    mapped = host is not None
     if host is None:
         host = torch.empty(hi - lo, dtype=torch.uint8)
         reader.read_into(e.offset + lo, byte_view(host))
     if crc is not None and crc32c_of(byte_view(host)) != crc:
         raise mismatch(reader, e, lo, hi, step, tier)
-    return host, mapped
-
-
-class DeviceCopies:
-    """Host→device copies of verified pieces from pinned memory: asynchronous, on one side
-    stream per device, all issued from one thread, in order, while the pool verifies the
-    next pieces. On an H100 a verified restore of 4.26 GB then takes about what its checksums
-    alone take (0.36 s and 0.36 s on 4 threads); with each verifying thread issuing its own
-    copy it took 0.51 s against 0.24 s (benchmarks/results/restore_gpu_probe_h100_2026-11-27.json).
-    ``finish()`` waits for them all and orders the device's current stream after them."""
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def copy(self, dst: torch.Tensor, host: torch.Tensor) -> None:
-        stream = self._streams.get(dst.device)
-        if stream is None:
-            stream = self._streams[dst.device] = torch.cuda.Stream(dst.device)
-            stream.wait_stream(torch.cuda.current_stream(dst.device))  # after whatever made ``dst``
-        with torch.cuda.stream(stream):
-            dst.copy_(host, non_blocking=True)
-
-    def finish(self) -> None:
-        for dev, stream in self._streams.items():
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            stream.synchronize()
+    return host
 
 
 def read_chunks(reader: ShardReader, reads: list[ChunkRead], dests: dict[str, torch.Tensor], *, verify: bool = True,

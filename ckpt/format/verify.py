@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable
 
 from ..errors import DamagedCheckpoint
 from .checksum import crc32c_of
@@ -12,7 +12,6 @@ from .read_items import ReadItem, read_items
 from .shard_reader import ShardReader
 
 Progress = Callable[[int], None]
-T = TypeVar("T")
 DEFAULT_THREADS = 4
 
 
@@ -42,24 +41,22 @@ def verify_shard(reader: ShardReader, *, step: int = -1, tier: str = "", threads
     run_parallel(one, read_items(man), threads)
 
 
-def run_parallel(fn: Callable, items: list, threads: int) -> None:
-    """``fn`` over ``items`` on ``threads`` threads (CRC32C and file reads release the GIL)."""
-    for _ in map_parallel(fn, items, threads):
-        pass
-
-
-def map_parallel(fn: Callable[[Any], T], items: list, threads: int) -> Iterator[T]:
-    """``fn``'s results over ``items``, in order, while ``threads`` threads go on with the
-    next ones: the caller acts on each result (say, issues its device copy) as it comes.
-    The first error is raised and the items not yet started are dropped."""
-    if threads <= 1 or len(items) <= 1:
-        yield from map(fn, items)
+def run_parallel(fn: Callable[[Any], None], items: list, threads: int,
+                 meanwhile: Callable[[], None] | None = None) -> None:
+    """``fn`` over ``items`` on ``threads`` threads (CRC32C and file reads release the GIL)
+    while the calling thread runs ``meanwhile`` (say, the device's copies). The first error
+    is raised and the items not yet started are dropped."""
+    if (threads <= 1 or len(items) <= 1) and meanwhile is None:
+        for it in items:
+            fn(it)
         return
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(max(1, threads)) as pool:
         futures = [pool.submit(fn, it) for it in items]
         try:
+            if meanwhile is not None:
+                meanwhile()
             for f in futures:
-                yield f.result()
+                f.result()
         finally:
             for f in futures:
                 f.cancel()

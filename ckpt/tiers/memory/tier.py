@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ...errors import ManifestError
 from ...format.checksum import crc32c_of
@@ -32,6 +32,18 @@ if TYPE_CHECKING:  # the writing side needs torch; readers (the CLI) do not
 _MAX_SEAL_BYTES = 256 << 20
 
 
+class _Seal(NamedTuple):
+    """A slot's seal as read: its manifest (None: ``why`` not), the inode the bytes came from
+    (a reseal is a new inode, so a reader can tell later whether the slot still holds what
+    this manifest describes) and the bytes."""
+
+    path: Path
+    manifest: ShardManifest | None
+    why: str | None
+    inode: int
+    raw: bytes
+
+
 class MemoryTier(TierReader):
     name = "memory"
 
@@ -40,6 +52,7 @@ class MemoryTier(TierReader):
         self.rank = rank
         self.pool = pool
         self._copier = None
+        self._parsed: dict[Path, tuple[bytes, ShardManifest | None, str | None]] = {}
 
     @classmethod
     def own(cls, ns: Path, rank: int, *, slots: int, owner: dict) -> "MemoryTier":
@@ -104,11 +117,11 @@ class MemoryTier(TierReader):
 
     # -- reading ------------------------------------------------------------------
 
-    def _sealed(self) -> list[tuple[Path, ShardManifest | None, str | None, int]]:
-        """(seal path, its manifest or None, why not, the seal's inode). The inode is taken
-        from the file the manifest was read from: a reseal is a new inode, so a reader
-        can tell later whether the slot still holds what this manifest describes."""
-        out: list[tuple[Path, ShardManifest | None, str | None, int]] = []
+    def _sealed(self) -> list[_Seal]:
+        """Every seal in this rank's directory, parsed (or why not). A seal's bytes are read
+        each time; a parse is reused while they are the same (a restore looks a step up
+        twice, and a 1,168-tensor manifest takes milliseconds to parse)."""
+        out: list[_Seal] = []
         if not is_trusted(self.dir, directory=True) or not is_trusted(self.dir.parent, directory=True):
             return out  # missing, or planted by another user
         for meta in sorted(self.dir.glob("slot-*.json")):
@@ -117,19 +130,23 @@ class MemoryTier(TierReader):
                 raw = read_private(meta, _MAX_SEAL_BYTES)
             except OSError:
                 continue
-            try:
-                out.append((meta, ShardManifest.from_bytes(raw, str(meta)), None, ino))
-            except ManifestError as e:
-                out.append((meta, None, str(e), ino))
+            parsed = self._parsed.get(meta)
+            if parsed is None or parsed[0] != raw:
+                try:
+                    parsed = self._parsed[meta] = (raw, ShardManifest.from_bytes(raw, str(meta)), None)
+                except ManifestError as e:
+                    parsed = (raw, None, str(e))
+            out.append(_Seal(meta, parsed[1], parsed[2], ino, raw))
         return out
 
     def list(self) -> list[CheckpointInfo]:
         infos = []
-        for meta, man, _, _ in self._sealed():
+        for seal in self._sealed():
+            man = seal.manifest
             if man is None:
                 continue  # an unreadable seal is an invalid slot, not a checkpoint
             try:
-                sealed_at = meta.stat().st_mtime
+                sealed_at = seal.path.stat().st_mtime
             except FileNotFoundError:
                 continue  # unsealed since it was read: a live job is overwriting the slot
             infos.append(CheckpointInfo(CheckpointId(man.generation, man.step), self.name, sealed_at,
@@ -137,21 +154,23 @@ class MemoryTier(TierReader):
                                         ranks=frozenset({man.rank})))
         return sorted(infos, key=lambda i: i.id)
 
-    def _find(self, ckpt_id: CheckpointId) -> tuple[Path, ShardManifest, int]:
-        for meta, man, _, ino in self._sealed():
+    def _find(self, ckpt_id: CheckpointId) -> _Seal:
+        for seal in self._sealed():
+            man = seal.manifest
             if man is not None and (man.generation, man.step) == (ckpt_id.generation, ckpt_id.step):
-                return meta, man, ino
+                return seal
         raise FileNotFoundError(f"step {ckpt_id} is not in memory ({self.dir})")
 
     def read_manifest(self, ckpt_id: CheckpointId) -> Manifest:
-        meta, man, _ = self._find(ckpt_id)
+        seal = self._find(ckpt_id)
+        man = seal.manifest
         # A slot holds one rank's shard: the manifest lists just that one.
         return Manifest(man.step, man.generation, man.world_size,
-                        [ShardRef(man.rank, crc32c_of(man.to_bytes()), man.data_bytes)], created=meta.stat().st_mtime)
+                        [ShardRef(man.rank, crc32c_of(seal.raw), man.data_bytes)], created=seal.path.stat().st_mtime)
 
     def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
-        meta, man, seal = self._find(ckpt_id)
+        seal = self._find(ckpt_id)
         live = None
         if self.pool is not None:
-            live = next((s.buffer for s in self.pool.slots if s.meta_path == meta and s.buffer is not None), None)
-        return SlotReader(meta, meta.with_suffix(".bin"), man, live, seal=seal)
+            live = next((s.buffer for s in self.pool.slots if s.meta_path == seal.path and s.buffer is not None), None)
+        return SlotReader(seal.path, seal.path.with_suffix(".bin"), seal.manifest, live, seal=seal.inode)
