@@ -416,3 +416,26 @@ def test_a_manifest_that_is_not_valid_text_gets_an_error_reply_and_the_server_go
     assert reply["ok"] is False and "bad replica manifest" in reply["error"]
     assert "step 1 (generation 0)" in str(_ask(server.addr).get("error"))
     assert held.list() == []
+
+
+def test_close_ends_the_connections_being_served_before_the_slots_go(shm_dir: str) -> None:
+    """A connection in progress (here: silent in its handshake) is shut down and its thread
+    joined by ``close()``, at once, so the replica slots it could still write or check are
+    unmapped only after it (unmapping under such a thread killed a rank with SIGSEGV)."""
+    ns = Path(shm_dir) / "ckpt-guard-holder"
+    replicas = ReplicaSlots(ns, {"root": "/nowhere", "run": "t"})
+    server = PeerServer(replicas, [PeerTier(ns)], host="127.0.0.1", timeout_s=600)
+    server.start(SECRET)
+    host, port = server.addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as idle:
+        while not server._serving:  # accepted and being served
+            time.sleep(0.01)
+        [thread] = server._serving
+        started = time.monotonic()
+        assert server.close() is True
+        assert not thread.is_alive() and not server._serving
+        assert time.monotonic() - started < 60  # not its 600 s deadline (a hang guard, not a timing)
+        idle.settimeout(60)  # a hang guard
+        while idle.recv(4096):  # the server's handshake, then the end: its side is closed
+            pass
+    replicas.close()

@@ -200,8 +200,8 @@ class Peering:
         try:
             (self.replicator.abort if abort else self.replicator.close)()
         finally:
-            self.server.close()
-            self.replicas.close()
+            if self.server.close():  # else a connection may still touch the replica slots: leave them mapped
+                self.replicas.close()
 
 
 def _counter(registry: "CollectorRegistry | None", rank: int) -> Callable[[str], None]:

@@ -45,6 +45,8 @@ class PeerServer:
         self._secret = b""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="ckpt-peer-server", daemon=True)
+        self._serving: dict[threading.Thread, socket.socket] = {}  # connections being served
+        self._serving_guard = threading.Lock()
         self.received = 0  # replicas sealed here
         self.accept_errors = 0  # accept() failures waited out (file descriptors exhausted, ...)
 
@@ -73,10 +75,15 @@ class PeerServer:
                 self._stop.wait(0.5)
                 continue
             streak = 0
+            thread = threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="ckpt-peer-conn",
+                                      daemon=True)
+            with self._serving_guard:
+                self._serving[thread] = conn
             try:
-                threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="ckpt-peer-conn",
-                                 daemon=True).start()
+                thread.start()
             except RuntimeError as e:  # no thread to be had now: this connection is dropped, not the server
+                with self._serving_guard:
+                    del self._serving[thread]
                 conn.close()
                 self._slots.release()
                 log.warning("peer server dropped a connection from %s:%s: %s", peer[0], peer[1], e)
@@ -99,6 +106,8 @@ class PeerServer:
         finally:
             conn.close()
             self._slots.release()
+            with self._serving_guard:
+                self._serving.pop(threading.current_thread(), None)
 
     def _put(self, session: wire.Session, req: dict, peer: str, deadline: float) -> None:
         try:
@@ -143,9 +152,14 @@ class PeerServer:
                 missing.append(str(e))
         raise FileNotFoundError("; ".join(missing) or f"step {ckpt_id}: nothing served here")
 
-    def close(self) -> None:
-        """Stop accepting: shutting the listener down wakes the accept loop at once (closing it
-        alone leaves accept() to its 0.5 s timeout, half a second of every in-process abort)."""
+    def close(self) -> bool:
+        """Stop accepting, then end the connections being served: their sockets are shut down
+        and their threads joined, since they read and write memory (replica slots, this
+        node's snapshots) that the caller unmaps next. Unmapping under a thread still
+        checking a replica it received killed a rank with SIGSEGV. Shutting the listener
+        down wakes the accept loop at once (closing it alone leaves accept() to its 0.5 s
+        timeout, half a second of every in-process abort). Returns whether every connection
+        ended within ``timeout_s``; if not, the caller must leave that memory mapped."""
         self._stop.set()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -154,3 +168,18 @@ class PeerServer:
         self._sock.close()
         if self._thread.is_alive():
             self._thread.join()
+        with self._serving_guard:
+            serving = dict(self._serving)
+        for conn in serving.values():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # a recv or send in progress fails at once
+            except OSError:
+                pass
+        deadline = time.monotonic() + self.timeout_s
+        for thread in serving:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t for t in serving if t.is_alive()]
+        if alive:
+            log.warning("peer server: %d connection(s) still running %.0f s after close; their memory is left "
+                        "mapped", len(alive), self.timeout_s)
+        return not alive
