@@ -4,7 +4,7 @@ over however many ranks are left, a checkpoint every step.
 
     inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
         [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S
-        [--memory-dir D] [--peers 1 | --object-store URL] [--model gpt] [--overlap]
+        [--memory-dir D] [--peers 1 | --object-store URL] [--model gpt] [--overlap] [--loader-workers N]
 
 Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
 """
@@ -20,12 +20,15 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
 from ckpt.distributed import exit_rank
 from ckpt.inprocess import Context, Recovery, group, membership, run
+from ckpt.integrations.data import ResumableDataLoader, ResumableSampler
 from ckpt.integrations.risk import RiskListener
 from ckpt.integrations.urgency import SaveRequests
 from ckpt.peers.placement import node_name
+from tests.procs import running, stat_fields
 
 GLOBAL_BATCH = 12  # divisible by 3, 2 and 1: the global batch is kept when the world shrinks
 
@@ -34,9 +37,22 @@ def resources() -> dict[str, int]:
     """What a survivor holds: threads, open fds, resident KiB (nothing may grow per recovery)."""
     rss_pages = int(open("/proc/self/statm").read().split()[1])
     return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+            "children": len(children()),
             "rss_kib": rss_pages * os.sysconf("SC_PAGE_SIZE") // 1024,
             "fd_targets": sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
                                  if os.path.exists(f"/proc/self/fd/{fd}"))}
+
+
+def children() -> list[int]:
+    """This process's live child processes (a data loader's workers)."""
+    out = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            if int(stat_fields(pid)[1]) == os.getpid() and running(pid):
+                out.append(pid)
+        except (OSError, IndexError):
+            continue
+    return out
 
 
 def main() -> None:
@@ -62,6 +78,9 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true",
                     help="overlapped snapshots every step (superseded drains skipped, not paced: the peer "
                     "replicas a lost node restores from must keep up)")
+    ap.add_argument("--loader-workers", type=int, default=-1,
+                    help="N >= 0: the MLP's batches come from a ResumableDataLoader with N worker processes, "
+                    "its position in the checkpointed state (rebuilt and rewound by each recovery)")
     ap.add_argument("--memory-dir", default="/dev/shm", help="this node's memory tier")
     ap.add_argument("--peers", type=int, default=0, help="peer replicas on other nodes (CKPT_GUARD_NODE)")
     ap.add_argument("--object-store", default=None, help="the job's shared object store (file://DIR)")
@@ -84,8 +103,26 @@ def main() -> None:
             return {"model": model, "optim": optim, "ctx": ctx}
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                "ctx": ctx}
+        objects = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "ctx": ctx}
+        if args.loader_workers >= 0:  # 4 steps an epoch: the runs cross epochs
+            g = torch.Generator().manual_seed(7)
+            n = 4 * GLOBAL_BATCH
+            data = TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 1, generator=g))
+            sampler = ResumableSampler(data, seed=3, rank=ctx.rank, world_size=ctx.world_size)
+            objects["loader"] = ResumableDataLoader(data, sampler=sampler, batch_size=GLOBAL_BATCH // ctx.world_size,
+                                                    num_workers=args.loader_workers)
+        return objects
+
+    def next_batch(objects: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loader's next batch; its iterator (and worker processes) made after the restore,
+        anew at each epoch."""
+        for _ in range(2):
+            it = objects.setdefault("batches", iter(objects["loader"]))
+            try:
+                return next(it)
+            except StopIteration:
+                del objects["batches"]
+        raise RuntimeError("the loader is empty")
 
     own_steps: list[int] = []
 
@@ -123,6 +160,9 @@ def main() -> None:
         optim.zero_grad()
         if args.model == "gpt":
             recovery_model.loss(model, *recovery_model.batch(i, ctx.rank, ctx.world_size)).backward()
+        elif "loader" in objects:
+            x, y = next_batch(objects)
+            torch.nn.functional.mse_loss(model(x), y).backward()
         else:
             g = torch.Generator().manual_seed(1000 + i)
             x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
@@ -150,7 +190,10 @@ def main() -> None:
     def on_recovery(r: Recovery) -> None:
         emit(event="recovery", leaked_groups=group.leaked(), **resources(), **r.__dict__)
 
-    result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
+    def state_of(objects: dict) -> dict:
+        return {k: objects[k] for k in ("model", "optim", "loader") if k in objects}
+
+    result = run(build, step, steps=args.steps, state_of=state_of,
                  checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"],
                              "memory_dir": args.memory_dir, "peers": args.peers, "object_store": args.object_store,
                              **({"overlap": True} if args.overlap else {})},
@@ -158,7 +201,7 @@ def main() -> None:
                  warm_up=warm_up, listener=listener)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
     emit(event="done", steps=result.steps_done, digest=digest.hexdigest(),
-         world=result.objects["ctx"].world_size)
+         world=result.objects["ctx"].world_size, children=len(children()))
     exit_rank(0)
 
 

@@ -86,6 +86,45 @@ def test_killed_rank_without_spare_shrinks(tmp_path):
     assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
 
 
+LOADER = ("--loader-workers", "2")
+
+
+@pytest.mark.timeout(600)
+def test_data_loader_workers_are_rebuilt_and_rewound_with_a_spare(tmp_path):
+    """2 ranks + 1 warm spare; batches come from a ResumableDataLoader with 2 worker processes
+    per rank, 4 steps an epoch; rank 1 dies at step 5, mid-epoch. Each rank's loader is built
+    anew and resumes from the restored position (its workers prefetch from there), the old
+    workers are gone (each rank ends with its current 2), and the job ends bitwise equal to
+    an uninterrupted run with the same loaders."""
+    launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "2", "--spares", "1",
+           child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", "5", *LOADER))
+    evs = events(tmp_path / "a.jsonl")
+    check_survivors_kept(evs, dead=1)
+    assert {w: (e["steps"], e["children"]) for w, e in finals(evs).items()} == {0: (STEPS, 2), 2: (STEPS, 2)}
+    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS), *LOADER))
+    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
+
+
+@pytest.mark.timeout(600)
+def test_data_loader_shrinking_splits_the_rest_of_the_epoch_anew(tmp_path):
+    """3 ranks, no spare, the same loaders: rank 1 dies at step 5; ranks 0 and 2 rebuild their
+    loaders at world size 2 (6 samples a step each instead of 4) over what the epoch had left,
+    and end bitwise equal to a relaunch at 2 ranks from the step they restored."""
+    launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "3",
+           child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", "5", *LOADER))
+    evs = events(tmp_path / "a.jsonl")
+    recs = check_survivors_kept(evs, dead=1)
+    restored = {r["restored_step"] for r in recs}
+    assert len(restored) == 1 and {w: e["children"] for w, e in finals(evs).items()} == {0: 2, 2: 2}
+    ref = tmp_path / "ref"
+    launch(ref, tmp_path / "ref3.jsonl", "--nproc", "3", child=("--steps", str(min(restored)), *LOADER))
+    launch(ref, tmp_path / "ref2.jsonl", "--nproc", "2",
+           child=("--steps", str(STEPS), "--resume-step", str(min(restored)), *LOADER))
+    expected = {e["digest"] for e in finals(events(tmp_path / "ref2.jsonl")).values()}
+    assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
+
+
 @pytest.mark.timeout(600)
 def test_predictor_node_failed_evicts_only_that_rank(tmp_path):
     """3 ranks: at step 4 the predictor listener (as wired by ``run(listener=...)``) hears
