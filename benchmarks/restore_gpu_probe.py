@@ -101,7 +101,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             device_crc()
             out["device_crc_s"] = median_time(device_crc, 3)
-        if device == "cuda":
+
             def dma() -> None:
                 stream = torch.cuda.Stream()
                 with torch.cuda.stream(stream):

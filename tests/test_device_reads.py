@@ -59,8 +59,10 @@ def test_every_piece_lands_checked_across_blocks_and_reused_buffers() -> None:
 
 def test_unverified_pieces_are_copied_as_they_are() -> None:
     ps = pieces(SIZES, verified=False)
-    StagedDeviceReads(CPU).run(ps, lambda p: AssertionError(p.tag))
+    done: list[int] = []
+    StagedDeviceReads(CPU).run(ps, lambda p: AssertionError(p.tag), done.append)
     assert all(torch.equal(p.dst, p.host) for p in ps)
+    assert sum(done) == sum(SIZES)
 
 
 @pytest.mark.parametrize("bad", [1, 5, 8], ids=["first-block", "middle", "row-above-block"])

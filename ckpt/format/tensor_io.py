@@ -84,13 +84,13 @@ def read_tensors(
     if any(isinstance(d, torch.Tensor) for d in dests) and _pinned(reader):
         on_host = []
         for item in items:
-            e, lo, hi, dst = item.tensor, item.lo, item.hi, dests[item.tensor.id]
-            big = isinstance(dst, torch.Tensor) and (hi - lo >= DEVICE_CHECK_MIN_BYTES or crc_of(item) is None)
+            e, lo, hi, dst, crc = item.tensor, item.lo, item.hi, dests[item.tensor.id], crc_of(item)
+            big = isinstance(dst, torch.Tensor) and (hi - lo >= DEVICE_CHECK_MIN_BYTES or crc is None)
             src = reader.tensor(e.offset + lo, hi - lo) if big else None
             if src is None:
                 on_host.append(item)
             else:
-                on_device.setdefault(dst.device, []).append(DevicePiece(src, dst[lo:hi], crc_of(item), item))
+                on_device.setdefault(dst.device, []).append(DevicePiece(src, dst[lo:hi], crc, item))
 
     def one(item: ReadItem) -> None:
         e, lo, hi, dst = item.tensor, item.lo, item.hi, dests[item.tensor.id]

@@ -33,13 +33,12 @@ _MAX_SEAL_BYTES = 256 << 20
 
 
 class _Seal(NamedTuple):
-    """A slot's seal as read: its manifest (None: ``why`` not), the inode the bytes came from
-    (a reseal is a new inode, so a reader can tell later whether the slot still holds what
-    this manifest describes) and the bytes."""
+    """A slot's seal as read: its manifest (None: not a valid one), the inode the bytes came
+    from (a reseal is a new inode, so a reader can tell later whether the slot still holds
+    what this manifest describes) and the bytes."""
 
     path: Path
     manifest: ShardManifest | None
-    why: str | None
     inode: int
     raw: bytes
 
@@ -52,7 +51,7 @@ class MemoryTier(TierReader):
         self.rank = rank
         self.pool = pool
         self._copier = None
-        self._parsed: dict[Path, tuple[bytes, ShardManifest | None, str | None]] = {}
+        self._parsed: dict[Path, tuple[bytes, ShardManifest]] = {}
 
     @classmethod
     def own(cls, ns: Path, rank: int, *, slots: int, owner: dict) -> "MemoryTier":
@@ -118,7 +117,7 @@ class MemoryTier(TierReader):
     # -- reading ------------------------------------------------------------------
 
     def _sealed(self) -> list[_Seal]:
-        """Every seal in this rank's directory, parsed (or why not). A seal's bytes are read
+        """Every seal in this rank's directory, parsed (None: not a valid seal). A seal's bytes are read
         each time; a parse is reused while they are the same (a restore looks a step up
         twice, and a 1,168-tensor manifest takes milliseconds to parse)."""
         out: list[_Seal] = []
@@ -133,10 +132,10 @@ class MemoryTier(TierReader):
             parsed = self._parsed.get(meta)
             if parsed is None or parsed[0] != raw:
                 try:
-                    parsed = self._parsed[meta] = (raw, ShardManifest.from_bytes(raw, str(meta)), None)
-                except ManifestError as e:
-                    parsed = (raw, None, str(e))
-            out.append(_Seal(meta, parsed[1], parsed[2], ino, raw))
+                    parsed = self._parsed[meta] = (raw, ShardManifest.from_bytes(raw, str(meta)))
+                except ManifestError:
+                    parsed = (raw, None)
+            out.append(_Seal(meta, parsed[1], ino, raw))
         return out
 
     def list(self) -> list[CheckpointInfo]:
