@@ -354,15 +354,20 @@ class CheckpointManager:
                                 self.disk.name if self.disk is not None else None)
 
     def close(self) -> None:
-        """``flush()``, then release shared memory mappings. The slots stay for a restart, except
-        when training ``finished`` and every save is durable: then this rank's slots are removed
-        (``keep_memory=True`` keeps them). Idempotent: a preempted loop closes inside ``with manager``."""
+        """``flush()``; with peers, send the last replica and wait until every rank has (no rank
+        stops serving a replica still on its way); then release shared memory mappings. The
+        slots stay for a restart, except when training ``finished`` and every save is durable:
+        then this rank's slots are removed (``keep_memory=True`` keeps them). Idempotent: a
+        preempted loop closes inside ``with manager``."""
         if self._closed:
             return
         self._closed = True
         remove = False
         try:
             self.flush()
+            if self.peering is not None:
+                self.peering.send_last()
+                self.coord.barrier()  # no rank stops serving while another's last replica is on its way to it
             if self.finished and not self.keep_memory:
                 self.wait()  # a failed drain raises here, and the slots stay
                 remove = True

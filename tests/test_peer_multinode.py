@@ -166,3 +166,16 @@ def test_replicas_move_off_a_node_reported_at_risk(tmp_path: Path, shm: list[str
         assert held(1)[0] in ([5, 10], [5]), "node1 kept getting replicas while at risk"
     finally:
         shutil.rmtree(extra, ignore_errors=True)
+
+
+def test_no_rank_stops_serving_while_a_last_replica_is_on_its_way(tmp_path: Path, shm: list[str]) -> None:
+    """Node 0 replicates under a 0.5 MB/s cap (about 1 s for its 0.5 MB), node 1 uncapped: node 1
+    is done first and must keep serving until node 0's last replica (step 10) has arrived.
+    Closing at once cut that send off (seen in CI: rank 0 had no peer copy of its last step)."""
+    args = [[*node_args(tmp_path, "last", shm, i, 0.0)[:3], "10", "5", "0.0", "0", str(1 << 19 if i == 0 else 0), "512"]
+            for i in range(2)]
+    logs = torchrun_nodes(SCRIPT, args, nproc=1, timeout=240)
+    for i, log in enumerate(logs):
+        assert f"rank {i}: step 10 durable in the peer tier" in log, log[-3000:]
+        held = PeerTier(replica_namespace(os.path.realpath(args[1 - i][0]), "default", shm[1 - i]))
+        assert 10 in [info.id.step for info in held.list()], f"node {1 - i} holds no replica of rank {i}'s step 10"

@@ -194,6 +194,11 @@ class Peering:
             f"exists: {lost}. Refusing to start over; bring back a copy (or clear the checkpoints to start from "
             "scratch)")
 
+    def send_last(self) -> None:
+        """Send the last pending replica (bounded by the timeout) and stop sending; this rank
+        still serves the replicas other ranks send it, until ``close``."""
+        self.replicator.close()
+
     def close(self, *, abort: bool = False) -> None:
         """Send the last pending replica (bounded by the timeout), then stop serving;
         ``abort``: cut the replicas off instead (``Replicator.abort``)."""
