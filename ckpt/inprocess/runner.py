@@ -119,6 +119,9 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
          state_of: Callable[[T], dict], save_every: int, resume_step: int | None, collective_timeout_s: float,
          membership_timeout_s: float, on_recovery: Callable[[Recovery], None] | None,
          warm_up: Callable[[], Any] | None, listener: RiskListener | None) -> Result[T]:
+    # What exists now (torch and the user's imports) is never garbage: frozen, it is left out of
+    # the full collection each recovery runs, which took 0.15 s of a 0.35 s recovery here
+    gc.freeze()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=membership_timeout_s))
     worker = int(os.environ[WORKER_ENV])
