@@ -1,6 +1,7 @@
 """Where a restore from memory to a GPU spends its time: the whole verified restore
 against its parts, each timed alone on the same slot and the same parameters: the staged
-device reads (copy, check on the device, scatter: ``staged_*``) at several block sizes,
+device reads of every piece (copy, check on the device, scatter; pieces under a MiB checked
+on the host: ``staged_*``; all on the device: ``*_all_on_device``) at several block sizes,
 the device's CRC32C alone (``device_crc``), CRC32C of every piece on the host
 (``host_crc_only``), the reads without verification (``read_noverify``), and the bare DMA
 from the pinned slot (``dma``), against the floor (pinned host → device of the same bytes,
@@ -30,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.ckpt_bench import build_state, median_time, sync, tensors_of  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.format.device_crc import RowCRC  # noqa: E402
-from ckpt.format.device_reads import DevicePiece, StagedDeviceReads  # noqa: E402
+from ckpt.format.device_reads import HOST_CHECK_BELOW, DevicePiece, StagedDeviceReads  # noqa: E402
 from ckpt.format.read_items import read_items  # noqa: E402
 from ckpt.format.state import tensor_targets  # noqa: E402
-from ckpt.format.tensor_io import DEVICE_CHECK_MIN_BYTES, read_tensors  # noqa: E402
+from ckpt.format.tensor_io import read_tensors  # noqa: E402
 from ckpt.format.verify import verify_shard  # noqa: E402
 from ckpt.restore.execute import open_shard, read_shard  # noqa: E402
 from ckpt.restore.state_load import load_into  # noqa: E402
@@ -81,16 +82,18 @@ def main() -> None:
             pieces = [DevicePiece(reader.tensor(i.tensor.offset + i.lo, i.hi - i.lo),
                                   targets[i.tensor.id].reshape(-1).view(torch.uint8)[i.lo:i.hi],
                                   i.tensor.checksums[i.lo // reader.manifest.chunk_bytes], i)
-                      for i in items if i.tensor.id in targets and targets[i.tensor.id].is_cuda
-                      and i.hi - i.lo >= DEVICE_CHECK_MIN_BYTES]
-            out["staged_bytes"] = sum(p.host.numel() for p in pieces)
-            for block, depth in ((128, 3), (128, 4), (256, 3)):
-                staged = StagedDeviceReads(torch.device("cuda"), block_bytes=block << 20, depth=depth)
-                out[f"staged_block{block}M_depth{depth}_s"] = median_time(
+                      for i in items if i.tensor.id in targets and targets[i.tensor.id].is_cuda]
+            out["staged_bytes"] = sum(p.host.numel() for p in pieces if p.host.numel() >= HOST_CHECK_BELOW)
+            out["host_checked_pieces"] = sum(0 < p.host.numel() < HOST_CHECK_BELOW for p in pieces)
+            for block, depth, below in ((128, 3, HOST_CHECK_BELOW), (128, 4, HOST_CHECK_BELOW),
+                                        (256, 3, HOST_CHECK_BELOW), (128, 3, 0)):
+                staged = StagedDeviceReads(torch.device("cuda"), block_bytes=block << 20, depth=depth,
+                                           host_check_below=below, threads=threads)
+                out[f"staged_block{block}M_depth{depth}{'_all_on_device' if not below else ''}_s"] = median_time(
                     lambda staged=staged: staged.run(pieces, lambda p: AssertionError(p.tag)), 3)
             if args.profile:
                 profile("restore", restore)
-                profile("staged reads", lambda: StagedDeviceReads(torch.device("cuda")).run(
+                profile("staged reads", lambda: StagedDeviceReads(torch.device("cuda"), threads=threads).run(
                     pieces, lambda p: AssertionError(p.tag)))
             rows = torch.randint(0, 256, (16, reader.manifest.chunk_bytes), dtype=torch.uint8, device="cuda")
             crc = RowCRC(rows.shape[1], rows.device)

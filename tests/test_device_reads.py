@@ -49,10 +49,14 @@ def pieces(sizes: list[int], *, verified: bool = True) -> list[DevicePiece]:
     return out
 
 
-def test_every_piece_lands_checked_across_blocks_and_reused_buffers() -> None:
+@pytest.mark.parametrize("below", [0, 4096], ids=["all-on-device", "small-on-host"])
+def test_every_piece_lands_checked_across_blocks_and_reused_buffers(below: int) -> None:
+    """``below``: pieces under it are checked by the host's threads while the others are staged
+    (here 4 KiB: the sizes 1, 255, 256, 257 and 3), and copied once all of them passed."""
     ps = pieces(SIZES)
     done: list[int] = []
-    StagedDeviceReads(CPU, block_bytes=64 << 10, depth=2).run(ps, lambda p: AssertionError(p.tag), done.append)
+    StagedDeviceReads(CPU, block_bytes=64 << 10, depth=2, host_check_below=below, threads=3).run(
+        ps, lambda p: AssertionError(p.tag), done.append)
     assert all(torch.equal(p.dst, p.host) for p in ps)
     assert sum(done) == sum(SIZES)
 
@@ -70,6 +74,21 @@ def test_a_damaged_piece_is_named_and_reaches_no_target(bad: int) -> None:
     ps = pieces(SIZES)
     ps[bad].host[len(ps[bad].host) // 2] ^= 0x10  # damaged after its CRC was taken
     with pytest.raises(LookupError) as err:
-        StagedDeviceReads(CPU, block_bytes=64 << 10, depth=2).run(ps, lambda p: LookupError(p.tag))
+        StagedDeviceReads(CPU, block_bytes=64 << 10, depth=2, host_check_below=0).run(ps, lambda p: LookupError(p.tag))
     assert err.value.args == (bad,)
     assert not ps[bad].dst.any()
+
+
+SMALL = [i for i, n in enumerate(SIZES) if 0 < n < 4096]
+
+
+@pytest.mark.parametrize("bad", [SMALL[0], SMALL[-1], 6], ids=["small-first", "small-last", "staged"])
+def test_a_damaged_piece_keeps_every_host_checked_piece_from_its_target(bad: int) -> None:
+    """Damage in a small piece or in a staged one: no piece checked on the host is copied."""
+    ps = pieces(SIZES)
+    ps[bad].host[len(ps[bad].host) // 2] ^= 0x10
+    with pytest.raises(LookupError) as err:
+        StagedDeviceReads(CPU, block_bytes=64 << 10, host_check_below=4096, threads=3).run(
+            ps, lambda p: LookupError(p.tag))
+    assert err.value.args == (bad,)
+    assert not any(ps[i].dst.any() for i in SMALL)

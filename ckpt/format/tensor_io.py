@@ -22,7 +22,6 @@ from .state import local_tensor
 from .verify import DEFAULT_THREADS, Progress, mismatch, run_parallel
 
 log = logging.getLogger(__name__)
-DEVICE_CHECK_MIN_BYTES = 1 << 20
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -50,8 +49,8 @@ def read_tensors(
     targets used and the new tensors, by id.
 
     A target on a GPU is filled from a pinned slot (the memory tier) by asynchronous
-    copies, each piece verified on the device before it reaches its target
-    (``StagedDeviceReads``); from other readers each piece is verified in host memory,
+    copies, each piece verified before it reaches its target (on the device; under a MiB,
+    on the host: ``StagedDeviceReads``); from other readers each piece is verified in host memory,
     then copied. Every copy is complete when this returns."""
     man = reader.manifest
     targets = targets or {}
@@ -76,21 +75,20 @@ def read_tensors(
         e = item.tensor
         return e.checksums[item.lo // chunk] if verify and e.checksums is not None else None
 
-    # A pinned slot's pieces of a MiB or more bound for a GPU are copied there and verified
-    # on the device; every other piece is read, verified and copied by a thread of the pool
-    # (small pieces: the device's checks cost a few dozen kernel launches per size of row).
+    # A pinned slot's pieces bound for a GPU go there by asynchronous copies, each verified
+    # first (``StagedDeviceReads``); every other piece is read, verified and copied by a
+    # thread of the pool.
     on_device: dict[torch.device, list[DevicePiece]] = {}
     on_host = items
     if any(isinstance(d, torch.Tensor) for d in dests) and _pinned(reader):
         on_host = []
         for item in items:
-            e, lo, hi, dst, crc = item.tensor, item.lo, item.hi, dests[item.tensor.id], crc_of(item)
-            big = isinstance(dst, torch.Tensor) and (hi - lo >= DEVICE_CHECK_MIN_BYTES or crc is None)
-            src = reader.tensor(e.offset + lo, hi - lo) if big else None
+            e, lo, hi, dst = item.tensor, item.lo, item.hi, dests[item.tensor.id]
+            src = reader.tensor(e.offset + lo, hi - lo) if isinstance(dst, torch.Tensor) else None
             if src is None:
                 on_host.append(item)
             else:
-                on_device.setdefault(dst.device, []).append(DevicePiece(src, dst[lo:hi], crc, item))
+                on_device.setdefault(dst.device, []).append(DevicePiece(src, dst[lo:hi], crc_of(item), item))
 
     def one(item: ReadItem) -> None:
         e, lo, hi, dst = item.tensor, item.lo, item.hi, dests[item.tensor.id]
@@ -106,7 +104,7 @@ def read_tensors(
     def to_devices() -> None:
         for device, pieces in on_device.items():
             try:
-                StagedDeviceReads(device).run(
+                StagedDeviceReads(device, threads=threads).run(
                     pieces, lambda p: mismatch(reader, p.tag.tensor, p.tag.lo, p.tag.hi, step, tier), progress)
             except torch.OutOfMemoryError:  # no room to stage: verify on the host (any piece again)
                 log.warning("no device memory to stage a restore on %s: checking its pieces on the host", device)
