@@ -89,6 +89,8 @@ class CheckpointManager:
     ``node_memory`` restores from every rank's memory slots on this node, not only this
     rank's (``ckpt.inprocess``: the survivors of a lost rank read its sealed slots).
     ``keep_memory`` keeps a finished job's slots (``close()`` removes them otherwise).
+    ``sweep``: remove what interrupted saves and this root's dead jobs left behind, the
+    job's start-up (``ckpt.inprocess`` skips it when it rebuilds a manager after a fault).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -99,7 +101,8 @@ class CheckpointManager:
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", peers: int = 0,
                  node: str | None = None, peer_bytes_per_s: float | None = None,
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
-                 keep_memory: bool = False, node_memory: bool = False, drain_interval_s: float = 0.0) -> None:
+                 keep_memory: bool = False, node_memory: bool = False, drain_interval_s: float = 0.0,
+                 sweep: bool = True) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         if drain_interval_s and not overlap:
@@ -139,9 +142,10 @@ class CheckpointManager:
         self.memory = MemoryTier.own(self._ns, self.rank, slots=(2 if self.disk is not None else 3) + overlap,
                                      owner={"root": self._owner_root, "run": self.run})
         self.tiers: list[TierReader] = [self.memory, *durable]  # fastest first
-        remove_leftovers(self.disk, self.object, self.committer.leads, root=self._owner_root, own=self._ns,
-                         memory_dir=memory_dir)
-        self.coord.barrier()  # nobody writes before the leftovers are gone
+        if sweep:
+            remove_leftovers(self.disk, self.object, self.committer.leads, root=self._owner_root, own=self._ns,
+                             memory_dir=memory_dir)
+            self.coord.barrier()  # nobody writes before the leftovers are gone
         self._offload = None if self.object is None else Offloader(self.object, self.committer,
                                                                    interval_s=object_interval_s)
         self._handles: list[SaveHandle] = []
