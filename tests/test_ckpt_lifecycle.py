@@ -1,6 +1,7 @@
 """Retention, start-up clean-up, lineages (generations) and the per-rank lock."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,25 @@ def test_two_managers_on_the_same_root_and_run_are_refused(root: Path, shm_dir: 
     finally:
         first.close()
     CheckpointManager(root, memory_dir=shm_dir).close()  # released by close()
+
+
+def test_a_forked_child_does_not_keep_the_rank_locked(root: Path, shm_dir: str) -> None:
+    """A data loader's workers are forked from the rank: once the rank lets go (or dies), the
+    next process for that rank (a spare taking it) gets the slots although they still live."""
+    first = CheckpointManager(root, memory_dir=shm_dir)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds whatever it inherited until told to go
+        os.read(read_end, 1)
+        os._exit(0)
+    try:
+        first.close()
+        CheckpointManager(root, memory_dir=shm_dir).close()
+    finally:
+        os.write(write_end, b"x")
+        os.waitpid(pid, 0)
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_another_run_on_the_same_root_is_refused_and_mixes_nothing_up(root: Path, shm_dir: str) -> None:

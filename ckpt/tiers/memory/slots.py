@@ -38,6 +38,22 @@ from .namespace import OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23
+
+# The pools' lock fds held by this process. A forked child (a data loader's worker) shares each
+# one's lock: were it kept, a rank's lock would outlive the rank while its children live (up to
+# the 5 s a loader worker takes to notice), and the spare taking its rank would be refused.
+_LOCKS_HELD: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _LOCKS_HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the child's copy only: the parent's still holds the lock
+    _LOCKS_HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
 _MAX_SEAL_BYTES = 256 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -159,6 +175,7 @@ class SlotPool:
             os.close(self._lock_fd)
             raise CheckpointError(f"{self.dir} is in use by another live process (same root, run and rank): "
                                   "is the job already running? Each job needs its own checkpoint root") from None
+        _LOCKS_HELD.add(self._lock_fd)
         for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
             tmp.unlink(missing_ok=True)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})}
@@ -249,4 +266,5 @@ class SlotPool:
             shutil.rmtree(self.dir, ignore_errors=True)
             with contextlib.suppress(OSError):  # the job's namespace, once its last rank is gone
                 self.dir.parent.rmdir()
+        _LOCKS_HELD.discard(self._lock_fd)
         os.close(self._lock_fd)
