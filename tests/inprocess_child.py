@@ -140,7 +140,7 @@ def main() -> None:
             emit(event="fault", step=i)
             os.kill(os.getpid(), signal.SIGKILL)
         own_steps.append(i)
-        if worker == args.kill_worker and i == args.kill_at:
+        if worker == args.kill_worker and i == args.kill_at and os.environ[membership.ATTEMPT_ENV] == "0":
             spares_ready()
             emit(event="fault", step=i)
             os.kill(os.getpid(), signal.SIGSTOP if args.hang else signal.SIGKILL)

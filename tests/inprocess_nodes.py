@@ -94,6 +94,35 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
     return LostNode(evs, fault_t, log, gone)
 
 
+def run_nodes(workdir: Path, shm: Path, launcher: list[str], child: list[str], *, nodes: int = 2,
+              timeout: float = 600) -> tuple[list[dict], list[str]]:
+    """Run a job on ``nodes`` node launchers to its end; every launcher must exit 0. Returns
+    every worker's events and each node's log."""
+    port, events = free_port(), workdir / "events.jsonl"
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], [workdir / f"node{k}.log" for k in range(nodes)]
+    try:
+        for k in range(nodes):
+            (shm / f"node{k}").mkdir(mode=0o700)
+            cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--nodes", str(nodes), "--node-rank", str(k),
+                   "--master-port", str(port), *launcher, str(CHILD), "--root", str(workdir / f"node{k}"),
+                   "--memory-dir", str(shm / f"node{k}"), "--events", str(events), *child]
+            with open(logs[k], "wb") as out:
+                procs.append(subprocess.Popen(cmd, env={**os.environ, **ENV, "CKPT_GUARD_NODE": f"node{k}"},
+                                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout  # a hang guard only
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            stop_process(p)
+    texts = [log.read_text() for log in logs]
+    failed = [f"node {k} ({p.returncode}):\n{t[-3000:]}" for k, (p, t) in enumerate(zip(procs, texts))
+              if p.returncode != 0]
+    assert not failed, "\n\n".join(failed)
+    return [json.loads(line) for line in events.read_text().splitlines() if line.strip()], texts
+
+
 def lost_shard_sources(log: str, step: int, ranks: list[int]) -> dict[int, set[str]]:
     """Where the survivors' restore lines (``rank R restored step S (shard K from TIER, ...)``) say
     the shards of ``ranks`` came from (each survivor reads only the shards it needs)."""

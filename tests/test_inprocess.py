@@ -86,6 +86,26 @@ def test_killed_rank_without_spare_shrinks(tmp_path):
     assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
 
 
+@pytest.mark.timeout(600)
+def test_a_job_that_cannot_shrink_is_relaunched_whole(tmp_path):
+    """2 ranks, no spare, ``--min-world 2``: rank 1 dies at step 4 and the world may not shrink,
+    so the launcher relaunches the job (new processes for both ranks, on keys of a second
+    attempt); it restores the newest checkpoint and ends bitwise equal to an uninterrupted run."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "2", "--min-world", "2",
+                 child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", str(KILL_AT)))
+    assert "falling back to a relaunch (attempt 1 of 1)" in log and "fewer than --min-world" in log, log[-3000:]
+    evs = events(tmp_path / "a.jsonl")
+    starts = {}
+    for e in evs:
+        if e["event"] == "start":
+            starts.setdefault(e["worker"], []).append(e["pid"])
+    assert {w: len(set(p)) for w, p in starts.items()} == {0: 2, 1: 2}, starts  # every rank a new process
+    assert {w: e["steps"] for w, e in finals(evs).items()} == {0: STEPS, 1: STEPS}
+    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
+    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
+
+
 LOADER = ("--loader-workers", "2")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.inprocess_nodes import lose_node_1, lost_shard_sources
+from tests.inprocess_nodes import lose_node_1, lost_shard_sources, run_nodes
 from tests.test_inprocess import STEPS, events, finals, launch
 
 LOST_AT = 4
@@ -111,3 +111,25 @@ def test_a_silent_node_holding_replicas_holds_nothing_up(tmp_path):
     holder; leaving the round cuts that send off (``Replicator.abort``) instead of waiting out the
     peer timeout."""
     spare_takes_rank_1(tmp_path, silent=True)
+
+
+@pytest.mark.timeout(900)
+def test_a_job_that_cannot_shrink_is_relaunched_on_every_node(tmp_path):
+    """2 nodes x 1 rank, no spare, ``--min-world 2``: rank 1 (node 1) dies at step 4 and the world
+    may not shrink, so the job launcher relaunches the job and node 1's launcher takes part in the
+    second attempt: both ranks restart in new processes, restore the newest step from their own
+    node and end bitwise equal to an uninterrupted 2-rank run."""
+    with tempfile.TemporaryDirectory(prefix="inprocess-nodes-", dir="/dev/shm") as shm:
+        evs, logs = run_nodes(tmp_path / "a", Path(shm), ["--nproc", "1", "--min-world", "2", "--hang-s", str(HANG_S)],
+                              ["--steps", str(STEPS), "--kill-worker", "1", "--kill-at", "4"])
+    assert "falling back to a relaunch (attempt 1 of 1)" in logs[0], logs[0][-3000:]
+    assert "the job is launched again (attempt 1)" in logs[1], logs[1][-3000:]
+    starts: dict[int, set[int]] = {}
+    for e in evs:
+        if e["event"] == "start":
+            starts.setdefault(e["worker"], set()).add(e["pid"])
+    assert {w: len(p) for w, p in starts.items()} == {0: 2, 1: 2}, starts
+    assert {w: e["steps"] for w, e in finals(evs).items()} == {0: STEPS, 1: STEPS}
+    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
+    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean

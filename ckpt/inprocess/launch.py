@@ -18,8 +18,9 @@ launcher. A node launcher whose lifeline closes (it died) or that is silent for 
 (its host vanished) is a lost node: all its members go in one round, its spares leave the
 pool. A spare called in is replaced by a new one on its node, so the pool stays at
 ``--spares``. A worker that asks for it (``EXIT_FALLBACK``), or a job that cannot shrink
-further, is relaunched whole, today's path, at most ``--relaunches`` times (on
-one node only); every decision is logged with its reason.
+further, is relaunched whole, today's path, at most ``--relaunches`` times: every node
+launcher still there starts its workers again, on keys of the new attempt in the same store
+(a node lost meanwhile takes no part); every decision is logged with its reason.
 """
 from __future__ import annotations
 
@@ -41,26 +42,27 @@ log = logging.getLogger("ckpt.inprocess.launch")
 
 
 class Job:
-    """One launch of the workers on every node (a relaunch is a new Job on a new store)."""
+    """One launch of the workers on every node (a relaunch is a new Job, on keys of its own)."""
 
-    def __init__(self, args: argparse.Namespace, attempt: int) -> None:
-        self.store = dist.TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+    def __init__(self, args: argparse.Namespace, attempt: int, base: "dist.TCPStore", lost: set[int]) -> None:
+        self.store = membership.of_attempt(base, attempt)
         n, per_node = args.nproc, args.nproc + args.spares
-        # worker ids K * (nproc + spares) + i on node K: members first, then spares
-        self.hosts = {k * per_node + i: k for k in range(args.nodes) for i in range(per_node)}
+        # worker ids K * (nproc + spares) + i on node K: members first, then spares; nodes lost
+        # in an earlier attempt take no part
+        self.hosts = {k * per_node + i: k for k in range(args.nodes) if k not in lost for i in range(per_node)}
         self.members = [w for w in self.hosts if w % per_node < n]
         self.spares = [w for w in self.hosts if w % per_node >= n]
-        self.min_world, self.round, self.hang_s = args.min_world, 0, args.hang_s
+        self.min_world, self.round, self.hang_s, self.nproc = args.min_world, 0, args.hang_s, n
         self.finished: set[int] = set()
         self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
-        self.lost: set[int] = set()
+        self.lost = set(lost)
         self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
         self.store.multi_set([membership.host_key(w) for w in self.hosts], [str(k) for k in self.hosts.values()])
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
                                                              "start", 0.0))
-        log.info("attempt %d: workers %s, spares %s on %d node(s)", attempt, self.members, self.spares, args.nodes)
-        self.local = NodeLauncher(self.store, 0, master=(args.master_addr, self.store.port), command=args.command,
+        log.info("attempt %d: workers %s, spares %s on %d node(s)", attempt, self.members, self.spares,
+                 len(set(self.hosts.values())))
+        self.local = NodeLauncher(self.store, 0, master=(args.master_addr, base.port), command=args.command,
                                   attempt=attempt, hang_s=args.hang_s, progress_s=args.progress_s)
 
     def watch(self) -> tuple[bool, str]:
@@ -144,9 +146,21 @@ class Job:
         log.warning("round %d: %s", self.round, reason)
         return None
 
-    def stop(self, why: str) -> None:
-        """The job is over or relaunched: release the spares, end what is left, and give the other
-        nodes' launchers (bounded by ``hang_s``) the time to end theirs before the store goes."""
+    def can_relaunch(self) -> bool:
+        """Whether the nodes left can run the job again (``--min-world`` members)."""
+        live = len(set(self.hosts.values()) - self.lost)
+        if live * self.nproc < self.min_world:
+            log.error("no relaunch: %d node(s) left, %d ranks, fewer than --min-world %d", live, live * self.nproc,
+                      self.min_world)
+            return False
+        return True
+
+    def stop(self, why: str, *, again: bool = False) -> None:
+        """The job is over or launched ``again``: release the spares, end what is left, and give the
+        other nodes' launchers (bounded by ``hang_s``) the time to end theirs before the store goes
+        or the next attempt starts."""
+        if again:
+            self.store.set(membership.RELAUNCH_KEY, "1")
         self.store.set(membership.DONE_KEY, why)
         self.local.stop()
         others = [membership.left_key(k) for k in set(self.hosts.values()) - self.lost - {0}]
@@ -173,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="evict a member left behind by the others (alive, not stepping) after this long "
                          "(default: the watchdog's policy, 5 x the median step, at least 10 s)")
     ap.add_argument("--relaunches", type=int, default=1,
-                    help="whole-job relaunches when in-process fails (one node only, for now)")
+                    help="whole-job relaunches, on every node still there, when in-process recovery fails")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = ap.parse_args(argv)
     if not args.command or args.nproc < 1 or args.spares < 0:
@@ -184,17 +198,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.node_rank:
         return run_node(args.node_rank, (args.master_addr, args.master_port), args.command, args.hang_s,
                         args.progress_s)
-    relaunches = args.relaunches if args.nodes == 1 else 0  # across nodes: not built yet (docs/inprocess.md)
-    for attempt in range(relaunches + 1):
-        job = Job(args, attempt)
+    # one store server for every attempt: the other nodes' launchers find each relaunch on it
+    base = dist.TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=60))
+    lost: set[int] = set()
+    for attempt in range(args.relaunches + 1):
+        job = Job(args, attempt, base, lost)
         ok, why = False, "the launcher failed"
+        again = False
         try:
             ok, why = job.watch()
+            again = not ok and attempt < args.relaunches and job.can_relaunch()
         finally:
-            job.stop("done" if ok else why)
+            job.stop("done" if ok else why, again=again)
         if ok:
             return 0
-        log.error("falling back to a relaunch (attempt %d of %d): %s", attempt + 1, relaunches, why)
+        if not again:
+            log.error("the job failed: %s", why)
+            return 1
+        lost = job.lost
+        log.error("falling back to a relaunch (attempt %d of %d) on node(s) %s: %s", attempt + 1, args.relaunches,
+                  sorted(set(job.hosts.values()) - lost), why)
     return 1
 
 

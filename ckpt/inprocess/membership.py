@@ -8,14 +8,31 @@ a warm spare waits for a round that names it. No agreement protocol runs among t
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
 PREFIX = "ckpt-guard/inprocess"
 DONE_KEY = f"{PREFIX}/done"
+RELAUNCH_KEY = f"{PREFIX}/relaunch"  # set before DONE_KEY when the job is launched again: every node takes part
+ATTEMPT_ENV = "CKPT_INPROCESS_ATTEMPT"
 _POLL_S = 0.005
+
+
+def of_attempt(store: "dist.Store", attempt: int) -> "dist.Store":
+    """The job's store as one launch of it sees it: a relaunch (``attempt`` > 0) starts on
+    keys of its own, on the same store server, so that every node launcher finds it there."""
+    return store if attempt == 0 else dist.PrefixStore(f"ckpt-guard/attempt/{attempt}", store)
+
+
+def worker_store(timeout_s: float) -> "dist.Store":
+    """A worker's own connection to its launch's store (MASTER_ADDR, MASTER_PORT, the attempt)."""
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+    return of_attempt(base, int(os.environ.get(ATTEMPT_ENV, "0")))
 
 
 def round_key(round_id: int) -> str:

@@ -56,7 +56,7 @@ class NodeLauncher:
             raise RuntimeError(f"node {node}: the job launcher published no first round")
         self.current = first
         self.env = {**os.environ, "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
-                    "WORLD_SIZE": str(len(first.members)), "CKPT_INPROCESS_ATTEMPT": str(attempt),
+                    "WORLD_SIZE": str(len(first.members)), membership.ATTEMPT_ENV: str(attempt),
                     LAUNCHER_ENV: str(os.getpid())}
         self.procs: dict[int, subprocess.Popen] = {}
         self.reported: set[int] = set()  # workers whose exit is in the store
@@ -177,20 +177,33 @@ class NodeLauncher:
 def run_node(node: int, master: tuple[str, int], command: list[str], hang_s: float,
              progress_s: float | None) -> int:
     """A node launcher on a node other than the job launcher's, until the job is over: 0 when
-    it ended well. A job launcher gone (its store unreachable) ends this node's workers too."""
-    store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=60))
-    line = lifeline.hold(store, master[0], node)  # open while this process lives: its end is news
-    launcher = NodeLauncher(store, node, master=master, command=command, attempt=0, hang_s=hang_s,
-                            progress_s=progress_s)
-    try:
-        while launcher.poll():
-            time.sleep(POLL_S)
-        ok = store.get(membership.DONE_KEY) == b"done"
-    except RuntimeError as e:  # torch's store errors (DistStoreError) are RuntimeErrors
-        log.error("node %d: the job launcher's store is gone (%s): ending this node's workers", node, e)
-        return 1
-    finally:
-        launcher.stop()
-    store.set(membership.left_key(node), "1")
-    line.close()
-    return 0 if ok else 1
+    it ended well. When the job launcher launches the job again, this node takes part in the
+    new attempt (its keys on the same store). A job launcher gone (its store unreachable) ends
+    this node's workers too."""
+    base = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=60))
+    attempt = 0
+    while True:
+        store = membership.of_attempt(base, attempt)
+        try:
+            line = lifeline.hold(store, master[0], node)  # open while this process lives: its end is news
+            launcher = NodeLauncher(store, node, master=master, command=command, attempt=attempt, hang_s=hang_s,
+                                    progress_s=progress_s)
+        except RuntimeError as e:
+            log.error("node %d: attempt %d never started (%s)", node, attempt, e)
+            return 1
+        try:
+            while launcher.poll():
+                time.sleep(POLL_S)
+            ok = store.get(membership.DONE_KEY) == b"done"
+            again = store.check([membership.RELAUNCH_KEY])
+        except RuntimeError as e:  # torch's store errors (DistStoreError) are RuntimeErrors
+            log.error("node %d: the job launcher's store is gone (%s): ending this node's workers", node, e)
+            return 1
+        finally:
+            launcher.stop()
+        store.set(membership.left_key(node), "1")
+        line.close()
+        if not again:
+            return 0 if ok else 1
+        attempt += 1
+        log.warning("node %d: the job is launched again (attempt %d)", node, attempt)
