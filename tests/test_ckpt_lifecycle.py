@@ -130,19 +130,21 @@ def test_a_forked_child_does_not_keep_the_rank_locked(root: Path, shm_dir: str) 
     """A data loader's workers are forked from the rank: once the rank lets go (or dies), the
     next process for that rank (a spare taking it) gets the slots although they still live."""
     first = CheckpointManager(root, memory_dir=shm_dir)
-    read_end, write_end = os.pipe()
+    (ready_r, ready_w), (go_r, go_w) = os.pipe(), os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: holds whatever it inherited until told to go
-        os.read(read_end, 1)
+    if pid == 0:  # the child: running (its fork handlers done), it holds what it kept until told to go
+        os.write(ready_w, b"r")
+        os.read(go_r, 1)
         os._exit(0)
     try:
+        assert os.read(ready_r, 1) == b"r"
         first.close()
         CheckpointManager(root, memory_dir=shm_dir).close()
     finally:
-        os.write(write_end, b"x")
+        os.write(go_w, b"x")
         os.waitpid(pid, 0)
-        os.close(read_end)
-        os.close(write_end)
+        for fd in (ready_r, ready_w, go_r, go_w):
+            os.close(fd)
 
 
 def test_another_run_on_the_same_root_is_refused_and_mixes_nothing_up(root: Path, shm_dir: str) -> None:
