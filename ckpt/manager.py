@@ -363,13 +363,18 @@ class CheckpointManager:
         slots stay for a restart, except when training ``finished`` and every save is durable:
         then this rank's slots are removed (``keep_memory=True`` keeps them). Idempotent: a
         preempted loop closes inside ``with manager``."""
+        self._close(together=True)
+
+    def _close(self, together: bool) -> None:
+        """``together``: every rank closes at this point (not one leaving on an error, which must
+        not wait for the others)."""
         if self._closed:
             return
         self._closed = True
         remove = False
         try:
             self.flush()
-            if self.peering is not None:
+            if self.peering is not None and together:
                 self.peering.send_last()
                 self.coord.barrier()  # no rank stops serving while another's last replica is on its way to it
             if self.finished and not self.keep_memory:
@@ -405,5 +410,5 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self._close(together=exc_type is None)  # leaving on an error: no wait for the other ranks
