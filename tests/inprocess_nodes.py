@@ -39,22 +39,29 @@ class LostNode:
     node1_workers_gone: bool  # no worker of node 1 outlived its launcher
 
 
+def start_node_launcher(k: int, nodes: int, port: int, workdir: Path, shm: Path, launcher: list[str], child: list[str],
+               **popen) -> subprocess.Popen:
+    """Node ``k``'s launcher (its own CKPT_GUARD_NODE, memory dir ``shm/nodeK`` and disk root
+    ``workdir/nodeK``), its workers appending to ``workdir/events.jsonl``, its output in
+    ``workdir/nodeK.log``."""
+    (shm / f"node{k}").mkdir(mode=0o700)
+    cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--nodes", str(nodes), "--node-rank", str(k),
+           "--master-port", str(port), *launcher, str(CHILD), "--root", str(workdir / f"node{k}"),
+           "--memory-dir", str(shm / f"node{k}"), "--events", str(workdir / "events.jsonl"), *child]
+    with open(workdir / f"node{k}.log", "wb") as out:
+        return subprocess.Popen(cmd, env={**os.environ, **ENV, "CKPT_GUARD_NODE": f"node{k}"}, cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT, **popen)
+
+
 def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str], *, at_step: int,
                 hang_s: float, silent: bool = False) -> LostNode:
     """Start node 0 (the job launcher) and node 1; once worker 0 has done ``at_step`` steps and
     node 0's spares are ready, lose node 1; node 0's launcher must then end the job well."""
     port, events = free_port(), workdir / "events.jsonl"
     workdir.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], [workdir / f"node{k}.log" for k in range(2)]
-    for k in range(2):
-        (shm / f"node{k}").mkdir(mode=0o700)
-        cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--nodes", "2", "--node-rank", str(k),
-               "--master-port", str(port), "--hang-s", str(hang_s), *launcher, str(CHILD),
-               "--root", str(workdir / f"node{k}"), "--memory-dir", str(shm / f"node{k}"), "--events", str(events),
-               *child]
-        with open(logs[k], "wb") as out:
-            procs.append(subprocess.Popen(cmd, env={**os.environ, **ENV, "CKPT_GUARD_NODE": f"node{k}"}, cwd=REPO,
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=k == 1))
+    logs = [workdir / f"node{k}.log" for k in range(2)]
+    procs = [start_node_launcher(k, 2, port, workdir, shm, ["--hang-s", str(hang_s), *launcher], child,
+                        start_new_session=k == 1) for k in range(2)]
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
         first = membership.wait_round(store, 0, 300.0)
@@ -103,13 +110,7 @@ def run_nodes(workdir: Path, shm: Path, launcher: list[str], child: list[str], *
     procs, logs = [], [workdir / f"node{k}.log" for k in range(nodes)]
     try:
         for k in range(nodes):
-            (shm / f"node{k}").mkdir(mode=0o700)
-            cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--nodes", str(nodes), "--node-rank", str(k),
-                   "--master-port", str(port), *launcher, str(CHILD), "--root", str(workdir / f"node{k}"),
-                   "--memory-dir", str(shm / f"node{k}"), "--events", str(events), *child]
-            with open(logs[k], "wb") as out:
-                procs.append(subprocess.Popen(cmd, env={**os.environ, **ENV, "CKPT_GUARD_NODE": f"node{k}"},
-                                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+            procs.append(start_node_launcher(k, nodes, port, workdir, shm, launcher, child))
         deadline = time.monotonic() + timeout  # a hang guard only
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
