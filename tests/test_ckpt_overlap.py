@@ -20,6 +20,7 @@ from ckpt import CheckpointManager
 from ckpt.errors import SnapshotChanged
 from ckpt.save.overlap import StepHooks, optimizers_in
 from tests.ckpt_helpers import assert_same
+from tests.procs import wait_for
 
 MICRO_BATCHES = 2  # gradient accumulation
 
@@ -86,9 +87,9 @@ def test_saving_every_step_while_the_next_step_runs_restores_each_step_bitwise(r
 
 def test_without_the_step_wait_the_snapshot_is_refused_not_torn(root: Path, shm_dir: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The test above fails if the pre-hook's wait is removed: optimizer.step() then writes
-    the parameters during their copy, and the version check refuses the seal."""
-    monkeypatch.setattr(StepHooks, "watch", lambda self, optimizers: None)
+    """The test above fails if the hooks are removed: optimizer.step() then writes the
+    parameters during their copy, and the version check refuses the seal."""
+    monkeypatch.setattr(StepHooks, "watch", lambda self, optimizers, modules: None)
     state = build()
     with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
         train_step(state)
@@ -342,6 +343,55 @@ def test_a_fault_in_the_next_forward_costs_one_step(root: Path, shm_dir: str) ->
         assert_same(expected_of(probe), expected)
 
 
+def copied(mgr: CheckpointManager) -> None:
+    """Wait (a hang guard only) until the staged snapshot's copy has ended, unwaited for."""
+    assert wait_for(lambda: mgr._saves._staged.copied(), timeout=120, interval=0.001)
+
+
+def test_the_snapshot_is_sealed_at_the_end_of_the_next_forward(root: Path, shm_dir: str) -> None:
+    """Once its copy has ended, step k is sealed by the next forward of the model (its drain
+    starts during the backward), not at optimizer.step(): a fault after that forward costs
+    no step, and another reader already sees it."""
+    from ckpt.tiers.memory import MemoryTier, memory_namespace
+
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        train_step(state)
+        expected = expected_of(state)
+        handle = mgr.save(1, state)
+        copied(mgr)
+        assert not mgr.memory.holds(1), "a finished copy is sealed by the training thread, not the copy thread"
+        loss = state["model"](torch.randn(64, 16)).sum()
+        assert mgr.memory.holds(1), "the end of the forward seals a copied snapshot"
+        handle.wait()  # its drain is under way before the step: durable on disk with no optimizer.step()
+        outside = MemoryTier(memory_namespace(root, None, shm_dir), 0)
+        assert [i.id.step for i in outside.list()] == [1]
+        loss.backward()  # step 2 fails here, before optimizer.step()
+        probe = build(seed=7)
+        assert mgr.restore(probe) == 1
+        assert_same(expected_of(probe), expected)
+
+
+def test_a_forward_before_the_copy_ended_leaves_the_seal_to_the_step(root: Path, shm_dir: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward hook never waits for the copy: a copy still running (held here) is sealed
+    by the step pre-hook, as before, and restores bitwise."""
+    from ckpt.tiers.memory.copier import PendingCopy
+
+    monkeypatch.setattr(PendingCopy, "done", lambda self: False)
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
+        for step in range(1, 4):
+            train_step(state)  # its optimizer.step() seals the step before
+            assert step == 1 or mgr.memory.holds(step - 1)
+            expected = expected_of(state)
+            mgr.save(step, state)
+            state["model"](torch.randn(64, 16))
+            assert not mgr.memory.holds(step)
+        mgr.wait()
+        assert_restores(mgr, 3, expected)
+
+
 def test_an_urgent_save_is_sealed_and_durable_without_a_step(root: Path, shm_dir: str) -> None:
     state = build()
     with CheckpointManager(root, memory_dir=shm_dir, overlap=True, state=state) as mgr:
@@ -359,8 +409,8 @@ def test_a_closure_step_waits_after_its_forward_and_backward(how: str) -> None:
     model = nn.Linear(8, 1)
     opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
     order: list[str] = []
-    hooks = StepHooks(lambda: order.append("wait"))
-    hooks.watch([opt])
+    hooks = StepHooks(lambda: order.append("wait"), lambda: None)
+    hooks.watch([opt], [])
     x, y = torch.randn(16, 8), torch.randn(16, 1)
 
     def closure() -> torch.Tensor:
@@ -377,7 +427,7 @@ def test_a_closure_step_waits_after_its_forward_and_backward(how: str) -> None:
     assert not torch.equal(model.weight, before)  # the step still updated
     order.clear()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    hooks.watch([sgd])
+    hooks.watch([sgd], [])
     sgd.step()  # no closure: the wait comes first, as before
     assert order == ["wait"]
     hooks.close()

@@ -16,7 +16,7 @@ from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader
 from ..tiers.memory.copier import plan_layout
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
-from .overlap import StagedSnapshot, StepHooks, deferrable, optimizers_in, step_written
+from .overlap import StagedSnapshot, StepHooks, deferrable, modules_in, optimizers_in, step_written
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
     from ..format.state import FlatState
@@ -58,7 +58,7 @@ class SavePath:
 
     def __post_init__(self) -> None:
         if self.overlap:
-            self._hooks = StepHooks(self.wait_staged)
+            self._hooks = StepHooks(self.wait_staged, self.seal_if_copied)
 
     def snapshot(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
                  state: Mapping[str, Any]) -> tuple[ShmSlot, ShardManifest]:
@@ -78,7 +78,7 @@ class SavePath:
         parameters and state of the optimizers in ``state``, each given a step pre-hook
         calling ``wait_staged``) is still being copied, and the slot is not sealed."""
         optimizers = optimizers_in(state)
-        self._hooks.watch(optimizers)
+        self._hooks.watch(optimizers, modules_in(state))
         flat, slot, manifest = self._reserve(ckpt_id, part, state)
         later = deferrable(flat.tensors, step_written(optimizers))
         watched = [(path, t, t._version) for (path, t), defer in zip(flat.tensors, later) if defer]
@@ -112,6 +112,12 @@ class SavePath:
             return
         handle, upload, urgent = staged.drain
         self.submit(staged.slot, staged.manifest, staged.ckpt_id, handle, upload=upload, urgent=urgent)
+
+    def seal_if_copied(self) -> None:
+        """``wait_staged`` if the staged snapshot's copy has already ended (the end of a
+        forward: sealed there, its drain starts during the backward); else nothing."""
+        if self._staged is not None and self._staged.copied():
+            self.wait_staged()
 
     def close(self) -> None:
         """Stop: the staging (below), then the drains, hurried past any pacing."""

@@ -78,6 +78,12 @@ class PendingCopy:
                  event: "torch.cuda.Event | None") -> None:
         self._pieces, self._future, self._event = pieces, future, event
 
+    def done(self) -> bool:
+        """Whether every byte is in the slot (or the copy failed), without waiting. Only
+        ``wait()`` helps the worker, so a finished worker means a finished copy."""
+        return ((self._event is None or self._event.query())
+                and (self._future is None or self._future.done()))
+
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
