@@ -6,20 +6,20 @@ Under torch.distributed every rank runs one manager: each writes its own shard
 (replicated keys, e.g. a DDP model, only on the first rank of each disk volume), the
 ``Committer`` makes a step visible once every shard is durable, and restore agrees
 on one step across ranks. The wiring is here; the mechanisms live in their modules:
-``tiers/`` (storage by role), ``save/`` (``commit.py``, ``save_path.py``: a save's bytes,
-tier by tier; ``drain.py``/``offload.py``: background queues), ``restore/`` (``job.py``:
-a rank's restore; ``plan.py``, ``execute.py``, ``reshard.py``: what to read, and reading it).
+``tiers/`` (storage by role), ``save/`` (``durable.py``, ``commit.py``: the durable tiers
+and their commits; ``save_path.py``: a save's bytes, tier by tier; ``drain.py``/``offload.py``:
+background queues), ``restore/`` (``job.py``: a rank's restore; ``plan.py``, ``execute.py``,
+``reshard.py``: what to read, and reading it).
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-import uuid
 from functools import partial
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from .coordination import Coordinator, store_connector
+from .coordination import Coordinator
 from .errors import BackgroundError, CheckpointError, SnapshotChanged
 from .format.checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .format.state import flatten
@@ -30,18 +30,15 @@ from .restore.fresh_start import set_aside
 from .restore.job import readable_tiers, restore_job
 from .restore.plan import shard_needs
 from .restore.reshard import ReshardStats
-from .save.commit import Committer, retention
 from .save.drain import Pace, SaveHandle
+from .save.durable import open_durable
 from .save.lineage import Lineage
 from .save.metrics import CheckpointMetrics
 from .save.offload import Offloader
-from .save.ownership import claim_for_job
 from .save.save_path import SavePath
 from .save.shm_budget import check_room, lazy_optimizer_bytes, refusal_of
 from .save.sweep import remove_leftovers
 from .tiers.base import CheckpointId, DurableTier, TierReader
-from .tiers.local import LocalDiskTier
-from .tiers.locations import object_store_tier
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
 
@@ -107,7 +104,6 @@ class CheckpointManager:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         if drain_interval_s and not overlap:
             raise ValueError("drain_interval_s paces the drains that a newer snapshot may skip: it needs overlap=True")
-        keep_by_tier, default_keep = retention(keep_last)
         self.threads, self.chunk_bytes = threads, check_chunk_bytes(chunk_bytes)
         # a restore runs while training waits, so its checksums take up to 8 cores
         self.restore_threads = max(threads, min(8, os.cpu_count() or 1))
@@ -118,21 +114,10 @@ class CheckpointManager:
         self.coord = Coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.run = run or "default"
-        self.disk = LocalDiskTier(root, threads=threads) if root is not None else None
-        if self.disk is not None:
-            self.disk.root.mkdir(parents=True, exist_ok=True)
-        self.object: DurableTier | None = (object_store if object_store is None or isinstance(object_store, DurableTier)
-                                           else object_store_tier(object_store, storage_options))
-        durable = [t for t in (self.disk, self.object) if t is not None]
-        claim_for_job(self.coord, durable, self.run)  # before anything is swept or pruned
-        # Alone, each tier is one volume: nothing is written to the root to find out.
-        mine = [t.volume for t in durable] if self.world_size > 1 else ["local"] * len(durable)
-        job, *volumes = zip(*self.coord.gather([uuid.uuid4().hex, *mine]))
-        self.committer = Committer(self.rank, self.world_size, store=store_connector(f"{self.run}/{job[0]}",
-                                                                                      commit_timeout_s),
-                                   keep_last=keep_by_tier, default_keep=default_keep, timeout_s=commit_timeout_s)
-        for tier, by_rank in zip(durable, volumes):
-            self.committer.register(tier, list(by_rank))
+        opened = open_durable(self.coord, root, object_store, storage_options=storage_options, run=self.run,
+                              threads=threads, keep_last=keep_last, commit_timeout_s=commit_timeout_s)
+        self.disk, self.object, self.committer = opened.disk, opened.object, opened.committer
+        durable = opened.tiers
         self._home = durable[0]  # the disk, else the object store: its volume groups the ranks of a node
         self._owner_root = str(self.disk.root.resolve()) if self.disk is not None else self.object.location
         self._ns = namespace_dir(self._owner_root, self.run, memory_dir)
