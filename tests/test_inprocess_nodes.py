@@ -43,23 +43,21 @@ def restored_from(tier: str, log: str, step: int, lost_ranks: list[int]) -> bool
     return all(tiers == {tier} for tiers in lost_shard_sources(log, step, lost_ranks).values())
 
 
-def shrinks_to_2(tmp_path: Path, *, silent: bool) -> None:
-    """2 nodes x 2 ranks, no spare, no peer replicas, a shared object store: node 1 (ranks 2, 3)
-    is lost past step 4; ranks 0 and 1 go on at world size 2, read ranks 2 and 3's shards from the
-    object store (a step it committed: older than the newest in node 0's memory) and end bitwise
-    equal to a relaunch at 2 ranks from the step they restored (itself taken from a clean 4-rank
-    run). (With ``--peers 1`` instead, the two lost ranks' newest sealed replicas may be of
-    different steps, none common: docs/inprocess.md.)"""
-    objstore = f"file://{tmp_path / 'objstore'}"
+def shrinks_to_2(tmp_path: Path, *, silent: bool, tier: str) -> None:
+    """2 nodes x 2 ranks, no spare, with peer replicas (``tier`` "peer") or a shared object store
+    ("object"): node 1 (ranks 2, 3) is lost past step 4; ranks 0 and 1 go on at world size 2, read
+    ranks 2 and 3's shards from that tier (the object store: a step it committed, older than the
+    newest in node 0's memory) and end bitwise equal to a relaunch at 2 ranks from the step they
+    restored (itself taken from a clean 4-rank run)."""
+    where = ["--peers", "1"] if tier == "peer" else ["--object-store", f"file://{tmp_path / 'objstore'}"]
     with tempfile.TemporaryDirectory(prefix="inprocess-nodes-", dir="/dev/shm") as shm:
         lost = lose_node_1(tmp_path / "a", Path(shm), ["--nproc", "2"],
-                           ["--steps", str(STEPS), "--object-store", objstore, *PACED], at_step=LOST_AT, hang_s=HANG_S,
-                           silent=silent)
+                           ["--steps", str(STEPS), *where, *PACED], at_step=LOST_AT, hang_s=HANG_S, silent=silent)
     recs = check_node_0_kept(lost, {0, 1}, **({"how": "no beat for"} if silent else {}))
     assert "continuing at world size 2" in lost.log, lost.log[-3000:]
     assert all(r["world_size"] == 2 for r in recs) and all(e["world"] == 2 for e in finals(lost.events).values())
     restored = recs[0]["restored_step"]
-    assert restored_from("object", lost.log, restored, [2, 3]), lost.log[-3000:]
+    assert restored_from(tier, lost.log, restored, [2, 3]), lost.log[-3000:]
     ref = tmp_path / "ref"
     launch(ref, tmp_path / "ref4.jsonl", "--nproc", "4", child=("--steps", str(restored)))
     launch(ref, tmp_path / "ref2.jsonl", "--nproc", "2", child=("--steps", str(STEPS), "--resume-step", str(restored)))
@@ -70,7 +68,7 @@ def shrinks_to_2(tmp_path: Path, *, silent: bool) -> None:
 @pytest.mark.timeout(900)
 def test_lost_node_shrinks_restoring_from_the_object_store(tmp_path):
     """Node 1's launcher killed: its lifeline closes, the node is lost at once."""
-    shrinks_to_2(tmp_path, silent=False)
+    shrinks_to_2(tmp_path, silent=False, tier="object")
 
 
 def spare_takes_rank_1(tmp_path: Path, *, silent: bool) -> None:
@@ -101,8 +99,9 @@ def test_a_node_that_goes_silent_is_lost_after_hang_s(tmp_path):
     """Node 1's launcher and workers stopped, not killed (a host that vanished: its lifeline and
     its sockets stay open): the job launcher loses the node once its beats have been missing for
     ``--hang-s``; node 0's ranks, blocked in a collective with a stopped peer, are cut loose
-    (``group.interrupt``) and go on at world size 2."""
-    shrinks_to_2(tmp_path, silent=True)
+    (``group.interrupt``) and go on at world size 2, the two lost ranks' shards read from the
+    replicas node 0 holds (one step common to both)."""
+    shrinks_to_2(tmp_path, silent=True, tier="peer")
 
 
 @pytest.mark.timeout(900)
