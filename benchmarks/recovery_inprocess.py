@@ -19,7 +19,7 @@ benchmarks/recovery_model.py; gloo; an overlapped snapshot every step: ``--overl
   first resumed step on node 0; ``lost_shards_from``: where the survivors read the lost ranks'
   shards (node 1's memory and disk are gone).
 * ``vanished_node``: as ``lost_node``, but node 1's launcher and workers are SIGSTOPped (a host
-  that vanished: its sockets stay open): it is declared lost after ``--hang-s HANG_S`` without a
+  that vanished: its sockets stay open): it is declared lost after ``--hang-s NODE_HANG_S`` without a
   beat, and node 0's ranks blocked in a collective with it are cut loose.
 
 Each row's equality is checked against a run of the same launcher: with a spare, an
@@ -41,9 +41,11 @@ from tests.inprocess_nodes import lose_node_1, lost_shard_sources
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "inprocess_child.py"
 MODEL = ["--model", "gpt", "--overlap"]
-# HANG_S: the silence that declares a rank frozen or a node vanished; 1 s, torchft's heartbeat
-# timeout in its rows of the same benchmark (recovery_engines.py), so the hung rows compare alike
-STEPS, FAULT_AT, HANG_S, PROGRESS_S = 20, 10, 1.0, 2.0
+# HANG_S: the silence (no beat, no CPU time) that declares a rank frozen: 1 s, torchft's heartbeat
+# timeout in its rows of the same benchmark (recovery_engines.py), so the hung rows compare alike.
+# NODE_HANG_S: a node launcher's silence that declares the node vanished (beats only: no CPU time
+# to read on another host); at 1 s one run of the benchmark lost its job before the fault
+STEPS, FAULT_AT, HANG_S, NODE_HANG_S, PROGRESS_S = 20, 10, 1.0, 2.0, 2.0
 MODES = {"inprocess_spare": ["--nproc", "2", "--spares", "1"], "inprocess_shrink": ["--nproc", "3"]}
 CASES = {"killed": ["--kill-worker", "1", "--kill-at", str(FAULT_AT)],
          "hung": ["--kill-worker", "1", "--kill-at", str(FAULT_AT), "--hang"],
@@ -109,7 +111,7 @@ def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
         where = ["--peers", "1"] if tier == "peer" else ["--object-store", f"file://{workdir / 'objstore'}"]
         with tempfile.TemporaryDirectory(prefix="recovery-bench-nodes-", dir="/dev/shm") as shm:
             lost = lose_node_1(workdir / f"{case}-{mode}", Path(shm), flags, [*MODEL, "--steps", str(STEPS), *where],
-                               at_step=FAULT_AT, hang_s=HANG_S, silent=case == "vanished_node")
+                               at_step=FAULT_AT, hang_s=NODE_HANG_S, silent=case == "vanished_node")
         evs, fault = lost.events, {"t": lost.fault_t}
     else:
         evs = launch(workdir, f"{case}-{mode}", MODES[mode], ["--steps", str(STEPS), *CASES[case]])
