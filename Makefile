@@ -5,14 +5,22 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+ENGINES := .venv-engines
 
-.PHONY: setup lint test test-tools demo bench clean
+.PHONY: setup engines lint test test-tools demo bench clean
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(PY) $(VENV)
 	touch $@
 
 setup: $(STAMP)
+
+# NVRx and torchft, for their tests and the recovery benchmark's rows (scripts/engines-venv.sh)
+$(ENGINES)/.installed: $(STAMP) scripts/engines-venv.sh
+	bash scripts/engines-venv.sh $(VENV) $(ENGINES)
+	touch $@
+
+engines: $(ENGINES)/.installed
 
 test-tools:
 	bash scripts/test-tools.sh
@@ -22,7 +30,7 @@ lint: $(STAMP)
 
 # 2 pytest-xdist workers: one pytest keeps one core busy on average (it waits on torchrun,
 # servers, pip); loadfile keeps a module on one worker, so its module-scoped fixtures run once
-test: $(STAMP) test-tools lint
+test: $(STAMP) engines test-tools lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 demo: $(STAMP)
@@ -32,4 +40,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ckpt_bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES) build *.egg-info

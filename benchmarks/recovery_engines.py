@@ -1,6 +1,6 @@
 """The other engines' side of the recovery benchmark: NVRx's in-process restart and torchft.
 
-    python benchmarks/recovery_engines.py --json out.json [--repeats 3] [--python /tmp/engines-venv/bin/python]
+    python benchmarks/recovery_engines.py --json out.json [--repeats 3] [--python .venv-engines/bin/python]
 
 Issue #33 asks for our in-process recovery "measured side by side with NVRx and torchft".
 This runs the recovery benchmark's model and step (examples/train_torchrun.py: the tiny GPT,
@@ -58,7 +58,7 @@ STEPS, FAULT_STEP = 60, 12
 TORCHFT_STEP_S = 0.2  # group 0 must still train when a restarted group 1 is up to join it
 NVRX_CASES = {"killed": "kill", "hung": "stop", "exception": "raise", "lost_node": "kill_node"}
 TORCHFT_CASES = {"killed": "kill", "hung": "stop"}
-DEFAULT_ENGINES_PYTHON = "/tmp/engines-venv/bin/python"
+DEFAULT_ENGINES_PYTHON = str(REPO / ".venv-engines" / "bin" / "python")  # make engines
 XID_SKIP = ("neither engine listens to GPU health events: an XID 79 reaches it as a hung rank or a CUDA "
             "error (the hung and exception rows)")
 TORCHFT_NODE_SKIP = ("a replica group per node holds no per-node state (the restarted group heals from the "
