@@ -6,7 +6,8 @@ Writes ``{"meta": {command, machine, date, load}, "rows": [...]}``: one row per 
 hung, lost_node, xid79; node_failed, behind and vanished_node in process only) and mode
 (``relaunch``: today's torchrun restart, below;
 ``inprocess_spare`` / ``inprocess_shrink``: ``ckpt.inprocess``, benchmarks/recovery_inprocess.py;
-``nvrx_inprocess`` / ``torchft_2_groups``: NVRx's in-process restart and torchft,
+``nvrx_inprocess`` / ``nvrx_ckpt_tiers`` / ``torchft_2_groups``: NVRx's in-process restart (alone,
+and with our tiers as its state source: ``ckpt.integrations.nvrx``) and torchft,
 benchmarks/recovery_engines.py, in ``--engines-python``, skipped with the reason where an engine
 is absent or has no such case) with ``fault_to_first_step_s``,
 ``detect_s``, ``steps_lost`` (steps done before the fault that are redone; the step in flight is
@@ -273,7 +274,8 @@ SKIPPED = {
                             "torchrun restarts the job",
     ("vanished_node", "relaunch"): "the lost_node relaunch row's path, detected by the rendezvous' heartbeat",
 }
-ENGINE_MODES = ["nvrx_inprocess", "torchft_2_groups"]  # benchmarks/recovery_engines.py, in --engines-python
+# benchmarks/recovery_engines.py, in --engines-python
+ENGINE_MODES = ["nvrx_inprocess", "nvrx_ckpt_tiers", "torchft_2_groups"]
 MODES = ["relaunch", "inprocess_spare", "inprocess_shrink", *ENGINE_MODES]
 
 

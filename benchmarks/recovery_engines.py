@@ -21,6 +21,12 @@ can merge them (``rows()``).
   Phases from the ranks' own stamps: detect (fault -> the first survivor's abort begins),
   abort, membership (abort done -> the training function runs again), process_group,
   restore (the DDP broadcast), first_step (to the end of the first step after recovery).
+* ``nvrx_ckpt_tiers``: the same NVRx job through ``ckpt.integrations.nvrx.run``: NVRx restarts the
+  training function, our tiers are its state source (a ``CheckpointManager`` with an overlapped
+  snapshot every step; each restart restores the newest step every rank can read, the dead
+  ranks' shards from their memory slots on this host). ``equal_to_clean`` here: bitwise equal
+  to a clean 3-rank run to the step restored, then a relaunch from it at the size the
+  survivors went on at (a shrunk world is not comparable to a clean 3-rank run).
 * ``torchft_2_groups``: torchft 0.2.0, a Lighthouse on 127.0.0.1 and two replica groups of
   one rank each (torchft's ``Manager`` and optimizer wrapper, ProcessGroupGloo; gradients through
   ``Manager.allreduce``: its DDP wrapper asserts on a failed all-reduce), steps padded to 0.2 s.
@@ -94,13 +100,6 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
                                             int(os.environ["WORLD_SIZE"]), is_master=initial_rank == 0,
                                             multi_tenant=True, wait_for_workers=True, use_libuv=True)
 
-    class TimedAbort(inprocess.abort.AbortTorchDistributed):
-        def __call__(self, state: Any) -> Any:
-            log("abort_begin")
-            out = super().__call__(state)
-            log("abort_end")
-            return out
-
     def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         log("fn_start", iteration=call_wrapper.iteration, rank=rank, world=world)
@@ -133,14 +132,73 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
     # NVRx finds the parameter to fill by its annotation, as a class: not the string that
     # ``from __future__ import annotations`` leaves
     train.__annotations__["call_wrapper"] = inprocess.CallWrapper
-    wrapped = inprocess.Wrapper(store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 2}, abort=TimedAbort(),
-                       soft_timeout=timedelta(seconds=4), hard_timeout=timedelta(seconds=8),
-                       heartbeat_timeout=timedelta(seconds=4), barrier_timeout=timedelta(seconds=120),
-                       completion_timeout=timedelta(seconds=120), last_call_wait=timedelta(seconds=0.2),
-                       termination_grace_time=timedelta(seconds=2), monitor_thread_interval=timedelta(seconds=0.2),
-                       monitor_process_interval=timedelta(seconds=0.2), heartbeat_interval=timedelta(seconds=0.5),
-                       progress_watchdog_interval=timedelta(seconds=0.2))(train)
+    wrapped = inprocess.Wrapper(store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 2}, abort=_timed_abort(log),
+                                **NVRX_TIMEOUTS)(train)
     wrapped()
+
+
+NVRX_TIMEOUTS = {k: timedelta(seconds=v) for k, v in {
+    "soft_timeout": 4, "hard_timeout": 8, "heartbeat_timeout": 4, "barrier_timeout": 120, "completion_timeout": 120,
+    "last_call_wait": 0.2, "termination_grace_time": 2, "monitor_thread_interval": 0.2,
+    "monitor_process_interval": 0.2, "heartbeat_interval": 0.5, "progress_watchdog_interval": 0.2}.items()}
+
+
+def _timed_abort(log: _Events) -> Any:
+    """NVRx's own abort, its start and end stamped (the phases' boundaries)."""
+    from nvidia_resiliency_ext import inprocess
+
+    class TimedAbort(inprocess.abort.AbortTorchDistributed):
+        def __call__(self, state: Any) -> Any:
+            log("abort_begin")
+            out = super().__call__(state)
+            log("abort_end")
+            return out
+
+    return TimedAbort()
+
+
+def nvrx_tiers_worker(events_dir: str, fault: str, digest_out: str, steps: int, resume_step: int | None,
+                      root: str, memory_dir: str) -> None:
+    """One rank under ``ckpt.integrations.nvrx.run``: NVRx restarts the function, our tiers are the
+    state source (a snapshot every step, overlapped); the same model, batches and fault as above."""
+    import torch.distributed as dist
+
+    from benchmarks import recovery_model
+    from ckpt.integrations.nvrx import run
+    from examples.train_torchrun import weights_digest
+    initial_rank = int(os.environ["RANK"])
+    log = _Events(f"{events_dir}/rank{initial_rank}.jsonl")
+    raised = []
+
+    def build(ctx: Any) -> dict[str, Any]:
+        log("fn_start", iteration=ctx.round, rank=ctx.rank, world=ctx.world_size)
+        log("pg_ready", iteration=ctx.round)  # run() joined the group before it builds
+        model, optim = recovery_model.model()
+        return {"model": model, "optim": optim, "ctx": ctx, "first": True}
+
+    def step(objects: dict[str, Any], s: int) -> None:
+        ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
+        if objects.pop("first", False):
+            log("restored", iteration=ctx.round, step=s)
+        if fault == "raise" and initial_rank == 1 and s == FAULT_STEP and not raised:
+            raised.append(s)
+            log("fault", step=s)
+            raise RuntimeError("injected fault")
+        optim.zero_grad(set_to_none=True)
+        recovery_model.loss(model, *recovery_model.batch(s, ctx.rank, ctx.world_size)).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
+        optim.step()
+        log("step", step=s, iteration=ctx.round, world=ctx.world_size)
+
+    result = run(build, step, steps=steps, resume_step=resume_step, collective_timeout_s=5.0,
+                 state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
+                 checkpoint={"root": root, "memory_dir": memory_dir, "keep_last": 1000,
+                             "replicated": ["model", "optim"], "overlap": True},
+                 abort=_timed_abort(log), **NVRX_TIMEOUTS)
+    if result.objects["ctx"].rank == 0:
+        Path(digest_out).write_text(weights_digest(result.objects["model"]))
 
 
 def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str) -> None:
@@ -236,13 +294,15 @@ def _finish(procs: list[subprocess.Popen], timeout: float, logs: list[Path]) -> 
             raise SystemExit(f"engine job did not finish in {timeout:.0f} s:\n{tails}") from None
 
 
-def run_nvrx(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
-    """One NVRx job (3 ranks), faulted as ``case`` (None: clean): its row's measurements."""
+def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvrx", world: int = 3,
+             extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One NVRx job (``world`` ranks of ``worker``), faulted as ``case`` (None: clean): its row's
+    measurements."""
     fault = NVRX_CASES.get(case, "none")
-    port, world = free_port(), 3
+    port = free_port()
     logs = [workdir / f"rank{r}.log" for r in range(world)]
-    procs = [_spawn(python, ["--worker", "nvrx", "--events", str(workdir), "--fault", fault,
-                             "--digest", str(workdir / "digest")], logs[r],
+    procs = [_spawn(python, ["--worker", worker, "--events", str(workdir), "--fault", fault,
+                             "--digest", str(workdir / "digest"), *extra], logs[r],
                     {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for r in range(world)]
     victims = {"kill": [1], "stop": [1], "kill_node": [1, 2]}.get(fault, [])
@@ -279,7 +339,7 @@ def run_nvrx(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
     done_before = max((e["step"] + 1 for e in events if e["event"] == "step" and e["t"] < abort_begin), default=0)
     pids = {r: {e["pid"] for e in evs[r]} for r in survivors}
     return {**out, "fault_to_first_step_s": first["t"] - fault_t, "detect_s": abort_begin - fault_t,
-            "steps_lost": done_before - restored["step"], "world_after": fn["world"],
+            "steps_lost": done_before - restored["step"], "restored_step": restored["step"], "world_after": fn["world"],
             "survivor_pids_kept": all(len(p) == 1 for p in pids.values()),
             "phase_detect_s": abort_begin - fault_t, "phase_abort_s": abort_end - abort_begin,
             "phase_membership_s": fn["t"] - abort_end, "phase_process_group_s": pg - fn["t"],
@@ -338,8 +398,31 @@ def run_torchft(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
     return row
 
 
+def run_nvrx_tiers(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
+    """NVRx with our tiers: the faulted job, then its reference (a clean 3-rank run to the step
+    restored, and a relaunch from it at the size the survivors went on at): ``equal_to_clean``."""
+    shm = Path(tempfile.mkdtemp(prefix="recovery-engines-", dir="/dev/shm"))
+    try:
+        def job(name: str, world: int, *extra: str, fault: str | None = None) -> dict[str, Any]:
+            (workdir / name).mkdir()
+            return run_nvrx(python, fault, workdir / name, worker="nvrx_tiers", world=world,
+                            extra=("--memory-dir", str(shm / name), *extra))
+
+        got = job("faulted", 3, "--root", str(workdir / "faulted-root"), fault=case)
+        if case is None:
+            return got
+        root, restored = str(workdir / "ref-root"), got["restored_step"]
+        job("ref", 3, "--root", root, "--steps", str(restored))
+        again = job("ref-after", got["world_after"], "--root", root, "--resume-step", str(restored))
+        digest = got.pop("digest")
+        return {**got, "equal_to_clean": digest == again["digest"]}
+    finally:
+        subprocess.run(["rm", "-rf", str(shm)], check=False)
+
+
 # mode: (module, cases, runner, the cases where a process is started again: torchft's killed group)
 ENGINES = {"nvrx_inprocess": ("nvidia_resiliency_ext.inprocess", NVRX_CASES, run_nvrx, ()),
+           "nvrx_ckpt_tiers": ("nvidia_resiliency_ext.inprocess", NVRX_CASES, run_nvrx_tiers, ()),
            "torchft_2_groups": ("torchft", TORCHFT_CASES, run_torchft, ("killed",))}
 CASES = ("killed", "hung", "lost_node", "xid79", "exception")
 
@@ -360,15 +443,16 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
                 out.append({"case": case, "mode": mode, "skipped": skip})
                 continue
             try:
-                if clean is None:
-                    with tempfile.TemporaryDirectory(prefix="recovery-engines-") as tmp:
-                        clean = run_one(python, None, Path(tmp))["digest"]
                 runs = []
                 for i in range(repeats):
                     t0 = time.monotonic()
                     with tempfile.TemporaryDirectory(prefix="recovery-engines-") as tmp:
                         got = run_one(python, case, Path(tmp))
-                    got["equal_to_clean"] = got.pop("digest") == clean
+                    if "equal_to_clean" not in got:  # else the runner compared with a reference of its own
+                        if clean is None:
+                            with tempfile.TemporaryDirectory(prefix="recovery-engines-") as tmp:
+                                clean = run_one(python, None, Path(tmp))["digest"]
+                        got["equal_to_clean"] = got.pop("digest") == clean
                     runs.append(got)
                     print(f"{mode} {case} #{i + 1}: {got} ({time.monotonic() - t0:.0f} s)", file=sys.stderr,
                           flush=True)
@@ -401,7 +485,11 @@ def main() -> None:
                     help="an interpreter with nvidia-resiliency-ext 0.4.1 and torchft 0.2.0 (and this repo's deps)")
     ap.add_argument("--modes", default=",".join(ENGINES))
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--worker", choices=("nvrx", "torchft", "lighthouse"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("nvrx", "nvrx_tiers", "torchft", "lighthouse"), help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
+    ap.add_argument("--resume-step", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--memory-dir", help=argparse.SUPPRESS)
     ap.add_argument("--events", help=argparse.SUPPRESS)
     ap.add_argument("--fault", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--digest", help=argparse.SUPPRESS)
@@ -410,6 +498,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker == "nvrx":
         return nvrx_worker(args.events, args.fault, args.digest)
+    if args.worker == "nvrx_tiers":
+        return nvrx_tiers_worker(args.events, args.fault, args.digest, args.steps, args.resume_step, args.root,
+                                 args.memory_dir)
     if args.worker == "torchft":
         return torchft_worker(args.events, args.group, args.lighthouse, args.digest)
     if args.worker == "lighthouse":

@@ -18,8 +18,9 @@ a dependency: ``pip install nvidia-resiliency-ext==0.4.1`` (it pulls a ``pynvml`
 the ``nvidia-ml-py`` the agents use, so keep it out of the agents' environment).
 
 Start every rank as NVRx expects (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``:
-torchrun, or a plain process per rank); its store serves ``MASTER_PORT``, and the process
-groups' store ``MASTER_PORT + 1``, both on the first rank.
+torchrun, or a plain process per rank); the process groups' and commits' store serves
+``MASTER_PORT`` and NVRx's own ``MASTER_PORT + 1`` (unless ``store_kwargs`` says otherwise),
+both on the first rank.
 """
 from __future__ import annotations
 
@@ -48,9 +49,12 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
     from nvidia_resiliency_ext import inprocess  # the extra: imported only when used
 
     initial = int(os.environ["RANK"])
-    groups = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1,
-                           int(os.environ["WORLD_SIZE"]), is_master=initial == 0, multi_tenant=True,
-                           wait_for_workers=True, use_libuv=True)
+    port = int(os.environ["MASTER_PORT"])
+    # ours on MASTER_PORT (the checkpoint commits find it there too); NVRx's on a port of its own:
+    # with the commits' keys in NVRx's store, its termination barrier failed on a value it misread
+    groups = dist.TCPStore(os.environ["MASTER_ADDR"], port, int(os.environ["WORLD_SIZE"]), is_master=initial == 0,
+                           multi_tenant=True, wait_for_workers=True, use_libuv=True)
+    wrapper = {"store_kwargs": {"port": port + 1}, **wrapper}
     recoveries: list[Recovery] = []
     failed: dict[str, Any] = {}  # the last failed call: when it raised, at which step, what
 
