@@ -17,6 +17,10 @@ spares, node loss, evictions on XID 79 and relaunch fallbacks, measured side by 
 a dependency: ``pip install nvidia-resiliency-ext==0.4.1`` (it pulls a ``pynvml`` shim over
 the ``nvidia-ml-py`` the agents use, so keep it out of the agents' environment).
 
+Not for hung ranks yet: NVRx restarts the survivors of a hang by an asynchronous exception in
+their main threads, which can land while a call makes or lets go of its manager, leaving the
+rank's memory slots locked in its own process (docs/research/recovery-engines.md).
+
 Start every rank as NVRx expects (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``:
 torchrun, or a plain process per rank); the process groups' and commits' store serves
 ``MASTER_PORT`` and NVRx's own ``MASTER_PORT + 1`` (unless ``store_kwargs`` says otherwise),
