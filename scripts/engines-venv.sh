@@ -10,4 +10,4 @@ VENV=${2:-.venv-engines}
 [ -x "$VENV/bin/python" ] || "$BASE/bin/python" -m venv "$VENV"
 purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 purelib "$BASE/bin/python" > "$(purelib "$VENV/bin/python")/shared-venv.pth"
-"$VENV/bin/python" -m pip install -q nvidia-resiliency-ext==0.4.1 torchft==0.2.0
+"$VENV/bin/python" -m pip install -q nvidia-resiliency-ext==0.4.1 torchft==0.2.0  # the [nvrx] extra's pin

@@ -31,12 +31,14 @@ DISTRIBUTIONS = {"numpy": "numpy", "click": "click", "tqdm": "tqdm", "pyarrow": 
                  "sklearn": "scikit-learn", "scipy": "scipy", "skops": "skops", "threadpoolctl": "threadpoolctl",
                  "aiohttp": "aiohttp", "ijson": "ijson", "matplotlib": "matplotlib", "cryptography": "cryptography",
                  "torch": "torch", "fsspec": "fsspec", "crc32c": "crc32c", "safetensors": "safetensors",
-                 "lightning": "lightning", "transformers": "transformers"}
+                 "lightning": "lightning", "transformers": "transformers",
+                 "nvidia_resiliency_ext": "nvidia-resiliency-ext"}
 FIRST_PARTY = {"agents", "predictor", "telemetry"}
 #: role -> (its packages, its CLI)
 ROLES = {"agent": (("agents", "telemetry"), "agents"), "predictor": (("predictor", "telemetry"), "predictor")}
 #: the extra a module of the checkpoint engine needs, where it is not [train]
-ENGINE_EXTRAS = {"integrations/lightning.py": "lightning", "integrations/huggingface.py": "hf"}
+ENGINE_EXTRAS = {"integrations/lightning.py": "lightning", "integrations/huggingface.py": "hf",
+                 "integrations/nvrx.py": "nvrx"}
 #: a role's modules that need more than the role's extra (plots: [hazard])
 ROLE_EXTRAS = {"predictor/hazard/paper.py": "hazard"}
 
