@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -417,7 +418,7 @@ def run_nvrx_tiers(python: str, case: str | None, workdir: Path) -> dict[str, An
         digest = got.pop("digest")
         return {**got, "equal_to_clean": digest == again["digest"]}
     finally:
-        subprocess.run(["rm", "-rf", str(shm)], check=False)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 # mode: (module, cases, runner, the cases where a process is started again: torchft's killed group)

@@ -52,11 +52,10 @@ CASES = {"killed": ["--kill-worker", "1", "--kill-at", str(FAULT_AT)],
          "xid79": ["--evict-worker", "1", "--kill-at", str(FAULT_AT)],
          "node_failed": ["--node-failed-gpu", "1", "--kill-at", str(FAULT_AT)],
          "behind": ["--stall-worker", "1", "--kill-at", str(FAULT_AT)], "lost_node": [], "vanished_node": []}
-# lost_node, per node: the launcher's flags, and the tier the lost ranks' shards are restored from
+# lost_node, per node: the launcher's flags; the lost ranks' shards come from peer replicas in both
 # (shrinking took them from the object store, 3 steps back, until the snapshot was sealed at the
 # end of the next forward: the two lost ranks' replicas now share the step before the fault)
-NODE_MODES = {"inprocess_spare": (["--nproc", "1", "--spares", "1"], "peer"),
-              "inprocess_shrink": (["--nproc", "2"], "peer")}
+NODE_MODES = {"inprocess_spare": ["--nproc", "1", "--spares", "1"], "inprocess_shrink": ["--nproc", "2"]}
 
 
 def launch(workdir: Path, name: str, launcher: list[str], child: list[str]) -> list[dict]:
@@ -107,10 +106,9 @@ def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
     """One fault under one in-process mode: the benchmark's row."""
     lost = None
     if case in ("lost_node", "vanished_node"):
-        flags, tier = NODE_MODES[mode]
-        where = ["--peers", "1"] if tier == "peer" else ["--object-store", f"file://{workdir / 'objstore'}"]
         with tempfile.TemporaryDirectory(prefix="recovery-bench-nodes-", dir="/dev/shm") as shm:
-            lost = lose_node_1(workdir / f"{case}-{mode}", Path(shm), flags, [*MODEL, "--steps", str(STEPS), *where],
+            lost = lose_node_1(workdir / f"{case}-{mode}", Path(shm), NODE_MODES[mode],
+                               [*MODEL, "--steps", str(STEPS), "--peers", "1"],
                                at_step=FAULT_AT, hang_s=NODE_HANG_S, silent=case == "vanished_node")
         evs, fault = lost.events, {"t": lost.fault_t}
     else:

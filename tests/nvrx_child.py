@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.recovery_engines import NVRX_TIMEOUTS  # noqa: E402 - the benchmark's NVRx timeouts
 from ckpt.inprocess.runner import Context, Recovery  # noqa: E402
 from ckpt.integrations.nvrx import run  # noqa: E402
 
@@ -73,15 +73,10 @@ def main() -> None:
     def on_recovery(r: Recovery) -> None:
         emit(event="recovery", **r.__dict__)
 
-    fast = {k: timedelta(seconds=v) for k, v in {
-        "soft_timeout": 4, "hard_timeout": 8, "heartbeat_timeout": 4, "barrier_timeout": 120,
-        "completion_timeout": 120, "last_call_wait": 0.2, "termination_grace_time": 2,
-        "monitor_thread_interval": 0.2, "monitor_process_interval": 0.2, "heartbeat_interval": 0.5,
-        "progress_watchdog_interval": 0.2}.items()}
     result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
                  checkpoint={"root": args.root, "memory_dir": args.memory_dir, "keep_last": 1000,
                              "replicated": ["model", "optim"], "overlap": True},
-                 resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery, **fast)
+                 resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery, **NVRX_TIMEOUTS)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
     emit(event="done", steps=result.steps_done, digest=digest.hexdigest(), world=result.objects["ctx"].world_size)
 

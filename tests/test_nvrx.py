@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def launch(python: str, workdir: Path, root: Path, world: int, *args: str) -> li
     finally:
         for p in procs:
             stop_process(p)
-        subprocess.run(["rm", "-rf", str(shm)], check=False)
+        shutil.rmtree(shm, ignore_errors=True)
     return [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
 
 

@@ -152,7 +152,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             watched.round, watched.mgr = current.round, mgr
             state = state_of(objects)
             first = resume_step if current.round == 0 else None
-            restored = mgr.restore(state, step=first) if first is not None else mgr.restore(state)
+            restored = mgr.restore(state, step=first)
             done = restored or 0
             t_restore = time.monotonic()
             while done < steps:

@@ -75,7 +75,7 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
         try:
             state = state_of(objects)
             first = resume_step if iteration == 0 else None
-            restored = mgr.restore(state, step=first) if first is not None else mgr.restore(state)
+            restored = mgr.restore(state, step=first)
             done = restored or 0
             t_restore = time.monotonic()
             while done < steps:
