@@ -170,3 +170,25 @@ def test_reading_the_slots_of_a_live_trainer_never_returns_a_torn_checkpoint(
                 f.write("reader done\n")
         assert trainer.result()["killed_by"] == "parent"
     assert good > 10, (good, refused)
+
+
+def test_a_reseal_of_the_same_bytes_is_not_an_overwrite(root: Path, shm_dir: str) -> None:
+    """A reader that finds the seal replaced by the drain's checksummed one (same snapshot)
+    keeps what it read; one whose slot was unsealed and refilled meanwhile is refused."""
+    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+        mgr.save(1, step_state(1)).wait()
+        slot = next(s for s in mgr.memory.pool.slots if s.holds)
+        manifest = slot.sealed()
+        tier = MemoryTier(memory_namespace(root, None, shm_dir))
+        [info] = tier.list()
+        ref = tier.read_manifest(info.id).shards[0]
+
+        reader = tier.open_shard(info.id, ref)
+        slot.seal(manifest)  # what the drain's re-seal does: a new seal file, the same bytes
+        reader.close()
+
+        reader = tier.open_shard(info.id, ref)
+        slot.unseal()  # a live job reusing the slot: its bytes change from here on
+        slot.seal(manifest)
+        with pytest.raises(DamagedCheckpoint, match="overwritten while being read"):
+            reader.close()

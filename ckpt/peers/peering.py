@@ -24,7 +24,7 @@ from ..save.drain import SaveHandle
 from ..tiers.base import CheckpointId, TierReader
 from ..tiers.memory import MemoryTier, namespace_dir
 from ..tiers.memory.namespace import slot_file_bytes
-from ..tiers.memory.reader import SlotReader
+from ..tiers.memory.reader import SlotReader, slot_epoch
 from ..tiers.memory.slots import ShmSlot
 from ..tiers.peer import NodeMemoryTier, PeerTier, replica_namespace
 from . import wire
@@ -108,7 +108,7 @@ class Peering:
         if not self.holders:
             handle.give_up("peer")
             return
-        seal = os.stat(slot.meta_path).st_ino  # the drain holds the slot: this is the seal just written
+        epoch = slot_epoch(slot.meta_path)  # the drain holds the slot: nothing unseals it meanwhile
 
         def done(ok: bool) -> None:
             if not ok:
@@ -122,7 +122,7 @@ class Peering:
                 self._unprotected = None
 
         self.replicator.submit(ReplicaJob(handle.step, lambda: SlotReader(slot.meta_path, slot.data_path, sealed,
-                                                                          slot.buffer, seal=seal), done,
+                                                                          slot.buffer, epoch=epoch), done,
                                           urgent=urgent))
 
     # -- restoring ------------------------------------------------------------------

@@ -53,7 +53,7 @@ class ReplicaSlots:
             try:
                 slot.unseal()
                 slot.ensure(manifest.data_bytes)
-                reader = SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, seal=None)
+                reader = SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, epoch=None)
                 self._fill_checked(reader, recv)
                 slot.seal(manifest)
             finally:

@@ -1,6 +1,7 @@
-"""Reading a sealed slot: zero-copy views of the mapping, re-checked against its seal
-when done, so a slot overwritten meanwhile (a live job saving again) is reported as
-damaged, never returned torn. Checking bytes needs no torch (``ckpt verify`` starts
+"""Reading a sealed slot: zero-copy views of the mapping, re-checked against the slot's
+epoch when done, so a slot overwritten meanwhile (a live job saving again) is reported
+as damaged, never returned torn; a re-seal of the same bytes (the drain adding
+checksums) is not an overwrite. Checking bytes needs no torch (``ckpt verify`` starts
 fast); torch is imported only to copy into tensors."""
 from __future__ import annotations
 
@@ -13,19 +14,38 @@ from typing import TYPE_CHECKING
 from ...errors import DamagedCheckpoint
 from ...format.manifest import ShardManifest
 from ..base import ShardReader
+from .namespace import read_private
 
 if TYPE_CHECKING:
     import torch
 
+_EPOCH_BYTES = 64
+
+
+def epoch_path(meta_path: Path) -> Path:
+    return meta_path.with_suffix(".epoch")
+
+
+def slot_epoch(meta_path: Path) -> bytes:
+    """The slot's epoch: a nonce rewritten each time the slot is unsealed for reuse, before
+    any of its bytes change (b"": never reused). Taken before the seal is read, the same
+    value after reading proves the bytes were not overwritten meanwhile. OSError: not a
+    private file of this user."""
+    try:
+        return read_private(epoch_path(meta_path), _EPOCH_BYTES)
+    except FileNotFoundError:
+        return b""
+
+
 
 class SlotReader(ShardReader):
     def __init__(self, meta_path: Path, data_path: Path, manifest: ShardManifest, buffer: "torch.Tensor | None",
-                 *, seal: int | None) -> None:
-        """``buffer``: the owner's own mapping (None: map the file read-only). ``seal``: the
-        inode of the seal ``manifest`` was read from (None: do not re-check)."""
+                 *, epoch: bytes | None) -> None:
+        """``buffer``: the owner's own mapping (None: map the file read-only). ``epoch``: the
+        slot's epoch, taken before ``manifest`` was read (None: do not re-check)."""
         self.manifest, self.location = manifest, str(data_path)
         self._meta_path = meta_path
-        self._seal = seal
+        self._epoch = epoch
         self._mmap = None
         self._buf = buffer  # a uint8 tensor over the same bytes, made on first use
         if buffer is not None:
@@ -69,8 +89,8 @@ class SlotReader(ShardReader):
 
     def close(self) -> None:
         try:
-            still = self._seal is None or self._meta_path.stat().st_ino == self._seal
-        except FileNotFoundError:
+            still = self._epoch is None or slot_epoch(self._meta_path) == self._epoch
+        except OSError:
             still = False
         self._view.release()
         self._buf = None

@@ -1,8 +1,10 @@
 """Shared-memory slots: where ``save()`` copies the state, and what survives the trainer.
 
-A slot is a data file (``slot-K.bin``, the shard's data-file layout byte for byte)
-and a seal (``slot-K.json``, the shard manifest, written last by rename). Unsealing
-comes first when a slot is reused, so a crash mid-copy leaves it invalid, never torn.
+A slot is a data file (``slot-K.bin``, the shard's data-file layout byte for byte),
+a seal (``slot-K.json``, the shard manifest, written last by rename) and an epoch
+(``slot-K.epoch``, a nonce). Unsealing comes first when a slot is reused (the seal
+goes, the epoch changes), so a crash mid-copy leaves it invalid, never torn, and a
+reader of the old bytes learns that they changed.
 
 Allocation, ``posix_fallocate`` (a full /dev/shm is a clean ENOSPC, never SIGBUS) and
 pre-faulting (``MADV_POPULATE_WRITE``) happen once, off the critical path: first
@@ -34,6 +36,7 @@ from ...format.manifest import ManifestError, ShardManifest
 from ..fsutil import atomic_write
 from .copier import PendingCopy, TensorCopier
 from .namespace import OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_private
+from .reader import epoch_path
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +129,11 @@ class ShmSlot:
             return None
 
     def unseal(self) -> None:
+        """Before the slot's bytes change: drop the seal, then give the slot a new epoch, so
+        a reader still reading the old bytes finds out when it closes."""
         self.holds = None
         self.meta_path.unlink(missing_ok=True)
+        atomic_write(epoch_path(self.meta_path), os.urandom(8).hex().encode(), durable=False, mode=0o600)
 
     def seal(self, manifest: ShardManifest) -> None:
         atomic_write(self.meta_path, manifest.to_bytes(), durable=False, mode=0o600)

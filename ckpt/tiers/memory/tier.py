@@ -12,7 +12,6 @@ It is a ``TierReader`` only: nothing is ever copied *into* memory by the drain.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
@@ -21,7 +20,7 @@ from ...format.checksum import crc32c_of
 from ...format.manifest import Manifest, ShardManifest, ShardRef
 from ..base import CheckpointId, CheckpointInfo, ShardReader, TierReader
 from .namespace import is_trusted, rank_dir, read_private
-from .reader import SlotReader
+from .reader import SlotReader, slot_epoch
 
 if TYPE_CHECKING:  # the writing side needs torch; readers (the CLI) do not
     import torch
@@ -33,13 +32,13 @@ _MAX_SEAL_BYTES = 256 << 20
 
 
 class _Seal(NamedTuple):
-    """A slot's seal as read: its manifest (None: not a valid one), the inode the bytes came
-    from (a reseal is a new inode, so a reader can tell later whether the slot still holds
-    what this manifest describes) and the bytes."""
+    """A slot's seal as read: its manifest (None: not a valid one), the slot's epoch taken
+    before it (so a reader can tell later whether the slot still holds what this manifest
+    describes) and the bytes."""
 
     path: Path
     manifest: ShardManifest | None
-    inode: int
+    epoch: bytes
     raw: bytes
 
 
@@ -92,7 +91,7 @@ class MemoryTier(TierReader):
     def open_slot(self, slot: ShmSlot, manifest: ShardManifest) -> ShardReader:
         """A reader over the owner's own mapping of ``slot`` (no re-check: the owner knows
         the slot stays put until the drain releases it)."""
-        return SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, seal=None)
+        return SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, epoch=None)
 
     def seal(self, slot: ShmSlot, manifest: ShardManifest) -> None:
         """Re-seal with the checksums computed off the critical path."""
@@ -125,7 +124,7 @@ class MemoryTier(TierReader):
             return out  # missing, or planted by another user
         for meta in sorted(self.dir.glob("slot-*.json")):
             try:
-                ino = os.lstat(meta).st_ino
+                epoch = slot_epoch(meta)
                 raw = read_private(meta, _MAX_SEAL_BYTES)
             except OSError:
                 continue
@@ -135,7 +134,7 @@ class MemoryTier(TierReader):
                     parsed = self._parsed[meta] = (raw, ShardManifest.from_bytes(raw, str(meta)))
                 except ManifestError:
                     parsed = (raw, None)
-            out.append(_Seal(meta, parsed[1], ino, raw))
+            out.append(_Seal(meta, parsed[1], epoch, raw))
         return out
 
     def list(self) -> list[CheckpointInfo]:
@@ -172,4 +171,4 @@ class MemoryTier(TierReader):
         live = None
         if self.pool is not None:
             live = next((s.buffer for s in self.pool.slots if s.meta_path == seal.path and s.buffer is not None), None)
-        return SlotReader(seal.path, seal.path.with_suffix(".bin"), seal.manifest, live, seal=seal.inode)
+        return SlotReader(seal.path, seal.path.with_suffix(".bin"), seal.manifest, live, epoch=seal.epoch)
