@@ -59,7 +59,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.recovery_bench import median_of  # noqa: E402
-from tests.procs import free_port, wait_for  # noqa: E402
+from tests.procs import free_ports, wait_for  # noqa: E402
 
 STEPS, FAULT_STEP = 60, 12
 TORCHFT_STEP_S = 0.2  # group 0 must still train when a restarted group 1 is up to join it
@@ -97,7 +97,7 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
     log = _Events(f"{events_dir}/rank{initial_rank}.jsonl")
     model, optim = recovery_model.model()
     progress = {"step": 0, "raised": False}
-    base_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1,
+    base_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], _aux_port(0),
                                             int(os.environ["WORLD_SIZE"]), is_master=initial_rank == 0,
                                             multi_tenant=True, wait_for_workers=True, use_libuv=True)
 
@@ -133,7 +133,7 @@ def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
     # NVRx finds the parameter to fill by its annotation, as a class: not the string that
     # ``from __future__ import annotations`` leaves
     train.__annotations__["call_wrapper"] = inprocess.CallWrapper
-    wrapped = inprocess.Wrapper(store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 2}, abort=_timed_abort(log),
+    wrapped = inprocess.Wrapper(store_kwargs={"port": _aux_port(1)}, abort=_timed_abort(log),
                                 **NVRX_TIMEOUTS)(train)
     wrapped()
 
@@ -142,6 +142,11 @@ NVRX_TIMEOUTS = {k: timedelta(seconds=v) for k, v in {
     "soft_timeout": 4, "hard_timeout": 8, "heartbeat_timeout": 4, "barrier_timeout": 120, "completion_timeout": 120,
     "last_call_wait": 0.2, "termination_grace_time": 2, "monitor_thread_interval": 0.2,
     "monitor_process_interval": 0.2, "heartbeat_interval": 0.5, "progress_watchdog_interval": 0.2}.items()}
+
+
+def _aux_port(i: int) -> int:
+    """The ``i``-th port the launcher found free besides MASTER_PORT (the stores of NVRx's jobs)."""
+    return int(os.environ["AUX_PORTS"].split(",")[i])
 
 
 def _timed_abort(log: _Events) -> Any:
@@ -197,7 +202,7 @@ def nvrx_tiers_worker(events_dir: str, fault: str, digest_out: str, steps: int, 
                  state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
                  checkpoint={"root": root, "memory_dir": memory_dir, "keep_last": 1000,
                              "replicated": ["model", "optim"], "overlap": True},
-                 abort=_timed_abort(log), **NVRX_TIMEOUTS)
+                 abort=_timed_abort(log), store_kwargs={"port": _aux_port(0)}, **NVRX_TIMEOUTS)
     if result.objects["ctx"].rank == 0:
         Path(digest_out).write_text(weights_digest(result.objects["model"]))
 
@@ -300,11 +305,12 @@ def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvr
     """One NVRx job (``world`` ranks of ``worker``), faulted as ``case`` (None: clean): its row's
     measurements."""
     fault = NVRX_CASES.get(case, "none")
-    port = free_port()
+    port, *aux = free_ports(3)
     logs = [workdir / f"rank{r}.log" for r in range(world)]
     procs = [_spawn(python, ["--worker", worker, "--events", str(workdir), "--fault", fault,
                              "--digest", str(workdir / "digest"), *extra], logs[r],
-                    {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                    {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                     "AUX_PORTS": ",".join(map(str, aux))})
              for r in range(world)]
     victims = {"kill": [1], "stop": [1], "kill_node": [1, 2]}.get(fault, [])
     fault_t = None

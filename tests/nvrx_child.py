@@ -3,10 +3,11 @@
 nvidia-resiliency-ext. An MLP, a global batch split over the ranks left, a checkpoint every
 step (overlapped).
 
-    python tests/nvrx_child.py --root DIR --events FILE --memory-dir D --steps N
-        [--kill-rank R --kill-at S] [--resume-step S]
+    python tests/nvrx_child.py --root DIR --events FILE --memory-dir D --steps N --nvrx-port P
+        [--kill-rank R --kill-at S [--fault kill|stop]] [--resume-step S]
 
-The rank started as ``--kill-rank`` SIGKILLs itself before step ``--kill-at``; every rank logs
+The rank started as ``--kill-rank`` SIGKILLs (``stop``: SIGSTOPs, a hung rank) itself before
+step ``--kill-at``; every rank logs
 its steps, the recovery and, at the end, a digest of its weights.
 """
 from __future__ import annotations
@@ -38,8 +39,10 @@ def main() -> None:
     ap.add_argument("--events", required=True)
     ap.add_argument("--memory-dir", required=True)
     ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--nvrx-port", type=int, required=True, help="NVRx's store (ours is on MASTER_PORT)")
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--fault", choices=["kill", "stop"], default="kill")
     ap.add_argument("--resume-step", type=int, default=None)
     args = ap.parse_args()
     initial = int(os.environ["RANK"])
@@ -57,7 +60,7 @@ def main() -> None:
         ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
         if initial == args.kill_rank and i == args.kill_at:
             emit(event="fault", step=i)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
         g = torch.Generator().manual_seed(1000 + i)
         x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
         share = GLOBAL_BATCH // ctx.world_size
@@ -76,7 +79,9 @@ def main() -> None:
     result = run(build, step, steps=args.steps, state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
                  checkpoint={"root": args.root, "memory_dir": args.memory_dir, "keep_last": 1000,
                              "replicated": ["model", "optim"], "overlap": True},
-                 resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery, **NVRX_TIMEOUTS)
+                 resume_step=args.resume_step, collective_timeout_s=5.0, on_recovery=on_recovery,
+                 store_kwargs={"port": args.nvrx_port}, **NVRX_TIMEOUTS,
+                 monitor_process_logfile=str(Path(args.events).resolve().parent / "nvrx-monitor-{rank}.log"))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
     emit(event="done", steps=result.steps_done, digest=digest.hexdigest(), world=result.objects["ctx"].world_size)
 

@@ -18,9 +18,20 @@ T = TypeVar("T")
 
 def free_port() -> int:
     """A loopback port free right now (servers bind 127.0.0.1 only)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different loopback ports, free right now (never "a free port plus one": that one
+    may be a client's)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def stat_fields(pid: int) -> list[str]:

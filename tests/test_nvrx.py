@@ -1,5 +1,5 @@
 """NVRx's in-process restarts with our tiers as the state source (``ckpt.integrations.nvrx``):
-three ranks started as NVRx expects, one SIGKILLed mid-training; NVRx restarts the training
+three ranks started as NVRx expects, one SIGKILLed (or SIGSTOPped: hung) mid-training; NVRx restarts the training
 function in the two survivors' processes, which restore the newest step from our memory
 tier (the dead rank's sealed slot is on this node) and end bitwise equal to a relaunch at
 two ranks from that step. Runs in the engines' venv (``make engines``: scripts/engines-venv.sh)."""
@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port, stop_process
+from tests.procs import free_ports, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "nvrx_child.py"
@@ -30,23 +31,30 @@ def engines_python() -> str:
     return str(ENGINES_PYTHON)
 
 
-def launch(python: str, workdir: Path, root: Path, world: int, *args: str) -> list[dict]:
+def launch(python: str, workdir: Path, root: Path, world: int, *args: str, faulted: int = -1) -> list[dict]:
     """One job of ``world`` ranks (a process each, as NVRx expects) checkpointing under ``root``;
-    the survivors must exit 0. Returns every rank's events."""
+    the survivors must exit 0 (rank ``faulted``: killed, by itself or NVRx). Returns every rank's events."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port, events = free_port(), workdir / "events.jsonl"
+    (port, nvrx_port), events = free_ports(2), workdir / "events.jsonl"
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
     shm = Path("/dev/shm") / f"nvrx-test-{workdir.name}-{port}"
     procs = [subprocess.Popen([python, str(CHILD), "--root", str(root), "--events", str(events),
-                               "--memory-dir", str(shm), *args],
+                               "--memory-dir", str(shm), "--nvrx-port", str(nvrx_port), *args],
                               env={**env, "RANK": str(r)}, stdout=(workdir / f"rank{r}.log").open("w"),
                               stderr=subprocess.STDOUT) for r in range(world)]
+
+    def failed() -> int | None:  # the first rank that exited as it should not
+        return next((r for r, p in enumerate(procs) if p.poll() not in (None, 0) and not (
+            r == faulted and p.returncode in (-signal.SIGKILL, -signal.SIGTERM))), None)
+
     try:
-        for r, p in enumerate(procs):
-            code = p.wait(timeout=600)  # a hang guard only
-            if code != 0 and code != -9:  # the rank killed by its fault
-                pytest.fail(f"rank {r} exited {code}:\n{(workdir / f'rank{r}.log').read_text()[-3000:]}")
+        ended = wait_for(lambda: failed() is not None or all(p.poll() is not None for p in procs), timeout=600,
+                         interval=0.1)  # a hang guard only
+        r = failed()
+        if r is not None:
+            pytest.fail(f"rank {r} exited {procs[r].returncode}:\n{(workdir / f'rank{r}.log').read_text()[-3000:]}")
+        assert ended, f"the job did not end in 600 s:\n{(workdir / 'rank0.log').read_text()[-3000:]}"
     finally:
         for p in procs:
             stop_process(p)
@@ -58,10 +66,15 @@ def digests(evs: list[dict]) -> set[str]:
     return {e["digest"] for e in evs if e["event"] == "done"}
 
 
-def test_nvrx_restarts_in_the_survivors_and_restores_from_our_memory_tier(tmp_path: Path,
-                                                                         engines_python: str) -> None:
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_nvrx_restarts_in_the_survivors_and_restores_from_our_memory_tier(tmp_path: Path, engines_python: str,
+                                                                         fault: str) -> None:
+    """``stop``: NVRx's monitor kills the hung rank after its hard timeout, and stops the survivors
+    by exceptions raised in their main threads wherever they are: each call's manager must still
+    let go of its memory slots (their lock held in the survivor's own process failed every later
+    call before ``_Managers``)."""
     evs = launch(engines_python, tmp_path / "faulted", tmp_path / "faulted" / "root", 3, "--steps", str(STEPS),
-                 "--kill-rank", "1", "--kill-at", str(KILL_AT))
+                 "--kill-rank", "1", "--kill-at", str(KILL_AT), "--fault", fault, faulted=1)
     started = {e["rank0"]: e["pid"] for e in evs if e["event"] == "step" and e["iteration"] == 0}
     done = {e["rank0"]: e for e in evs if e["event"] == "done"}
     assert set(done) == {0, 2}, evs[-5:]

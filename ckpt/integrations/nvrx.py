@@ -17,9 +17,12 @@ spares, node loss, evictions on XID 79 and relaunch fallbacks, measured side by 
 a dependency: ``pip install nvidia-resiliency-ext==0.4.1`` (it pulls a ``pynvml`` shim over
 the ``nvidia-ml-py`` the agents use, so keep it out of the agents' environment).
 
-Not for hung ranks yet: NVRx restarts the survivors of a hang by an asynchronous exception in
-their main threads, which can land while a call makes or lets go of its manager, leaving the
-rank's memory slots locked in its own process (docs/research/recovery-engines.md).
+NVRx restarts a call by raising an exception in the main thread, asynchronously and again and
+again until the call has returned (``MonitorThread``: after a hang, the survivors are stopped
+anywhere). A manager made or let go of there could be cut off holding its memory slots' lock,
+and every later call would find its own rank's slots in use; so each call's manager is made,
+closed and abandoned on a helper thread, in order (``_Managers``), which those exceptions
+never reach.
 
 Start every rank as NVRx expects (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``:
 torchrun, or a plain process per rank); the process groups' and commits' store serves
@@ -28,8 +31,10 @@ both on the first rank.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -39,6 +44,7 @@ from ..inprocess.runner import Context, Recovery, Result
 from ..manager import CheckpointManager
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int,
@@ -49,7 +55,13 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
     restoring from ``CheckpointManager(**checkpoint)``. Arguments as ``ckpt.inprocess.run``;
     ``ctx.round`` is NVRx's iteration, ``ctx.worker`` the rank this process started as. A
     recovery's ``phases`` count from the failed call's exception (NVRx's detection before
-    it is its own)."""
+    it is its own).
+
+    With gloo, keep ``collective_timeout_s`` between NVRx's ``soft_timeout`` and its
+    ``hard_timeout``: NVRx's abort cannot end a gloo collective blocked on a hung rank, so
+    the survivors leave it by this timeout and wait at NVRx's barrier; past the hard timeout
+    they would race the hung rank to it, and NVRx kills whichever rank's turn comes (a
+    survivor, in 1 of 4 runs of the test with 20 s)."""
     from nvidia_resiliency_ext import inprocess  # the extra: imported only when used
 
     initial = int(os.environ["RANK"])
@@ -59,6 +71,7 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
     groups = dist.TCPStore(os.environ["MASTER_ADDR"], port, int(os.environ["WORLD_SIZE"]), is_master=initial == 0,
                            multi_tenant=True, wait_for_workers=True, use_libuv=True)
     wrapper = {"store_kwargs": {"port": port + 1}, **wrapper}
+    managers = _Managers(checkpoint)
     recoveries: list[Recovery] = []
     failed: dict[str, Any] = {}  # the last failed call: when it raised, at which step, what
 
@@ -70,9 +83,9 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
         t_group = time.monotonic()
         objects = build(Context(rank, world, iteration, initial))
         t_build = time.monotonic()
-        mgr = CheckpointManager(**{"node_memory": True, **checkpoint, "sweep": iteration == 0})
         done = 0
         try:
+            mgr = managers.make(sweep=iteration == 0)
             state = state_of(objects)
             first = resume_step if iteration == 0 else None
             restored = mgr.restore(state, step=first)
@@ -90,16 +103,52 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
                 if done % save_every == 0 or done == steps:
                     mgr.save(done, state)
             mgr.finished = True
-            mgr.close()
+            managers.close()
         except BaseException as e:
             failed.update(t=time.monotonic(), step=done, reason=f"{type(e).__name__}: {e}"[:300])
-            mgr.abandon()  # never waits on a dead rank; NVRx's abort then tears the groups down
+            managers.abandon()  # never waits on a dead rank; NVRx's abort then tears the groups down
             raise
         dist.destroy_process_group()
         return Result(objects, done, recoveries)
 
     train.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx finds the argument by its class
     return inprocess.Wrapper(**wrapper)(train)()
+
+
+class _Managers:
+    """Each call's ``CheckpointManager``, made and let go of on one helper thread, in order:
+    NVRx's asynchronous exceptions land in the main thread only, which just waits."""
+
+    def __init__(self, checkpoint: Mapping[str, Any]) -> None:
+        self._checkpoint = {"node_memory": True, **checkpoint}
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-nvrx")
+        self._made: Future | None = None
+
+    def make(self, *, sweep: bool) -> CheckpointManager:
+        """A new manager, after the last call's is let go of (if that call was cut off first)."""
+        self.abandon()
+        self._made = self._thread.submit(CheckpointManager, **self._checkpoint, sweep=sweep)
+        return self._made.result()
+
+    def abandon(self) -> None:
+        """Let go of the current manager once it is made, waiting for no rank (queued: returns at once)."""
+        if self._made is not None:
+            self._thread.submit(_let_go, self._made, CheckpointManager.abandon)
+
+    def close(self) -> None:
+        """The end of training: close the manager (with the other ranks) and the helper."""
+        self._thread.submit(_let_go, self._made, CheckpointManager.close).result()
+        self._thread.shutdown()
+
+
+def _let_go(made: Future, how: Callable[[CheckpointManager], None]) -> None:
+    if made.exception() is not None:
+        return  # never made: nothing holds its slots
+    try:
+        how(made.result())
+    except Exception:
+        log.exception("letting go of the checkpoint manager failed")
+        raise
 
 
 def _recovery(failed: dict[str, Any], iteration: int, rank: int, world: int, restored: int | None,
