@@ -296,7 +296,7 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    from benchmarks.recovery_engines import DEFAULT_ENGINES_PYTHON
+    from benchmarks.recovery_engines import DEFAULT_ENGINES_PYTHON, exit_on_sigterm
     from benchmarks.recovery_engines import rows as engine_rows
     from benchmarks.recovery_inprocess import CASES, References, leak_check, readiness_cost, run_row
 
@@ -313,6 +313,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="also run these legacy scenarios (medians under 'scenarios'): "
                     + ", ".join(SCENARIOS))
     args = ap.parse_args()
+    exit_on_sigterm()
     load_before = os.getloadavg()[0]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="recovery-bench-ref-") as refdir:

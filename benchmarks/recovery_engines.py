@@ -43,6 +43,8 @@ Medians of ``--repeats`` runs; progress on stderr.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import os
 import platform
@@ -279,10 +281,30 @@ def _steps(events: list[dict[str, Any]]) -> int:
     return max((e["step"] + 1 for e in events if e["event"] == "step"), default=0)
 
 
+_SPAWNED: list[subprocess.Popen] = []  # every engine worker this driver started
+
+
 def _spawn(python: str, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([python, __file__, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
+    proc = subprocess.Popen([python, __file__, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo",
                                  "PYTHONUNBUFFERED": "1", **env}, start_new_session=True)
+    _SPAWNED.append(proc)
+    return proc
+
+
+@atexit.register
+def _kill_spawned() -> None:
+    """The workers run in sessions of their own (a hung job is killed by group), which a signal
+    to the driver's group never reaches: a driver stopped early (``timeout``) takes them along."""
+    for proc in _SPAWNED:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def exit_on_sigterm() -> None:
+    """In a driver: SIGTERM exits through ``atexit`` (``_kill_spawned``) instead of at once."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float, logs: list[Path]) -> None:
@@ -515,6 +537,7 @@ def main() -> None:
     for name, known in (("modes", ENGINES), ("cases", CASES)):
         if bad := [x for x in getattr(args, name).split(",") if x not in known]:
             ap.error(f"unknown {name}: {', '.join(bad)} (one of {', '.join(known)})")
+    exit_on_sigterm()
     start = meta(args.python)
     table = rows(args.python, args.repeats, tuple(args.modes.split(",")), tuple(args.cases.split(",")))
     result = {"meta": {**start, "load_after": list(os.getloadavg())}, "rows": table}
