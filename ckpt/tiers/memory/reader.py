@@ -37,7 +37,6 @@ def slot_epoch(meta_path: Path) -> bytes:
         return b""
 
 
-
 class SlotReader(ShardReader):
     def __init__(self, meta_path: Path, data_path: Path, manifest: ShardManifest, buffer: "torch.Tensor | None",
                  *, epoch: bytes | None) -> None:
