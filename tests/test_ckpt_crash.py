@@ -17,7 +17,8 @@ import pytest
 from ckpt import CheckpointManager
 from ckpt.errors import CheckpointError, DamagedCheckpoint
 from ckpt.restore.execute import read_shard
-from ckpt.tiers.memory import MemoryTier, memory_namespace
+from ckpt.tiers.base import CheckpointId
+from ckpt.tiers.memory import MemoryTier, memory_namespace, sweep_orphans
 from tests.ckpt_helpers import CrashServer, assert_same, disk_steps, leftovers, restored, step_state, steps_logged
 
 # Where a trainer is killed, by the point of the save it is in.
@@ -192,3 +193,20 @@ def test_a_reseal_of_the_same_bytes_is_not_an_overwrite(root: Path, shm_dir: str
         slot.seal(manifest)
         with pytest.raises(DamagedCheckpoint, match="overwritten while being read"):
             reader.close()
+
+
+def test_a_finished_job_removes_the_slots_its_dead_ranks_left(root: Path, shm_dir: str) -> None:
+    """A rank that died (or was renumbered when the world shrank) leaves its slots, its lock
+    free. The job's finished close removes them once a newer step is durable; a slot of a
+    step not yet durable anywhere is kept while nothing newer is."""
+    ns = memory_namespace(root, None, shm_dir)
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, step_state(step)).wait()
+    (ns / "rank-00000").rename(ns / "rank-00003")  # a dead rank's directory: steps 1 and 2, lock free
+    assert sweep_orphans([ns], set(), older_than=CheckpointId(0, 2)) == []  # step 2 is not older: kept
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=1) as mgr:
+        mgr.save(3, step_state(3)).wait()
+        assert [s for _, s in disk_steps(root)] == [3] and (ns / "rank-00003").is_dir()
+        mgr.finished = True
+    assert not ns.exists()  # its own slots and the dead rank's are gone, and the namespace with them

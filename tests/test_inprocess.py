@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt.tiers.memory import memory_namespace
 from tests.ckpt_helpers import REPO
 
 CHILD = REPO / "tests" / "inprocess_child.py"
@@ -78,6 +79,7 @@ def test_killed_rank_without_spare_shrinks(tmp_path):
     assert {r["failed_at_step"] for r in recs} == {KILL_AT}, recs
     assert len(restored) == 1 and KILL_AT - 1 <= min(restored) <= KILL_AT, recs
     assert all(e["world"] == 2 for e in finals(evs).values())
+    assert not memory_namespace(tmp_path / "a", None).exists()  # the finished job took the dead rank's slots along
     ref = tmp_path / "ref"
     launch(ref, tmp_path / "ref3.jsonl", "--nproc", "3", child=("--steps", str(min(restored))))
     launch(ref, tmp_path / "ref2.jsonl", "--nproc", "2",

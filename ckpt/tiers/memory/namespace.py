@@ -14,6 +14,7 @@ rank, restart and CLI lookup walks the same list and lands on the same directory
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -29,6 +30,7 @@ from typing import Any
 from ...errors import CheckpointError, ManifestError
 from ...format.bounded_json import loads_bounded
 from ...format.manifest import ShardManifest
+from ..base import CheckpointId
 
 DEFAULT_SHM_DIR = "/dev/shm"
 OWNER_FILE = "owner.json"
@@ -167,11 +169,13 @@ def owner_gone(rdir: Path) -> Iterator[bool | None]:
         os.close(fd)
 
 
-def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, force: bool = False) -> list[str]:
+def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, older_than: CheckpointId | None = None,
+                  force: bool = False) -> list[str]:
     """Remove rank directories whose owner is gone (their lock is free), when every
-    sealed (saved rank, generation, step) in them is also in ``durable``, or with
-    ``force``. Keyed on the saved rank: a node's own shard of a step on its disk never
-    makes another rank's shard of that step (a peer replica) look disposable."""
+    sealed (saved rank, generation, step) in them is also in ``durable`` or older than
+    ``older_than`` (a finished job's newest durable step: nothing restores past it), or
+    with ``force``. Keyed on the saved rank: a node's own shard of a step on its disk
+    never makes another rank's shard of that step (a peer replica) look disposable."""
     removed = []
     for ns in spaces:
         if not is_trusted(ns, directory=True):
@@ -180,16 +184,17 @@ def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, for
             with owner_gone(rdir) as gone:
                 if not gone:
                     continue  # a live owner, or no lock to tell
-                sealed = set()
+                kept = set()
                 for meta in rdir.glob("slot-*.json"):
                     try:
                         m = ShardManifest.from_bytes(read_private(meta, 256 << 20))
-                        sealed.add((m.rank, m.generation, m.step))
                     except (OSError, ManifestError):
                         continue
-                if force or sealed <= durable:
+                    if older_than is None or CheckpointId(m.generation, m.step) >= older_than:
+                        kept.add((m.rank, m.generation, m.step))
+                if force or kept <= durable:
                     shutil.rmtree(rdir, ignore_errors=True)
                     removed.append(str(rdir))
-        if ns.is_dir() and not any(ns.iterdir()):
+        with contextlib.suppress(OSError):  # not empty, or its last live rank removed it meanwhile
             ns.rmdir()
     return removed
