@@ -4,6 +4,7 @@ damage (in transit or in a held replica) detected and never restored, and the
 transport against hostile, dripping and malformed ends."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -31,6 +32,7 @@ from ckpt.restore.execute import LOCAL, load_plan, open_shard, restore_agreed
 from ckpt.restore.plan import Inventory, ShardNeed
 from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.memory import MemoryTier, namespace_dir, sweep_orphans
+from ckpt.tiers.memory.namespace import read_owner
 from ckpt.tiers.peer import PeerTier
 from tests.procs import drip_to
 
@@ -85,7 +87,7 @@ def replicate(src: MemoryTier, addr: str, secret: bytes = SECRET, **kw) -> tuple
     ckpt_id = src.list()[-1].id
     results: list[bool] = []
     rep = Replicator([addr], secret, bytes_per_s=kw.get("bytes_per_s"), timeout_s=kw.get("timeout_s", 20),
-                     count=kw.get("count", lambda outcome: None))
+                     count=kw.get("count", lambda outcome: None), node=kw.get("node"))
     rep.submit(ReplicaJob(ckpt_id.step, lambda: open_shard(src, ckpt_id, 0), results.append))
     rep.join()
     rep.close()
@@ -95,11 +97,12 @@ def replicate(src: MemoryTier, addr: str, secret: bytes = SECRET, **kw) -> tuple
 def test_a_replica_is_sealed_private_and_restores_bitwise(saved, holder) -> None:
     _, src = saved
     server, held = holder
-    rep, results = replicate(src, server.addr)
+    rep, results = replicate(src, server.addr, node="n1")
     assert results == [True] and rep.sent == 1 and rep.failed == 0
     [info] = held.list()
     assert info.id.step == 7 and info.ranks == {0} and info.checksummed
     rdir = held.ns / "rank-00000"
+    assert read_owner(rdir)["from_node"] == "n1"  # the holders keep a step common to that node's ranks
     for p in [held.ns, rdir, *rdir.iterdir()]:
         assert not p.is_symlink() and not os.lstat(p).st_mode & 0o077 and os.lstat(p).st_uid == os.getuid(), p
     assert stat.S_IMODE(os.lstat(rdir / "slot-0.bin").st_mode) == 0o600
@@ -132,6 +135,43 @@ def test_the_newest_sealed_replica_is_never_overwritten(tmp_path: Path, shm_dir:
             assert [i.id.step for i in held.list()] == [max(1, step - 1), step][-min(step, 2):]
     finally:
         mgr.close()
+
+
+def test_replicas_of_one_node_keep_a_step_common_to_all_its_ranks(saved, shm_dir: str) -> None:
+    """Two ranks of node "a" replicate on their own and skip different steps (rank 0 sends
+    the even ones, rank 1 the odd ones after step 10). Each pool keeping its two newest would
+    leave none common; the holders keep step 10 until a newer one is common to both. A
+    sender whose node is unknown gets the old rule: its two newest."""
+    _, src = saved
+    reader = open_shard(src, src.list()[-1].id, 0)
+    data = bytes(reader.view(0, reader.manifest.data_bytes))
+    reader.close()
+    replicas = ReplicaSlots(Path(shm_dir) / "ckpt-guard-holder", {"root": "/nowhere", "run": "t"})
+    held = PeerTier(replicas.ns)
+
+    def send(rank: int, step: int, node: str | None = "a") -> None:
+        at = 0
+
+        def recv(view: memoryview) -> None:
+            nonlocal at
+            view[:] = data[at : at + len(view)]
+            at += len(view)
+
+        replicas.receive(dataclasses.replace(reader.manifest, rank=rank, step=step, world_size=3), recv, node=node)
+
+    try:
+        for r0, r1 in [(10, 10), (12, 11), (14, 13), (16, 15)]:
+            send(0, r0)
+            send(1, r1)
+        assert [(i.id.step, sorted(i.ranks)) for i in held.list()] == [(10, [0, 1]), (15, [1]), (16, [0])]
+        send(1, 16)  # now common: step 10 may go
+        send(0, 18)
+        assert [(i.id.step, sorted(i.ranks)) for i in held.list()] == [(10, [1]), (16, [0, 1]), (18, [0])]
+        for step in (20, 22):
+            send(2, step, node=None)
+        assert [i.id.step for i in held.list() if i.ranks == {2}] == [20, 22]
+    finally:
+        replicas.close()
 
 
 def test_a_wrong_secret_is_refused_and_nothing_is_sealed(saved, holder) -> None:

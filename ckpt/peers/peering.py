@@ -75,7 +75,8 @@ class Peering:
             log.info("rank %d (node %s) replicates to %s", self.rank, self.node,
                      ", ".join(f"rank {r} (node {self.nodes[r]})" for r in self.holders))
         self.replicator = Replicator([self.addrs[r] for r in self.holders], self._secret, bytes_per_s=bytes_per_s,
-                                     timeout_s=timeout_s, count=_counter(registry, self.rank), nice=nice)
+                                     timeout_s=timeout_s, count=_counter(registry, self.rank), nice=nice,
+                                     node=self.node)
         if registry is not None:
             _shm_gauge(registry, self.rank, ns)
         self._remote: RemoteTier | None = None

@@ -1,22 +1,35 @@
 """Writing replicas into this node's replica slots: the memory tier's slot pool, one
 per saved rank, so replicas keep its invariants (pre-allocated and pre-faulted
-files, 0600 in private directories, two slots so an incoming replica never
-overwrites the newest sealed one, the seal written last). A replica is sealed only
-once every byte has arrived and matched its chunk checksums; it outlives both the
-sender and the process that received it (the slots stay; the pool's lock goes).
+files, 0600 in private directories, two slots, the seal written last). A replica is
+sealed only once every byte has arrived and matched its chunk checksums; it outlives
+both the sender and the process that received it (the slots stay; the pool's lock goes).
+
+Which slot an incoming replica may take: a lost node loses all its ranks at once, so
+its replicas restore only a step that every one of them holds. Each rank replicates on
+its own (a send in flight makes the next ones wait, and only the newest waits), so the
+node's ranks skip different steps, and pools that each kept their two newest could
+share none. An incoming replica therefore never takes the slot holding the newest step
+common to every replica pool of the sender's node in this namespace (the holders on
+this node read each other's seals, under a lock on the namespace, so two pools never
+both give up their last common step); with none common, never the newest.
 """
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 from ..errors import CheckpointError
 from ..format.checksum import crc32c_of
-from ..format.manifest import ShardManifest
+from ..format.manifest import ManifestError, ShardManifest
 from ..format.read_items import ReadItem, read_items
 from ..format.verify import mismatch
+from ..tiers.memory.namespace import MAX_SEAL_BYTES, rank_dirs, read_owner, read_private
 from ..tiers.memory.reader import SlotReader
 from ..tiers.memory.slots import SlotPool
 from .wire import PIECE
@@ -34,24 +47,33 @@ class ReplicaSlots:
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def _pool(self, rank: int) -> tuple[SlotPool, threading.Lock]:
+    def _pool(self, rank: int, node: str | None) -> tuple[SlotPool, threading.Lock]:
+        """The pool of ``rank``'s replicas, its owner record naming the sender's node."""
         with self._guard:
+            owner = {**self._owner, "replica_of": rank, "from_node": node}
             if rank not in self._pools:
-                self._pools[rank] = SlotPool(self.ns, rank, slots=2, owner={**self._owner, "replica_of": rank})
+                self._pools[rank] = SlotPool(self.ns, rank, slots=2, owner=owner)
                 self._locks[rank] = threading.Lock()
+            elif self._pools[rank].owner.get("from_node") != node:  # the rank moved (a relaunch renumbered it)
+                self._pools[rank].set_owner({**self._pools[rank].owner, "from_node": node})
             return self._pools[rank], self._locks[rank]
 
-    def receive(self, manifest: ShardManifest, recv: Callable[[memoryview], None]) -> None:
-        """Take a replica of ``manifest``'s shard: ``recv`` fills each piece of the slot with
-        the next data bytes; every chunk is checked against its checksum, then the slot is
-        sealed."""
+    def receive(self, manifest: ShardManifest, recv: Callable[[memoryview], None], node: str | None = None) -> None:
+        """Take a replica of ``manifest``'s shard, sent from ``node``: ``recv`` fills each
+        piece of the slot with the next data bytes; every chunk is checked against its
+        checksum, then the slot is sealed."""
         if not manifest.has_checksums:
             raise CheckpointError(f"replica of rank {manifest.rank}'s step {manifest.step} has no checksums")
-        pool, lock = self._pool(manifest.rank)
+        pool, lock = self._pool(manifest.rank, node)
         with lock:  # one replica of a rank at a time: reserve() then never waits
-            slot, _ = pool.reserve(manifest.step)
+            with _locked(self.ns):
+                slot, _ = pool.reserve(manifest.step, keep=newest_common(self.ns, node, manifest.generation))
+                try:
+                    slot.unseal()
+                except BaseException:
+                    slot.idle.set()
+                    raise
             try:
-                slot.unseal()
                 slot.ensure(manifest.data_bytes)
                 reader = SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, epoch=None)
                 self._fill_checked(reader, recv)
@@ -89,3 +111,38 @@ class ReplicaSlots:
             for pool in self._pools.values():
                 pool.close()
             self._pools.clear()
+
+
+def newest_common(ns: Path, node: str | None, generation: int) -> tuple[int, int] | None:
+    """The newest (generation, step) sealed in every replica pool under ``ns`` of ranks on
+    ``node`` that holds any step of ``generation`` (None: no such step, or the node unknown)."""
+    if node is None:
+        return None
+    held = []
+    for rdir in rank_dirs(ns):
+        owner = read_owner(rdir)
+        if owner is None or "replica_of" not in owner or owner.get("from_node") != node:
+            continue
+        steps = set()
+        for seal in rdir.glob("slot-*.json"):
+            try:
+                m = ShardManifest.from_bytes(read_private(seal, MAX_SEAL_BYTES), str(seal))
+            except (OSError, ManifestError):
+                continue  # being replaced, or damaged: not held
+            if m.generation == generation:
+                steps.add((m.generation, m.step))
+        if steps:
+            held.append(steps)
+    return max(set.intersection(*held), default=None) if held else None
+
+
+@contextmanager
+def _locked(ns: Path) -> Iterator[None]:
+    """The namespace's lock (on the directory itself: nothing to leave behind), held while a
+    pool picks a slot from the others' seals and unseals it."""
+    fd = os.open(ns, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -42,8 +42,9 @@ class Replicator:
     """``count`` is told each outcome ("sent", "failed" per holder; "superseded"): metrics."""
 
     def __init__(self, holders: list[str], secret: bytes, *, bytes_per_s: float | None, timeout_s: float,
-                 count: Callable[[str], None] = lambda outcome: None, nice: int = 0) -> None:
+                 count: Callable[[str], None] = lambda outcome: None, nice: int = 0, node: str | None = None) -> None:
         self.holders, self._secret, self.nice = holders, secret, nice
+        self.node = node  # this rank's node, told to holders: they keep a step common to its ranks
         self.bytes_per_s, self.timeout_s = bytes_per_s, timeout_s
         self.sent = self.failed = self.superseded = 0  # counted per holder, per snapshot
         self._count = count
@@ -109,8 +110,8 @@ class Replicator:
                         if job.cut.is_set():  # cut off while connecting
                             _shut(session.sock)
                     try:
-                        session.send_frame({"op": "put", "manifest": reader.manifest.to_bytes().decode()},
-                                           deadline=deadline)
+                        session.send_frame({"op": "put", "manifest": reader.manifest.to_bytes().decode(),
+                                            "node": self.node}, deadline=deadline)
                         session.send_data(reader.view(0, reader.manifest.data_bytes),
                                           bytes_per_s=None if job.urgent else self.bytes_per_s,
                                           deadline=deadline, stop=job.cut)

@@ -120,7 +120,9 @@ class PeerServer:
             session.send_frame({"ok": False, "error": f"bad replica manifest: {e}"}, deadline=deadline)
             return
         try:
-            self.replicas.receive(manifest, lambda view: session.recv_data(view, deadline=deadline))
+            node = req.get("node")
+            self.replicas.receive(manifest, lambda view: session.recv_data(view, deadline=deadline),
+                                  node=node if isinstance(node, str) else None)
         except (CheckpointError, OSError) as e:
             log.warning("replica of rank %d's step %d from %s rejected: %s", manifest.rank, manifest.step, peer, e)
             session.send_frame({"ok": False, "error": str(e)}, deadline=deadline)

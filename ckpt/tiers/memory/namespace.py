@@ -35,6 +35,7 @@ from ..base import CheckpointId
 DEFAULT_SHM_DIR = "/dev/shm"
 OWNER_FILE = "owner.json"
 _MAX_OWNER_BYTES = 64 << 10
+MAX_SEAL_BYTES = 256 << 20  # a slot's seal: the shard manifest
 _NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, old
                 kept = set()
                 for meta in rdir.glob("slot-*.json"):
                     try:
-                        m = ShardManifest.from_bytes(read_private(meta, 256 << 20))
+                        m = ShardManifest.from_bytes(read_private(meta, MAX_SEAL_BYTES))
                     except (OSError, ManifestError):
                         continue
                     if older_than is None or CheckpointId(m.generation, m.step) >= older_than:

@@ -35,7 +35,7 @@ from ...errors import CheckpointError
 from ...format.manifest import ManifestError, ShardManifest
 from ..fsutil import atomic_write
 from .copier import PendingCopy, TensorCopier
-from .namespace import OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_private
+from .namespace import MAX_SEAL_BYTES, OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_private
 from .reader import epoch_path
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,6 @@ def _drop_inherited_locks() -> None:
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
 
-_MAX_SEAL_BYTES = 256 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -124,7 +123,7 @@ class ShmSlot:
 
     def sealed(self) -> ShardManifest | None:
         try:
-            return ShardManifest.from_bytes(read_private(self.meta_path, _MAX_SEAL_BYTES), str(self.meta_path))
+            return ShardManifest.from_bytes(read_private(self.meta_path, MAX_SEAL_BYTES), str(self.meta_path))
         except (OSError, ManifestError):
             return None
 
@@ -184,11 +183,16 @@ class SlotPool:
         _LOCKS_HELD.add(self._lock_fd)
         for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
             tmp.unlink(missing_ok=True)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})}
-        atomic_write(self.dir / OWNER_FILE, json.dumps(info).encode(), durable=False, mode=0o600)
+        self.owner: dict = {}
+        self.set_owner({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})})
         self.slots = [ShmSlot(self.dir / f"slot-{k}.bin") for k in range(slots)]
         self._ready = threading.Event()
         self._prepare_error: BaseException | None = None
+
+    def set_owner(self, owner: dict) -> None:
+        """(Re)write ``owner.json``: what the CLI and the sweeps know of these slots."""
+        atomic_write(self.dir / OWNER_FILE, json.dumps(owner).encode(), durable=False, mode=0o600)
+        self.owner = owner
 
     def prepare_async(self, nbytes: int, *, pin: bool = False) -> None:
         """Allocate and pre-fault every slot in the background (and register it with
@@ -214,12 +218,14 @@ class SlotPool:
             err, self._prepare_error = self._prepare_error, None
             raise err
 
-    def reserve(self, step: int) -> tuple[ShmSlot, float]:
-        """The slot the next snapshot goes to, never the one holding the newest sealed
-        state, marked busy; waits (and says so) while every candidate is still draining.
-        Returns the slot and the seconds waited."""
-        newest = max((s for s in self.slots if s.holds), key=lambda s: s.holds, default=None)
-        candidates = [s for s in self.slots if s is not newest]
+    def reserve(self, step: int, keep: tuple[int, int] | None = None) -> tuple[ShmSlot, float]:
+        """The slot the next snapshot goes to, never the one holding ``keep`` (generation,
+        step) when one does, else never the one holding the newest sealed state, marked
+        busy; waits (and says so) while every candidate is still draining. Returns the slot
+        and the seconds waited."""
+        kept = next((s for s in self.slots if keep is not None and s.holds == keep), None)
+        kept = kept or max((s for s in self.slots if s.holds), key=lambda s: s.holds, default=None)
+        candidates = [s for s in self.slots if s is not kept]
         slot = ([s for s in candidates if s.idle.is_set()] or candidates)[0]
         waited = 0.0
         if not slot.idle.is_set():

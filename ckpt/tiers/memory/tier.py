@@ -19,7 +19,7 @@ from ...errors import ManifestError
 from ...format.checksum import crc32c_of
 from ...format.manifest import Manifest, ShardManifest, ShardRef
 from ..base import CheckpointId, CheckpointInfo, ShardReader, TierReader
-from .namespace import is_trusted, rank_dir, read_private
+from .namespace import MAX_SEAL_BYTES, is_trusted, rank_dir, read_private
 from .reader import SlotReader, slot_epoch
 
 if TYPE_CHECKING:  # the writing side needs torch; readers (the CLI) do not
@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # the writing side needs torch; readers (the CLI) do not
     from .copier import PendingCopy
     from .slots import ShmSlot, SlotPool
 
-_MAX_SEAL_BYTES = 256 << 20
 
 
 class _Seal(NamedTuple):
@@ -125,7 +124,7 @@ class MemoryTier(TierReader):
         for meta in sorted(self.dir.glob("slot-*.json")):
             try:
                 epoch = slot_epoch(meta)
-                raw = read_private(meta, _MAX_SEAL_BYTES)
+                raw = read_private(meta, MAX_SEAL_BYTES)
             except OSError:
                 continue
             parsed = self._parsed.get(meta)
