@@ -60,7 +60,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.recovery_bench import median_of  # noqa: E402
+from benchmarks.recovery_bench import median_row  # noqa: E402
 from tests.procs import free_ports, wait_for  # noqa: E402
 
 STEPS, FAULT_STEP = 60, 12
@@ -488,10 +488,8 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
             except (Exception, SystemExit) as failed:  # one engine's failure leaves the other rows standing
                 out.append({"case": case, "mode": mode, "failed": f"{type(failed).__name__}: {failed}"[-2000:]})
                 continue
-            medians = median_of([{k: v for k, v in r.items() if not isinstance(v, bool)} for r in runs])
-            out.append({"case": case, "mode": mode, "relaunched": case in relaunching, **medians, "repeats": repeats,
-                        "survivor_pids_kept": all(r["survivor_pids_kept"] for r in runs),
-                        "equal_to_clean": all(r["equal_to_clean"] for r in runs)})
+            out.append({"case": case, "mode": mode, "relaunched": case in relaunching, **median_row(runs),
+                        "repeats": repeats, "survivor_pids_kept": all(r["survivor_pids_kept"] for r in runs)})
     return out
 
 
