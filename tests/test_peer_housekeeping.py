@@ -85,8 +85,8 @@ def test_gc_orphans_drops_a_replica_durable_in_the_object_store(tmp_path: Path, 
 
 def test_a_memory_dir_too_small_for_the_nodes_slots_is_refused_at_start_up(tmp_path: Path, shm_dir: str) -> None:
     huge = {"w": torch.zeros(1).expand(1 << 40)}  # 4 TiB to checkpoint, allocated nowhere
-    with pytest.raises(CheckpointError, match=r"cannot hold this node's checkpoints.*\(own slots \+ 2 x peers\).*"
-                                              r"1 rank\(s\) x \(2 own slots \+ 2 x 0 replica\(s\) held\) x 4096\.00 "
+    with pytest.raises(CheckpointError, match=r"cannot hold this node's checkpoints.*\(own slots \+ 3 x peers\).*"
+                                              r"1 rank\(s\) x \(2 own slots \+ 3 x 0 replica\(s\) held\) x 4096\.00 "
                                               r"GiB shard = 8192\.00 GiB; [\d.]+ GiB free"):
         CheckpointManager(tmp_path / "root", memory_dir=shm_dir, state=huge)
     assert not list(Path(shm_dir).rglob("slot-*.bin")), "nothing may be allocated"

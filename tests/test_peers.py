@@ -140,8 +140,10 @@ def test_the_newest_sealed_replica_is_never_overwritten(tmp_path: Path, shm_dir:
 def test_replicas_of_one_node_keep_a_step_common_to_all_its_ranks(saved, shm_dir: str) -> None:
     """Two ranks of node "a" replicate on their own and skip different steps (rank 0 sends
     the even ones, rank 1 the odd ones after step 10). Each pool keeping its two newest would
-    leave none common; the holders keep step 10 until a newer one is common to both. A
-    sender whose node is unknown gets the old rule: its two newest."""
+    leave none common; the holders keep step 10 until a newer one is common to both. Node
+    "b"'s rank 3 runs two replicas ahead of rank 4: its newest is kept too (a third slot), so
+    the step rank 4 receives next is common at once. A sender whose node is unknown gets the
+    old rule: its newest is kept, in two slots."""
     _, src = saved
     reader = open_shard(src, src.list()[-1].id, 0)
     data = bytes(reader.view(0, reader.manifest.data_bytes))
@@ -157,19 +159,26 @@ def test_replicas_of_one_node_keep_a_step_common_to_all_its_ranks(saved, shm_dir
             view[:] = data[at : at + len(view)]
             at += len(view)
 
-        replicas.receive(dataclasses.replace(reader.manifest, rank=rank, step=step, world_size=3), recv, node=node)
+        replicas.receive(dataclasses.replace(reader.manifest, rank=rank, step=step, world_size=5), recv, node=node)
+
+    def steps_of(*ranks: int) -> list[tuple[int, list[int]]]:
+        return [(i.id.step, sorted(i.ranks & set(ranks))) for i in held.list() if i.ranks & set(ranks)]
 
     try:
         for r0, r1 in [(10, 10), (12, 11), (14, 13), (16, 15)]:
             send(0, r0)
             send(1, r1)
-        assert [(i.id.step, sorted(i.ranks)) for i in held.list()] == [(10, [0, 1]), (15, [1]), (16, [0])]
+        assert steps_of(0, 1) == [(10, [0, 1]), (13, [1]), (14, [0]), (15, [1]), (16, [0])]
         send(1, 16)  # now common: step 10 may go
         send(0, 18)
-        assert [(i.id.step, sorted(i.ranks)) for i in held.list()] == [(10, [1]), (16, [0, 1]), (18, [0])]
-        for step in (20, 22):
+        assert steps_of(0, 1) == [(10, [1]), (14, [0]), (15, [1]), (16, [0, 1]), (18, [0])]
+        for rank, step in [(3, 30), (4, 30), (3, 31), (3, 32), (4, 31)]:
+            send(rank, step, node="b")
+        assert steps_of(3, 4) == [(30, [3, 4]), (31, [3, 4]), (32, [3])]  # two slots would have kept 30 only
+        for step in (20, 22, 24):
             send(2, step, node=None)
-        assert [i.id.step for i in held.list() if i.ranks == {2}] == [20, 22]
+        assert [s for s, _ in steps_of(2)] == [22, 24]
+        assert sum(p.stat().st_size > 0 for p in (replicas.ns / "rank-00002").glob("slot-*.bin")) == 2
     finally:
         replicas.close()
 

@@ -3,8 +3,8 @@ identity, placement, secret, this rank's server), a replica after each drain (an
 urgent one first: evacuation), placement away from nodes at risk, the extra restore
 sources, and the log of the window a restored shard is unprotected.
 
-Shared memory per node: (2 + 2 x peers) x the node's shards: two slots per own
-shard, two replica slots per shard it holds for others.
+Shared memory per node: (2 + 3 x peers) x the node's shards: two slots per own
+shard, three replica slots per shard it holds for others (``replicas.py``).
 """
 from __future__ import annotations
 

@@ -1,17 +1,20 @@
 """Writing replicas into this node's replica slots: the memory tier's slot pool, one
 per saved rank, so replicas keep its invariants (pre-allocated and pre-faulted
-files, 0600 in private directories, two slots, the seal written last). A replica is
-sealed only once every byte has arrived and matched its chunk checksums; it outlives
-both the sender and the process that received it (the slots stay; the pool's lock goes).
+files, 0600 in private directories, the seal written last). A replica is sealed only
+once every byte has arrived and matched its chunk checksums; it outlives both the
+sender and the process that received it (the slots stay; the pool's lock goes).
 
-Which slot an incoming replica may take: a lost node loses all its ranks at once, so
-its replicas restore only a step that every one of them holds. Each rank replicates on
-its own (a send in flight makes the next ones wait, and only the newest waits), so the
+Which slot an incoming replica may take: never the one holding the pool's newest
+replica, nor the one holding the newest step common to every replica pool of the
+sender's node in this namespace. A lost node loses all its ranks at once, so its
+replicas restore only a step that every one of them holds; each rank replicates on its
+own (a send in flight makes the next ones wait, and only the newest waits), so the
 node's ranks skip different steps, and pools that each kept their two newest could
-share none. An incoming replica therefore never takes the slot holding the newest step
-common to every replica pool of the sender's node in this namespace (the holders on
-this node read each other's seals, under a lock on the namespace, so two pools never
-both give up their last common step); with none common, never the newest.
+share none. Keeping the common step in one of two slots instead would give up the
+newest, a step of freshness whenever one rank's replicas run a step ahead. So a pool
+has three slots; the third is allocated only when its newest is not common (never with
+one rank per node). The holders on a node read each other's seals under a lock on the
+namespace, so two pools never both give up their last common step.
 """
 from __future__ import annotations
 
@@ -37,6 +40,9 @@ from .wire import PIECE
 _RECV_STEP = PIECE  # bytes received between hand-offs to the checkers: one sealed piece, one recv call
 
 
+REPLICA_SLOTS = 3  # the newest, the newest common to the sender's node, the one being received
+
+
 class ReplicaSlots:
     """The replica slot pools this process writes, opened on the first replica of each
     saved rank (the pool takes that rank directory's lock while this process lives)."""
@@ -52,7 +58,7 @@ class ReplicaSlots:
         with self._guard:
             owner = {**self._owner, "replica_of": rank, "from_node": node}
             if rank not in self._pools:
-                self._pools[rank] = SlotPool(self.ns, rank, slots=2, owner=owner)
+                self._pools[rank] = SlotPool(self.ns, rank, slots=REPLICA_SLOTS, owner=owner)
                 self._locks[rank] = threading.Lock()
             elif self._pools[rank].owner.get("from_node") != node:  # the rank moved (a relaunch renumbered it)
                 self._pools[rank].set_owner({**self._pools[rank].owner, "from_node": node})

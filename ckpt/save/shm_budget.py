@@ -3,9 +3,10 @@
 replica arrives, hours into the run).
 
 Per node: every rank keeps its own slots (2; 3 without a disk tier; one more with
-``overlap=True``) and two replica slots per shard it holds for another node, ``peers``
-of them when nodes have equal rank counts: (2 + 2 x peers) x the node's shards with a
-disk tier and no overlap.
+``overlap=True``) and three replica slots per shard it holds for another node
+(``peers/replicas.py``: the third only when the node's ranks' newest replicas differ),
+``peers`` of them when nodes have equal rank counts: (2 + 3 x peers) x the node's shards
+with a disk tier and no overlap.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 
 from ..errors import CheckpointError
+from ..peers.replicas import REPLICA_SLOTS
 from ..tiers.memory.copier import ALIGN
 from ..tiers.memory.namespace import free_bytes, slot_file_bytes
 
@@ -35,11 +37,11 @@ class ShmNeed:
 
     @property
     def bytes(self) -> int:
-        return self.ranks_on_node * (self.own_slots + 2 * self.replicas_held) * self.shard_bytes
+        return self.ranks_on_node * (self.own_slots + REPLICA_SLOTS * self.replicas_held) * self.shard_bytes
 
     def describe(self) -> str:
-        return (f"{self.ranks_on_node} rank(s) x ({self.own_slots} own slots + 2 x {self.replicas_held} replica(s) "
-                f"held) x {_gib(self.shard_bytes)} shard = {_gib(self.bytes)}")
+        return (f"{self.ranks_on_node} rank(s) x ({self.own_slots} own slots + {REPLICA_SLOTS} x {self.replicas_held} "
+                f"replica(s) held) x {_gib(self.shard_bytes)} shard = {_gib(self.bytes)}")
 
 
 def need_of(shard_bytes: int, pool: "SlotPool", peering: "Peering | None") -> ShmNeed:
@@ -58,8 +60,8 @@ def check_room(ns: "Path", pool: "SlotPool", shard_bytes: int, peering: "Peering
     free = free_bytes(ns)
     if need.bytes - allocated > free:
         raise CheckpointError(
-            f"{ns.parent} cannot hold this node's checkpoints: shared memory needed, (own slots + 2 x peers) x "
-            f"the node's shards: {need.describe()}; {_gib(free)} free, {_gib(allocated)} already allocated "
+            f"{ns.parent} cannot hold this node's checkpoints: shared memory needed, (own slots + {REPLICA_SLOTS} x "
+            f"peers) x the node's shards: {need.describe()}; {_gib(free)} free, {_gib(allocated)} already allocated "
             "by this job. "
             "Enlarge /dev/shm (docker run --shm-size, a bigger tmpfs), lower peers=, or pass memory_dir= on a "
             "larger tmpfs")

@@ -219,14 +219,15 @@ class SlotPool:
             raise err
 
     def reserve(self, step: int, keep: tuple[int, int] | None = None) -> tuple[ShmSlot, float]:
-        """The slot the next snapshot goes to, never the one holding ``keep`` (generation,
-        step) when one does, else never the one holding the newest sealed state, marked
-        busy; waits (and says so) while every candidate is still draining. Returns the slot
-        and the seconds waited."""
-        kept = next((s for s in self.slots if keep is not None and s.holds == keep), None)
-        kept = kept or max((s for s in self.slots if s.holds), key=lambda s: s.holds, default=None)
-        candidates = [s for s in self.slots if s is not kept]
-        slot = ([s for s in candidates if s.idle.is_set()] or candidates)[0]
+        """The slot the next snapshot goes to, never the one holding the newest sealed
+        state nor the one holding ``keep`` (generation, step), marked busy; an idle one
+        first, then one already allocated, then the oldest; waits (and says so) while every
+        candidate is still draining. Returns the slot and the seconds waited."""
+        newest = max((s for s in self.slots if s.holds), key=lambda s: s.holds, default=None)
+        candidates = [s for s in self.slots if s is not newest and (keep is None or s.holds != keep)]
+        if not candidates:
+            raise CheckpointError(f"{self.dir}: {len(self.slots)} slots cannot keep both the newest state and {keep}")
+        slot = min(candidates, key=lambda s: (not s.idle.is_set(), s.capacity == 0, s.holds or (-1, -1)))
         waited = 0.0
         if not slot.idle.is_set():
             log.warning("save(%d) waits for the previous checkpoint to leave memory (the drain is slower than the "
