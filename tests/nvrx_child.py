@@ -3,7 +3,7 @@
 nvidia-resiliency-ext. An MLP, a global batch split over the ranks left, a checkpoint every
 step (overlapped).
 
-    python tests/nvrx_child.py --root DIR --events FILE --memory-dir D --steps N --nvrx-port P
+    python tests/nvrx_child.py --root DIR --events FILE --memory-dir D --steps N
         [--kill-rank R --kill-at S [--fault kill|stop]] [--resume-step S]
 
 The rank started as ``--kill-rank`` SIGKILLs (``stop``: SIGSTOPs, a hung rank) itself before
@@ -39,7 +39,6 @@ def main() -> None:
     ap.add_argument("--events", required=True)
     ap.add_argument("--memory-dir", required=True)
     ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--nvrx-port", type=int, required=True, help="NVRx's store (ours is on MASTER_PORT)")
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--fault", choices=["kill", "stop"], default="kill")
@@ -80,7 +79,7 @@ def main() -> None:
                  checkpoint={"root": args.root, "memory_dir": args.memory_dir, "keep_last": 1000,
                              "replicated": ["model", "optim"], "overlap": True},
                  resume_step=args.resume_step, collective_timeout_s=5.0, on_recovery=on_recovery,
-                 store_kwargs={"port": args.nvrx_port}, **NVRX_TIMEOUTS,
+                 **NVRX_TIMEOUTS,  # NVRx's store on the port run() agrees on
                  monitor_process_logfile=str(Path(args.events).resolve().parent / "nvrx-monitor-{rank}.log"))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
     emit(event="done", steps=result.steps_done, digest=digest.hexdigest(), world=result.objects["ctx"].world_size)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_ports, stop_process, wait_for
+from tests.procs import free_port, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "nvrx_child.py"
@@ -35,12 +35,12 @@ def launch(python: str, workdir: Path, root: Path, world: int, *args: str, fault
     """One job of ``world`` ranks (a process each, as NVRx expects) checkpointing under ``root``;
     the survivors must exit 0 (rank ``faulted``: killed, by itself or NVRx). Returns every rank's events."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (port, nvrx_port), events = free_ports(2), workdir / "events.jsonl"
+    port, events = free_port(), workdir / "events.jsonl"
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
     shm = Path("/dev/shm") / f"nvrx-test-{workdir.name}-{port}"
     procs = [subprocess.Popen([python, str(CHILD), "--root", str(root), "--events", str(events),
-                               "--memory-dir", str(shm), "--nvrx-port", str(nvrx_port), *args],
+                               "--memory-dir", str(shm), *args],
                               env={**env, "RANK": str(r)}, stdout=(workdir / f"rank{r}.log").open("w"),
                               stderr=subprocess.STDOUT) for r in range(world)]
 

@@ -26,13 +26,15 @@ never reach.
 
 Start every rank as NVRx expects (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``:
 torchrun, or a plain process per rank); the process groups' and commits' store serves
-``MASTER_PORT`` and NVRx's own ``MASTER_PORT + 1`` (unless ``store_kwargs`` says otherwise),
-both on the first rank.
+``MASTER_PORT``, and NVRx's own a port the first rank found free and told the others through
+it (unless ``store_kwargs`` names one), both on the first rank. Not ``MASTER_PORT + 1``: that
+port may be anyone's (a client's ephemeral port made NVRx's store fail with EADDRINUSE).
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -70,7 +72,9 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
     # with the commits' keys in NVRx's store, its termination barrier failed on a value it misread
     groups = dist.TCPStore(os.environ["MASTER_ADDR"], port, int(os.environ["WORLD_SIZE"]), is_master=initial == 0,
                            multi_tenant=True, wait_for_workers=True, use_libuv=True)
-    wrapper = {"store_kwargs": {"port": port + 1}, **wrapper}
+    store_kwargs = wrapper.get("store_kwargs", {})
+    if "port" not in store_kwargs:
+        wrapper = {**wrapper, "store_kwargs": {**store_kwargs, "port": _agreed_port(groups, initial)}}
     managers = _Managers(checkpoint)
     recoveries: list[Recovery] = []
     failed: dict[str, Any] = {}  # the last failed call: when it raised, at which step, what
@@ -113,6 +117,17 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
 
     train.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx finds the argument by its class
     return inprocess.Wrapper(**wrapper)(train)()
+
+
+def _agreed_port(store: dist.Store, rank: int) -> int:
+    """A port free on the first rank's host (where NVRx's store listens), picked there and
+    read by the others from ``store``."""
+    key = "ckpt-guard/nvrx/store-port"
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            store.set(key, str(s.getsockname()[1]))
+    return int(store.get(key))
 
 
 class _Managers:
