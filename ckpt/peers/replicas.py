@@ -34,13 +34,10 @@ from ..format.read_items import ReadItem, read_items
 from ..format.verify import mismatch
 from ..tiers.memory.namespace import MAX_SEAL_BYTES, rank_dirs, read_owner, read_private
 from ..tiers.memory.reader import SlotReader
-from ..tiers.memory.slots import SlotPool
+from ..tiers.memory.slots import REPLICA_SLOTS, SlotPool
 from .wire import PIECE
 
 _RECV_STEP = PIECE  # bytes received between hand-offs to the checkers: one sealed piece, one recv call
-
-
-REPLICA_SLOTS = 3  # the newest, the newest common to the sender's node, the one being received
 
 
 class ReplicaSlots:

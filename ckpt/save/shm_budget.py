@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 
 from ..errors import CheckpointError
-from ..peers.replicas import REPLICA_SLOTS
 from ..tiers.memory.copier import ALIGN
 from ..tiers.memory.namespace import free_bytes, slot_file_bytes
+from ..tiers.memory.slots import REPLICA_SLOTS
 
 if TYPE_CHECKING:
     from pathlib import Path

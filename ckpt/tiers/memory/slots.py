@@ -57,6 +57,9 @@ def _drop_inherited_locks() -> None:
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
 
+# A replica pool's slots: its newest, the newest step common to the sender's node, and the one
+# being received (ckpt/peers/replicas.py says why); the shared-memory budget counts them too
+REPLICA_SLOTS = 3
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
