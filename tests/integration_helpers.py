@@ -117,10 +117,15 @@ def kill_node(proc: subprocess.Popen) -> str:
 def rendezvous_state(port: int) -> object | None:
     """The simulated job's rendezvous state as torch's c10d backend keeps it in node 0's
     store at ``port`` (``participants``, ``wait_list``, ``redundancy_list``, ``round``,
-    ``complete``): how a test sees that an agent is standing by. None before the first round."""
-    from torch.distributed import TCPStore
+    ``complete``): how a test sees that an agent is standing by. None before the first round,
+    and while the store does not answer (the probe's own connection timing out is not the job's
+    failure: the caller's wait decides)."""
+    from torch.distributed import DistNetworkError, TCPStore
 
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    try:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    except DistNetworkError:
+        return None
     key = f"torch.rendezvous.sim-{port}"
     if not store.check([key]):
         return None
