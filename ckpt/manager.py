@@ -37,9 +37,9 @@ from .save.metrics import CheckpointMetrics
 from .save.offload import Offloader
 from .save.save_path import SavePath
 from .save.shm_budget import check_room, lazy_optimizer_bytes, refusal_of
-from .save.sweep import remove_leftovers
+from .save.sweep import remove_leftovers, sweep_finished
 from .tiers.base import CheckpointId, DurableTier, TierReader
-from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir, sweep_orphans
+from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
 
 if TYPE_CHECKING:
@@ -368,21 +368,7 @@ class CheckpointManager:
         finally:
             self._release(remove_memory=remove)
         if remove:
-            self._sweep_dead_ranks()
-
-    def _sweep_dead_ranks(self) -> None:
-        """A finished job's slots left by its dead or superseded ranks (killed, or renumbered
-        when ``ckpt.inprocess`` shrank the world) in this node's namespace: nothing restores
-        them once a newer step is durable. Slots of a newer step stay (a rank that died in
-        the last save)."""
-        try:
-            durable = [i for i in self._home.list() if i.complete]
-            if durable:
-                shards = {(r, i.id.generation, i.id.step) for i in durable for r in i.ranks}
-                for gone in sweep_orphans([self._ns], shards, older_than=max(i.id for i in durable)):
-                    log.info("removed a finished job's dead rank's memory slots: %s", gone)
-        except Exception as e:  # housekeeping: the job's saves are durable; `ckpt gc --orphans` can do it later
-            log.warning("could not sweep dead ranks' memory slots in %s: %s", self._ns, e)
+            sweep_finished(self._home, self._ns)
 
     def abandon(self) -> None:
         """Let go after a peer failed (``ckpt.inprocess``): background waits on other ranks

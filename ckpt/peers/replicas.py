@@ -29,10 +29,10 @@ from typing import Callable
 
 from ..errors import CheckpointError
 from ..format.checksum import crc32c_of
-from ..format.manifest import ManifestError, ShardManifest
+from ..format.manifest import ShardManifest
 from ..format.read_items import ReadItem, read_items
 from ..format.verify import mismatch
-from ..tiers.memory.namespace import MAX_SEAL_BYTES, rank_dirs, read_owner, read_private
+from ..tiers.memory.namespace import rank_dirs, read_owner, seals
 from ..tiers.memory.reader import SlotReader
 from ..tiers.memory.slots import REPLICA_SLOTS, SlotPool
 from .wire import PIECE
@@ -126,14 +126,7 @@ def newest_common(ns: Path, node: str | None, generation: int) -> tuple[int, int
         owner = read_owner(rdir)
         if owner is None or "replica_of" not in owner or owner.get("from_node") != node:
             continue
-        steps = set()
-        for seal in rdir.glob("slot-*.json"):
-            try:
-                m = ShardManifest.from_bytes(read_private(seal, MAX_SEAL_BYTES), str(seal))
-            except (OSError, ManifestError):
-                continue  # being replaced, or damaged: not held
-            if m.generation == generation:
-                steps.add((m.generation, m.step))
+        steps = {(m.generation, m.step) for m in seals(rdir) if m.generation == generation}
         if steps:
             held.append(steps)
     return max(set.intersection(*held), default=None) if held else None

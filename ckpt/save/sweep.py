@@ -2,7 +2,8 @@
 
 A crashed or deleted job leaves its slots in /dev/shm (they are meant to survive the
 trainer). Start-up of the same job, or ``ckpt gc ROOT``, sweeps them once their steps
-are durable; ``ckpt gc --orphans`` sweeps every namespace of this user whose owner
+are durable, and a finished job those of its own dead ranks (``sweep_finished``);
+``ckpt gc --orphans`` sweeps every namespace of this user whose owner
 process is gone, without knowing the roots: those whose root no longer exists, and
 those whose steps are all durable in it; the rest (steps held nowhere else) only
 with ``force``. A live job's slots (its lock is held) are never touched.
@@ -51,6 +52,21 @@ def remove_leftovers(disk: LocalDiskTier | None, store: DurableTier | None, lead
         leftovers += disk.cleanup() + sweep_orphans(others, on_disk)
     for leftover in leftovers:
         log.info("removed leftover of an interrupted save: %s", leftover)
+
+
+def sweep_finished(home: DurableTier, own: Path) -> None:
+    """A finished job's slots left by its dead or superseded ranks (killed, or renumbered
+    when ``ckpt.inprocess`` shrank the world) in this node's namespace ``own``: nothing
+    restores them once a newer step is durable in ``home``. Slots of a newer step stay (a
+    rank that died in the last save)."""
+    try:
+        durable = [i for i in home.list() if i.complete]
+        if durable:
+            shards = {(r, i.id.generation, i.id.step) for i in durable for r in i.ranks}
+            for gone in sweep_orphans([own], shards, older_than=max(i.id for i in durable)):
+                log.info("removed a finished job's dead rank's memory slots: %s", gone)
+    except Exception as e:  # housekeeping: the job's saves are durable; `ckpt gc --orphans` can do it later
+        log.warning("could not sweep dead ranks' memory slots in %s: %s", own, e)
 
 
 @dataclass

@@ -170,6 +170,15 @@ def owner_gone(rdir: Path) -> Iterator[bool | None]:
         os.close(fd)
 
 
+def seals(rdir: Path) -> Iterator[ShardManifest]:
+    """The seals in a rank directory that parse (one being replaced, or damaged, is skipped)."""
+    for meta in rdir.glob("slot-*.json"):
+        try:
+            yield ShardManifest.from_bytes(read_private(meta, MAX_SEAL_BYTES), str(meta))
+        except (OSError, ManifestError):
+            continue
+
+
 def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, older_than: CheckpointId | None = None,
                   force: bool = False) -> list[str]:
     """Remove rank directories whose owner is gone (their lock is free), when every
@@ -185,14 +194,8 @@ def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, old
             with owner_gone(rdir) as gone:
                 if not gone:
                     continue  # a live owner, or no lock to tell
-                kept = set()
-                for meta in rdir.glob("slot-*.json"):
-                    try:
-                        m = ShardManifest.from_bytes(read_private(meta, MAX_SEAL_BYTES))
-                    except (OSError, ManifestError):
-                        continue
-                    if older_than is None or CheckpointId(m.generation, m.step) >= older_than:
-                        kept.add((m.rank, m.generation, m.step))
+                kept = {(m.rank, m.generation, m.step) for m in seals(rdir)
+                        if older_than is None or CheckpointId(m.generation, m.step) >= older_than}
                 if force or kept <= durable:
                     shutil.rmtree(rdir, ignore_errors=True)
                     removed.append(str(rdir))
