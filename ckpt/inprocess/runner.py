@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import torch.distributed as dist
@@ -87,6 +88,40 @@ class Result(Generic[T]):
     recoveries: list[Recovery]
 
 
+@dataclass
+class Steps:
+    """One round's (or NVRx call's) training loop, shared by both engines: ``done`` is the step
+    reached, still there when a step raises and ends the round."""
+
+    done: int = 0
+
+    def train(self, objects: T, step: Callable[[T, int], Any], mgr: CheckpointManager, state: dict, *, steps: int,
+              save_every: int, before: Callable[[], None] = lambda: None,
+              after: Callable[[int], None] = lambda done: None, first: Callable[[], None] | None = None) -> None:
+        """Steps ``done`` .. ``steps``: ``before()``, the step, ``after(done)``, ``first()`` once
+        (a recovery ends with the first step it resumes), then a save every ``save_every`` steps
+        and at the last; at the end ``mgr.finished``: its ``close()`` may free the memory slots."""
+        while self.done < steps:
+            before()
+            step(objects, self.done)
+            self.done += 1
+            after(self.done)
+            if first is not None:
+                first()
+                first = None
+            if self.done % save_every == 0 or self.done == steps:
+                mgr.save(self.done, state)
+        mgr.finished = True
+
+
+def record(recoveries: list[Recovery], on_recovery: Callable[[Recovery], None] | None,
+           recovery: Callable[[], Recovery]) -> None:
+    """Log-and-keep a recovery at its first resumed step (``recovery()`` times it)."""
+    recoveries.append(recovery())
+    if on_recovery is not None:
+        on_recovery(recoveries[-1])
+
+
 def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int,
         checkpoint: Mapping[str, Any], state_of: Callable[[T], dict] = lambda objects: objects,
         save_every: int = 1, resume_step: int | None = None, collective_timeout_s: float = 30.0,
@@ -141,7 +176,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
         t_join = time.monotonic()
         ctx = Context(rank, len(current.members), current.round, worker)
         mgr: CheckpointManager | None = None
-        done = 0
+        progress = Steps()
         try:
             group.join(store, current.round, rank, len(current.members), collective_timeout_s)
             t_group = time.monotonic()
@@ -153,24 +188,15 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             state = state_of(objects)
             first = resume_step if current.round == 0 else None
             restored = mgr.restore(state, step=first)
-            done = restored or 0
-            t_restore = time.monotonic()
-            while done < steps:
-                if membership.changed(store, current.round):
-                    raise _MembershipChanged()
-                step(objects, done)
-                done += 1
-                store.set(membership.step_key(worker), str(done))
-                if pending is not None:
-                    recoveries.append(_finish(pending, current, ctx, restored, t_join, t_group, t_build, t_restore))
-                    if on_recovery is not None:
-                        on_recovery(recoveries[-1])
-                    pending = None
-                if done % save_every == 0 or done == steps:
-                    mgr.save(done, state)
-            mgr.finished = True  # close() frees this rank's memory slots once every save is durable
-            mgr.close()
-            return Result(objects, done, recoveries)
+            progress.done = restored or 0
+            marks = (t_join, t_group, t_build, time.monotonic())
+            recovered = None if pending is None else partial(_finish, pending, current, ctx, restored, marks)
+            progress.train(objects, step, mgr, state, steps=steps, save_every=save_every,
+                           before=partial(_raise_if_changed, store, current.round),
+                           after=lambda done: store.set(membership.step_key(worker), str(done)),
+                           first=recovered and partial(record, recoveries, on_recovery, recovered))
+            mgr.close()  # finished: this rank's memory slots go once every save is durable
+            return Result(objects, progress.done, recoveries)
         except Exception as e:
             t_fault = time.monotonic()
             watched.mgr = None
@@ -182,7 +208,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             nxt = membership.latest_after(store, current.round) or membership.wait_round(
                 store, current.round + 1, membership_timeout_s)
             if nxt is None:
-                raise FallBack(f"rank {rank} failed at step {done} ({e}) and no new membership came "
+                raise FallBack(f"rank {rank} failed at step {progress.done} ({e}) and no new membership came "
                                f"within {membership_timeout_s:.0f} s") from e
             t_round = time.monotonic()
             if mgr is not None:
@@ -191,11 +217,12 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             del mgr
             gc.collect()  # the abandoned manager's cycles hold a store connection each: free them now
             t_left = time.monotonic()
-            log.warning("rank %d: step %d failed (%s); round %d: %s", rank, done, _short(e), nxt.round, nxt.reason)
+            log.warning("rank %d: step %d failed (%s); round %d: %s", rank, progress.done, _short(e), nxt.round,
+                        nxt.reason)
             if nxt.rank_of(worker) is None:
                 raise FallBack(f"worker {worker} is not in round {nxt.round}") from e
-            pending = (t_fault, nxt.reason, done, {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault,
-                                                   "abort_s": t_left - t_round})
+            pending = (t_fault, nxt.reason, progress.done,
+                       {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault, "abort_s": t_left - t_round})
             current = nxt
 
 
@@ -259,15 +286,24 @@ def _first_round(store: "dist.Store", worker: int, timeout_s: float,
     return m
 
 
-def _finish(pending: tuple, current: membership.Membership, ctx: Context, restored: int | None, t_join: float,
-            t_group: float, t_build: float, t_restore: float) -> Recovery:
+def _finish(pending: tuple, current: membership.Membership, ctx: Context, restored: int | None,
+            marks: tuple[float, float, float, float]) -> Recovery:
+    """The recovery record, at its first resumed step: ``marks`` are when the round began and
+    its group, build and restore ended."""
     t_fault, reason, failed_at, phases = pending
+    t_join, t_group, t_build, t_restore = marks
     now = time.monotonic()
     phases = {**phases, "process_group_s": t_group - t_join, "build_s": t_build - t_group,
               "restore_s": t_restore - t_build, "first_step_s": now - t_restore, "total_s": now - t_fault}
     rec = Recovery(current.round, reason, ctx.rank, ctx.world_size, restored, failed_at, time.time(), phases)
     log.warning("ckpt-guard inprocess recovery %s", rec.to_json())
     return rec
+
+
+def _raise_if_changed(store: "dist.Store", round_id: int) -> None:
+    """Before each step: a newer round (a predicted failure, an eviction) ends this one."""
+    if membership.changed(store, round_id):
+        raise _MembershipChanged()
 
 
 def _must_leave(e: BaseException) -> bool:

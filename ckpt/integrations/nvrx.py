@@ -38,11 +38,12 @@ import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Mapping, TypeVar
 
 import torch.distributed as dist
 
-from ..inprocess.runner import Context, Recovery, Result
+from ..inprocess.runner import Context, Recovery, Result, Steps, record
 from ..manager import CheckpointManager
 
 T = TypeVar("T")
@@ -87,33 +88,24 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
         t_group = time.monotonic()
         objects = build(Context(rank, world, iteration, initial))
         t_build = time.monotonic()
-        done = 0
+        progress = Steps()
         try:
             mgr = managers.make(sweep=iteration == 0)
             state = state_of(objects)
             first = resume_step if iteration == 0 else None
             restored = mgr.restore(state, step=first)
-            done = restored or 0
-            t_restore = time.monotonic()
-            while done < steps:
-                step(objects, done)
-                done += 1
-                if failed:
-                    recoveries.append(_recovery(failed, iteration, rank, world, restored,
-                                                [t_start, t_group, t_build, t_restore, time.monotonic()]))
-                    failed.clear()
-                    if on_recovery is not None:
-                        on_recovery(recoveries[-1])
-                if done % save_every == 0 or done == steps:
-                    mgr.save(done, state)
-            mgr.finished = True
+            progress.done = restored or 0
+            marks = (t_start, t_group, t_build, time.monotonic())
+            recovered = partial(_recovery, failed, iteration, rank, world, restored, marks) if failed else None
+            progress.train(objects, step, mgr, state, steps=steps, save_every=save_every,
+                           first=recovered and partial(record, recoveries, on_recovery, recovered))
             managers.close()
         except BaseException as e:
-            failed.update(t=time.monotonic(), step=done, reason=f"{type(e).__name__}: {e}"[:300])
+            failed.update(t=time.monotonic(), step=progress.done, reason=f"{type(e).__name__}: {e}"[:300])
             managers.abandon()  # never waits on a dead rank; NVRx's abort then tears the groups down
             raise
         dist.destroy_process_group()
-        return Result(objects, done, recoveries)
+        return Result(objects, progress.done, recoveries)
 
     train.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx finds the argument by its class
     return inprocess.Wrapper(**wrapper)(train)()
@@ -167,10 +159,13 @@ def _let_go(made: Future, how: Callable[[CheckpointManager], None]) -> None:
 
 
 def _recovery(failed: dict[str, Any], iteration: int, rank: int, world: int, restored: int | None,
-              marks: list[float]) -> Recovery:
-    """The recovery record of the first step after a restart: phases between ``marks`` (call
-    start, group, build, restore, first step), the wait before the call as NVRx's."""
-    t_start, t_group, t_build, t_restore, t_step = marks
+              marks: tuple[float, float, float, float]) -> Recovery:
+    """The recovery record at the first step after a restart (and ``failed`` cleared): phases
+    between ``marks`` (call start, group, build, restore) and now, the wait before the call as NVRx's."""
+    t_start, t_group, t_build, t_restore = marks
+    t_step = time.monotonic()
     phases = {"nvrx_s": t_start - failed["t"], "process_group_s": t_group - t_start, "build_s": t_build - t_group,
               "restore_s": t_restore - t_build, "first_step_s": t_step - t_restore, "total_s": t_step - failed["t"]}
-    return Recovery(iteration, failed["reason"], rank, world, restored, failed["step"], time.time(), phases)
+    rec = Recovery(iteration, failed["reason"], rank, world, restored, failed["step"], time.time(), phases)
+    failed.clear()
+    return rec
