@@ -16,15 +16,15 @@ contender:
                 memory, started here as the tests start it; ``--no-object`` skips it).
 
 Rounds are interleaved (replicate, copy, the restores, repeat; the first two rounds
-allocate the two replica slots and are dropped). Reported: medians with min and max,
-GB/s, the ratio of medians, and the replicate/copy ratio paired per round (both ran
-back to back), which a noisy machine disturbs least; ``cpu_s`` is this process's CPU
-(both ends of the loopback) per run, and ``replicate_vs_copy_cpu`` the copy's CPU over
-replication's: the throughput ratio to expect where both ends share too few cores
-(replication also checks every byte's CRC32C, ~14 GB/s a core). Both move the bytes with
-the same receive loop (``wire.recv_into``: blocking, MSG_WAITALL, 8 MiB a call), so the
-ratio is the cost of what replication adds (authentication, AES-256-GCM on every piece at
-both ends, manifest, checksums, seal).
+allocate the two replica slots of its three that a pool uses with one rank per node, and
+are dropped). Reported: medians with min and max, GB/s, the ratio of medians, and the
+replicate/copy ratio paired per round (both ran back to back), which a noisy machine
+disturbs least; ``cpu_s`` is this process's CPU (both ends of the loopback) per run, and
+``replicate_vs_copy_cpu`` the copy's CPU over replication's: the throughput ratio to
+expect where both ends share too few cores (replication also checks every byte's CRC32C,
+~14 GB/s a core). Both move the bytes with the same receive loop (``wire.recv_into``:
+blocking, MSG_WAITALL, 8 MiB a call), so the ratio is the cost of what replication adds
+(authentication, AES-256-GCM on every piece at both ends, manifest, checksums, seal).
 Replication runs at normal priority here (``--nice 0``, as the copy does); a job's
 periodic replicas run at nice 10 (``CKPT_GUARD_PEER_NICE``), yielding to training on
 busy cores: ``--nice 10`` measures that. Not a test: nothing here asserts a speed; the
@@ -165,7 +165,7 @@ def main() -> None:
         for i in range(args.repeats + 2):
             got = {name: timed(fn) for name, fn in contenders.items()}
             assert all(torch.equal(target[k], v) for k, v in state.items()), "a restore differs from the source"
-            if i > 1:  # the first two rounds allocate the two replica slots
+            if i > 1:  # the first two rounds allocate the two slots used here (the third is never: one rank per node)
                 for name, t in got.items():
                     times[name].append(t)
             print(f"round {i}: " + ", ".join(f"{k} {w:.3f} s" for k, (w, _) in got.items())
