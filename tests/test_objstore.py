@@ -233,6 +233,27 @@ def test_upload_that_cannot_finish_is_aborted(tmp_path, s3_server, s3_bucket):
     assert [i.id.step for i in watch.list()] == [2] and unfinished_uploads(watch) == []
 
 
+def test_an_upload_started_twice_leaves_no_stray(tmp_path, s3_server, s3_bucket):
+    """The store begins a multipart upload but its reply is lost (it answered too late), so the
+    start is retried: the upload completes, and the one begun by the lost start is aborted, not
+    left for the next start-up's sweep."""
+    tier = s3_tier(s3_server, s3_bucket)
+    call, lost = tier._uploader._call, []
+
+    def reply_lost_once(method: str, **kwargs):
+        answer = call(method, **kwargs)  # the store acts on it ...
+        if method == "create_multipart_upload" and not lost:
+            lost.append(answer["UploadId"])
+            raise TimeoutError(f"{method}: no answer")  # ... but the answer never arrives
+        return answer
+
+    tier._uploader._call = reply_lost_once
+    with manager(tmp_path, tier) as mgr:
+        mgr.save(1, make_state(1, mib=12)).wait()  # 12 MiB > part size: multipart
+    assert lost and [i.id.step for i in tier.list()] == [1]
+    assert unfinished_uploads(tier) == []
+
+
 def test_outage_mid_upload_training_goes_on_and_the_upload_is_retried(tmp_path, s3_server, s3_bucket, caplog):
     """SIGSTOP the server while parts are in flight: save() keeps returning and the disk tier keeps
     up; after SIGCONT the upload is retried and completes. A watcher listing the store all the

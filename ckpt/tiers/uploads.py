@@ -155,26 +155,39 @@ class S3MultipartUploader(Uploader):
             return
         bucket, key, _ = self.fs.split_path(path)
         part_size = max(self.part_size, -(-size // S3_MAX_PARTS))  # very large shards need larger parts
-        upload = self.retry.call(lambda: self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"],
-                                 f"start upload of {path}")
-        where = dict(Bucket=bucket, Key=key, UploadId=upload)
+        starts: list[str | None] = []  # one entry per start sent; the upload id where its reply came
+
+        def start() -> str:
+            starts.append(None)
+            starts[-1] = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+            return starts[-1]
+
         try:
-            etags = self._send_parts(path, size, part_size, read, where)
-            parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
-            whole = _multipart_etag(etags)
+            upload = self.retry.call(start, f"start upload of {path}")
+            where = dict(Bucket=bucket, Key=key, UploadId=upload)
+            try:
+                self._send_and_complete(path, size, part_size, read, where)
+            except BaseException:
+                self._abort(path, where)
+                raise
+        finally:
+            if None in starts:  # a start whose reply was lost may still have begun an upload on the store
+                self._abort_strays(path, keep=[u for u in starts if u is not None])
 
-            def complete() -> None:
-                try:
-                    self._call("complete_multipart_upload", MultipartUpload={"Parts": parts}, **where)
-                except Exception:
-                    if self._landed(bucket, key, whole):  # an earlier attempt finished; its reply was lost
-                        return
-                    raise
+    def _send_and_complete(self, path: str, size: int, part_size: int, read: Read, where: dict) -> None:
+        etags = self._send_parts(path, size, part_size, read, where)
+        parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
+        whole = _multipart_etag(etags)
 
-            self.retry.call(complete, f"complete upload of {path}")
-        except BaseException:
-            self._abort(path, where)
-            raise
+        def complete() -> None:
+            try:
+                self._call("complete_multipart_upload", MultipartUpload={"Parts": parts}, **where)
+            except Exception:
+                if self._landed(where["Bucket"], where["Key"], whole):  # an earlier try finished; its reply was lost
+                    return
+                raise
+
+        self.retry.call(complete, f"complete upload of {path}")
 
     def _send_parts(self, path: str, size: int, part_size: int, read: Read, where: dict) -> list[str]:
         """Each part is read when a worker takes it, so at most ``pool`` parts sit in memory."""
@@ -207,6 +220,21 @@ class S3MultipartUploader(Uploader):
                                             f"abort upload of {path}")
         except Exception as e:  # the start-up sweep will get it
             log.error("could not abort the multipart upload of %s (%s); it is swept at the next start-up", path, e)
+
+    def _abort_strays(self, path: str, keep: list[str]) -> None:
+        """Abort this key's unfinished uploads other than ``keep`` (ours, handled by the caller):
+        each key has one writer, so any other is a start whose reply was lost (a store that
+        answers after ``request_timeout_s``, or one that was down and then serves what it queued)."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            page = RetryPolicy(deadline_s=30).call(
+                lambda: self._call("list_multipart_uploads", Bucket=bucket, Prefix=key), f"list uploads of {path}")
+        except Exception as e:  # the start-up sweep will get them
+            log.error("could not list the unfinished uploads of %s (%s); they are swept at the next start-up", path, e)
+            return
+        for up in page.get("Uploads", []):
+            if up["Key"] == key and up["UploadId"] not in keep:
+                self._abort(path, dict(Bucket=bucket, Key=key, UploadId=up["UploadId"]))
 
     def sweep(self, prefix: str, min_age_s: float = 0.0) -> list[str]:
         bucket, key_prefix, _ = self.fs.split_path(prefix)
