@@ -17,7 +17,7 @@ import uuid
 from abc import ABC, abstractmethod
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
@@ -227,40 +227,41 @@ class S3MultipartUploader(Uploader):
         answers after ``request_timeout_s``, or one that was down and then serves what it queued)."""
         bucket, key, _ = self.fs.split_path(path)
         try:
-            page = RetryPolicy(deadline_s=30).call(
-                lambda: self._call("list_multipart_uploads", Bucket=bucket, Prefix=key), f"list uploads of {path}")
+            for up in self._unfinished(bucket, key, RetryPolicy(deadline_s=30)):
+                if up["Key"] == key and up["UploadId"] not in keep:
+                    self._abort(path, dict(Bucket=bucket, Key=key, UploadId=up["UploadId"]))
         except Exception as e:  # the start-up sweep will get them
             log.error("could not list the unfinished uploads of %s (%s); they are swept at the next start-up", path, e)
-            return
-        for up in page.get("Uploads", []):
-            if up["Key"] == key and up["UploadId"] not in keep:
-                self._abort(path, dict(Bucket=bucket, Key=key, UploadId=up["UploadId"]))
+
+    def _unfinished(self, bucket: str, key_prefix: str, retry: RetryPolicy) -> Iterator[dict]:
+        """The unfinished multipart uploads under ``key_prefix``, page by page."""
+        marker: dict = {}
+        while True:
+            page = retry.call(lambda marker=marker: self._call("list_multipart_uploads", Bucket=bucket,
+                                                               Prefix=key_prefix, **marker),
+                              f"list unfinished uploads under {bucket}/{key_prefix}")
+            yield from page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def sweep(self, prefix: str, min_age_s: float = 0.0) -> list[str]:
         bucket, key_prefix, _ = self.fs.split_path(prefix)
         key_prefix = key_prefix.rstrip("/") + "/" if key_prefix else ""
         now = datetime.now(timezone.utc)
         swept: list[str] = []
-        marker: dict = {}
-        while True:
-            try:
-                page = self.retry.call(lambda marker=marker: self._call("list_multipart_uploads", Bucket=bucket,
-                                                                        Prefix=key_prefix, **marker),
-                                       f"list unfinished uploads under {prefix}")
-            except OSError as e:
-                if e.errno not in UNSUPPORTED_ERRNO:
-                    raise
-                log.warning("%s cannot list unfinished multipart uploads (%s): orphans of killed uploads are not "
-                            "swept; a lifecycle rule that aborts incomplete uploads does it", prefix, e)
-                return swept
-            for up in page.get("Uploads", []):
+        try:
+            for up in self._unfinished(bucket, key_prefix, self.retry):
                 if (now - up["Initiated"]).total_seconds() >= min_age_s:
                     where = dict(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
                     self._abort(f"{bucket}/{up['Key']}", where)
                     swept.append(f"{bucket}/{up['Key']} (unfinished upload {up['UploadId']})")
-            if not page.get("IsTruncated"):
-                return swept
-            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+        except OSError as e:
+            if e.errno not in UNSUPPORTED_ERRNO:
+                raise
+            log.warning("%s cannot list unfinished multipart uploads (%s): orphans of killed uploads are not "
+                        "swept; a lifecycle rule that aborts incomplete uploads does it", prefix, e)
+        return swept
 
 
 def _content_md5(body: bytes) -> str:
