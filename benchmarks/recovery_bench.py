@@ -302,7 +302,7 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    from benchmarks.recovery_engines import DEFAULT_ENGINES_PYTHON, exit_on_sigterm
+    from benchmarks.recovery_engines import DEFAULT_ENGINES_PYTHON, add_torchft_args, exit_on_sigterm, torchft_settings
     from benchmarks.recovery_engines import rows as engine_rows
     from benchmarks.recovery_inprocess import CASES, References, leak_check, readiness_cost, run_row
 
@@ -315,10 +315,12 @@ def main() -> None:
     ap.add_argument("--engines-python", default=os.environ.get("RECOVERY_ENGINES_PYTHON", DEFAULT_ENGINES_PYTHON),
                     help="an interpreter with nvidia-resiliency-ext 0.4.1 and torchft 0.2.0 for their rows "
                     "(docs/research/recovery-engines.md); without them those rows are skipped with the reason")
+    add_torchft_args(ap)
     ap.add_argument("--no-leak-check", action="store_true", help="skip the 5-consecutive-recoveries check")
     ap.add_argument("--only", default="", help="also run these legacy scenarios (medians under 'scenarios'): "
                     + ", ".join(SCENARIOS))
     args = ap.parse_args()
+    torchft = torchft_settings(args)
     exit_on_sigterm()
     load_before = os.getloadavg()[0]
     rows: list[dict] = []
@@ -330,7 +332,7 @@ def main() -> None:
                     rows.append({"case": case, "mode": mode, "skipped": SKIPPED[case, mode]})
                     continue
                 if mode in ENGINE_MODES:
-                    rows.extend(engine_rows(args.engines_python, args.repeats, (mode,), (case,)))
+                    rows.extend(engine_rows(args.engines_python, args.repeats, (mode,), (case,), torchft))
                     continue
                 runs = []
                 for i in range(args.repeats):

@@ -29,7 +29,9 @@ can merge them (``rows()``).
   survivors went on at (a shrunk world is not comparable to a clean 3-rank run).
 * ``torchft_2_groups``: torchft 0.2.0, a Lighthouse on 127.0.0.1 and two replica groups of
   one rank each (torchft's ``Manager`` and optimizer wrapper, ProcessGroupGloo; gradients through
-  ``Manager.allreduce``: its DDP wrapper asserts on a failed all-reduce), steps padded to 0.2 s.
+  ``Manager.allreduce``: its DDP wrapper asserts on a failed all-reduce), steps padded to 0.2 s
+  and a 5 s gloo timeout unless ``--torchft-step-s`` / ``--torchft-timeout-s`` say otherwise
+  (``TorchftSettings``: the two decide its hung row).
   Faults at step 12 on group 1: ``killed`` (SIGKILL, and a new group 1 started at once: it
   heals from group 0 over torchft's HTTP transport, ``rejoin_s``), ``hung`` (SIGSTOP; group 0
   goes on alone). ``fault_to_first_step_s`` is group 0's first committed step after the fault.
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -54,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -64,9 +68,32 @@ from benchmarks.recovery_bench import median_row  # noqa: E402
 from tests.procs import free_ports, wait_for  # noqa: E402
 
 STEPS, FAULT_STEP = 60, 12
-TORCHFT_STEP_S = 0.2  # group 0 must still train when a restarted group 1 is up to join it
 NVRX_CASES = {"killed": "kill", "hung": "stop", "exception": "raise", "lost_node": "kill_node"}
 TORCHFT_CASES = {"killed": "kill", "hung": "stop"}
+
+
+@dataclass(frozen=True)
+class TorchftSettings:
+    """The two torchft knobs that decide its hung row. gloo cannot abort a blocked collective,
+    so a survivor in an all-reduce with the stopped group waits out ``collective_timeout_s``;
+    a stop that lands in a step's idle padding (``step_s``) is found by the next quorum after
+    the Lighthouse's 1 s heartbeat timeout instead."""
+    collective_timeout_s: float = 5.0
+    step_s: float = 0.2  # group 0 must still train when a restarted group 1 is up to join it
+
+
+def add_torchft_args(ap: argparse.ArgumentParser) -> None:
+    default = TorchftSettings()
+    ap.add_argument("--torchft-timeout-s", type=float, default=default.collective_timeout_s,
+                    help="torchft's gloo collective timeout (default %(default)s)")
+    ap.add_argument("--torchft-step-s", type=float, default=default.step_s,
+                    help="torchft's steps padded to this (default %(default)s; 0: no idle part, as ours)")
+
+
+def torchft_settings(args: argparse.Namespace) -> TorchftSettings:
+    return TorchftSettings(args.torchft_timeout_s, args.torchft_step_s)
+
+
 DEFAULT_ENGINES_PYTHON = str(REPO / ".venv-engines" / "bin" / "python")  # make engines
 XID_SKIP = ("neither engine listens to GPU health events: an XID 79 reaches it as a hung rank or a CUDA "
             "error (the hung and exception rows)")
@@ -209,7 +236,7 @@ def nvrx_tiers_worker(events_dir: str, fault: str, digest_out: str, steps: int, 
         Path(digest_out).write_text(weights_digest(result.objects["model"]))
 
 
-def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str) -> None:
+def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str, settings: TorchftSettings) -> None:
     """Replica group ``group`` (one rank) of the job under torchft's Manager."""
     import torch
     from torchft import Manager, Optimizer, ProcessGroupGloo
@@ -225,7 +252,8 @@ def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str
         optim.load_state_dict(sd["optim"])
         log("healed")
 
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1, load_state_dict=heal,
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=settings.collective_timeout_s))
+    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=heal,
                       state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
                       replica_id=f"group{group}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
                       store_port=store.port, rank=0, world_size=1, timeout=timedelta(seconds=10),
@@ -244,7 +272,7 @@ def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str
         committed = manager.should_commit()  # what torchft's OptimizerWrapper.step does, with its answer
         if committed:
             optim.step()
-        time.sleep(max(0.0, TORCHFT_STEP_S - (time.time() - t_step)))
+        time.sleep(max(0.0, settings.step_s - (time.time() - t_step)))
         log("step", step=s, committed=bool(committed), participants=manager.num_participants())
     if group == 0:
         Path(digest_out).write_text(weights_digest(model))
@@ -375,7 +403,8 @@ def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvr
             "phase_restore_s": restored["t"] - pg, "phase_first_step_s": first["t"] - restored["t"]}
 
 
-def run_torchft(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
+def run_torchft(python: str, case: str | None, workdir: Path, settings: TorchftSettings = TorchftSettings()
+                ) -> dict[str, Any]:
     """One torchft job (Lighthouse + 2 replica groups), faulted as ``case`` (None: clean)."""
     logs = [workdir / f"group{g}.log" for g in range(2)] + [workdir / "lighthouse.log"]
     lighthouse = _spawn(python, ["--worker", "lighthouse", "--events", str(workdir)], logs[-1], {})
@@ -385,7 +414,8 @@ def run_torchft(python: str, case: str | None, workdir: Path) -> dict[str, Any]:
         raise SystemExit(f"the Lighthouse did not start:\n{logs[-1].read_text()[-2000:]}")
     addr, fault = ready[0]["address"], TORCHFT_CASES.get(case, "none")
     args = [["--worker", "torchft", "--events", str(workdir), "--group", str(g), "--lighthouse", addr,
-             "--digest", str(workdir / "digest")] for g in range(2)]
+             "--digest", str(workdir / "digest"), "--torchft-timeout-s", str(settings.collective_timeout_s),
+             "--torchft-step-s", str(settings.step_s)] for g in range(2)]
     procs = [_spawn(python, args[g], logs[g], {}) for g in range(2)]
     fault_t, replacement = None, None
     try:
@@ -457,11 +487,14 @@ CASES = ("killed", "hung", "lost_node", "xid79", "exception")
 
 
 def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[str, ...] = tuple(ENGINES),
-         cases: tuple[str, ...] = CASES) -> list[dict[str, Any]]:
+         cases: tuple[str, ...] = CASES, torchft: TorchftSettings = TorchftSettings()) -> list[dict[str, Any]]:
     """The engines' rows (medians of ``repeats`` faulty runs, each checked against one clean run)."""
     out = []
     for mode in modes:
         module, engine_cases, run_one, relaunching = ENGINES[mode]
+        described = {}  # the settings a row depends on
+        if run_one is run_torchft:
+            run_one, described = functools.partial(run_torchft, settings=torchft), {"torchft": asdict(torchft)}
         missing = engine_available(python, module)
         clean = None
         for case in cases:
@@ -489,7 +522,8 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
                 out.append({"case": case, "mode": mode, "failed": f"{type(failed).__name__}: {failed}"[-2000:]})
                 continue
             out.append({"case": case, "mode": mode, "relaunched": case in relaunching, **median_row(runs),
-                        "repeats": repeats, "survivor_pids_kept": all(r["survivor_pids_kept"] for r in runs)})
+                        "repeats": repeats, "survivor_pids_kept": all(r["survivor_pids_kept"] for r in runs),
+                        **described})
     return out
 
 
@@ -512,6 +546,7 @@ def main() -> None:
                     help="an interpreter with nvidia-resiliency-ext 0.4.1 and torchft 0.2.0 (and this repo's deps)")
     ap.add_argument("--modes", default=",".join(ENGINES))
     ap.add_argument("--cases", default=",".join(CASES))
+    add_torchft_args(ap)
     ap.add_argument("--worker", choices=("nvrx", "nvrx_tiers", "torchft", "lighthouse"), help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     ap.add_argument("--resume-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -529,7 +564,7 @@ def main() -> None:
         return nvrx_tiers_worker(args.events, args.fault, args.digest, args.steps, args.resume_step, args.root,
                                  args.memory_dir)
     if args.worker == "torchft":
-        return torchft_worker(args.events, args.group, args.lighthouse, args.digest)
+        return torchft_worker(args.events, args.group, args.lighthouse, args.digest, torchft_settings(args))
     if args.worker == "lighthouse":
         return lighthouse_worker(args.events)
     for name, known in (("modes", ENGINES), ("cases", CASES)):
@@ -537,7 +572,8 @@ def main() -> None:
             ap.error(f"unknown {name}: {', '.join(bad)} (one of {', '.join(known)})")
     exit_on_sigterm()
     start = meta(args.python)
-    table = rows(args.python, args.repeats, tuple(args.modes.split(",")), tuple(args.cases.split(",")))
+    table = rows(args.python, args.repeats, tuple(args.modes.split(",")), tuple(args.cases.split(",")),
+                 torchft_settings(args))
     result = {"meta": {**start, "load_after": list(os.getloadavg())}, "rows": table}
     print(json.dumps(result, indent=2))
     if args.json:
