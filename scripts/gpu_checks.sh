@@ -34,6 +34,9 @@ print("\n".join(l for l in text.splitlines() if l.startswith("DCGM_FI_") or l.st
 PY
 wait
 
+echo "== in-process recovery on the GPU: a NCCL group left and rebuilt, sticky CUDA errors leave the process"
+bounded $py scripts/gpu_inprocess_nccl.py --json "$out/inprocess_nccl.json" 2>"$out/inprocess_nccl.log"
+
 echo "== overlapped snapshots: step time saving every step (ours overlap / blocking, DCP zero-overhead) vs none"
 bounded $py benchmarks/overlap_bench.py --device cuda --width "${OVERLAP_WIDTH:-4096}" --layers "${OVERLAP_LAYERS:-4}" \
     --batch "${OVERLAP_BATCH:-16384}" --rounds "${OVERLAP_ROUNDS:-6}" --block "${OVERLAP_BLOCK:-10}" \

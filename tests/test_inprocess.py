@@ -245,6 +245,9 @@ def test_a_sticky_device_error_is_never_resumed_in_place():
 
     assert _must_leave(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert _must_leave(RuntimeError("CUDA error: GPU has fallen off the bus"))
+    assert _must_leave(RuntimeError("CUDA error: device-side assert triggered"))
+    assert _must_leave(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
+    assert not _must_leave(RuntimeError("CUDA error: out of memory"))
     assert not _must_leave(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
 
 

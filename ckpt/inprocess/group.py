@@ -34,11 +34,14 @@ _joined_round: int | None = None  # the membership round those connections belon
 _pairs_lock = threading.Lock()  # the beat thread interrupts while the training thread joins or leaves
 
 
-def join(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout_s: float) -> None:
-    """The default (gloo) group of membership round ``round_id``, on keys of its own."""
+def join(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout_s: float,
+         backend: str = "gloo") -> None:
+    """The default group of membership round ``round_id``, on keys of its own. ``nccl`` is
+    left the same way (``leave`` shuts its communicators down on a daemon thread, which for
+    NCCL aborts them: scripts/gpu_inprocess_nccl.py measures it on a GPU)."""
     prefix = dist.PrefixStore(f"ckpt-guard/inprocess/pg/{round_id}", store)
     before = _sockets()
-    dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=prefix, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     global _joined_round
     with _pairs_lock:

@@ -306,11 +306,18 @@ def _raise_if_changed(store: "dist.Store", round_id: int) -> None:
         raise _MembershipChanged()
 
 
+# CUDA's sticky errors: after one, every call on that context fails, so the process must go
+# (cudaErrorIllegalAddress, LaunchFailure, Assert, HardwareStackError, IllegalInstruction,
+# MisalignedAddress, InvalidAddressSpace, InvalidPc, ECCUncorrectable; a lost GPU)
+_STICKY = ("illegal memory access", "illegal instruction", "unspecified launch failure", "device-side assert",
+           "hardware stack error", "misaligned address", "invalid address space", "invalid program counter",
+           "uncorrectable ECC error", "fallen off the bus")
+
+
 def _must_leave(e: BaseException) -> bool:
     """A sticky CUDA error (the context is unusable; XID 79 leaves one) is never resumed in place."""
     text = str(e)
-    return "CUDA error" in text and ("illegal" in text or "unspecified launch failure" in text
-                                     or "fallen off the bus" in text)
+    return "CUDA error" in text and any(s in text for s in _STICKY)
 
 
 def _short(e: BaseException) -> str:
