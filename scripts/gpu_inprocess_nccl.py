@@ -91,7 +91,8 @@ def sticky(case: str) -> dict:
             import cupy  # noqa: F401
         except ImportError:
             return {"case": case, "skipped": "CuPy is not installed"}
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     res = subprocess.run([sys.executable, "-c", CHILD, case], capture_output=True, text=True, env=env, timeout=300)
     line = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
     try:
