@@ -12,10 +12,10 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from predictor.job_risk import node_scores
+from predictor.serve.job_risk import node_scores
 
 if TYPE_CHECKING:
-    from predictor.server import Service
+    from predictor.serve.server import Service
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from predictor.features import MAX_GPUS_PER_NODE
+from predictor.model.features import MAX_GPUS_PER_NODE
 from telemetry import wire as contract
 from telemetry.schema import METRICS
 from telemetry.wire import ARROW_STREAM, NDJSON, TELEMETRY_KEYS

@@ -24,14 +24,14 @@ import numpy as np
 from sklearn.isotonic import IsotonicRegression
 from threadpoolctl import threadpool_limits
 
-from predictor.evaluation import HORIZON_S
-from predictor.features import NODE_STALE_S
-from predictor.model import Model
-from predictor.replay import replay
-from predictor.scoring import Scored, Scorer
+from predictor.model.evaluation import HORIZON_S
+from predictor.model.features import NODE_STALE_S
+from predictor.model.model_io import Model
+from predictor.model.replay import replay
+from predictor.model.scoring import Scored, Scorer
 
 if TYPE_CHECKING:
-    from predictor.jobs import Job
+    from predictor.serve.jobs import Job
 
 INFO_KEY = "node_calibration"
 #: Node-instants per node are taken this far apart for fitting and measuring.
@@ -162,7 +162,7 @@ def node_instants(trace: str | Path, model: Model, nodes: set[str] | None = None
     node are left out (the failure is being reported, as EVAL.md leaves its alarms out)."""
     import pyarrow.parquet as pq
 
-    from predictor.evaluation import load_truth
+    from predictor.model.evaluation import load_truth
     scorer = Scorer(model)
     grid_ms = int(GRID_S * 1000)
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
