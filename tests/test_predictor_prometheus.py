@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from predictor.ingest.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
+from predictor.model import job_risk
 from predictor.model.model_io import load
-from predictor.serve import job_risk
 from tests.predictor_fixtures import ROOT, run_cli, simulate
 from tests.prometheus_fixtures import FakePrometheus, Prometheus, backfill, basic_auth_config, xids_as_gauge_shows
 

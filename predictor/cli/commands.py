@@ -144,7 +144,7 @@ def _calibrate(model_path: str | None, traces: list[Path], sources: list[str], o
     """Fit the node calibration on labelled `traces` (recorded as `sources`), write the model with it to `out`."""
     import numpy as np
 
-    from predictor.serve import job_risk
+    from predictor.model import job_risk
     m = _load_model(model_path)
     instants = [job_risk.node_instants(t, m) for t in traces]
     try:

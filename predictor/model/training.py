@@ -21,12 +21,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from predictor.ingest.wire import timestamps_ms
-from predictor.model import evaluation
+from predictor.model import evaluation, job_risk
 from predictor.model.features import FEATURE_NAMES
 from predictor.model.model_io import Model, fit_estimator
 from predictor.model.replay import replay, score_trace
 from predictor.model.scoring import Scored, Scorer
-from predictor.serve import job_risk
 
 HORIZON_S = evaluation.HORIZON_S
 MIN_LEAD_S = evaluation.MIN_LEAD_S

@@ -22,10 +22,10 @@ from predictor.alerts.alertmanager import StrictAlerts
 from predictor.ingest import wire
 from predictor.ingest.auth import Tokens
 from predictor.ingest.batch_ids import BatchIds
+from predictor.model.job_risk import NodeCalibration, node_scores
 from predictor.model.model_io import Model
 from predictor.model.scoring import Scored, Scorer
-from predictor.serve.job_risk import JobRisks, NodeCalibration, node_scores
-from predictor.serve.jobs import DEFAULT_MIN_INTERVAL_S, LISTENER_QUEUE, MAX_NODES_PER_JOB, JobRegistry
+from predictor.serve.jobs import DEFAULT_MIN_INTERVAL_S, LISTENER_QUEUE, MAX_NODES_PER_JOB, JobRegistry, JobRisks
 from predictor.serve.metrics import ServiceMetrics
 from predictor.serve.scoring_queue import ScoringQueue, Stopping
 from telemetry.schema import is_critical_xid
