@@ -1,7 +1,7 @@
 """How well calibrated job-level risk is on held-out labelled traces.
 
 Replays each trace through the model (as `predictor serve` would score it), takes
-every node's probability about every 5 min (predictor/job_risk.py), and groups the
+every node's probability about every 5 min (predictor/model/job_risk.py), and groups the
 nodes, in name order, into jobs of `--job-nodes`. A job-instant is positive when any
 of its nodes fails within the hour after it. Reported per level (node, job): the
 Brier score, the Brier score of always saying the base rate, and a reliability table
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor import job_risk
-from predictor import model as model_io
+from predictor.model import job_risk, model_io
 
 
 def job_level(inst: job_risk.NodeInstants, cal: job_risk.NodeCalibration, k: int) -> tuple[np.ndarray, np.ndarray]:

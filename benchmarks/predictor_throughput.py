@@ -187,10 +187,10 @@ def _component_costs(model_path: str | None, nodes: int, shape: Shape) -> dict:
     (in one pass over `nodes` nodes, on one native thread as in the server)."""
     from threadpoolctl import threadpool_limits
 
-    from predictor import model as model_io
-    from predictor import wire
-    from predictor.scoring import Scorer
-    from predictor.scoring_queue import _concat
+    from predictor.ingest import wire
+    from predictor.model import model_io
+    from predictor.model.scoring import Scorer
+    from predictor.serve.scoring_queue import _concat
     rng = np.random.default_rng(1)
     scorer = Scorer(model_io.load(model_path))
     names = [f"node{i:05d}" for i in range(nodes)]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How far can any detector of counter ramps go? A full-posterior bound on a labelled trace.
 
-The ramp rule (predictor/rules.py) dates a precursor from its events' count and mean age.
+The ramp rule (predictor/model/rules.py) dates a precursor from its events' count and mean age.
 This asks whether a better use of the same events exists: it replays the trace through the
 online feature path, records every GPU's ramp statistics per counter (events since the
 counter woke, time since the first, their summed age: the sufficient statistics of an
@@ -33,12 +33,12 @@ import pyarrow.parquet as pq
 from scipy.optimize import brentq
 from scipy.special import digamma, gammaln, polygamma
 
-from predictor import evaluation
-from predictor.features import COUNTERS, FleetState
-from predictor.ramps import Ramps
-from predictor.replay import replay
-from predictor.scoring import Scorer
-from predictor.training import _Sweep
+from predictor.model import evaluation
+from predictor.model.features import COUNTERS, FleetState
+from predictor.model.ramps import Ramps
+from predictor.model.replay import replay
+from predictor.model.scoring import Scorer
+from predictor.model.training import _Sweep
 
 GROWTH = 4.1
 HORIZON_MS, MIN_LEAD_MS = int(evaluation.HORIZON_S * 1000), int(evaluation.MIN_LEAD_S * 1000)

@@ -6,7 +6,7 @@ read into the ramp, its events dated at t: at a finer cadence events look older 
 (60 s - dt)/2 than at the 60 s the rule's cut and the model were fitted at, so the ramp's end
 moved by minutes with the sample interval, and the cut turned that into catches 10-25 min
 later (or earlier) on the shifted sample (docs/research/predictor-experiments.md, "Fleet
-shift on the hidden generator"). "reference" (what `predictor/ramps.py` does) folds a finer cadence's reads every
+shift on the hidden generator"). "reference" (what `predictor/model/ramps.py` does) folds a finer cadence's reads every
 60 s, as a 60 s read shows them. Both cap a read's burst at 0.1 events per second of its
 interval (the code before the fold capped 6 a read at any cadence). This replays a labelled
 trace through the online feature path with the model off (critical XIDs and the ramp rule
@@ -31,11 +31,11 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from predictor import evaluation, rules
-from predictor.features import COUNTERS, FleetState
-from predictor.ramps import RAMP_BOUND_SPAN_S, RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps
-from predictor.replay import replay
-from predictor.scoring import Scored, Scorer
+from predictor.model import evaluation, rules
+from predictor.model.features import COUNTERS, FleetState
+from predictor.model.ramps import RAMP_BOUND_SPAN_S, RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps
+from predictor.model.replay import replay
+from predictor.model.scoring import Scored, Scorer
 
 FOLD_EVERY_S = {"reference": RAMP_REFERENCE_INTERVAL_S, "read": 0.0}
 

@@ -16,7 +16,7 @@ by what running warmer physically does in the sample itself, and re-samples it:
   time), throttle/clock from a neighbour then re-thermalised, blank fields at the sample's rate.
 
 XIDs and failures are copied unchanged. `--validation-only` keeps only the nodes that
-training holds out (predictor.training.is_validation_node).
+training holds out (predictor.model.training.is_validation_node).
 
 usage: PYTHONPATH=. python benchmarks/shift_trace.py --trace DIR --out DIR [--temp-offset 4]
        [--interval 30] [--validation-only] [--seed 0]
@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from predictor.training import is_validation_node
+from predictor.model.training import is_validation_node
 from telemetry import schema as S
 
 THROTTLE_AT_C = 87.2          # the sample: no thermal bit at <= 87.1 °C, always at >= 87.3 °C

@@ -19,7 +19,7 @@ optimum balances the two:
   formula then gives a shorter interval.
 - Scaled by the job's measured risk: where the predictor states the job's hazard as a
   ratio to its fleet's base rate (``hazard_ratio``, from calibrated node probabilities:
-  predictor/job_risk.py), the job's hazard now is its own rate times that ratio; the
+  predictor/model/job_risk.py), the job's hazard now is its own rate times that ratio; the
   excess over the base rate, ``(ratio − 1)·λ``, is added to the unpredicted rate. A
   ratio at or below 1 leaves the periodic interval as it is; there is no threshold.
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from predictor.actions.kubernetes import TAINT_KEY, KubernetesNodes
-from predictor.actions.record import ActionLog, Prediction
-from predictor.actions.responder import Responder
+from predictor.alerts.actions.kubernetes import TAINT_KEY, KubernetesNodes
+from predictor.alerts.actions.record import ActionLog, Prediction
+from predictor.alerts.actions.responder import Responder
 
 TOKEN = "sa-token-0123456789"
 

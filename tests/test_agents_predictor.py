@@ -23,10 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _packaged_model() -> bool:
     spec = importlib.util.find_spec("predictor")
-    if spec is None or importlib.util.find_spec("predictor.server") is None:
+    if spec is None or importlib.util.find_spec("predictor.serve.server") is None:
         return False
-    models = os.path.join(os.path.dirname(spec.origin), "models")
-    return os.path.isdir(models) and any(not n.startswith((".", "__")) for n in os.listdir(models))
+    return os.path.isfile(os.path.join(os.path.dirname(spec.origin), "model", "default.skops"))
 
 
 pytestmark = pytest.mark.skipif(not _packaged_model(),

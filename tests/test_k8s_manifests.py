@@ -24,7 +24,7 @@ import yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-from predictor.actions.kubernetes import TAINT_KEY, drain_patch, standby_pod  # noqa: E402
+from predictor.alerts.actions.kubernetes import TAINT_KEY, drain_patch, standby_pod  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"

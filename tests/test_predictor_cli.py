@@ -7,9 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from agents.cli import main as agents_main
-from predictor import auth
 from predictor.cli import main as predictor_main
-from predictor.server import ROUTE_ROLES
+from predictor.ingest import auth
+from predictor.serve.server import ROUTE_ROLES
 from tests.predictor_fixtures import run_cli
 
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 import requests
 
-from predictor.features import MAX_GPUS_PER_NODE, FleetState
+from predictor.model.features import MAX_GPUS_PER_NODE, FleetState
 from tests.predictor_fixtures import ROOT, T0, TOKENS, LiveServer, arrow_body, node_rows, post
 from tests.procs import free_port
 

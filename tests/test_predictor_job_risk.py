@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckpt.integrations.risk import RiskListener
 from ckpt.integrations.urgency import SaveRequests
 from ckpt.policy import IntervalPolicy, Predictor, daly_interval
-from predictor import job_risk
-from predictor.model import load
+from predictor.model import job_risk
+from predictor.model.model_io import load
 from tests.predictor_fixtures import TOKENS, arrow_body, node_rows, post, run_cli
 from tests.procs import wait_for
 from tests.test_predictor_server import read_events

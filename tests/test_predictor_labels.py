@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from predictor import labels, training
+from predictor.model import labels, training
 from telemetry import schema as S
 from tests.predictor_fixtures import run_cli
 

@@ -10,12 +10,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from predictor import evaluation, training
-from predictor import model as model_io
-from predictor.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState, _nanmedian_of_peers
-from predictor.replay import score_trace
-from predictor.scoring import Scorer, Xids
-from predictor.wire import timestamps_ms
+from predictor.ingest.wire import timestamps_ms
+from predictor.model import evaluation, model_io, training
+from predictor.model.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState, _nanmedian_of_peers
+from predictor.model.replay import score_trace
+from predictor.model.scoring import Scorer, Xids
 from tests.predictor_fixtures import run_cli
 
 #: The shared telemetry contract sits beside the repository (REPO/../shared), wherever it is cloned.

@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from predictor import job_risk
-from predictor.model import load
-from predictor.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
+from predictor.ingest.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
+from predictor.model import job_risk
+from predictor.model.model_io import load
 from tests.predictor_fixtures import ROOT, run_cli, simulate
 from tests.prometheus_fixtures import FakePrometheus, Prometheus, backfill, basic_auth_config, xids_as_gauge_shows
 
@@ -260,7 +260,7 @@ def test_a_dripping_server_is_cut_at_the_timeout(fake_prometheus, tmp_path):
 # the peak of this process alone: VmHWM (ru_maxrss after a fork carries the parent's peak)
 _EMPTY_SERIES_READER = """
 import re, sys
-from predictor.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
+from predictor.ingest.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
 try:
     PrometheusHistory(HistoryQuery(sys.argv[1], 1_699_999_000_000, 1_700_000_500_000)).write_trace(sys.argv[2])
 except PrometheusError as e:

@@ -12,9 +12,9 @@ import pyarrow as pa
 import requests
 from aiohttp import web
 
-from predictor import model as model_io
-from predictor.scoring_queue import _concat
-from predictor.server import Service, make_app
+from predictor.model import model_io
+from predictor.serve.scoring_queue import _concat
+from predictor.serve.server import Service, make_app
 from tests.predictor_fixtures import T0, arrow_body, node_rows, post
 from tests.procs import free_port, wait_for
 

@@ -1,10 +1,10 @@
 """Dating a counter's ramp does not depend on how often the counter is read, and a ramp a few folds
-old is not bounded (predictor/ramps.py)."""
+old is not bounded (predictor/model/ramps.py)."""
 import numpy as np
 import pytest
 
-from predictor.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState
-from predictor.ramps import RAMP_BOUND_SPAN_S, RAMP_BURST_RATE, RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps
+from predictor.model.features import COUNTERS, FEATURE_NAMES, METRICS, Chunk, FleetState
+from predictor.model.ramps import RAMP_BOUND_SPAN_S, RAMP_BURST_RATE, RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps
 
 _DURATION_MIN = 120
 

@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 import requests
 
-from predictor.alerts import Alert
+from predictor.alerts.alertmanager import Alert
 from tests.predictor_fixtures import TOKENS
 from tests.procs import free_port, stop_process, wait_for
 from tests.slurm_fixtures import SlurmCluster

@@ -1,4 +1,4 @@
-"""A hazard model file: skops, loaded against a fixed type list (as predictor/model.py does), never pickle.
+"""A hazard model file: skops, loaded against a fixed type list (as predictor/model/model_io.py does), never pickle.
 
 Linear models are stored as plain arrays; the boosted one as scikit-learn's own objects,
 whose types are listed in ``TRUSTED_TYPES``; anything else in a file makes ``load`` refuse it.
@@ -14,7 +14,7 @@ import skops.io as sio
 
 from predictor.hazard.features import FEATURE_NAMES
 from predictor.hazard.models import BoostedModel, CoxModel, Standardizer, WeibullAFT
-from predictor.model import BOOSTER_TYPES
+from predictor.model.model_io import BOOSTER_TYPES
 
 FORMAT_VERSION = 1
 TRUSTED_TYPES = ["sklearn.ensemble._hist_gradient_boosting.gradient_boosting.HistGradientBoostingClassifier",

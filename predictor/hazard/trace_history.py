@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from predictor.hazard.history import History, HistoryError
-from predictor.labels import _strings  # one helper for dictionary-encoded string columns
-from predictor.replay import read_xids
-from predictor.wire import timestamps_ms
+from predictor.ingest.wire import timestamps_ms
+from predictor.model.labels import _strings  # one helper for dictionary-encoded string columns
+from predictor.model.replay import read_xids
 from telemetry.schema import DBE
 
 XID_EVENTS = {48: "DBE", 79: "OTB"}

@@ -20,9 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from threadpoolctl import threadpool_limits
 
-from predictor.metrics import ServiceMetrics
-from predictor.scoring import Scored, Scorer, Xids
-from predictor.wire import timestamps_ms
+from predictor.ingest.wire import timestamps_ms
+from predictor.model.scoring import Scored, Scorer, Xids
+from predictor.serve.metrics import ServiceMetrics
 from telemetry.wire import XID_KEYS
 
 log = logging.getLogger(__name__)

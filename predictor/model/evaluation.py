@@ -12,8 +12,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from scipy import stats
 
-from predictor import score_alarms
-from predictor.wire import timestamps_ms
+from predictor.ingest.wire import timestamps_ms
+from predictor.model import score_alarms
 
 HORIZON_S = 3600.0
 MIN_LEAD_S = 120.0

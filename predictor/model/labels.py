@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from predictor.wire import timestamps_ms
+from predictor.ingest.wire import timestamps_ms
 from telemetry import schema as S
 
 #: A critical XID this soon after a label on the same GPU belongs to that incident.

@@ -1,5 +1,5 @@
 """`predictor act drain / serve`: take a node predicted to fail out of the scheduler's pool
-and ask for a spare (predictor/actions/). Dry run unless --apply."""
+and ask for a spare (predictor/alerts/actions/). Dry run unless --apply."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from predictor.auth import ENV_FILE, ENV_TOKENS
+from predictor.ingest.auth import ENV_FILE, ENV_TOKENS
 
 DEFAULT_ALERTS = ("GPUFailurePredicted",)
 
@@ -40,14 +40,14 @@ def _backend_options(f):
 def _responder(backend: str, apply: bool, max_per_hour: int, log_path: Path, page_alertmanager: str | None,
                spare_job: str | None, kube_api: str | None, kube_token_file: str | None, kube_ca: str | None,
                namespace: str, standby_pod: Path | None):
-    from predictor.actions.record import ActionLog
-    from predictor.actions.responder import Responder, alertmanager_pager
+    from predictor.alerts.actions.record import ActionLog
+    from predictor.alerts.actions.responder import Responder, alertmanager_pager
     if backend == "slurm":
-        from predictor.actions.slurm import SlurmNodes
+        from predictor.alerts.actions.slurm import SlurmNodes
         nodes = SlurmNodes(spare_job)
     else:
-        from predictor.actions.errors import ActionError
-        from predictor.actions.kubernetes import KubernetesNodes
+        from predictor.alerts.actions.errors import ActionError
+        from predictor.alerts.actions.kubernetes import KubernetesNodes
         try:
             template = json.loads(standby_pod.read_text()) if standby_pod else None
         except ValueError as e:
@@ -81,7 +81,7 @@ def act() -> None:
 @_backend_options
 def drain(node: str, reason: str, as_json: bool, **backend) -> None:
     """Drain NODE now (with the same cap, log and idempotence as the webhook)."""
-    from predictor.actions.record import Prediction
+    from predictor.alerts.actions.record import Prediction
     _logging()
     try:
         entry = _responder(**backend).handle(Prediction(node, "operator", {"reason": reason}))
@@ -107,8 +107,8 @@ def drain(node: str, reason: str, as_json: bool, **backend) -> None:
 @_backend_options
 def serve(host: str, port: int, tokens_path: str | None, alerts: tuple[str, ...], **backend) -> None:
     """Alertmanager's webhook receiver: POST /v1/alertmanager."""
-    from predictor import auth
-    from predictor.actions import receiver
+    from predictor.alerts.actions import receiver
+    from predictor.ingest import auth
     _logging()
     try:
         tokens = auth.load_tokens(tokens_path)

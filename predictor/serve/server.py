@@ -18,16 +18,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from aiohttp import web
 
-from predictor import wire
-from predictor.alerts import StrictAlerts
-from predictor.auth import Tokens
-from predictor.batch_ids import BatchIds
-from predictor.job_risk import JobRisks, NodeCalibration, node_scores
-from predictor.jobs import DEFAULT_MIN_INTERVAL_S, LISTENER_QUEUE, MAX_NODES_PER_JOB, JobRegistry
-from predictor.metrics import ServiceMetrics
-from predictor.model import Model
-from predictor.scoring import Scored, Scorer
-from predictor.scoring_queue import ScoringQueue, Stopping
+from predictor.alerts.alertmanager import StrictAlerts
+from predictor.ingest import wire
+from predictor.ingest.auth import Tokens
+from predictor.ingest.batch_ids import BatchIds
+from predictor.model.job_risk import NodeCalibration, node_scores
+from predictor.model.model_io import Model
+from predictor.model.scoring import Scored, Scorer
+from predictor.serve.jobs import DEFAULT_MIN_INTERVAL_S, LISTENER_QUEUE, MAX_NODES_PER_JOB, JobRegistry, JobRisks
+from predictor.serve.metrics import ServiceMetrics
+from predictor.serve.scoring_queue import ScoringQueue, Stopping
 from telemetry.schema import is_critical_xid
 from telemetry.wire import TELEMETRY_KEYS, XID_KEYS
 

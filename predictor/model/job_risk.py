@@ -15,23 +15,18 @@ failure rate by it (ckpt/policy.py).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from sklearn.isotonic import IsotonicRegression
 from threadpoolctl import threadpool_limits
 
-from predictor.evaluation import HORIZON_S
-from predictor.features import NODE_STALE_S
-from predictor.model import Model
-from predictor.replay import replay
-from predictor.scoring import Scored, Scorer
-
-if TYPE_CHECKING:
-    from predictor.jobs import Job
+from predictor.model.evaluation import HORIZON_S
+from predictor.model.features import NODE_STALE_S
+from predictor.model.model_io import Model
+from predictor.model.replay import replay
+from predictor.model.scoring import Scored, Scorer
 
 INFO_KEY = "node_calibration"
 #: Node-instants per node are taken this far apart for fitting and measuring.
@@ -100,48 +95,6 @@ def node_scores(scorer: Scorer) -> np.ndarray:
 
 
 # ------------------------------------------------------------ fitting and measuring on a trace
-class JobRisks:
-    """The live job risk the service states (/v1/risk?job=, "risk" events, metrics): each
-    job's node probabilities from the scorer's node scores through the model's calibration;
-    a node never heard from counts at the base rate."""
-
-    def __init__(self, scorer: Scorer, calibration: NodeCalibration | None) -> None:
-        self.scorer, self.calibration = scorer, calibration
-        self._node_ids: dict[str, tuple[int, list[str], np.ndarray]] = {}
-
-    def of(self, job: "Job", scores: np.ndarray | None = None) -> dict:
-        """P(any node of ``job`` fails within the horizon), with its base rate and top nodes."""
-        cal = self.calibration
-        if cal is None:
-            return {"job": job.id, "calibrated": False,
-                    "error": "the model has no node calibration: run `predictor calibrate` on it"}
-        scores = node_scores(self.scorer) if scores is None else scores
-        names, ids = self._ids(job)
-        s = np.full(len(ids), np.nan)
-        known = (ids >= 0) & (ids < len(scores))
-        s[known] = scores[ids[known]]
-        p = np.where(np.isnan(s), cal.base_probability, cal.probability(np.nan_to_num(s)))
-        top = np.argsort(-p, kind="stable")[:3]
-        return {"job": job.id, "calibrated": True, **job_risk(p, cal), "unseen_nodes": int((~known).sum()),
-                "top_nodes": [{"node": names[i], "probability": round(float(p[i]), 6)} for i in top.tolist()],
-                "sent_at_ms": int(time.time() * 1000)}
-
-    def forget(self, job_id: str) -> None:
-        self._node_ids.pop(job_id, None)
-
-    def _ids(self, job: "Job") -> tuple[list[str], np.ndarray]:
-        """The job's node names, sorted, and their scorer node ids (-1: not seen yet); cached
-        until new nodes appear (a job may have 100,000 nodes and a pass comes every few ms)."""
-        seen = len(self.scorer.state.node_names)
-        cached = self._node_ids.get(job.id)
-        if cached is None or cached[0] != seen:
-            of = self.scorer.state.node_of
-            names = cached[1] if cached else sorted(job.nodes)
-            cached = (seen, names, np.fromiter((of.get(n, -1) for n in names), np.int64, len(names)))
-            self._node_ids[job.id] = cached
-        return cached[1], cached[2]
-
-
 @dataclass
 class NodeInstants:
     """Node-instants of a replayed labelled trace: node score, node, time, failed within H."""
@@ -162,7 +115,7 @@ def node_instants(trace: str | Path, model: Model, nodes: set[str] | None = None
     node are left out (the failure is being reported, as EVAL.md leaves its alarms out)."""
     import pyarrow.parquet as pq
 
-    from predictor.evaluation import load_truth
+    from predictor.model.evaluation import load_truth
     scorer = Scorer(model)
     grid_ms = int(GRID_S * 1000)
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []

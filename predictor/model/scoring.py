@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from predictor import rules
-from predictor.features import FEATURE_NAMES, METRICS, Chunk, FleetState
-from predictor.model import Model
-from predictor.wire import timestamps_ms
+from predictor.ingest.wire import timestamps_ms
+from predictor.model import rules
+from predictor.model.features import FEATURE_NAMES, METRICS, Chunk, FleetState
+from predictor.model.model_io import Model
 from telemetry.schema import is_critical_xid
 
 

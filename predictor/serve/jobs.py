@@ -4,7 +4,7 @@ A job names its nodes; when any of them crosses the sensitive threshold every
 listener of the job gets one event, at most once per `min_interval_s` per job (a
 job that has just checkpointed gains nothing from another urgent save). A node whose
 GPU is lost (a critical XID) gets its jobs a "node_failed" event at once, unlimited.
-The job's failure probability (job_risk.py) goes out as a "risk" event when it has
+The job's failure probability (model/job_risk.py) goes out as a "risk" event when it has
 moved enough since the last one sent (a step, not a period: a rise is never held back,
 and a risk that stays put sends nothing).
 """
@@ -15,6 +15,11 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from predictor.model.job_risk import NodeCalibration, job_risk, node_scores
+from predictor.model.scoring import Scorer
 
 DEFAULT_MIN_INTERVAL_S = 60.0
 MAX_NODES_PER_JOB = 100_000
@@ -111,3 +116,45 @@ def _moved(last: dict, now: dict) -> bool:
         return True
     a, b = last.get("hazard_ratio") or 0.0, now.get("hazard_ratio") or 0.0
     return max(a, b) > 0 and max(a, b) >= RISK_STEP_RATIO * min(a, b)
+
+
+class JobRisks:
+    """The live job risk the service states (/v1/risk?job=, "risk" events, metrics): each
+    job's node probabilities from the scorer's node scores through the model's calibration;
+    a node never heard from counts at the base rate."""
+
+    def __init__(self, scorer: Scorer, calibration: NodeCalibration | None) -> None:
+        self.scorer, self.calibration = scorer, calibration
+        self._node_ids: dict[str, tuple[int, list[str], np.ndarray]] = {}
+
+    def of(self, job: Job, scores: np.ndarray | None = None) -> dict:
+        """P(any node of ``job`` fails within the horizon), with its base rate and top nodes."""
+        cal = self.calibration
+        if cal is None:
+            return {"job": job.id, "calibrated": False,
+                    "error": "the model has no node calibration: run `predictor calibrate` on it"}
+        scores = node_scores(self.scorer) if scores is None else scores
+        names, ids = self._ids(job)
+        s = np.full(len(ids), np.nan)
+        known = (ids >= 0) & (ids < len(scores))
+        s[known] = scores[ids[known]]
+        p = np.where(np.isnan(s), cal.base_probability, cal.probability(np.nan_to_num(s)))
+        top = np.argsort(-p, kind="stable")[:3]
+        return {"job": job.id, "calibrated": True, **job_risk(p, cal), "unseen_nodes": int((~known).sum()),
+                "top_nodes": [{"node": names[i], "probability": round(float(p[i]), 6)} for i in top.tolist()],
+                "sent_at_ms": int(time.time() * 1000)}
+
+    def forget(self, job_id: str) -> None:
+        self._node_ids.pop(job_id, None)
+
+    def _ids(self, job: Job) -> tuple[list[str], np.ndarray]:
+        """The job's node names, sorted, and their scorer node ids (-1: not seen yet); cached
+        until new nodes appear (a job may have 100,000 nodes and a pass comes every few ms)."""
+        seen = len(self.scorer.state.node_names)
+        cached = self._node_ids.get(job.id)
+        if cached is None or cached[0] != seen:
+            of = self.scorer.state.node_of
+            names = cached[1] if cached else sorted(job.nodes)
+            cached = (seen, names, np.fromiter((of.get(n, -1) for n in names), np.int64, len(names)))
+            self._node_ids[job.id] = cached
+        return cached[1], cached[2]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from predictor.features import COUNTERS, FEATURE_NAMES, short_name
+from predictor.model.features import COUNTERS, FEATURE_NAMES, short_name
 
 #: How long a critical XID keeps a GPU at risk 1 when no replacement is seen.
 CRITICAL_HOLD_S = 3600.0

@@ -6,22 +6,50 @@ than the scoring itself.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import Protocol
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from predictor.job_risk import node_scores
-
-if TYPE_CHECKING:
-    from predictor.server import Service
+from predictor.model.job_risk import node_scores
+from predictor.model.scoring import Scorer
+from predictor.serve.jobs import JobRegistry, JobRisks
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+class _Queue(Protocol):
+    @property
+    def pending_rows(self) -> int: ...
+
+
+class _Alerts(Protocol):
+    @property
+    def firing(self) -> Sized: ...
+
+
+class Observed(Protocol):
+    """What a scrape reads of the service: a Protocol, so that /metrics never imports the
+    server (server -> scoring_queue -> metrics would close a circle)."""
+
+    scorer: Scorer
+    jobs: JobRegistry
+    job_risks: JobRisks
+
+    @property
+    def queue(self) -> _Queue: ...
+
+    @property
+    def nodes(self) -> Sized: ...
+
+    @property
+    def alerts(self) -> _Alerts: ...
+
+
 class _RiskCollector:
-    def __init__(self, service: "Service"):
+    def __init__(self, service: Observed):
         self.service = service
 
     def collect(self):
@@ -88,7 +116,7 @@ class _RiskCollector:
 class ServiceMetrics:
     """Counters and histograms the handlers and the scoring loop update."""
 
-    def __init__(self, service: "Service"):
+    def __init__(self, service: Observed):
         self.registry = CollectorRegistry()
         r = self.registry
         self._batches = Counter("predictor_batches", "Batches received, by endpoint and outcome",

@@ -56,7 +56,7 @@ def _window_failures(src: Path, dst: Path, start_ms: int, end_ms: int) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from predictor.wire import timestamps_ms
+    from predictor.ingest.wire import timestamps_ms
     table = pq.read_table(src)
     if "timestamp" not in table.column_names:
         raise click.ClickException(f"{src}: not a failures.parquet (no timestamp column)")
@@ -123,7 +123,7 @@ def history_trace(trace: Path | None, history: dict, failures: Path | None = Non
         return
     if not history["prom_start"]:
         raise click.UsageError("--prometheus needs --start")
-    from predictor.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
+    from predictor.ingest.prometheus_source import HistoryQuery, PrometheusError, PrometheusHistory
     user = history["prom_user"]
     password = _secret(history["prom_password_file"], PASSWORD_ENV)
     if user and password is None:

@@ -17,8 +17,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from predictor.scoring import Scored, Scorer, Xids
-from predictor.wire import timestamps_ms
+from predictor.ingest.wire import timestamps_ms
+from predictor.model.scoring import Scored, Scorer, Xids
 
 ALARM_SCHEMA = pa.schema([
     ("timestamp", pa.timestamp("ms", tz="UTC")), ("node", pa.string()), ("gpu", pa.int16()),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from predictor.ramps import Ramps
+from predictor.model.ramps import Ramps
 from telemetry import schema as S
 
 #: The features' groupings of the contract's fields (the clock is a level here, the remap

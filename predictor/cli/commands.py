@@ -4,17 +4,16 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import click
 
-from predictor.act_cli import act
-from predictor.auth import ENV_FILE, ENV_TOKENS, ROLES
+from predictor.cli.act import act
+from predictor.cli.history import history_trace, prometheus_options
+from predictor.cli.label import label, write_labelled
 from predictor.hazard.cli import hazard
-from predictor.history_cli import history_trace, prometheus_options
-from predictor.label_cli import label, write_labelled
+from predictor.ingest.auth import ENV_FILE, ENV_TOKENS, ROLES
 from telemetry.cli_group import role_group
 
 # scikit-learn, skops and pyarrow are imported inside the commands: `--help` and usage
@@ -22,7 +21,7 @@ from telemetry.cli_group import role_group
 
 
 def _load_model(path: str | None):
-    from predictor import model as model_io
+    from predictor.model import model_io
     try:
         return model_io.load(path)
     except (OSError, ValueError) as e:
@@ -70,7 +69,7 @@ def train(traces: tuple[Path, ...], out: Path, seed: int, as_json: bool, failure
         raise click.UsageError("training on --prometheus needs its labels: --failures failures.parquet")
     if not traces and not history["prom_url"]:
         raise click.UsageError("give --trace (repeatable) and/or --prometheus")
-    from predictor import training
+    from predictor.model import training
     with contextlib.ExitStack() as stack:
         extra = [stack.enter_context(history_trace(None, history, failures))] if history["prom_url"] else []
         try:
@@ -145,7 +144,7 @@ def _calibrate(model_path: str | None, traces: list[Path], sources: list[str], o
     """Fit the node calibration on labelled `traces` (recorded as `sources`), write the model with it to `out`."""
     import numpy as np
 
-    from predictor import job_risk
+    from predictor.model import job_risk
     m = _load_model(model_path)
     instants = [job_risk.node_instants(t, m) for t in traces]
     try:
@@ -162,8 +161,8 @@ def _calibrate(model_path: str | None, traces: list[Path], sources: list[str], o
 
 
 def _alarms(model, trace: Path, threshold: str):
-    from predictor.replay import score_trace
-    from predictor.scoring import Scorer
+    from predictor.model.replay import score_trace
+    from predictor.model.scoring import Scorer
     thr = _threshold(model, threshold)
     return score_trace(trace, Scorer(model, reasons_from=thr), threshold=thr)
 
@@ -205,7 +204,7 @@ def eval_(model_path: str | None, trace: Path | None, threshold: str, alarms_out
         raise click.UsageError("evaluating --prometheus history needs its labels: --failures failures.parquet")
     import pyarrow.parquet as pq
 
-    from predictor import evaluation
+    from predictor.model import evaluation
     m = _load_model(model_path)
     with history_trace(trace, history, failures) as source:
         alarms = _alarms(m, source, threshold)
@@ -253,7 +252,8 @@ def serve(model_path: str | None, host: str, port: int, tokens_path: str | None,
     """Run the HTTP service: ingest, risk, jobs + checkpoint stream, /metrics, alerts."""
     if no_auth and not _is_loopback(host):
         raise click.UsageError(f"--no-auth serves anyone who can reach {host}: use it with a loopback --host only")
-    from predictor import auth, server
+    from predictor.ingest import auth
+    from predictor.serve import server
     try:
         tokens = None if no_auth else auth.load_tokens(tokens_path)
     except ValueError as e:
@@ -278,6 +278,3 @@ def _is_loopback(host: str) -> bool:
 main.add_command(label)
 main.add_command(act)
 main.add_command(hazard)
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,12 +20,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from predictor import evaluation, job_risk
-from predictor.features import FEATURE_NAMES
-from predictor.model import Model, fit_estimator
-from predictor.replay import replay, score_trace
-from predictor.scoring import Scored, Scorer
-from predictor.wire import timestamps_ms
+from predictor.ingest.wire import timestamps_ms
+from predictor.model import evaluation, job_risk
+from predictor.model.features import FEATURE_NAMES
+from predictor.model.model_io import Model, fit_estimator
+from predictor.model.replay import replay, score_trace
+from predictor.model.scoring import Scored, Scorer
 
 HORIZON_S = evaluation.HORIZON_S
 MIN_LEAD_S = evaluation.MIN_LEAD_S
@@ -42,7 +42,7 @@ FALSE_ALARM_BUDGET = 1.0             # per 1000 node-days on validation: half th
 #: kept as negatives: they teach the model "not yet", where early alarms come from.
 HARD_NEGATIVE_S = 6 * 3600.0
 ALARM_FLOOR = 1e-3                   # validation replay keeps alarms above this for the sweep
-#: A failure whose precursor is unknown (NaN: labels derived from the telemetry, predictor.labels)
+#: A failure whose precursor is unknown (NaN: labels derived from the telemetry, predictor.model.labels)
 #: is trained on as if its signs spanned the horizon: positive over the last LABEL_HORIZON_S, and
 #: counted as predictable when the thresholds are picked.
 UNKNOWN_PRECURSOR_S = HORIZON_S

@@ -16,7 +16,7 @@ from sklearn.calibration import CalibratedClassifierCV
 from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.frozen import FrozenEstimator
 
-from predictor.features import FEATURE_NAMES
+from predictor.model.features import FEATURE_NAMES
 
 FORMAT_VERSION = 1
 DEFAULT_MODEL = "default.skops"
@@ -98,7 +98,7 @@ def fit_estimator(x_train: np.ndarray, y_train: np.ndarray, x_cal: np.ndarray, y
 def load(path: str | Path | None = None) -> Model:
     """Load a model file (None: the packaged default), refusing unknown types or versions."""
     if path is None:
-        path = resources.files("predictor") / "models" / DEFAULT_MODEL
+        path = resources.files("predictor.model") / DEFAULT_MODEL
     data = Path(str(path)).read_bytes()
     untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in TRUSTED_TYPES]
     if untrusted:

@@ -13,7 +13,8 @@ import socket
 
 from aiohttp import web
 
-from ..auth import Tokens
+from predictor.ingest.auth import Tokens
+
 from .record import Prediction
 from .responder import NODE_NAME, Responder
 

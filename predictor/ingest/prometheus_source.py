@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from predictor.prometheus_answer import PrometheusError, samples, series
+from predictor.ingest.prometheus_answer import PrometheusError, samples, series
 from telemetry import bounded_get, dcgm
 from telemetry.schema import MAX_GPUS_PER_NODE, METRICS, TELEMETRY_SCHEMA, THROTTLE, XID_ERRORS, XID_SCHEMA
 

@@ -13,9 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from predictor.features import MAX_GPUS_PER_NODE
 from telemetry import wire as contract
-from telemetry.schema import METRICS
+from telemetry.schema import MAX_GPUS_PER_NODE, METRICS
 from telemetry.wire import ARROW_STREAM, NDJSON, TELEMETRY_KEYS
 
 MAX_GPU_INDEX = MAX_GPUS_PER_NODE - 1

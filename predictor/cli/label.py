@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from predictor.history_cli import history_trace, prometheus_options
+from predictor.cli.history import history_trace, prometheus_options
 
 _LINKED = ("telemetry.parquet", "xid.parquet", "trace.json")
 
@@ -22,7 +22,7 @@ def write_labelled(source: Path, out: Path, merge_csv: Path | None = None) -> tu
     No failures.parquet is written when the labels cannot be derived (a bad operator CSV)."""
     import pyarrow.parquet as pq
 
-    from predictor import labels
+    from predictor.model import labels
     try:
         samples, xids = labels.load_trace(source)
         derived = labels.derive(samples, xids)
@@ -58,7 +58,7 @@ def label(trace: Path | None, out: Path, merge_csv: Path | None, against: Path |
     """Derive failure labels from the telemetry: critical XIDs, vanished and replaced GPUs."""
     import pyarrow.parquet as pq
 
-    from predictor import labels
+    from predictor.model import labels
     if (out / "failures.parquet").exists():
         raise click.ClickException(f"{out / 'failures.parquet'} exists: pick another --out")
     if history["prom_url"] and history["save_trace"] is None:

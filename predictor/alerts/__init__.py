@@ -1,0 +1,1 @@
+"""Out of the predictor: Alertmanager and webhook delivery, operator actions (drain, spare)."""

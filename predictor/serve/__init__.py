@@ -1,0 +1,1 @@
+"""The online service: HTTP server, scoring queue, job registry and job risk, /metrics."""
