@@ -45,26 +45,25 @@ Medians of ``--repeats`` runs; progress on stderr.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import functools
 import json
 import os
-import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.recovery_bench import median_row  # noqa: E402
+from benchmarks.harness.engines import engine_available, engine_versions, engines_python  # noqa: E402
+from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
+from benchmarks.harness.procs import exit_on_sigterm, finish, spawn  # noqa: E402
+from benchmarks.recovery_rows import median_row  # noqa: E402
 from tests.procs import free_ports, wait_for  # noqa: E402
 
 STEPS, FAULT_STEP = 60, 12
@@ -94,7 +93,6 @@ def torchft_settings(args: argparse.Namespace) -> TorchftSettings:
     return TorchftSettings(args.torchft_timeout_s, args.torchft_step_s)
 
 
-DEFAULT_ENGINES_PYTHON = str(REPO / ".venv-engines" / "bin" / "python")  # make engines
 XID_SKIP = ("neither engine listens to GPU health events: an XID 79 reaches it as a hung rank or a CUDA "
             "error (the hung and exception rows)")
 TORCHFT_NODE_SKIP = ("a replica group per node holds no per-node state (the restarted group heals from the "
@@ -292,62 +290,12 @@ def lighthouse_worker(events_dir: str) -> None:
 
 # ---------------------------------------------------------------- driver
 
-def engine_available(python: str, module: str) -> str | None:
-    """None if ``module`` imports in ``python``, else why not (the error's last line)."""
-    if not Path(python).exists():
-        return f"{python} does not exist"
-    proc = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
-    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
-
-
 def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _steps(events: list[dict[str, Any]]) -> int:
     return max((e["step"] + 1 for e in events if e["event"] == "step"), default=0)
-
-
-_SPAWNED: list[subprocess.Popen] = []  # every engine worker this driver started
-
-
-def _spawn(python: str, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    proc = subprocess.Popen([python, __file__, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo",
-                                 "PYTHONUNBUFFERED": "1", **env}, start_new_session=True)
-    _SPAWNED.append(proc)
-    return proc
-
-
-@atexit.register
-def _kill_spawned() -> None:
-    """The workers run in sessions of their own (a hung job is killed by group), which a signal
-    to the driver's group never reaches: a driver stopped early (``timeout``) takes them along."""
-    for proc in _SPAWNED:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
-def exit_on_sigterm() -> None:
-    """In a driver: SIGTERM exits through ``atexit`` (``_kill_spawned``) instead of at once."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float, logs: list[Path]) -> None:
-    """Wait for the job; on a hang, kill it (by pid) and say so with the logs."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
-                    q.wait()
-            tails = "\n".join(f"--- {lg.name}\n{lg.read_text()[-2000:]}" for lg in logs)
-            raise SystemExit(f"engine job did not finish in {timeout:.0f} s:\n{tails}") from None
 
 
 def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvrx", world: int = 3,
@@ -357,7 +305,7 @@ def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvr
     fault = NVRX_CASES.get(case, "none")
     port, *aux = free_ports(3)
     logs = [workdir / f"rank{r}.log" for r in range(world)]
-    procs = [_spawn(python, ["--worker", worker, "--events", str(workdir), "--fault", fault,
+    procs = [spawn(python, __file__, ["--worker", worker, "--events", str(workdir), "--fault", fault,
                              "--digest", str(workdir / "digest"), *extra], logs[r],
                     {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                      "AUX_PORTS": ",".join(map(str, aux))})
@@ -366,12 +314,12 @@ def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvr
     fault_t = None
     if victims:
         if not wait_for(lambda: _steps(_read(workdir / "rank0.jsonl")) >= FAULT_STEP, timeout=600, interval=0.01):
-            _finish(procs, 1, logs)
+            finish(procs, 1, logs)
         fault_t = time.time()
         for v in victims:
             os.kill(procs[v].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
     try:
-        _finish([procs[0]] + [p for i, p in enumerate(procs) if i and i not in victims], 900, logs)
+        finish([procs[0]] + [p for i, p in enumerate(procs) if i and i not in victims], 900, logs)
     finally:
         for v in victims:  # NVRx's hard timeout SIGKILLs a stopped rank; reap it all the same
             if procs[v].poll() is None:
@@ -407,7 +355,7 @@ def run_torchft(python: str, case: str | None, workdir: Path, settings: TorchftS
                 ) -> dict[str, Any]:
     """One torchft job (Lighthouse + 2 replica groups), faulted as ``case`` (None: clean)."""
     logs = [workdir / f"group{g}.log" for g in range(2)] + [workdir / "lighthouse.log"]
-    lighthouse = _spawn(python, ["--worker", "lighthouse", "--events", str(workdir)], logs[-1], {})
+    lighthouse = spawn(python, __file__, ["--worker", "lighthouse", "--events", str(workdir)], logs[-1], {})
     ready = wait_for(lambda: _read(workdir / "lighthouse.jsonl"), timeout=300)
     if not ready:
         lighthouse.kill()
@@ -416,19 +364,19 @@ def run_torchft(python: str, case: str | None, workdir: Path, settings: TorchftS
     args = [["--worker", "torchft", "--events", str(workdir), "--group", str(g), "--lighthouse", addr,
              "--digest", str(workdir / "digest"), "--torchft-timeout-s", str(settings.collective_timeout_s),
              "--torchft-step-s", str(settings.step_s)] for g in range(2)]
-    procs = [_spawn(python, args[g], logs[g], {}) for g in range(2)]
+    procs = [spawn(python, __file__, args[g], logs[g], {}) for g in range(2)]
     fault_t, replacement = None, None
     try:
         if fault != "none":
             if not wait_for(lambda: _steps(_read(workdir / "group0.jsonl")) >= FAULT_STEP, timeout=600, interval=0.01):
-                _finish(procs, 1, logs)
+                finish(procs, 1, logs)
             fault_t = time.time()
             os.kill(procs[1].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
             if fault == "kill":
                 procs[1].wait()
                 logs.append(workdir / "group1-restarted.log")  # appends to group1.jsonl
-                replacement = _spawn(python, args[1], logs[-1], {})
-        _finish([procs[0]] + ([replacement] if replacement else [procs[1]] if fault == "none" else []), 900, logs)
+                replacement = spawn(python, __file__, args[1], logs[-1], {})
+        finish([procs[0]] + ([replacement] if replacement else [procs[1]] if fault == "none" else []), 900, logs)
     finally:
         if fault == "stop":
             os.kill(procs[1].pid, signal.SIGKILL)
@@ -486,10 +434,10 @@ ENGINES = {"nvrx_inprocess": ("nvidia_resiliency_ext.inprocess", NVRX_CASES, run
 CASES = ("killed", "hung", "lost_node", "xid79", "exception")
 
 
-def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[str, ...] = tuple(ENGINES),
+def rows(python: str | None = None, repeats: int = 1, modes: tuple[str, ...] = tuple(ENGINES),
          cases: tuple[str, ...] = CASES, torchft: TorchftSettings = TorchftSettings()) -> list[dict[str, Any]]:
     """The engines' rows (medians of ``repeats`` faulty runs, each checked against one clean run)."""
-    out = []
+    python, out = python or engines_python(), []
     for mode in modes:
         module, engine_cases, run_one, relaunching = ENGINES[mode]
         described = {}  # the settings a row depends on
@@ -527,22 +475,11 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
     return out
 
 
-def meta(python: str) -> dict[str, Any]:
-    """Command, machine, date and load, as every results file names them."""
-    versions = subprocess.run([python, "-c", "import importlib.metadata as m, torch; print(torch.__version__, "
-                               "*(m.version(p) for p in ('nvidia-resiliency-ext', 'torchft')))"],
-                              capture_output=True, text=True, check=False).stdout.split()
-    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{platform.node()} "
-            f"({os.cpu_count()} CPUs, {platform.machine()})", "date": datetime.now(timezone.utc).isoformat(
-            timespec="seconds"), "load": list(os.getloadavg()), "engines_python": python,
-            "versions": dict(zip(("torch", "nvidia-resiliency-ext", "torchft"), versions))}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write {meta, rows} here")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--python", default=os.environ.get("RECOVERY_ENGINES_PYTHON", DEFAULT_ENGINES_PYTHON),
+    ap.add_argument("--python", default=engines_python(),
                     help="an interpreter with nvidia-resiliency-ext 0.4.1 and torchft 0.2.0 (and this repo's deps)")
     ap.add_argument("--modes", default=",".join(ENGINES))
     ap.add_argument("--cases", default=",".join(CASES))
@@ -571,13 +508,10 @@ def main() -> None:
         if bad := [x for x in getattr(args, name).split(",") if x not in known]:
             ap.error(f"unknown {name}: {', '.join(bad)} (one of {', '.join(known)})")
     exit_on_sigterm()
-    start = meta(args.python)
+    start = run_meta(engines_python=args.python, versions=engine_versions(args.python))
     table = rows(args.python, args.repeats, tuple(args.modes.split(",")), tuple(args.cases.split(",")),
                  torchft_settings(args))
-    result = {"meta": {**start, "load_after": list(os.getloadavg())}, "rows": table}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, start, table, echo=True)
 
 
 if __name__ == "__main__":
