@@ -21,9 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
-from benchmarks.harness.timing import paired_ratio  # noqa: E402
+from benchmarks.harness import paired_ratio, parser, run_meta, write_json  # noqa: E402
 
 
 def run_once(checkout: Path, bench: list[str], out: Path) -> dict:

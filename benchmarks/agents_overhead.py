@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agents.agent import Agent  # noqa: E402
 from agents.fleetsim import FleetConfig  # noqa: E402
 from agents.sources.sim import SimSource  # noqa: E402
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 
 WINDOW_S = 10.0
 SCRAPE_S = 15.0  # a typical Prometheus scrape interval

@@ -26,10 +26,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.floors import disk_floor, drop_cache, memcpy_floor, sync  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
-from benchmarks.harness.timing import median_time  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    disk_floor,
+    drop_cache,
+    median_time,
+    memcpy_floor,
+    parser,
+    run_meta,
+    sync,
+    write_json,
+)
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.restore.execute import read_shard  # noqa: E402
 from ckpt.restore.state_load import load_into  # noqa: E402

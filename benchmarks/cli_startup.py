@@ -18,9 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
-from benchmarks.harness.timing import median_time  # noqa: E402
+from benchmarks.harness import median_time, parser, run_meta, write_json  # noqa: E402
 
 
 def median_wall(cmd: list[str], runs: int) -> float:

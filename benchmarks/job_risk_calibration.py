@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 from predictor.model import job_risk, model_io  # noqa: E402
 
 

@@ -50,8 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.format.manifest import Manifest  # noqa: E402
 from ckpt.restore.execute import read_shard  # noqa: E402

@@ -38,10 +38,7 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.floors import memcpy_floor  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
-from benchmarks.harness.timing import spread  # noqa: E402
+from benchmarks.harness import memcpy_floor, parser, run_meta, spread, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 
 ARMS = ("none", "overlap", "paced", "blocking", "dcp")

@@ -48,9 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
-from benchmarks.harness.timing import paired_ratio, timed  # noqa: E402
+from benchmarks.harness import paired_ratio, parser, run_meta, timed, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.peers.remote import Held, RemoteTier  # noqa: E402
 from ckpt.peers.replicas import ReplicaSlots  # noqa: E402

@@ -46,9 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
-from benchmarks.harness.timing import abba, paired_ratio, spread  # noqa: E402
+from benchmarks.harness import abba, paired_ratio, parser, run_meta, spread, write_json  # noqa: E402
 from tests.procs import free_port, stop_process  # noqa: E402
 
 

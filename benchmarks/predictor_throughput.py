@@ -34,9 +34,7 @@ import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
-from benchmarks.harness.timing import median_of  # noqa: E402
+from benchmarks.harness import median_of, parser, run_meta, write_json  # noqa: E402
 from tests.procs import cpu_seconds, free_port  # noqa: E402
 
 TOKEN = "bench-operator-token-0123456789"

@@ -33,8 +33,7 @@ from scipy.optimize import brentq
 from scipy.special import digamma, gammaln, polygamma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 from predictor.model import evaluation  # noqa: E402
 from predictor.model.features import COUNTERS, FleetState  # noqa: E402
 from predictor.model.ramps import Ramps  # noqa: E402

@@ -33,8 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 from predictor.model import evaluation, rules  # noqa: E402
 from predictor.model.features import COUNTERS, FleetState  # noqa: E402
 from predictor.model.ramps import RAMP_BOUND_SPAN_S, RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps  # noqa: E402

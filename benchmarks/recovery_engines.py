@@ -60,8 +60,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.harness import run_meta, write_json  # noqa: E402
 from benchmarks.harness.engines import engine_available, engine_versions, engines_python  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
 from benchmarks.harness.procs import exit_on_sigterm, finish, spawn  # noqa: E402
 from benchmarks.recovery_rows import median_row  # noqa: E402
 from tests.procs import free_ports, wait_for  # noqa: E402

@@ -26,10 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.ckpt_bench import build_state, tensors_of  # noqa: E402
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.floors import memcpy_floor, sync  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
-from benchmarks.harness.timing import median_time  # noqa: E402
+from benchmarks.harness import median_time, memcpy_floor, parser, run_meta, sync, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.format.device_crc import RowCRC  # noqa: E402
 from ckpt.format.device_reads import HOST_CHECK_BELOW, DevicePiece, StagedDeviceReads  # noqa: E402

@@ -30,8 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from agents.agent import Agent  # noqa: E402
 from agents.sources.base import Source  # noqa: E402
-from benchmarks.harness.cli import parser  # noqa: E402
-from benchmarks.harness.meta import run_meta, write_json  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 from benchmarks.recovery_bench import healthy  # noqa: E402
 from ckpt.integrations.risk import RiskListener  # noqa: E402
 from ckpt.integrations.urgency import SaveRequests  # noqa: E402
