@@ -71,10 +71,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.engine_workers import add_torchft_args, torchft_settings  # noqa: E402
 from benchmarks.harness import median_of, parser, run_meta, write_json  # noqa: E402
 from benchmarks.harness.engines import engines_python  # noqa: E402
 from benchmarks.harness.procs import exit_on_sigterm  # noqa: E402
-from benchmarks.recovery_engines import add_torchft_args, torchft_settings  # noqa: E402
 from benchmarks.recovery_engines import rows as engine_rows  # noqa: E402
 from benchmarks.recovery_inprocess import CASES, References, leak_check, readiness_cost, run_row  # noqa: E402
 from benchmarks.recovery_rows import median_row  # noqa: E402
