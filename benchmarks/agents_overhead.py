@@ -13,10 +13,7 @@ usage: PYTHONPATH=. python benchmarks/agents_overhead.py [--seconds 60] [--inter
 """
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
-import os
 import statistics
 import sys
 import tempfile
@@ -24,10 +21,13 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
-from agents.agent import Agent
-from agents.fleetsim import FleetConfig
-from agents.sources.sim import SimSource
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from agents.agent import Agent  # noqa: E402
+from agents.fleetsim import FleetConfig  # noqa: E402
+from agents.sources.sim import SimSource  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 
 WINDOW_S = 10.0
 SCRAPE_S = 15.0  # a typical Prometheus scrape interval
@@ -74,12 +74,12 @@ def rss_kib() -> dict[str, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--gpus", type=int, default=8)
-    ap.add_argument("--json", action="store_true", help="print the results as JSON")
     a = ap.parse_args(argv)
+    meta = run_meta()
 
     ports = multiprocessing.Queue()
     rx = multiprocessing.Process(target=_receive, args=(ports,), daemon=True)
@@ -131,11 +131,10 @@ def main(argv=None) -> int:
         "rss_mib": round(mem["VmRSS"] / 1024, 1), "peak_rss_mib": round(mem["VmHWM"] / 1024, 1),
         "rss_before_agent_mib": round(rss_before / 1024, 1),
         "samples_sent": counters["samples_sent"], "samples_collected": counters["samples_collected"],
-        "target_core_share_pct": 1.0, "cpu": os.cpu_count(), "python": sys.version.split()[0],
+        "target_core_share_pct": 1.0,
     }
-    if a.json:
-        print(json.dumps(res, indent=1))
-    else:
+    write_json(a.json, meta, **res)
+    if a.json != "-":
         print(f"agent CPU per tick ({a.gpus} GPUs): median {res['agent_cpu_ms_per_tick_median']} ms "
               f"(max {res['agent_cpu_ms_per_tick_max']} ms) = {res['agent_core_share_pct_median']}% of one core "
               f"at {a.interval:g} s (target <= 1%); "

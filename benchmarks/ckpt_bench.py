@@ -14,8 +14,6 @@ Medians of ``--repeats`` runs; machines are noisy, so read the ratios.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -23,18 +21,25 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import (  # noqa: E402
+    disk_floor,
+    drop_cache,
+    median_time,
+    memcpy_floor,
+    parser,
+    run_meta,
+    sync,
+    write_json,
+)
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.restore.execute import read_shard  # noqa: E402
 from ckpt.restore.state_load import load_into  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-
-PIECE = 16 << 20
 
 
 class Results(dict):
@@ -44,27 +49,6 @@ class Results(dict):
         super().__setitem__(key, value)
         print(f"  {key} = {value:.3f}" if isinstance(value, float) else f"  {key} = {value}",
               file=sys.stderr, flush=True)
-
-
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def drop_cache(path: Path) -> None:
-    """Evict a file (or every file under a directory) from the page cache."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def rss_bytes() -> int:
@@ -92,78 +76,14 @@ def tensors_of(state: dict) -> list[torch.Tensor]:
     return [t for _, t in flatten(state).tensors]
 
 
-def sync(tensors: list[torch.Tensor]) -> None:
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
-
-
-def floor_memcpy(tensors: list[torch.Tensor], repeats: int) -> tuple[float, float, list[torch.Tensor]]:
-    """Copy into warm host memory (pinned when the state is on a GPU), and back: the
-    snapshot floor and the restore-from-memory floor. Also returns the host copies."""
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    cuda = any(t.is_cuda for t in tensors)
-    dst = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
-    dst.fill_(0)  # fault it in: the floor is a copy into warm memory
-    views, off = [], 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        views.append(dst[off:off + n].view(t.dtype).view(t.shape))
-        off += n
-
-    def out() -> None:
-        for v, t in zip(views, tensors):
-            v.copy_(t, non_blocking=cuda)
-        sync(tensors)
-
-    def back() -> None:
-        for v, t in zip(views, tensors):
-            t.copy_(v, non_blocking=cuda)
-        sync(tensors)
-    out()
-    return median_time(out, repeats), median_time(back, repeats), views
-
-
-def floor_disk(tensors: list[torch.Tensor], workdir: Path, repeats: int) -> tuple[float, float]:
-    """Sequential write+fsync, and sequential cold read, of the same bytes (one file)."""
-    path = workdir / "floor.bin"
-    blobs = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors if t.numel()]
-
-    def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for b in blobs:
-            for i in range(0, len(b), PIECE):
-                os.write(fd, b[i:i + PIECE])
-        os.fsync(fd)
-        os.close(fd)
-
-    total = sum(len(b) for b in blobs)
-    buf = torch.empty(total, dtype=torch.uint8)
-    buf.fill_(0)
-    view = memoryview(buf.numpy())
-
-    def read() -> None:
-        drop_cache(path)
-        fd = os.open(path, os.O_RDONLY)
-        off = 0
-        while off < total:
-            off += os.readv(fd, [view[off:off + PIECE]])
-        os.close(fd)
-
-    w = median_time(write, repeats)
-    r = median_time(read, repeats)
-    path.unlink()
-    return w, r
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, repeats=3)
     ap.add_argument("--config", choices=["medium", "tiny"], default="medium")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None,
                     help="Directory on the disk to measure (default: a temp dir under /var/tmp).")
-    ap.add_argument("--json", default=None, help="Also write the results as JSON to this path ('-' for stdout).")
     ap.add_argument("--device", default="cpu", help="Where the training state lives: cpu or cuda.")
     args = ap.parse_args()
+    meta = run_meta()
     torch.set_num_threads(os.cpu_count() or 1)
 
     base = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir or "/var/tmp"))
@@ -176,8 +96,8 @@ def main() -> None:
         tensors = tensors_of(state)
         res["state_bytes"] = nbytes
         print(f"state: {nbytes / 2**30:.2f} GiB in {len(tensors)} tensors on {args.device}", file=sys.stderr)
-        res["memcpy_s"], res["memcpy_back_s"], host = floor_memcpy(tensors, args.repeats)
-        write_s, read_s = floor_disk(host, base, args.repeats)
+        res["memcpy_s"], res["memcpy_back_s"], host = memcpy_floor(tensors, args.repeats)
+        write_s, read_s = disk_floor(host, base, args.repeats)
         del host
         res["disk_write_s"], res["disk_read_s"] = write_s, read_s
         rss0 = rss_bytes()
@@ -265,9 +185,7 @@ def main() -> None:
         shutil.rmtree(shm, ignore_errors=True)
 
     report(res)
-    if args.json:
-        text = json.dumps(res, indent=2)
-        print(text) if args.json == "-" else Path(args.json).write_text(text)
+    write_json(args.json, meta, **res)
 
 
 def report(r: dict) -> None:

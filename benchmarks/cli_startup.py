@@ -9,36 +9,29 @@ processes moves every row alike: read the ``over floor`` column.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.harness import median_time, parser, run_meta, write_json  # noqa: E402
 
 
 def median_wall(cmd: list[str], runs: int) -> float:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(lambda: subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL), runs)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=15)
-    ap.add_argument("--json", default=None, help="also write the results here ('-' for stdout)")
     args = ap.parse_args()
+    meta = run_meta()
     import torch
 
     from ckpt import CheckpointManager
@@ -66,9 +59,7 @@ def main() -> None:
     for name in ("help", "ls", "verify"):
         label = f"ckpt {name}" if name != "help" else "ckpt --help"
         print(f"| {label:28} | {res[f'{name}_s']:7.3f} | {res[f'{name}_s'] - res['floor_s']:+9.3f}s |")
-    if args.json:
-        text = json.dumps(res, indent=2)
-        print(text) if args.json == "-" else Path(args.json).write_text(text)
+    write_json(args.json, meta, **res)
 
 
 if __name__ == "__main__":

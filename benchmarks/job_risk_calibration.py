@@ -12,13 +12,14 @@ for comparison, the same for the model's own node score read as a probability.
 """
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from predictor.model import job_risk, model_io
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
+from predictor.model import job_risk, model_io  # noqa: E402
 
 
 def job_level(inst: job_risk.NodeInstants, cal: job_risk.NodeCalibration, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -38,12 +39,12 @@ def job_level(inst: job_risk.NodeInstants, cal: job_risk.NodeCalibration, k: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--trace", action="append", required=True, type=Path, help="held-out labelled trace")
     ap.add_argument("--model", help="model file (default: the packaged model)")
     ap.add_argument("--job-nodes", type=int, default=8)
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    meta = run_meta()
     m = model_io.load(args.model)
     cal = job_risk.NodeCalibration.of(m)
     if cal is None:
@@ -64,7 +65,7 @@ def main() -> None:
            "node_score_as_probability": job_risk.reliability(np.concatenate(raw), np.concatenate(nodes_y)),
            "job": job_risk.reliability(np.concatenate(jobs_p), np.concatenate(jobs_y))}
     if args.json:
-        print(json.dumps(res, indent=1))
+        write_json(args.json, meta, **res)
         return
     for level in ("node_score_as_probability", "node", "job"):
         r = res[level]

@@ -27,7 +27,6 @@ waits for. Not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -40,7 +39,6 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import s3fs
@@ -52,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.format.manifest import Manifest  # noqa: E402
 from ckpt.restore.execute import read_shard  # noqa: E402
@@ -268,7 +267,7 @@ CONTENDERS = {
 }
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> dict:
+def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="objstore-bench-"))
     shm = tempfile.mkdtemp(prefix="objstore-bench-", dir="/dev/shm")  # memory slots where they live in training
     chosen = args.only or list(CONTENDERS)
@@ -279,7 +278,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         with start_server(args, shm) as (server, store_pids):
             bench = Bench(server, work, shm, state, args.part_mib << 20, args.concurrency)
             total = args.repeats * (len(chosen) + (not args.no_urgent))
-            with tqdm(total=total, desc="transfers", unit="run", disable=args.json) as bar:
+            with tqdm(total=total, desc="transfers", unit="run", disable=args.json == "-") as bar:
                 for _ in range(args.repeats):  # round-robin, so drift hits every contender alike
                     for c in chosen:
                         clock = Clock(store_pids)
@@ -315,18 +314,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         server += f", behind a proxy capping each connection at {args.throttle_MBps:g} MB/s each way, " \
                   f"+{args.latency_ms:g} ms per response (server CPU includes the proxy's)"
     throttle = {"MBps_per_connection": args.throttle_MBps, "latency_ms": args.latency_ms} if args.throttle else None
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": "python benchmarks/objstore_bench.py " + " ".join(argv),
-            "bytes": bench.nbytes, "repeats": args.repeats, "part_size": args.part_mib << 20, "throttle": throttle,
-            "concurrency": args.concurrency, "server": server, "cpus": os.cpu_count(),
-            "loadavg_after": os.getloadavg(), "results": rows,
+    return {"bytes": bench.nbytes, "repeats": args.repeats, "part_size": args.part_mib << 20, "throttle": throttle,
+            "concurrency": args.concurrency, "server": server, "results": rows,
             "urgent_save": {k: statistics.median(u[k] for u in urgent) for k in urgent[0]} if urgent else None}
 
 
 def print_table(report: dict) -> None:
     print(f"\n{report['bytes'] / 1e9:.2f} GB checkpoint, median of {report['repeats']}, part "
           f"{report['part_size'] >> 20} MiB x {report['concurrency']} in flight, {report['server']}, "
-          f"{report['cpus']} CPUs, load average after {report['loadavg_after'][0]:.1f}\n")
+          f"{report['meta']['machine']}, load average after {report['meta']['load_after'][0]:.1f}\n")
     head = "MB/s | x single | server CPU s/GB | client CPU s/GB"
     print(f"| {'contender':<52} | upload {head} | download {head} |")
     print(f"|{'-' * 54}|" + "---:|" * 8)
@@ -344,9 +340,8 @@ def print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__.split("\n\n")[0], repeats=3)
     p.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default 1)")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--part-mib", type=int, default=32, help="our part and range size in MiB")
     p.add_argument("--concurrency", type=int, default=8, help="our parts/ranges in flight (and DCP's N threads)")
     p.add_argument("--only", nargs="+", choices=list(CONTENDERS), help="run only these contenders")
@@ -359,12 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --throttle: MB/s per connection and direction (default 20)")
     p.add_argument("--latency-ms", type=float, default=20.0, help="with --throttle: ms added per response (default 20)")
     p.add_argument("--no-urgent", action="store_true", help="skip the urgent-save measurement")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
-    report = run(args, sys.argv[1:] if argv is None else argv)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
+    meta = run_meta()
+    report = write_json(args.json, meta, **run(args))
+    if args.json != "-":
         print_table(report)
     return 0
 

@@ -22,8 +22,6 @@ measured in the same run. Not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import shutil
@@ -40,6 +38,7 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import memcpy_floor, parser, run_meta, spread, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 
 ARMS = ("none", "overlap", "paced", "blocking", "dcp")
@@ -127,20 +126,6 @@ def run_block(arm: str, steps: int, model: nn.Module, opt: torch.optim.Optimizer
             (time.thread_time() - th0) / steps)
 
 
-def memcpy_floor(state_tensors: list[torch.Tensor], repeats: int = 5) -> float:
-    """Seconds to copy every byte of the state into preallocated host memory, best of ``repeats``."""
-    outs = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda) for t in state_tensors]
-    best = float("inf")
-    for _ in range(repeats):
-        sync("cuda" if state_tensors[0].is_cuda else "cpu")
-        t0 = time.perf_counter()
-        for o, t in zip(outs, state_tensors):
-            o.copy_(t, non_blocking=t.is_cuda)
-        sync("cuda" if state_tensors[0].is_cuda else "cpu")
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def one_thread_copy_s(state_tensors: list[torch.Tensor], repeats: int = 5) -> float:
     """CPU state: seconds one thread takes to copy it (numpy, as the overlapped copy does),
     best of ``repeats``. When training keeps every core busy this is the copy's floor on
@@ -156,12 +141,8 @@ def one_thread_copy_s(state_tensors: list[torch.Tensor], repeats: int = 5) -> fl
     return best
 
 
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
@@ -172,10 +153,10 @@ def main() -> None:
     ap.add_argument("--drain-interval-s", type=float, default=1.0,
                     help="the paced arm: overlap=True with this drain_interval_s (blocks should last several)")
     ap.add_argument("--dir", default=None, help="where the disk root and DCP's directory go")
-    ap.add_argument("--json", default=None, help="also write the results as JSON to this path ('-': stdout)")
     args = ap.parse_args()
     arms = [a for a in ARMS if a in args.arms.split(",")]
-    load_before = os.getloadavg()[0]
+    meta = run_meta(threads=torch.get_num_threads(),
+                    device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu")
     model, opt = build(args)
     batch = torch.randn(args.batch, args.width, device=args.device)
     model(batch).square().mean().backward()
@@ -204,7 +185,7 @@ def main() -> None:
         for a in arms:  # warm-up: allocation, first-touch, thread pools
             run_block(a, 2, model, opt, batch, savers[a][0], savers[a][1], counter, [], [0.0])
             savers[a][2]()
-        floor = memcpy_floor(tensors)
+        floor = memcpy_floor(tensors, 5, stat=min)[0]
         copy_1t = one_thread_copy_s(tensors) if args.device == "cpu" else None
         for r in range(args.rounds):
             order = arms if r % 2 == 0 else arms[::-1]
@@ -236,12 +217,6 @@ def main() -> None:
     cpu = {a: [b["cpu_per_step_s"] for b in blocks if b["arm"] == a] for a in arms}
     by_round = {(b["round"], b["arm"]): b["mean_step_s"] for b in blocks}
     out: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(),
-                    "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"},
-        "loadavg_1min": [load_before, os.getloadavg()[0]],
         "drain_interval_s": args.drain_interval_s,
         "model": {"width": args.width, "layers": args.layers, "batch": args.batch, "optimizer": "AdamW"},
         "state_bytes": state_bytes, "memcpy_floor_s": floor, "one_thread_copy_s": copy_1t,
@@ -284,12 +259,7 @@ def main() -> None:
             line += (f"  save() returns in {1e3 * out['save_call_s'][a]['median']:.2f} ms, the trainer waits "
                      f"{1e3 * out['trainer_stall_per_step_s'][a]['median']:.2f} ms per step in all")
         print(line)
-    if args.json:
-        text = json.dumps(out, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    write_json(args.json, meta, **out)
 
 
 if __name__ == "__main__":

@@ -34,16 +34,12 @@ issue's target is replicate >= 0.8x the copy.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shutil
 import socket
 import statistics
 import sys
 import tempfile
 import threading
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
@@ -52,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import paired_ratio, parser, run_meta, timed, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.peers.remote import Held, RemoteTier  # noqa: E402
 from ckpt.peers.replicas import ReplicaSlots  # noqa: E402
@@ -60,7 +57,7 @@ from ckpt.peers.server import PeerServer  # noqa: E402
 from ckpt.peers.wire import new_secret, recv_into  # noqa: E402
 from ckpt.restore.execute import read_shard  # noqa: E402
 from ckpt.tiers.memory import MemoryTier, namespace_dir  # noqa: E402
-from ckpt.tiers.memory.reader import SlotReader  # noqa: E402
+from ckpt.tiers.memory.reader import SlotReader, slot_epoch  # noqa: E402
 from ckpt.tiers.peer import PeerTier  # noqa: E402
 from tests.objstore_fixtures import create_bucket, moto_server  # noqa: E402
 
@@ -82,13 +79,6 @@ def tcp_copy(data: memoryview, out: bytearray) -> None:
         t.join()
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """(wall, CPU of this process) seconds of ``fn()``."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    fn()
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def summary(runs: list[tuple[float, float]], nbytes: int) -> dict[str, float]:
     wall = [w for w, _ in runs]
     med = statistics.median(wall)
@@ -97,16 +87,13 @@ def summary(runs: list[tuple[float, float]], nbytes: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, repeats=5)
     ap.add_argument("--mb", type=int, default=256, help="checkpoint size")
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-object", action="store_true", help="skip the object-store restore (no moto server)")
     ap.add_argument("--nice", type=int, default=0, help="nice value of the replication threads (a job's periodic "
                                                           "replicas: 10)")
-    ap.add_argument("--json", default=None, help="also write the results as JSON to this path ('-': stdout)")
     args = ap.parse_args()
-
-    load_before = os.getloadavg()[0]
+    meta = run_meta()
     n = args.mb * 2**20 // 4
     state = {f"t{i}": torch.randn(n // 8) for i in range(8)}
     target = {k: torch.zeros_like(v) for k, v in state.items()}  # the trainer's tensors a restore fills
@@ -137,7 +124,7 @@ def main() -> None:
         stack.callback(rep.close)
         # the trainer's own mapping of its slot, as the manager hands it to the replicator
         slot = next(s for s in mgr.memory.pool.slots if s.holds == (ckpt_id.generation, ckpt_id.step))
-        seal = os.stat(slot.meta_path).st_ino
+        epoch = slot_epoch(slot.meta_path)
         sealed = slot.sealed()
         assert sealed is not None and sealed.has_checksums, "the drain re-seals the slot with its checksums"
         nbytes = sealed.data_bytes
@@ -146,7 +133,7 @@ def main() -> None:
 
         def replicate() -> None:
             ok: list[bool] = []
-            source = lambda: SlotReader(slot.meta_path, slot.data_path, sealed, slot.buffer, seal=seal)  # noqa: E731
+            source = lambda: SlotReader(slot.meta_path, slot.data_path, sealed, slot.buffer, epoch=epoch)  # noqa: E731
             rep.submit(ReplicaJob(1, source, ok.append))
             rep.join()
             assert ok == [True], "replication failed"
@@ -170,14 +157,12 @@ def main() -> None:
                     times[name].append(t)
             print(f"round {i}: " + ", ".join(f"{k} {w:.3f} s" for k, (w, _) in got.items())
                   + ("" if i > 1 else " (warm-up, dropped)"), file=sys.stderr, flush=True)
-    out: dict = {"bytes": nbytes, "repeats": args.repeats, "nice": args.nice,
-                 "loadavg_1min": [load_before, os.getloadavg()[0]],
-                 "cpus": os.cpu_count()}
+    out: dict = {"bytes": nbytes, "repeats": args.repeats, "nice": args.nice}
     out |= {k: summary(v, nbytes) for k, v in times.items() if v}
     out["replicate_vs_copy"] = out["tcp_copy"]["median_s"] / out["replicate"]["median_s"]
     out["replicate_vs_copy_cpu"] = out["tcp_copy"]["cpu_s"] / out["replicate"]["cpu_s"]  # where CPU is the limit
-    paired = [c[0] / r[0] for r, c in zip(times["replicate"], times["tcp_copy"])]
-    out["replicate_vs_copy_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
+    wall = {k: [w for w, _ in v] for k, v in times.items()}
+    out["replicate_vs_copy_paired"] = paired_ratio(wall["replicate"], wall["tcp_copy"])
     restores = [k for k in ("restore_memory", "restore_peer", "restore_object") if k in out]
     out["restore_vs_peer"] = {k: out[k]["median_s"] / out["restore_peer"]["median_s"] for k in restores}
     for k in ("replicate", "tcp_copy", *restores):
@@ -188,9 +173,7 @@ def main() -> None:
     print(f"replicate: {out['replicate_vs_copy']:.2f}x the copy's speed (paired per round: median {p['median']:.2f},"
           f" {p['min']:.2f}..{p['max']:.2f}; by CPU {out['replicate_vs_copy_cpu']:.2f}); restore time vs peer: "
           + ", ".join(f"{k[8:]} {v:.2f}x" for k, v in out["restore_vs_peer"].items()))
-    if args.json:
-        text = json.dumps(out, indent=1)
-        print(text) if args.json == "-" else Path(args.json).write_text(text)
+    write_json(args.json, meta, **out)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.harness import abba, paired_ratio, parser, run_meta, spread, write_json  # noqa: E402
 from tests.procs import free_port, stop_process  # noqa: E402
 
 
 def arms(pairs: int) -> list[int]:
     """The peers setting of each block: a warm-up A and B, then A B B A A B ... (pairs of each)."""
-    return [0, 1] + [p for i in range(pairs) for p in ((0, 1) if i % 2 == 0 else (1, 0))]
+    return [0, 1] + [p for pair in abba(pairs) for p in pair]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -143,12 +144,8 @@ def run_job(args: argparse.Namespace, out: Path) -> dict:
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--pairs", type=int, default=8, help="timed blocks per arm")
     ap.add_argument("--every", type=int, default=10, help="save every this many steps")
     ap.add_argument("--block-saves", type=int, default=2, help="saves per block")
@@ -157,7 +154,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--aa", action="store_true", help="A/A: both arms peers=0, to see the noise floor")
     ap.add_argument("--nice", type=int, default=10, help="nice value of the replication threads (0: normal)")
-    ap.add_argument("--json", default=None, help="also write the results as JSON to this path ('-': stdout)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--shm", help=argparse.SUPPRESS)
@@ -166,22 +162,20 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    load_before = os.getloadavg()[0]
+    meta = run_meta()
     with tempfile.TemporaryDirectory() as tmp:
         got = run_job(args, Path(tmp) / "rank0.json")
     by = {p: [b for b in got["blocks"] if b["peers"] == p] for p in (0, 1)}
     step = {p: [b["mean_step_s"] for b in bs] for p, bs in by.items()}
     cpu = {p: [b["cpu_per_step_s"] for b in bs] for p, bs in by.items()}
     thread_cpu = {p: [b["train_thread_cpu_per_step_s"] for b in bs] for p, bs in by.items()}
-    paired = [b / a for a, b in zip(step[0], step[1])]  # blocks are adjacent pairs: A B, B A, ...
     out = {"aa": args.aa, "nice": args.nice, "pairs": args.pairs, "every": args.every,
            "block_steps": args.every * args.block_saves,
            "width": args.width, "layers": args.layers, "batch": args.batch,
-           "state_bytes_per_rank": got["state_bytes"], "loadavg_1min": [load_before, os.getloadavg()[0]],
-           "cpus": os.cpu_count(),
+           "state_bytes_per_rank": got["state_bytes"],
            "peers0_mean_step_s": spread(step[0]), "peers1_mean_step_s": spread(step[1]),
            "overhead_ratio": statistics.median(step[1]) / statistics.median(step[0]),
-           "paired_ratio": spread(paired),
+           "paired_ratio": paired_ratio(step[0], step[1]),  # blocks are adjacent pairs: A B, B A, ...
            "peers0_cpu_per_step_s": spread(cpu[0]), "peers1_cpu_per_step_s": spread(cpu[1]),
            "cpu_ratio": statistics.median(cpu[1]) / statistics.median(cpu[0]),
            "peers0_train_thread_cpu_per_step_s": spread(thread_cpu[0]),
@@ -193,12 +187,11 @@ def main() -> None:
     b_arm = "B (peers=0 too: A/A)" if args.aa else "B (peers=1)"
     print(f"A (peers=0): mean step {1e3 * out['peers0_mean_step_s']['median']:.1f} ms (median of {args.pairs} blocks)\n"
           f"{b_arm}: mean step {1e3 * out['peers1_mean_step_s']['median']:.1f} ms\n"
-          f"ratio {out['overhead_ratio']:.3f} (per pair: median {p['median']:.3f}, {p['min']:.3f}..{p['max']:.3f}); "
+          f"ratio {out['overhead_ratio']:.3f} (per pair: median {p['median']:.3f}, {p['min']:.3f}..{p['max']:.3f}, "
+          f"95 % CI {p['ci_low']:.3f}..{p['ci_high']:.3f}); "
           f"CPU per step ratio {out['cpu_ratio']:.3f} (training thread's: {out['train_thread_cpu_ratio']:.3f}); "
           f"replicas {out['replicas']}")
-    if args.json:
-        text = json.dumps(out, indent=1)
-        print(text) if args.json == "-" else Path(args.json).write_text(text)
+    write_json(args.json, meta, **out)
 
 
 if __name__ == "__main__":

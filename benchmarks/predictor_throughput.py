@@ -34,6 +34,7 @@ import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.harness import median_of, parser, run_meta, write_json  # noqa: E402
 from tests.procs import cpu_seconds, free_port  # noqa: E402
 
 TOKEN = "bench-operator-token-0123456789"
@@ -247,7 +248,7 @@ def _window(url: str, pid: int, nodes: list[str], shape: Shape, a: argparse.Name
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--nodes", type=int, default=4000, help="simulated nodes")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     ap.add_argument("--batch-nodes", type=int, default=1, help="nodes per request (1: as the agents send)")
@@ -260,8 +261,8 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="client processes")
     ap.add_argument("--rounds", type=int, default=50, help="checkpoint-latency probes per measurement")
     ap.add_argument("--model", help="model file (default: the packaged one)")
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    meta = run_meta()
 
     shape = Shape(a.gpus, a.batch_nodes, a.instants, a.interval)
     costs = _component_costs(a.model, min(a.nodes, 2000), shape)
@@ -291,14 +292,13 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    median = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "latency_probes"}
+    median = median_of([{k: v for k, v in r.items() if k != "latency_probes"} for r in runs])
     res = {"gpus": a.nodes * a.gpus, "batch_nodes": a.batch_nodes, "batch_instants": a.instants,
            "batch_rows": shape.rows, "interval_s": a.interval,
-           "client_processes": a.procs, "concurrent_requests": a.procs * a.senders, "cpu_count": os.cpu_count(),
+           "client_processes": a.procs, "concurrent_requests": a.procs * a.senders,
            "median": median, "runs": runs, **costs}
-    if a.json:
-        print(json.dumps(res, indent=1))
-    else:
+    write_json(a.json, meta, **res)
+    if a.json != "-":
         m = median
         print(f"{m['scored_samples_per_s']:,.0f} GPU samples/s scored (median of {a.runs}) from "
               f"{res['concurrent_requests']} concurrent requests of {shape.rows} samples ({a.batch_nodes} node(s) x "

@@ -21,9 +21,8 @@ usage: PYTHONPATH=. python benchmarks/ramp_bound.py --trace DIR [--priors-from D
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +32,14 @@ import pyarrow.parquet as pq
 from scipy.optimize import brentq
 from scipy.special import digamma, gammaln, polygamma
 
-from predictor.model import evaluation
-from predictor.model.features import COUNTERS, FleetState
-from predictor.model.ramps import Ramps
-from predictor.model.replay import replay
-from predictor.model.scoring import Scorer
-from predictor.model.training import _Sweep
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
+from predictor.model import evaluation  # noqa: E402
+from predictor.model.features import COUNTERS, FleetState  # noqa: E402
+from predictor.model.ramps import Ramps  # noqa: E402
+from predictor.model.replay import replay  # noqa: E402
+from predictor.model.scoring import Scorer  # noqa: E402
+from predictor.model.training import _Sweep  # noqa: E402
 
 GROWTH = 4.1
 HORIZON_MS, MIN_LEAD_MS = int(evaluation.HORIZON_S * 1000), int(evaluation.MIN_LEAD_S * 1000)
@@ -193,17 +194,17 @@ def sweep(trace: Path, priors: dict, min_events: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True, type=Path, help="labelled trace (with failures.parquet)")
     ap.add_argument("--priors-from", type=Path, default=None,
                     help="fit the ramp priors on this trace instead (default: the trace itself)")
     ap.add_argument("--min-events", type=float, default=6.0, help="events a ramp needs before it alarms")
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    meta = run_meta()
     priors = fit_priors(a.priors_from or a.trace)
     res = sweep(a.trace, priors, a.min_events) | {"priors": priors, "growth": GROWTH}
     if a.json:
-        print(json.dumps(res, indent=2))
+        write_json(a.json, meta, **res)
         return
     print(f"{res['trace']}: {res['node_days']:.0f} node-days; priors (log A mean/sd, log D mean/sd) "
           + ", ".join(f"{m} {p[0]:.2f}/{p[1]:.2f} {p[2]:.2f}/{p[3]:.2f}" for m, p in priors.items()))

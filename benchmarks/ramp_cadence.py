@@ -23,19 +23,22 @@ usage: PYTHONPATH=. python benchmarks/ramp_cadence.py --trace DIR [--dating refe
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from predictor.model import evaluation, rules
-from predictor.model.features import COUNTERS, FleetState
-from predictor.model.ramps import RAMP_BOUND_SPAN_S, RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps
-from predictor.model.replay import replay
-from predictor.model.scoring import Scored, Scorer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
+from predictor.model import evaluation, rules  # noqa: E402
+from predictor.model.features import COUNTERS, FleetState  # noqa: E402
+from predictor.model.ramps import RAMP_BOUND_SPAN_S, RAMP_NONE_MIN, RAMP_REFERENCE_INTERVAL_S, Ramps  # noqa: E402
+from predictor.model.replay import replay  # noqa: E402
+from predictor.model.scoring import Scored, Scorer  # noqa: E402
 
 FOLD_EVERY_S = {"reference": RAMP_REFERENCE_INTERVAL_S, "read": 0.0}
 
@@ -116,7 +119,7 @@ def _floats(text: str) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--dating", choices=tuple(FOLD_EVERY_S), default="reference")
     ap.add_argument("--due-min", default=f"{rules.RAMP_DUE_MIN:g}",
@@ -128,8 +131,8 @@ def main() -> None:
                     help="seconds a ramp's events must span before its bound counts (the rule: "
                          f"{RAMP_BOUND_SPAN_S:g})")
     ap.add_argument("--hold", default="0", help="seconds a GPU's ramp must stay due before it alarms (the rule: 0)")
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    meta = run_meta()
     t0 = time.time()
     sigmas = tuple(_floats(a.sigma))
     rows, left, span, events, crit = due_rows(a.trace, a.dating, sigmas)
@@ -148,7 +151,10 @@ def main() -> None:
                                                       "false_alarms", "false_alarms_per_1000_node_days",
                                                       "lead_s_median", "recall_by_mode")}})
     out["secs"] = round(time.time() - t0)
-    print(json.dumps(out) if a.json else json.dumps(out, indent=1))
+    if a.json:
+        write_json(a.json, meta, **out)
+    else:
+        print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -55,25 +55,29 @@ the first resumed step). Medians of ``--repeats`` runs.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.engine_workers import add_torchft_args, torchft_settings  # noqa: E402
+from benchmarks.harness import median_of, parser, run_meta, write_json  # noqa: E402
+from benchmarks.harness.engines import engines_python  # noqa: E402
+from benchmarks.harness.procs import exit_on_sigterm  # noqa: E402
+from benchmarks.recovery_engines import rows as engine_rows  # noqa: E402
+from benchmarks.recovery_inprocess import CASES, References, leak_check, readiness_cost, run_row  # noqa: E402
+from benchmarks.recovery_rows import median_row  # noqa: E402
 from tests.integration_helpers import REPLACEABLE, finish_nodes, kill_node, rendezvous_state, start_node  # noqa: E402
 from tests.procs import free_port, stop_process, wait_for  # noqa: E402
 
@@ -257,12 +261,6 @@ def _stamp(found: re.Match | None) -> float | None:
     return None if found is None else datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def median_of(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
-    """Each key's median over the runs that measured it (None where none did)."""
-    return {k: statistics.median(known) if (known := [r[k] for r in runs if r.get(k) is not None]) else None
-            for k in runs[0]}
-
-
 # today's relaunch rows: the scenario that measures each case
 RELAUNCH = {"killed": "killed", "hung": "hung", "lost_node": "lost_node_peer", "xid79": "xid79"}
 FAULT_STEP = {"killed": 12, "hung": 12}  # the step the injector hits (12 steps done)
@@ -289,30 +287,12 @@ def relaunch_row(case: str, measured: dict[str, float | None]) -> dict:
             "phases": {k: v for k, v in measured.items() if k.startswith("phase_")}}
 
 
-def median_row(rows: list[dict]) -> dict:
-    """The run with the median fault-to-first-step time (its fields stay consistent, where
-    per-field medians would pair one run's detection with another's total), every run's
-    time beside it (a bimodal engine shows as such), and ``equal_to_clean`` only if every
-    run was."""
-    ordered = sorted(rows, key=lambda r: r["fault_to_first_step_s"] or 0.0)
-    row = {**ordered[(len(ordered) - 1) // 2], "runs_fault_to_first_step_s": [r["fault_to_first_step_s"] for r in rows]}
-    if all(r.get("equal_to_clean") is not None for r in rows):
-        row["equal_to_clean"] = all(r["equal_to_clean"] for r in rows)
-    return row
-
-
 def main() -> None:
-    from benchmarks.recovery_engines import DEFAULT_ENGINES_PYTHON, add_torchft_args, exit_on_sigterm, torchft_settings
-    from benchmarks.recovery_engines import rows as engine_rows
-    from benchmarks.recovery_inprocess import CASES, References, leak_check, readiness_cost, run_row
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None, help="write {meta, rows} here")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap = parser(__doc__, repeats=1)
     ap.add_argument("--cases", default=",".join([*RELAUNCH, *INPROCESS_ONLY]),
                     help="comma-separated: killed, hung, lost_node, xid79, node_failed, behind, vanished_node")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
-    ap.add_argument("--engines-python", default=os.environ.get("RECOVERY_ENGINES_PYTHON", DEFAULT_ENGINES_PYTHON),
+    ap.add_argument("--engines-python", default=engines_python(),
                     help="an interpreter with nvidia-resiliency-ext 0.4.1 and torchft 0.2.0 for their rows "
                     "(docs/research/recovery-engines.md); without them those rows are skipped with the reason")
     add_torchft_args(ap)
@@ -322,7 +302,7 @@ def main() -> None:
     args = ap.parse_args()
     torchft = torchft_settings(args)
     exit_on_sigterm()
-    load_before = os.getloadavg()[0]
+    meta = run_meta(repeats=args.repeats)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="recovery-bench-ref-") as refdir:
         refs = References(Path(refdir))
@@ -356,16 +336,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp, \
                 tempfile.TemporaryDirectory(prefix="recovery-bench-", dir="/dev/shm") as shm:
             scenarios[scenario] = median_of([run(scenario, Path(tmp), shm) for _ in range(args.repeats)])
-    out = {"meta": {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                    "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "load": [load_before, os.getloadavg()[0]], "repeats": args.repeats},
-           "rows": rows, "leak_check": leaks, "readiness_cost": ready,
-           **({"scenarios": scenarios} if scenarios else {})}
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-
+    write_json(args.json, meta, rows, echo=True, leak_check=leaks, readiness_cost=ready,
+               **({"scenarios": scenarios} if scenarios else {}))
 
 if __name__ == "__main__":
     main()

@@ -44,262 +44,40 @@ Medians of ``--repeats`` runs; progress on stderr.
 """
 from __future__ import annotations
 
-import argparse
-import atexit
-import contextlib
 import functools
 import json
 import os
-import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta, timezone
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.recovery_bench import median_row  # noqa: E402
+from benchmarks.engine_workers import FAULT_STEP, TorchftSettings, add_torchft_args, torchft_settings  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
+from benchmarks.harness.engines import engine_available, engine_versions, engines_python  # noqa: E402
+from benchmarks.harness.procs import exit_on_sigterm, finish, spawn  # noqa: E402
+from benchmarks.recovery_rows import median_row  # noqa: E402
 from tests.procs import free_ports, wait_for  # noqa: E402
 
-STEPS, FAULT_STEP = 60, 12
 NVRX_CASES = {"killed": "kill", "hung": "stop", "exception": "raise", "lost_node": "kill_node"}
 TORCHFT_CASES = {"killed": "kill", "hung": "stop"}
+WORKERS = str(Path(__file__).with_name("engine_workers.py"))
+TORCHFT_DEFAULT = TorchftSettings()
 
 
-@dataclass(frozen=True)
-class TorchftSettings:
-    """The two torchft knobs that decide its hung row. gloo cannot abort a blocked collective,
-    so a survivor in an all-reduce with the stopped group waits out ``collective_timeout_s``;
-    a stop that lands in a step's idle padding (``step_s``) is found by the next quorum after
-    the Lighthouse's 1 s heartbeat timeout instead."""
-    collective_timeout_s: float = 5.0
-    step_s: float = 0.2  # group 0 must still train when a restarted group 1 is up to join it
-
-
-def add_torchft_args(ap: argparse.ArgumentParser) -> None:
-    default = TorchftSettings()
-    ap.add_argument("--torchft-timeout-s", type=float, default=default.collective_timeout_s,
-                    help="torchft's gloo collective timeout (default %(default)s)")
-    ap.add_argument("--torchft-step-s", type=float, default=default.step_s,
-                    help="torchft's steps padded to this (default %(default)s; 0: no idle part, as ours)")
-
-
-def torchft_settings(args: argparse.Namespace) -> TorchftSettings:
-    return TorchftSettings(args.torchft_timeout_s, args.torchft_step_s)
-
-
-DEFAULT_ENGINES_PYTHON = str(REPO / ".venv-engines" / "bin" / "python")  # make engines
 XID_SKIP = ("neither engine listens to GPU health events: an XID 79 reaches it as a hung rank or a CUDA "
             "error (the hung and exception rows)")
 TORCHFT_NODE_SKIP = ("a replica group per node holds no per-node state (the restarted group heals from the "
                      "live peer): a lost node is the killed row")
 
 
-# ---------------------------------------------------------------- workers (run in the engines' python)
-
-class _Events:
-    """One JSON line per event, stamped with wall time, in this rank's file."""
-
-    def __init__(self, path: str) -> None:
-        self.file = open(path, "a", buffering=1)
-
-    def __call__(self, event: str, **fields: Any) -> None:
-        self.file.write(json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
-
-
-def nvrx_worker(events_dir: str, fault: str, digest_out: str) -> None:
-    """One rank of the job under ``inprocess.Wrapper``; rank 1 raises at FAULT_STEP if ``fault`` is raise."""
-    import torch
-    import torch.distributed as dist
-    from nvidia_resiliency_ext import inprocess
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from benchmarks import recovery_model
-    from examples.train_torchrun import weights_digest
-    initial_rank = int(os.environ["RANK"])
-    log = _Events(f"{events_dir}/rank{initial_rank}.jsonl")
-    model, optim = recovery_model.model()
-    progress = {"step": 0, "raised": False}
-    base_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], _aux_port(0),
-                                            int(os.environ["WORLD_SIZE"]), is_master=initial_rank == 0,
-                                            multi_tenant=True, wait_for_workers=True, use_libuv=True)
-
-    def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        log("fn_start", iteration=call_wrapper.iteration, rank=rank, world=world)
-        dist.init_process_group("gloo", store=torch.distributed.PrefixStore(str(call_wrapper.iteration), base_store),
-                                rank=rank, world_size=world, timeout=timedelta(seconds=5))
-        log("pg_ready", iteration=call_wrapper.iteration)
-        ddp = DDP(model)  # broadcasts rank 0's weights: the survivors' memory is the state source
-        step = torch.tensor([progress["step"]])
-        dist.broadcast(step, 0)
-        progress["step"] = int(step)
-        log("restored", iteration=call_wrapper.iteration, step=progress["step"])
-        while progress["step"] < STEPS:
-            s = progress["step"]
-            if fault == "raise" and initial_rank == 1 and s == FAULT_STEP and not progress["raised"]:
-                progress["raised"] = True
-                log("fault", step=s)
-                raise RuntimeError("injected fault")
-            x, y = recovery_model.batch(s, rank, world)
-            loss = recovery_model.loss(ddp, x, y)  # through DDP's forward: its gradient hooks
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            optim.step()
-            progress["step"] = s + 1
-            log("step", step=s, iteration=call_wrapper.iteration, world=world)
-        dist.barrier()
-        if rank == 0:
-            Path(digest_out).write_text(weights_digest(model))
-        dist.destroy_process_group()
-
-    # NVRx finds the parameter to fill by its annotation, as a class: not the string that
-    # ``from __future__ import annotations`` leaves
-    train.__annotations__["call_wrapper"] = inprocess.CallWrapper
-    wrapped = inprocess.Wrapper(store_kwargs={"port": _aux_port(1)}, abort=_timed_abort(log),
-                                **NVRX_TIMEOUTS)(train)
-    wrapped()
-
-
-NVRX_TIMEOUTS = {k: timedelta(seconds=v) for k, v in {
-    "soft_timeout": 4, "hard_timeout": 8, "heartbeat_timeout": 4, "barrier_timeout": 120, "completion_timeout": 120,
-    "last_call_wait": 0.2, "termination_grace_time": 2, "monitor_thread_interval": 0.2,
-    "monitor_process_interval": 0.2, "heartbeat_interval": 0.5, "progress_watchdog_interval": 0.2}.items()}
-
-
-def _aux_port(i: int) -> int:
-    """The ``i``-th port the launcher found free besides MASTER_PORT (the stores of NVRx's jobs)."""
-    return int(os.environ["AUX_PORTS"].split(",")[i])
-
-
-def _timed_abort(log: _Events) -> Any:
-    """NVRx's own abort, its start and end stamped (the phases' boundaries)."""
-    from nvidia_resiliency_ext import inprocess
-
-    class TimedAbort(inprocess.abort.AbortTorchDistributed):
-        def __call__(self, state: Any) -> Any:
-            log("abort_begin")
-            out = super().__call__(state)
-            log("abort_end")
-            return out
-
-    return TimedAbort()
-
-
-def nvrx_tiers_worker(events_dir: str, fault: str, digest_out: str, steps: int, resume_step: int | None,
-                      root: str, memory_dir: str) -> None:
-    """One rank under ``ckpt.integrations.nvrx.run``: NVRx restarts the function, our tiers are the
-    state source (a snapshot every step, overlapped); the same model, batches and fault as above."""
-    import torch.distributed as dist
-
-    from benchmarks import recovery_model
-    from ckpt.integrations.nvrx import run
-    from examples.train_torchrun import weights_digest
-    initial_rank = int(os.environ["RANK"])
-    log = _Events(f"{events_dir}/rank{initial_rank}.jsonl")
-    raised = []
-
-    def build(ctx: Any) -> dict[str, Any]:
-        log("fn_start", iteration=ctx.round, rank=ctx.rank, world=ctx.world_size)
-        log("pg_ready", iteration=ctx.round)  # run() joined the group before it builds
-        model, optim = recovery_model.model()
-        return {"model": model, "optim": optim, "ctx": ctx, "first": True}
-
-    def step(objects: dict[str, Any], s: int) -> None:
-        ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
-        if objects.pop("first", False):
-            log("restored", iteration=ctx.round, step=s)
-        if fault == "raise" and initial_rank == 1 and s == FAULT_STEP and not raised:
-            raised.append(s)
-            log("fault", step=s)
-            raise RuntimeError("injected fault")
-        optim.zero_grad(set_to_none=True)
-        recovery_model.loss(model, *recovery_model.batch(s, ctx.rank, ctx.world_size)).backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= ctx.world_size
-        optim.step()
-        log("step", step=s, iteration=ctx.round, world=ctx.world_size)
-
-    result = run(build, step, steps=steps, resume_step=resume_step, collective_timeout_s=5.0,
-                 state_of=lambda o: {"model": o["model"], "optim": o["optim"]},
-                 checkpoint={"root": root, "memory_dir": memory_dir, "keep_last": 1000,
-                             "replicated": ["model", "optim"], "overlap": True},
-                 abort=_timed_abort(log), store_kwargs={"port": _aux_port(0)}, **NVRX_TIMEOUTS)
-    if result.objects["ctx"].rank == 0:
-        Path(digest_out).write_text(weights_digest(result.objects["model"]))
-
-
-def torchft_worker(events_dir: str, group: int, lighthouse: str, digest_out: str, settings: TorchftSettings) -> None:
-    """Replica group ``group`` (one rank) of the job under torchft's Manager."""
-    import torch
-    from torchft import Manager, Optimizer, ProcessGroupGloo
-
-    from benchmarks import recovery_model
-    from examples.train_torchrun import weights_digest
-    log = _Events(f"{events_dir}/group{group}.jsonl")
-    model, optim = recovery_model.model()
-    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-
-    def heal(sd: dict[str, Any]) -> None:  # the state source: the live peer's, over torchft's HTTP transport
-        model.load_state_dict(sd["model"])
-        optim.load_state_dict(sd["optim"])
-        log("healed")
-
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=settings.collective_timeout_s))
-    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=heal,
-                      state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
-                      replica_id=f"group{group}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
-                      store_port=store.port, rank=0, world_size=1, timeout=timedelta(seconds=10),
-                      quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=30))
-    # torchft's DistributedDataParallel trips on a failed all-reduce (``assert fut._fut`` in its
-    # comm hook, torchft 0.2.0 with torch 2.13): the gradients go through Manager.allreduce instead
-    opt = Optimizer(manager, optim)
-    log("start")
-    while manager.current_step() < STEPS:
-        s, t_step = manager.current_step(), time.time()
-        opt.zero_grad()  # starts the step's quorum
-        x, y = recovery_model.batch(s, 0, 1)
-        recovery_model.loss(model, x, y).backward()
-        for work in [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]:
-            work.wait()
-        committed = manager.should_commit()  # what torchft's OptimizerWrapper.step does, with its answer
-        if committed:
-            optim.step()
-        time.sleep(max(0.0, settings.step_s - (time.time() - t_step)))
-        log("step", step=s, committed=bool(committed), participants=manager.num_participants())
-    if group == 0:
-        Path(digest_out).write_text(weights_digest(model))
-    manager.shutdown()
-
-
-def lighthouse_worker(events_dir: str) -> None:
-    """torchft's Lighthouse on loopback until killed; its address in ``lighthouse.jsonl``.
-    Heartbeat timeout 1 s: the lower end of the issue's 1-5 s (torchft's default is 5 s)."""
-    from torchft._torchft import LighthouseServer
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=100,
-                              heartbeat_timeout_ms=1000)
-    _Events(f"{events_dir}/lighthouse.jsonl")("ready", address=server.address())
-    signal.sigwait({signal.SIGTERM})
-    server.shutdown()
-
-
 # ---------------------------------------------------------------- driver
-
-def engine_available(python: str, module: str) -> str | None:
-    """None if ``module`` imports in ``python``, else why not (the error's last line)."""
-    if not Path(python).exists():
-        return f"{python} does not exist"
-    proc = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
-    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
-
 
 def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -309,47 +87,6 @@ def _steps(events: list[dict[str, Any]]) -> int:
     return max((e["step"] + 1 for e in events if e["event"] == "step"), default=0)
 
 
-_SPAWNED: list[subprocess.Popen] = []  # every engine worker this driver started
-
-
-def _spawn(python: str, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    proc = subprocess.Popen([python, __file__, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo",
-                                 "PYTHONUNBUFFERED": "1", **env}, start_new_session=True)
-    _SPAWNED.append(proc)
-    return proc
-
-
-@atexit.register
-def _kill_spawned() -> None:
-    """The workers run in sessions of their own (a hung job is killed by group), which a signal
-    to the driver's group never reaches: a driver stopped early (``timeout``) takes them along."""
-    for proc in _SPAWNED:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
-def exit_on_sigterm() -> None:
-    """In a driver: SIGTERM exits through ``atexit`` (``_kill_spawned``) instead of at once."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float, logs: list[Path]) -> None:
-    """Wait for the job; on a hang, kill it (by pid) and say so with the logs."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
-                    q.wait()
-            tails = "\n".join(f"--- {lg.name}\n{lg.read_text()[-2000:]}" for lg in logs)
-            raise SystemExit(f"engine job did not finish in {timeout:.0f} s:\n{tails}") from None
-
-
 def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvrx", world: int = 3,
              extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One NVRx job (``world`` ranks of ``worker``), faulted as ``case`` (None: clean): its row's
@@ -357,7 +94,7 @@ def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvr
     fault = NVRX_CASES.get(case, "none")
     port, *aux = free_ports(3)
     logs = [workdir / f"rank{r}.log" for r in range(world)]
-    procs = [_spawn(python, ["--worker", worker, "--events", str(workdir), "--fault", fault,
+    procs = [spawn(python, WORKERS, ["--worker", worker, "--events", str(workdir), "--fault", fault,
                              "--digest", str(workdir / "digest"), *extra], logs[r],
                     {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                      "AUX_PORTS": ",".join(map(str, aux))})
@@ -366,12 +103,12 @@ def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvr
     fault_t = None
     if victims:
         if not wait_for(lambda: _steps(_read(workdir / "rank0.jsonl")) >= FAULT_STEP, timeout=600, interval=0.01):
-            _finish(procs, 1, logs)
+            finish(procs, 1, logs)
         fault_t = time.time()
         for v in victims:
             os.kill(procs[v].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
     try:
-        _finish([procs[0]] + [p for i, p in enumerate(procs) if i and i not in victims], 900, logs)
+        finish([procs[0]] + [p for i, p in enumerate(procs) if i and i not in victims], 900, logs)
     finally:
         for v in victims:  # NVRx's hard timeout SIGKILLs a stopped rank; reap it all the same
             if procs[v].poll() is None:
@@ -403,11 +140,11 @@ def run_nvrx(python: str, case: str | None, workdir: Path, *, worker: str = "nvr
             "phase_restore_s": restored["t"] - pg, "phase_first_step_s": first["t"] - restored["t"]}
 
 
-def run_torchft(python: str, case: str | None, workdir: Path, settings: TorchftSettings = TorchftSettings()
+def run_torchft(python: str, case: str | None, workdir: Path, settings: TorchftSettings = TORCHFT_DEFAULT
                 ) -> dict[str, Any]:
     """One torchft job (Lighthouse + 2 replica groups), faulted as ``case`` (None: clean)."""
     logs = [workdir / f"group{g}.log" for g in range(2)] + [workdir / "lighthouse.log"]
-    lighthouse = _spawn(python, ["--worker", "lighthouse", "--events", str(workdir)], logs[-1], {})
+    lighthouse = spawn(python, WORKERS, ["--worker", "lighthouse", "--events", str(workdir)], logs[-1], {})
     ready = wait_for(lambda: _read(workdir / "lighthouse.jsonl"), timeout=300)
     if not ready:
         lighthouse.kill()
@@ -416,19 +153,19 @@ def run_torchft(python: str, case: str | None, workdir: Path, settings: TorchftS
     args = [["--worker", "torchft", "--events", str(workdir), "--group", str(g), "--lighthouse", addr,
              "--digest", str(workdir / "digest"), "--torchft-timeout-s", str(settings.collective_timeout_s),
              "--torchft-step-s", str(settings.step_s)] for g in range(2)]
-    procs = [_spawn(python, args[g], logs[g], {}) for g in range(2)]
+    procs = [spawn(python, WORKERS, args[g], logs[g], {}) for g in range(2)]
     fault_t, replacement = None, None
     try:
         if fault != "none":
             if not wait_for(lambda: _steps(_read(workdir / "group0.jsonl")) >= FAULT_STEP, timeout=600, interval=0.01):
-                _finish(procs, 1, logs)
+                finish(procs, 1, logs)
             fault_t = time.time()
             os.kill(procs[1].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
             if fault == "kill":
                 procs[1].wait()
                 logs.append(workdir / "group1-restarted.log")  # appends to group1.jsonl
-                replacement = _spawn(python, args[1], logs[-1], {})
-        _finish([procs[0]] + ([replacement] if replacement else [procs[1]] if fault == "none" else []), 900, logs)
+                replacement = spawn(python, WORKERS, args[1], logs[-1], {})
+        finish([procs[0]] + ([replacement] if replacement else [procs[1]] if fault == "none" else []), 900, logs)
     finally:
         if fault == "stop":
             os.kill(procs[1].pid, signal.SIGKILL)
@@ -486,10 +223,10 @@ ENGINES = {"nvrx_inprocess": ("nvidia_resiliency_ext.inprocess", NVRX_CASES, run
 CASES = ("killed", "hung", "lost_node", "xid79", "exception")
 
 
-def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[str, ...] = tuple(ENGINES),
-         cases: tuple[str, ...] = CASES, torchft: TorchftSettings = TorchftSettings()) -> list[dict[str, Any]]:
+def rows(python: str | None = None, repeats: int = 1, modes: tuple[str, ...] = tuple(ENGINES),
+         cases: tuple[str, ...] = CASES, torchft: TorchftSettings = TORCHFT_DEFAULT) -> list[dict[str, Any]]:
     """The engines' rows (medians of ``repeats`` faulty runs, each checked against one clean run)."""
-    out = []
+    python, out = python or engines_python(), []
     for mode in modes:
         module, engine_cases, run_one, relaunching = ENGINES[mode]
         described = {}  # the settings a row depends on
@@ -527,57 +264,22 @@ def rows(python: str = DEFAULT_ENGINES_PYTHON, repeats: int = 1, modes: tuple[st
     return out
 
 
-def meta(python: str) -> dict[str, Any]:
-    """Command, machine, date and load, as every results file names them."""
-    versions = subprocess.run([python, "-c", "import importlib.metadata as m, torch; print(torch.__version__, "
-                               "*(m.version(p) for p in ('nvidia-resiliency-ext', 'torchft')))"],
-                              capture_output=True, text=True, check=False).stdout.split()
-    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{platform.node()} "
-            f"({os.cpu_count()} CPUs, {platform.machine()})", "date": datetime.now(timezone.utc).isoformat(
-            timespec="seconds"), "load": list(os.getloadavg()), "engines_python": python,
-            "versions": dict(zip(("torch", "nvidia-resiliency-ext", "torchft"), versions))}
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None, help="write {meta, rows} here")
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--python", default=os.environ.get("RECOVERY_ENGINES_PYTHON", DEFAULT_ENGINES_PYTHON),
+    ap = parser(__doc__, repeats=1)
+    ap.add_argument("--python", default=engines_python(),
                     help="an interpreter with nvidia-resiliency-ext 0.4.1 and torchft 0.2.0 (and this repo's deps)")
     ap.add_argument("--modes", default=",".join(ENGINES))
     ap.add_argument("--cases", default=",".join(CASES))
     add_torchft_args(ap)
-    ap.add_argument("--worker", choices=("nvrx", "nvrx_tiers", "torchft", "lighthouse"), help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
-    ap.add_argument("--resume-step", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--root", help=argparse.SUPPRESS)
-    ap.add_argument("--memory-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--events", help=argparse.SUPPRESS)
-    ap.add_argument("--fault", default="none", help=argparse.SUPPRESS)
-    ap.add_argument("--digest", help=argparse.SUPPRESS)
-    ap.add_argument("--group", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--lighthouse", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker == "nvrx":
-        return nvrx_worker(args.events, args.fault, args.digest)
-    if args.worker == "nvrx_tiers":
-        return nvrx_tiers_worker(args.events, args.fault, args.digest, args.steps, args.resume_step, args.root,
-                                 args.memory_dir)
-    if args.worker == "torchft":
-        return torchft_worker(args.events, args.group, args.lighthouse, args.digest, torchft_settings(args))
-    if args.worker == "lighthouse":
-        return lighthouse_worker(args.events)
     for name, known in (("modes", ENGINES), ("cases", CASES)):
         if bad := [x for x in getattr(args, name).split(",") if x not in known]:
             ap.error(f"unknown {name}: {', '.join(bad)} (one of {', '.join(known)})")
     exit_on_sigterm()
-    start = meta(args.python)
+    start = run_meta(engines_python=args.python, versions=engine_versions(args.python))
     table = rows(args.python, args.repeats, tuple(args.modes.split(",")), tuple(args.cases.split(",")),
                  torchft_settings(args))
-    result = {"meta": {**start, "load_after": list(os.getloadavg())}, "rows": table}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, start, table, echo=True)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 
 
 def launch(nproc: int, *args: str) -> None:
@@ -106,10 +106,9 @@ def phase(args: argparse.Namespace) -> None:
                 assert not bad, f"{kind}: restored values differ in {bad}"
         if rank == 0:
             med = {k: statistics.median(v) for k, v in times.items()}
-            result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "ranks": world,
+            result = {"ranks": world,
                       "saved_ranks": {"same": 2, "reshard": 4, "dcp": 4}, "mb": args.mb, "tensors": args.tensors,
-                      "shape": [rows, args.cols], "repeats": args.repeats, "cpus": os.cpu_count(),
-                      "load": os.getloadavg()[0], "seconds": times, "median_s": med,
+                      "shape": [rows, args.cols], "repeats": args.repeats, "seconds": times, "median_s": med,
                       "ratio_to_same": {k: med[k] / med["same"] for k in med},
                       "reshard_read_amplification": amplification}
             Path(args.out).write_text(json.dumps(result, indent=2))
@@ -117,18 +116,17 @@ def phase(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, repeats=3)
     p.add_argument("--mb", type=int, default=256, help="size of the whole state")
     p.add_argument("--tensors", type=int, default=8)
     p.add_argument("--cols", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", nargs="?", const="-", help="write the result as JSON (to a file, or - for stdout)")
     p.add_argument("--phase", choices=["save", "restore"], help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.phase:
         return phase(args)
+    meta = run_meta()
     common = ["--mb", str(args.mb), "--tensors", str(args.tensors), "--cols", str(args.cols),
               "--repeats", str(args.repeats)]
     with tempfile.TemporaryDirectory(prefix="reshard-bench-") as work:
@@ -137,11 +135,8 @@ def main() -> None:
             launch(nproc, "save", "--work", work, *common)
         launch(2, "restore", "--work", work, "--out", str(out), *common)
         result = json.loads(out.read_text())
-    if args.json and args.json != "-":
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    if args.json == "-":
-        print(json.dumps(result, indent=2))
-    else:
+    write_json(args.json, meta, **result)
+    if args.json != "-":
         med = result["median_s"]
         print(f"restore of {args.mb} MB at 2 ranks: same world size {med['same']:.3f} s, from 4 ranks "
               f"{med['reshard']:.3f} s ({result['ratio_to_same']['reshard']:.2f}x), dcp.load from 4 ranks "

@@ -14,10 +14,7 @@ Needs CUDA for the DMA rows and the floor; on a CPU it times the host parts only
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
-import datetime
-import json
 import pstats
 import shutil
 import sys
@@ -28,7 +25,8 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.ckpt_bench import build_state, median_time, sync, tensors_of  # noqa: E402
+from benchmarks.ckpt_bench import build_state, tensors_of  # noqa: E402
+from benchmarks.harness import median_time, memcpy_floor, parser, run_meta, sync, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.format.device_crc import RowCRC  # noqa: E402
 from ckpt.format.device_reads import HOST_CHECK_BELOW, DevicePiece, StagedDeviceReads  # noqa: E402
@@ -42,19 +40,16 @@ from examples.gpt import GPTConfig  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--config", choices=["medium", "tiny"], default="medium")
-    ap.add_argument("--json", default=None, help="also write the results as JSON to this path")
     ap.add_argument("--profile", action="store_true", help="also print where one restore spends its Python time")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state, nbytes = build_state(GPTConfig.medium() if args.config == "medium" else GPTConfig.tiny(), device)
     tensors = tensors_of(state)
     base, shm = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp(dir="/dev/shm"))
-    out: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                 "state_bytes": nbytes}
+    meta = run_meta()
+    out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "state_bytes": nbytes}
     try:
         mgr = CheckpointManager(base / "ckpt", keep_last=2, run="probe", memory_dir=str(shm), state=state)
         mgr.memory.wait_prepared()
@@ -113,13 +108,7 @@ def main() -> None:
                             dst = targets[i.tensor.id].reshape(-1).view(torch.uint8)[i.lo:i.hi]
                             dst.copy_(reader.tensor(i.tensor.offset + i.lo, i.hi - i.lo), non_blocking=True)
                 stream.synchronize()
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-
-            def floor() -> None:
-                for h, t in zip(host, tensors):
-                    t.copy_(h, non_blocking=True)
-                torch.cuda.synchronize()
-            out["dma_s"], out["floor_back_s"] = median_time(dma, 3), median_time(floor, 3)
+            out["dma_s"], out["floor_back_s"] = median_time(dma, 3), memcpy_floor(tensors, 3)[1]
         reader.close()
         mgr.close()
     finally:
@@ -130,8 +119,7 @@ def main() -> None:
     for k, v in out.items():
         if k.endswith("_s"):
             print(f"  {k:28} {v:8.3f} s" + (f"  {v / floor_s:5.2f}x the floor" if floor_s else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, meta, **out)
 
 
 def profile(what: str, fn: Callable[[], None]) -> None:

@@ -9,8 +9,6 @@ machine the minimum is the figure to compare (e.g. old against new checkouts wit
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -21,16 +19,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--numel", type=int, default=64)
     ap.add_argument("--saves", type=int, default=60)
-    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
+    meta = run_meta()
     torch.manual_seed(0)
     state = {f"t{i}": torch.randn(args.numel) for i in range(args.tensors)}
     base = Path(tempfile.mkdtemp(prefix="ckpt-overhead-"))
@@ -57,8 +56,7 @@ def main() -> None:
         res[f"{name}_median_ms"] = 1e3 * statistics.median(xs)
     for k, v in res.items():
         print(f"{k:28} {v:9.2f}" if isinstance(v, float) else f"{k:28} {v}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    write_json(args.json, meta, **res)
 
 
 if __name__ == "__main__":

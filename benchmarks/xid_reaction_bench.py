@@ -16,8 +16,6 @@ p50/p99 over ``--events`` XIDs, each logged at a uniformly random phase of the a
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import random
 import statistics
@@ -32,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from agents.agent import Agent  # noqa: E402
 from agents.sources.base import Source  # noqa: E402
+from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
 from benchmarks.recovery_bench import healthy  # noqa: E402
 from ckpt.integrations.risk import RiskListener  # noqa: E402
 from ckpt.integrations.urgency import SaveRequests  # noqa: E402
@@ -108,15 +107,12 @@ def measure(events: int) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--events", type=int, default=50)
-    ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args()
+    meta = run_meta()
     logging.getLogger("ckpt").setLevel(logging.CRITICAL + 1)  # the listener logs each event: a progress line instead
-    result = {"events": args.events, **measure(args.events)}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, meta, echo=args.json != "-", events=args.events, **measure(args.events))
 
 
 if __name__ == "__main__":

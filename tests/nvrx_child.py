@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.recovery_engines import NVRX_TIMEOUTS  # noqa: E402 - the benchmark's NVRx timeouts
+from benchmarks.engine_workers import NVRX_TIMEOUTS  # noqa: E402 - the benchmark's NVRx timeouts
 from ckpt.inprocess.runner import Context, Recovery  # noqa: E402
 from ckpt.integrations.nvrx import run  # noqa: E402
 

@@ -2,8 +2,8 @@
 was not run (the engines themselves run in their own venv: docs/research/recovery-engines.md)."""
 from __future__ import annotations
 
-from benchmarks.recovery_bench import median_row
 from benchmarks.recovery_engines import CASES, ENGINES, rows
+from benchmarks.recovery_rows import median_row
 
 
 def test_an_engine_that_is_not_there_gives_skipped_rows_that_say_why(tmp_path):
