@@ -72,6 +72,12 @@ class Trace:
     burn_in_merged: int = 0
     raw_faults: int = 0
     kinds: dict[str, int] = field(default_factory=dict)  # class -> outages
+    faults: dict[str, list[Outage]] = field(default_factory=dict)  # as recorded, before merging
+    unnamed: int = 0  # fault-free nodes added for --fleet-size (named fault-free-<i>, last in ``nodes``)
+
+    @property
+    def named_nodes(self) -> list[str]:
+        return self.nodes[: len(self.nodes) - self.unnamed]
 
     @property
     def all_outages(self) -> list[Outage]:
@@ -79,9 +85,12 @@ class Trace:
 
     def before(self, day: float) -> Trace:
         """The trace as known at ``day``: outages begun before it, those still open cut open."""
-        cut = {n: [o if o.end < day else Outage(o.node, o.start, math.inf, o.kind, o.cls)
-                   for o in os_ if o.start < day] for n, os_ in self.outages.items()}
-        return Trace({n: v for n, v in cut.items() if v}, self.nodes, day, self.source)
+        def cut(by_node: dict[str, list[Outage]]) -> dict[str, list[Outage]]:
+            kept = {n: [o if o.end < day else Outage(o.node, o.start, math.inf, o.kind, o.cls)
+                        for o in os_ if o.start < day] for n, os_ in by_node.items()}
+            return {n: v for n, v in kept.items() if v}
+
+        return Trace(cut(self.outages), self.nodes, day, self.source, faults=cut(self.faults), unnamed=self.unnamed)
 
 
 def _merge(raw: list[Outage]) -> tuple[list[Outage], int]:
@@ -110,15 +119,18 @@ def _build(raw: list[Outage], named: set[str], fleet: int | None, days: float | 
         merged[node], b = _merge(os_)
         burn_in += b
     nodes = sorted(named | set(by_node))
+    unnamed = 0
     if fleet is not None:
         if fleet < len(nodes):
             raise TraceError(f"{source}: --fleet-size {fleet} is smaller than the {len(nodes)} nodes the trace names")
-        nodes += [f"fault-free-{i}" for i in range(fleet - len(nodes))]
+        unnamed = fleet - len(nodes)
+        nodes += [f"fault-free-{i}" for i in range(unnamed)]
     end = max(max(o.start, o.end if math.isfinite(o.end) else o.start) for o in raw)
     kinds: dict[str, int] = {}
     for o in (o for os_ in merged.values() for o in os_):
         kinds[o.cls] = kinds.get(o.cls, 0) + 1
-    return Trace(merged, nodes, days if days is not None else end, source, burn_in, len(raw), kinds)
+    return Trace(merged, nodes, days if days is not None else end, source, burn_in, len(raw), kinds,
+                 {n: sorted(os_, key=lambda o: o.start) for n, os_ in by_node.items()}, unnamed)
 
 
 def _read_json(path: Path) -> tuple[list[Outage], set[str]]:

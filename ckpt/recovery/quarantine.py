@@ -14,10 +14,13 @@ The record is a JSON file per job beside the checkpoints (``<root>/quarantine-<r
 node-local or shared; one writer per node, under a lock). A launch script can keep a
 quarantined node's agent from joining at all (``python -m ckpt.quarantine check``, exit
 88), and an operator clears a node once repaired (``python -m ckpt.quarantine clear``).
+``check --ranking SCORES.csv --top K`` also holds the K riskiest nodes of a fault-history
+ranking (``predictor nodes rank``'s ``node_id,probability``) out before they fail again.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import fcntl
 import json
 import logging
@@ -95,6 +98,16 @@ def quarantined(strikes: dict[str, list[dict]], *, limit: int, window_s: float,
     now = time.time() if now is None else now
     recent = {node: [s for s in ss if -_CLOCK_SKEW_S <= now - s["t"] <= window_s] for node, ss in strikes.items()}
     return {node: ss for node, ss in recent.items() if limit > 0 and len(ss) >= limit}
+
+
+def ranked(path: Path, top: int) -> dict[str, float]:
+    """The ``top`` riskiest nodes of a ranking CSV (``node_id,probability``), with their probability."""
+    try:
+        with path.open(newline="") as f:
+            rows = [(r["node_id"], float(r["probability"])) for r in csv.DictReader(f)]
+    except (OSError, KeyError, ValueError, TypeError, csv.Error) as e:
+        raise ValueError(f"{path}: not a node ranking (node_id,probability): {e!r}") from None
+    return dict(sorted(rows, key=lambda r: -r[1])[:top])
 
 
 def write(path: Path, strikes: dict[str, list[dict]]) -> None:
@@ -178,9 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node", default=None)
     ap.add_argument("--strikes", type=int, default=3, help="strikes that quarantine a node (HangDetection's)")
     ap.add_argument("--window-s", type=float, default=3600.0)
+    ap.add_argument("--ranking", default=None, help="a node ranking CSV (node_id,probability: predictor nodes rank)")
+    ap.add_argument("--top", type=int, default=0, help="with --ranking: its top nodes are quarantined too")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     path = Path(args.record)
+    try:
+        risky = ranked(Path(args.ranking), args.top) if args.ranking else {}
+    except ValueError as e:
+        ap.exit(2, f"error: {e}\n")
     if args.command != "list" and not args.node:
         ap.error(f"{args.command} needs --node")
     if args.command == "clear":
@@ -190,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     strikes = read(path)
     out = quarantined(strikes, limit=args.strikes, window_s=args.window_s)
+    out |= {n: [{"t": time.time(), "cause": f"ranked among the top {args.top} (probability {p:.3f})",
+                 "restart": "ranking"}] for n, p in risky.items() if n not in out}
     if args.command == "check":
         held = args.node in out
         print(json.dumps({"node": args.node, "quarantined": held, "strikes": out.get(args.node, [])}) if args.json
@@ -198,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"strikes": strikes, "quarantined": sorted(out)}))
     else:
-        for node, ss in sorted(strikes.items()):
+        for node, ss in sorted(({n: out[n] for n in risky} | strikes).items()):
             print(f"{node}: {len(ss)} strike(s){' QUARANTINED' if node in out else ''}; last: {ss[-1]['cause']}")
     return 0
 
