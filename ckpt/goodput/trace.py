@@ -74,6 +74,8 @@ class Trace:
     kinds: dict[str, int] = field(default_factory=dict)  # class -> outages
     faults: dict[str, list[Outage]] = field(default_factory=dict)  # as recorded, before merging
     unnamed: int = 0  # fault-free nodes added for --fleet-size (named fault-free-<i>, last in ``nodes``)
+    declared: frozenset[str] = frozenset()  # named by a CSV row with an empty start: in the fleet from day 0
+    fixed_fleet: bool = False  # the fleet's size is known (--fleet-size, the JSON's 400): it holds at any cut
 
     @property
     def named_nodes(self) -> list[str]:
@@ -84,13 +86,18 @@ class Trace:
         return sorted((o for os_ in self.outages.values() for o in os_), key=lambda o: (o.start, o.node))
 
     def before(self, day: float) -> Trace:
-        """The trace as known at ``day``: outages begun before it, those still open cut open."""
+        """The trace as known at ``day``: outages begun before it, those still open cut open; a
+        node first named later is not in the fleet yet (a fault-free one, where its size is fixed)."""
         def cut(by_node: dict[str, list[Outage]]) -> dict[str, list[Outage]]:
             kept = {n: [o if o.end < day else Outage(o.node, o.start, math.inf, o.kind, o.cls)
                         for o in os_ if o.start < day] for n, os_ in by_node.items()}
             return {n: v for n, v in kept.items() if v}
 
-        return Trace(cut(self.outages), self.nodes, day, self.source, faults=cut(self.faults), unnamed=self.unnamed)
+        faults = cut(self.faults)
+        nodes = [n for n in self.named_nodes if n in faults or n in self.declared]
+        pad = len(self.nodes) - len(nodes) if self.fixed_fleet else 0
+        return Trace(cut(self.outages), nodes + [f"fault-free-{i}" for i in range(pad)], day, self.source,
+                     faults=faults, unnamed=pad, declared=self.declared, fixed_fleet=self.fixed_fleet)
 
 
 def _merge(raw: list[Outage]) -> tuple[list[Outage], int]:
@@ -130,7 +137,8 @@ def _build(raw: list[Outage], named: set[str], fleet: int | None, days: float | 
     for o in (o for os_ in merged.values() for o in os_):
         kinds[o.cls] = kinds.get(o.cls, 0) + 1
     return Trace(merged, nodes, days if days is not None else end, source, burn_in, len(raw), kinds,
-                 {n: sorted(os_, key=lambda o: o.start) for n, os_ in by_node.items()}, unnamed)
+                 {n: sorted(os_, key=lambda o: o.start) for n, os_ in by_node.items()}, unnamed,
+                 frozenset(named), fleet is not None)
 
 
 def _read_json(path: Path) -> tuple[list[Outage], set[str]]:
@@ -183,8 +191,8 @@ def _read_csv(path: Path) -> tuple[list[Outage], set[str]]:
         node, start, end, kind = ((r[c] or "").strip() for c in CSV_COLUMNS)
         if not node:
             raise TraceError(f"{path}:{line}: empty node")
-        named.add(node)
         if not start:
+            named.add(node)
             continue
         try:
             times = _time(start), (_time(end) if end else None)
