@@ -27,6 +27,23 @@ FEATURES = ("log_faults", "had_fault", "faults_30d", "faults_90d", "log_days_sin
             "down_now", "log_down_days", "stress_tests", "rate_per_100d", "decay_7d", "decay_30d", "log_open_days")
 
 
+TERMS = ("fault_last_7d", "fault_7_30d_ago", "fault_30_90d_ago", "fault_over_90d_ago", "one_fault", "two_faults",
+         "three_to_five_faults", "six_faults_or_more", "repaired_last_7d", "repaired_7_30d_ago", "down_under_7d",
+         "down_7d_or_more", "had_stress_test")
+
+
+def design(x: np.ndarray) -> np.ndarray:
+    """The model's terms (``TERMS``, 0/1) from the features."""
+    c = lambda name: x[:, FEATURES.index(name)]  # noqa: E731
+    since, n, rep = np.expm1(c("log_days_since_fault")), np.expm1(c("log_faults")).round(), \
+        np.expm1(c("log_days_since_repair"))
+    up, down_for = c("down_now") == 0, np.expm1(c("log_open_days"))
+    return np.column_stack([
+        since < 7, (since >= 7) & (since < 30), (since >= 30) & (since < 90), (since >= 90) & (n > 0),
+        n == 1, n == 2, (n >= 3) & (n < 6), n >= 6, (rep < 7) & up, (rep >= 7) & (rep < 30) & up,
+        ~up & (down_for < 7), ~up & (down_for >= 7), c("stress_tests") > 0]).astype(float)
+
+
 def features(known: Trace, nodes: list[str], t: float) -> np.ndarray:
     """Each node's history as of ``t`` (faults begun before ``t`` only)."""
     rows = []
@@ -90,11 +107,11 @@ def rank(trace: Trace, at: float, horizon_days: float, step_days: float = STEP_D
     if y.sum() < 5 or y.sum() == len(y):
         raise ValueError(f"{int(y.sum())} of {len(y)} landmark rows had a fault within {horizon_days:g} days: "
                          "too few to fit")
-    model = make_pipeline(StandardScaler(), LogisticRegression(C=0.1, max_iter=2000))
-    model.fit(x, y)
+    model = make_pipeline(StandardScaler(), LogisticRegression(C=0.1, max_iter=3000))
+    model.fit(design(x), y)
     nodes = known.nodes
-    p = model.predict_proba(features(known, nodes, at))[:, 1]
-    absent = float(model.predict_proba(features(known, ["(absent)"], at))[:, 1][0])
+    p = model.predict_proba(design(features(known, nodes, at)))[:, 1]
+    absent = float(model.predict_proba(design(features(known, ["(absent)"], at)))[:, 1][0])
     return NodeRisk(at, horizon_days, nodes, p, absent, len(y), int(y.sum()))
 
 
