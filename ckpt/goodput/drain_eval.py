@@ -12,13 +12,13 @@ the lift is over that.
 """
 from __future__ import annotations
 
-import csv
 import math
 import random
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from ..recovery.quarantine import ranked
 from .trace import Trace, TraceError
 
 START_DAY = 60.0  # the first decision: enough history to rank on
@@ -33,15 +33,6 @@ def past_faults(known: Trace, day: float) -> dict[str, float]:
             for n, os_ in known.outages.items()}
 
 
-def read_ranking(path: Path) -> dict[str, float]:
-    """``node_id,probability`` rows (``predictor nodes rank --out``)."""
-    try:
-        with path.open(newline="") as f:
-            return {r["node_id"]: float(r["probability"]) for r in csv.DictReader(f)}
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise TraceError(f"{path}: not a node ranking (node_id,probability): {e!r}") from None
-
-
 def from_folder(folder: Path) -> Ranking:
     """Rankings read from ``folder/at_<DAY>.csv``, one per decision day."""
     def rank(known: Trace, day: float) -> dict[str, float]:
@@ -49,7 +40,10 @@ def from_folder(folder: Path) -> Ranking:
         if not path.exists():
             raise TraceError(f"{path} missing: make it with `predictor nodes rank --faults {known.source} "
                              f"--at {day:g} --out {path}`")
-        return read_ranking(path)
+        try:
+            return ranked(path)
+        except ValueError as e:
+            raise TraceError(str(e)) from None
     return rank
 
 

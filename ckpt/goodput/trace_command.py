@@ -7,6 +7,7 @@ simulator's own ((a)-(f), built by its ``build``), at the job's size.
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from collections.abc import Callable
@@ -102,6 +103,12 @@ def run_trace(opts: dict, build: Callable[[Run], list[Strategy]], run: Run, seed
     try:
         trace = read_trace(opts["fault_trace"], opts["fleet_size"], opts["trace_days"])
         fixed = _fixed(opts["place"])
+        unknown = sorted(set(fixed or ()) - set(trace.nodes))
+        if unknown:
+            raise TraceError(f"--place names nodes not in the fleet: {', '.join(unknown[:5])}")
+        if fixed is not None and len(fixed) < opts["job_nodes"] + opts["spares"]:
+            raise TraceError(f"--place lists {len(fixed)} nodes; the job and its spares need "
+                             f"{opts['job_nodes'] + opts['spares']}")
     except (TraceError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
@@ -135,9 +142,20 @@ def run_trace(opts: dict, build: Callable[[Run], list[Strategy]], run: Run, seed
     if opts["quarantine_top"] or opts["quarantine_days"]:
         lines += ["", *_drains(trace, opts, build, run, n, seed, payload)]
     if as_json:
-        click.echo(json.dumps(payload, indent=2, default=lambda x: None))
+        click.echo(json.dumps(_finite(payload), indent=2))
     else:
         click.echo("\n".join(lines))
+
+
+def _finite(x: object) -> object:
+    """``x`` with every infinite or NaN float as None: strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _describe(trace: Trace, fit: PoissonFit) -> dict:

@@ -100,8 +100,9 @@ def quarantined(strikes: dict[str, list[dict]], *, limit: int, window_s: float,
     return {node: ss for node, ss in recent.items() if limit > 0 and len(ss) >= limit}
 
 
-def ranked(path: Path, top: int) -> dict[str, float]:
-    """The ``top`` riskiest nodes of a ranking CSV (``node_id,probability``), with their probability."""
+def ranked(path: Path, top: int | None = None) -> dict[str, float]:
+    """The ``top`` riskiest nodes (default: all) of a ranking CSV (``node_id,probability``,
+    ``predictor nodes rank``'s), riskiest first, with their probability."""
     try:
         with path.open(newline="") as f:
             rows = [(r["node_id"], float(r["probability"])) for r in csv.DictReader(f)]

@@ -99,11 +99,10 @@ def evaluate(faults_path: str, cuts: tuple[float, ...], horizon_days: float, res
 @_json_opt
 def drain(scores: Path, top: int, as_json: bool) -> None:
     """The drain list from a ranking: its top nodes, riskiest first (feed them to `predictor act drain`)."""
+    from ckpt.recovery.quarantine import ranked
     try:
-        with scores.open(newline="") as f:
-            rows = sorted(((r["node_id"], float(r["probability"])) for r in csv.DictReader(f)), key=lambda r: -r[1])
-    except (KeyError, ValueError, TypeError, csv.Error) as e:
-        raise BadInput(f"{scores}: not a node ranking (node_id,probability): {e!r}") from None
-    picked = [{"node": n, "probability": p} for n, p in rows[:top]]
+        picked = [{"node": n, "probability": p} for n, p in ranked(scores, top).items()]
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     click.echo(json.dumps({"nodes": picked}, indent=1) if as_json else
                "\n".join(f"{d['node']}  {d['probability']:.2%}" for d in picked))
