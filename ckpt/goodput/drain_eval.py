@@ -106,6 +106,7 @@ def evaluate(trace: Trace, tops: tuple[int, ...], days: tuple[float, ...], rank:
 
 
 def table(res: dict) -> str:
+    """``evaluate``'s settings as a Markdown table."""
     rows = ["| drain top k | for D days | windows | faults in them | avoided | random drain | lift [95 %] "
             "| healthy node-days drained | node-days per fault avoided | net node-days saved |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

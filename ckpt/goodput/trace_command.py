@@ -83,6 +83,7 @@ TRACE_KEYS = ("fault_trace", "fleet_size", "trace_days", "job_nodes", "spares", 
 
 
 def trace_options(command: Callable) -> Callable:
+    """``TRACE_OPTIONS`` on ``command``, in their order."""
     for option in reversed(TRACE_OPTIONS):
         command = option(command)
     return command
