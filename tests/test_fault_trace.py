@@ -159,25 +159,25 @@ def test_node_ranking_reads_nothing_at_or_after_its_day(tmp_path: Path) -> None:
 
 def test_nodes_rank_cli_and_the_quarantine_hook(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
-    from predictor.hazard.nodes_cli import nodes
+    from predictor.cli import main as predictor
     p, scores, fleet = tmp_path / "h.csv", tmp_path / "s.csv", tmp_path / "fleet.txt"
     _synthetic(p)
     fleet.write_text("n0\nnever-seen\n")
-    out = CliRunner().invoke(nodes, ["rank", "--faults", str(p), "--at", "100", "--horizon-days", "14", "--out",
-                                     str(scores), "--nodes", str(fleet), "--json"])
+    out = CliRunner().invoke(predictor, ["nodes", "rank", "--faults", str(p), "--at", "100", "--horizon-days", "14",
+                                         "--out", str(scores), "--nodes", str(fleet), "--json"])
     assert out.exit_code == 0, out.output
     summary = json.loads(out.output)
     rows = list(csv.DictReader(scores.open()))
     assert list(rows[0]) == ["node_id", "probability"] and len(rows) == 41
     assert rows[-1] == {"node_id": "never-seen", "probability": f"{summary['absent_node_probability']:.6f}"}
-    out = CliRunner().invoke(nodes, ["drain", "--scores", str(scores), "--top", "3", "--json"])
+    out = CliRunner().invoke(predictor, ["nodes", "drain", "--scores", str(scores), "--top", "3", "--json"])
     assert [d["node"] for d in json.loads(out.output)["nodes"]] == [r["node_id"] for r in rows[:3]]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     check = [sys.executable, "-m", "ckpt.quarantine", "check", "--record", str(tmp_path / "q.json"), "--ranking",
              str(scores), "--top", "3", "--node"]
     assert subprocess.run([*check, rows[0]["node_id"]], env=env, capture_output=True).returncode == 88
     assert subprocess.run([*check, rows[-1]["node_id"]], env=env, capture_output=True).returncode == 0
-    bad = CliRunner().invoke(nodes, ["rank", "--faults", str(p), "--at", "10", "--out", str(scores)])
+    bad = CliRunner().invoke(predictor, ["nodes", "rank", "--faults", str(p), "--at", "10", "--out", str(scores)])
     assert bad.exit_code == 2 and "too short" in bad.output
 
 

@@ -1,4 +1,5 @@
-"""`predictor nodes rank / evaluate / drain`: node risk from a fault history (docs/fault-trace.md)."""
+"""`predictor nodes rank / evaluate / drain`: node risk from a fault history (docs/fault-trace.md); the
+work is in ``predictor.hazard.node_risk`` and ``node_eval``."""
 from __future__ import annotations
 
 import csv
