@@ -100,7 +100,7 @@ def test_spare_sizing_plot_and_drains(tmp_path: Path) -> None:
     assert res["quarantine"]["settings"] == [] and res["quarantine"]["supported"] is None  # 21 days: no window
 
 
-def _synthetic(path: Path, seed: int = 1, nodes: int = 40, days: float = 150.0) -> None:
+def _synthetic(path: Path, seed: int = 1, nodes: int = 40, days: float = 150.0, declare: bool = True) -> None:
     """A history with a few lemons: nodes fault at different rates, repairs of 0.5-6 days."""
     rng = random.Random(seed)
     with path.open("w", newline="") as f:
@@ -108,7 +108,8 @@ def _synthetic(path: Path, seed: int = 1, nodes: int = 40, days: float = 150.0) 
         w.writerow(["node", "start", "end", "kind"])
         for n in range(nodes):
             rate, t = (1 / 10 if n < 5 else 1 / 60), 0.0
-            w.writerow([f"n{n}", "", "", ""])
+            if declare:
+                w.writerow([f"n{n}", "", "", ""])
             while (t := t + rng.expovariate(rate)) < days:
                 end = t + rng.uniform(0.5, 6)
                 w.writerow([f"n{n}", f"{t:.3f}", f"{end:.3f}" if end < days else "", rng.choice(["GPU", "NIC"])])
@@ -155,6 +156,18 @@ def test_node_ranking_reads_nothing_at_or_after_its_day(tmp_path: Path) -> None:
     assert a.absent_probability == b.absent_probability < max(a.probability)
     lemons = [named[f"n{i}"] for i in range(5)]
     assert sum(lemons) / 5 > sum(named.values()) / len(named)  # the lemons rank above the fleet on average
+
+
+def test_evaluation_judges_the_whole_fleet_nodes_first_named_later_included(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    from predictor.hazard.node_eval import evaluate
+    p = tmp_path / "h.csv"
+    _synthetic(p, declare=False)
+    t = read_trace(p)
+    split = evaluate(t, [60.0], 14.0, resamples=10)["splits"][0]
+    later = [n for n in t.nodes if min(f.start for f in t.faults[n]) >= 60]
+    assert later and split["nodes"] == len(t.nodes)
+    assert split["faulted"] == sum(any(60 <= f.start < 74 for f in t.faults[n]) for n in t.nodes)
 
 
 def test_nodes_rank_cli_and_the_quarantine_hook(tmp_path: Path) -> None:

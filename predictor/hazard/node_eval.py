@@ -49,11 +49,12 @@ def evaluate(trace: Trace, cuts: list[float], horizon_days: float, resamples: in
             raise ValueError(f"cut {at:g} + {horizon_days:g} days passes the history's end ({trace.days:g})")
         progress(f"cut at day {at:g}: fitting")
         risk = rank(trace, at, horizon_days)
-        y = faulted(trace, risk.nodes, at, horizon_days)
-        scores = {"model": risk.probability, **baselines(trace, risk.nodes, at)}
+        nodes = trace.nodes  # the whole fleet: a node first named after the cut is one fault-free at it
+        y = faulted(trace, nodes, at, horizon_days)
+        scores = {"model": risk.of(nodes), **baselines(trace, nodes, at)}
         cut, node = np.full(len(y), at), np.arange(len(y))
         splits.append({"at": at, "nodes": len(y), "faulted": int(y.sum()), "base_rate": float(y.mean()),
-                       "train_rows": risk.train_rows, "mean_probability": float(risk.probability.mean()),
+                       "train_rows": risk.train_rows, "mean_probability": float(scores["model"].mean()),
                        "rankings": {k: _with_intervals(y, s, cut, node, resamples, seed) for k, s in scores.items()}})
         for k, s in scores.items():
             rows[k].append(s)

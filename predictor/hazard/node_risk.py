@@ -99,6 +99,12 @@ class NodeRisk:
     def order(self) -> np.ndarray:
         return np.argsort(-self.probability, kind="stable")
 
+    def of(self, nodes: list[str]) -> np.ndarray:
+        """The probability of each of ``nodes``: a node not in the fleet at ``at`` (first named
+        later) had no fault by then, and scores ``absent_probability``."""
+        known = dict(zip(self.nodes, self.probability))
+        return np.array([known.get(n, self.absent_probability) for n in nodes], float)
+
 
 def rank(trace: Trace, at: float, horizon_days: float, step_days: float = STEP_DAYS) -> NodeRisk:
     """Fit on the history before ``at`` and score every node of the fleet as of ``at``."""
