@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from ckpt.goodput.command import simulate_cmd
 from ckpt.goodput.replay import PoissonFit, replay
-from ckpt.goodput.trace import TraceError, classify, read_trace
+from telemetry.faults import TraceError, classify, read_trace
 
 HERE = Path(__file__).parent
 SMALL = HERE / "data" / "faults_small.csv"

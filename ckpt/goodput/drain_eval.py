@@ -18,8 +18,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from ..recovery.quarantine import ranked
-from .trace import Trace, TraceError
+from telemetry.faults import Trace, TraceError, ranked
 
 START_DAY = 60.0  # the first decision: enough history to rank on
 TOPS = (5, 10, 20, 40)

@@ -15,7 +15,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from .trace import Outage, Trace
+from telemetry.faults import Outage, Trace
 
 WHEN_SHORT = ("wait", "shrink")
 PLACEMENTS = ("random", "fixed", "fleet")

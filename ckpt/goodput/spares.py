@@ -14,8 +14,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from telemetry.faults import Outage, Trace
+
 from .replay import Played, replay
-from .trace import Outage, Trace
 
 TARGET = 0.99
 SIZES = (64, 128, 256)

@@ -6,6 +6,7 @@ simulator's own ((a)-(f), built by its ``build``), at the job's size.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import click
 
+from telemetry.faults import Trace, TraceError, read_trace
+
 from . import drain_eval, spares
 from .model import Run, Strategy, analytic
 from .replay import PLACEMENTS, WHEN_SHORT, PoissonFit, achievable, place, replay
-from .trace import Trace, TraceError, read_trace
 from .trace_ettr import side_by_side, summarise
 
 SIZING_POLICIES = ("b", "f")  # the sizing table's ETTR: relaunch from our tiers, and all of ours in-process
@@ -101,6 +103,9 @@ def interruption_cost_s(run: Run, s: Strategy) -> float:
 
 def run_trace(opts: dict, build: Callable[[Run], list[Strategy]], run: Run, seed: int, as_json: bool) -> None:
     """Load the trace and answer what was asked: the replay, the sizing, the drains."""
+    if opts["plot"] and importlib.util.find_spec("matplotlib") is None:
+        click.echo("error: --plot needs matplotlib: pip install 'ckpt-guard[hazard]'", err=True)
+        sys.exit(1)
     try:
         trace = read_trace(opts["fault_trace"], opts["fleet_size"], opts["trace_days"])
         fixed = _fixed(opts["place"])
@@ -201,11 +206,6 @@ def _sizing(trace: Trace, opts: dict, build: Callable, gpn: int, pre: float, see
     lines = [f"Smallest warm-spare pool for full size >= {spares.TARGET:.0%} of the time ({opts['when_short']} "
              f"when short; {opts['resamples']} bootstrap resamples of the servers):", "", *rows]
     if opts["plot"]:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            click.echo("error: --plot needs matplotlib: pip install 'ckpt-guard[hazard]'", err=True)
-            sys.exit(1)
         spares.plot(sizes, trace, seed, max(20, opts["placements"] // 2), opts["plot"], opts["when_short"])
         lines += ["", f"plot: {opts['plot']}"]
         payload["spare_sizing"]["plot"] = opts["plot"]

@@ -20,7 +20,6 @@ ranking (``predictor nodes rank``'s ``node_id,probability``) out before they fai
 from __future__ import annotations
 
 import argparse
-import csv
 import fcntl
 import json
 import logging
@@ -32,6 +31,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
+
+from telemetry.faults import ranked
 
 from ..errors import ManifestError
 from ..format.bounded_json import loads_bounded
@@ -98,17 +99,6 @@ def quarantined(strikes: dict[str, list[dict]], *, limit: int, window_s: float,
     now = time.time() if now is None else now
     recent = {node: [s for s in ss if -_CLOCK_SKEW_S <= now - s["t"] <= window_s] for node, ss in strikes.items()}
     return {node: ss for node, ss in recent.items() if limit > 0 and len(ss) >= limit}
-
-
-def ranked(path: Path, top: int | None = None) -> dict[str, float]:
-    """The ``top`` riskiest nodes (default: all) of a ranking CSV (``node_id,probability``,
-    ``predictor nodes rank``'s), riskiest first, with their probability."""
-    try:
-        with path.open(newline="") as f:
-            rows = [(r["node_id"], float(r["probability"])) for r in csv.DictReader(f)]
-    except (OSError, KeyError, ValueError, TypeError, csv.Error) as e:
-        raise ValueError(f"{path}: not a node ranking (node_id,probability): {e!r}") from None
-    return dict(sorted(rows, key=lambda r: -r[1])[:top])
 
 
 def write(path: Path, strikes: dict[str, list[dict]]) -> None:

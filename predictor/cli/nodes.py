@@ -25,7 +25,7 @@ class BadInput(click.ClickException):
 
 
 def _trace(path: str, fleet: int | None, days: float | None = None):
-    from ckpt.goodput.trace import TraceError, read_trace
+    from telemetry.faults import TraceError, read_trace
     try:
         return read_trace(path, fleet, days)
     except TraceError as e:
@@ -100,7 +100,7 @@ def evaluate(faults_path: str, cuts: tuple[float, ...], horizon_days: float, res
 @_json_opt
 def drain(scores: Path, top: int, as_json: bool) -> None:
     """The drain list from a ranking: its top nodes, riskiest first (feed them to `predictor act drain`)."""
-    from ckpt.recovery.quarantine import ranked
+    from telemetry.faults import ranked
     try:
         picked = [{"node": n, "probability": p} for n, p in ranked(scores, top).items()]
     except ValueError as e:

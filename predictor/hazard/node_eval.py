@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ckpt.goodput.trace import Trace
 from predictor.hazard.evaluation import auc, precision_at_top
 from predictor.hazard.node_risk import baselines, faulted, rank
+from telemetry.faults import Trace
 
 TOP_SHARE = 0.10
 RANKINGS = ("model", "past_faults", "recency")

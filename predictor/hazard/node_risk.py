@@ -2,7 +2,7 @@
 days of a day, learned only from what was recorded before that day.
 
 The history is ``ckpt simulate --fault-trace``'s (the InfiniteHBD JSON or the CSV
-``node,start,end,kind``; one reader, ``ckpt.goodput.trace``). ``rank`` cuts the history at
+``node,start,end,kind``; one reader, ``telemetry.faults``). ``rank`` cuts the history at
 ``at`` first and never looks past it: landmarks every ``STEP_DAYS`` up to ``at − H`` give each
 node's features as of the landmark and whether it faulted within the H days after it (all
 inside the known history), as the Titan hazard model trains (``training.landmark_set``). A
@@ -19,7 +19,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from ckpt.goodput.trace import Trace
+from telemetry.faults import Trace
 
 STEP_DAYS = 7.0
 FIRST_DAY = 14.0  # the first landmark: a fortnight of history

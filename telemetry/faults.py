@@ -1,5 +1,5 @@
 """A fleet's node fault history, read for replay: which node was out when, and which outages
-would have stopped a job running on it.
+would have stopped a job running on it; and a node ranking made from it (``ranked``).
 
 Two formats (docs/fault-trace.md): the InfiniteHBD trace's JSON (stepfun-ai/InfiniteHBD-Trace:
 a list of ``fault_start``/``fault_end`` events with ``node_id``, ``event_time`` in days and a
@@ -221,3 +221,14 @@ def read_trace(path: str | Path, fleet: int | None = None, days: float | None = 
     if fleet is None and is_json:
         fleet = max(INFINITEHBD_FLEET, len({o.node for o in raw}))
     return _build(raw, named, fleet, days, str(path))
+
+
+def ranked(path: Path, top: int | None = None) -> dict[str, float]:
+    """The ``top`` riskiest nodes (default: all) of a ranking CSV (``node_id,probability``,
+    ``predictor nodes rank``'s), riskiest first, with their probability."""
+    try:
+        with path.open(newline="") as f:
+            rows = [(r["node_id"], float(r["probability"])) for r in csv.DictReader(f)]
+    except (OSError, KeyError, ValueError, TypeError, csv.Error) as e:
+        raise ValueError(f"{path}: not a node ranking (node_id,probability): {e!r}") from None
+    return dict(sorted(rows, key=lambda r: -r[1])[:top])
