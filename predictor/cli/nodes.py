@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import click
@@ -74,8 +75,8 @@ def rank(faults_path: str, at: float, horizon_days: float, out: Path, nodes_path
 
 @nodes.command()
 @_faults_opt
-@click.option("--at", "cuts", multiple=True, type=float, default=(90.0, 120.0, 150.0, 180.0, 209.0),
-              show_default=True, help="cuts: learn before each, judge on the horizon after (repeatable)")
+@click.option("--at", "cuts", multiple=True, type=float, help="cuts: learn before each, judge on the horizon after "
+              "(repeatable; default: day 90, then every 30 days while the horizon fits, and the last that fits)")
 @_horizon_opt
 @click.option("--resamples", default=200, show_default=True, type=click.IntRange(min=10))
 @_fleet_opt
@@ -85,8 +86,11 @@ def evaluate(faults_path: str, cuts: tuple[float, ...], horizon_days: float, res
     """The ranking against past-fault counts and recency on earlier cuts: AUC, top-10 % precision, intervals."""
     from predictor.hazard import node_eval
     trace = _trace(faults_path, fleet_size)
+    if not cuts:
+        last = math.floor(trace.days - horizon_days)
+        cuts = tuple(range(90, last, 30)) + ((last,) if last >= 90 else ())
     try:
-        res = node_eval.evaluate(trace, list(cuts), horizon_days, resamples,
+        res = node_eval.evaluate(trace, [float(c) for c in cuts], horizon_days, resamples,
                                  progress=lambda m: click.echo(m, err=True))
     except ValueError as e:
         raise BadInput(str(e)) from None

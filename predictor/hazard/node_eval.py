@@ -42,6 +42,9 @@ def _with_intervals(y: np.ndarray, score: np.ndarray, cut: np.ndarray, node: np.
 def evaluate(trace: Trace, cuts: list[float], horizon_days: float, resamples: int = 200, seed: int = 0,
              progress: Callable[[str], None] = lambda _: None) -> dict:
     """Per cut and pooled: each ranking's AUC and top-decile precision with intervals."""
+    if not cuts:
+        raise ValueError(f"no cut from day 90 leaves {horizon_days:g} days to judge on before the history's end "
+                         f"({trace.days:g})")
     rows: dict[str, list] = {k: [] for k in (*RANKINGS, "y", "cut", "node")}
     splits = []
     for at in cuts:
