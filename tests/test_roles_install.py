@@ -38,7 +38,7 @@ FIRST_PARTY = {"agents", "predictor", "telemetry"}
 ROLES = {"agent": (("agents", "telemetry"), "agents"), "predictor": (("predictor", "telemetry"), "predictor")}
 #: the extra a module of the checkpoint engine needs, where it is not [train]
 ENGINE_EXTRAS = {"integrations/lightning.py": "lightning", "integrations/huggingface.py": "hf",
-                 "integrations/nvrx.py": "nvrx"}
+                 "integrations/nvrx.py": "nvrx", "goodput/spares.py": "hazard"}  # spares: its --plot
 #: a role's modules that need more than the role's extra (plots: [hazard])
 ROLE_EXTRAS = {"predictor/hazard/paper.py": "hazard"}
 

@@ -19,6 +19,7 @@ from .model import Run, analytic, monte_carlo
 from .report import inprocess_table, phases_table, reads_table, restart_phases, table
 from .restart import RestartCosts
 from .sensitivity import best_over_a, grid_tables, grids, inprocess_grids, inprocess_tables
+from .trace_command import TRACE_KEYS, run_trace, trace_options
 
 TARGET = 0.5  # issue 7: (c)'s waste at most half of (a)'s
 BEST_TARGET = 0.4  # issue 17: the best checkpoint policy's waste at most 0.4 of (a)'s, at --objstore-gbps 1
@@ -103,6 +104,7 @@ def _restart_options(command: Callable) -> Callable:
               "relaunch, the new process group and the snapshot cost.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_restart_options
+@trace_options
 def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, gpu_failure_share: float,
                  precursor_share: float, gpus_per_node: int, state_gb_per_gpu: float,
                  bench: str | None, objstore_bench: str | None, predictor_eval: str | None,
@@ -111,7 +113,10 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
     """ETTR and waste (stalls, lost work, restarts) of (a) DCP to the object store,
     (b) our tiers, (c) our tiers + the failure predictor, (d) our tiers + peer replicas +
     the predictor, (e) (d) with fail-fast, (f) (e) recovering in-process, each at its
-    optimal interval; which copy each restart reads, and what each restart's phases cost."""
+    optimal interval; which copy each restart reads, and what each restart's phases cost.
+    With --fault-trace: the same strategies on a job replayed through a real fault history
+    (docs/fault-trace.md)."""
+    trace_opts = {k: restart_phases_s.pop(k) for k in TRACE_KEYS}
     try:
         run = Run(gpus, days, failures, host_down_share, gpu_failure_share, precursor_share, gpus_per_node)
         restart = RestartCosts(**{f.name: restart_phases_s[f.name] for f in fields(RestartCosts)})
@@ -130,6 +135,9 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
     except (OSError, ValueError, KeyError, TypeError) as e:
         click.echo(f"error: unusable input: {e!r}", err=True)
         sys.exit(1)
+    if trace_opts["fault_trace"]:
+        return run_trace(trace_opts, lambda r: inputs.strategies(
+            r, *sources, state_gb_per_gpu, objstore_gbps, peer_gbps, restart, inprocess), run, seed, as_json)
     outcomes = [analytic(run, s) for s in strategies]
     played = [monte_carlo(run, s, plays, seed) for s in strategies] if plays else []
     ratio = outcomes[2].waste / outcomes[0].waste

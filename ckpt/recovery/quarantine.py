@@ -14,6 +14,8 @@ The record is a JSON file per job beside the checkpoints (``<root>/quarantine-<r
 node-local or shared; one writer per node, under a lock). A launch script can keep a
 quarantined node's agent from joining at all (``python -m ckpt.quarantine check``, exit
 88), and an operator clears a node once repaired (``python -m ckpt.quarantine clear``).
+``check --ranking SCORES.csv --top K`` also holds the K riskiest nodes of a fault-history
+ranking (``predictor nodes rank``'s ``node_id,probability``) out before they fail again.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
+
+from telemetry.faults import ranked
 
 from ..errors import ManifestError
 from ..format.bounded_json import loads_bounded
@@ -178,9 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node", default=None)
     ap.add_argument("--strikes", type=int, default=3, help="strikes that quarantine a node (HangDetection's)")
     ap.add_argument("--window-s", type=float, default=3600.0)
+    ap.add_argument("--ranking", default=None, help="a node ranking CSV (node_id,probability: predictor nodes rank)")
+    ap.add_argument("--top", type=int, default=0, help="with --ranking: its top nodes are quarantined too")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     path = Path(args.record)
+    try:
+        risky = ranked(Path(args.ranking), args.top) if args.ranking else {}
+    except ValueError as e:
+        ap.exit(2, f"error: {e}\n")
     if args.command != "list" and not args.node:
         ap.error(f"{args.command} needs --node")
     if args.command == "clear":
@@ -190,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     strikes = read(path)
     out = quarantined(strikes, limit=args.strikes, window_s=args.window_s)
+    out |= {n: [{"t": time.time(), "cause": f"ranked among the top {args.top} (probability {p:.3f})",
+                 "restart": "ranking"}] for n, p in risky.items() if n not in out}
     if args.command == "check":
         held = args.node in out
         print(json.dumps({"node": args.node, "quarantined": held, "strikes": out.get(args.node, [])}) if args.json
@@ -198,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"strikes": strikes, "quarantined": sorted(out)}))
     else:
-        for node, ss in sorted(strikes.items()):
+        for node, ss in sorted(({n: out[n] for n in risky} | strikes).items()):
             print(f"{node}: {len(ss)} strike(s){' QUARANTINED' if node in out else ''}; last: {ss[-1]['cause']}")
     return 0
 

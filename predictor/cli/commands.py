@@ -12,6 +12,7 @@ import click
 from predictor.cli.act import act
 from predictor.cli.history import history_trace, prometheus_options
 from predictor.cli.label import label, write_labelled
+from predictor.cli.nodes import nodes
 from predictor.hazard.cli import hazard
 from predictor.ingest.auth import ENV_FILE, ENV_TOKENS, ROLES
 from telemetry.cli_group import role_group
@@ -278,3 +279,4 @@ def _is_loopback(host: str) -> bool:
 main.add_command(label)
 main.add_command(act)
 main.add_command(hazard)
+main.add_command(nodes)
