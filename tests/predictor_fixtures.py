@@ -55,7 +55,7 @@ class LiveServer:
             [sys.executable, "-m", "predictor.cli", "serve", "--port", str(self.port), *args], cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "CKPT_GUARD_TOKENS_FILE": str(tokens)},
             stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a hang guard: beside a CPU hog, start-up took over 60 s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"predictor serve exited {self.proc.returncode}: {self.output()}")
@@ -64,8 +64,9 @@ class LiveServer:
                     return
             except (requests.ConnectionError, requests.Timeout):  # not listening yet, or busy loading its model
                 time.sleep(0.1)
+        output = self.output()  # before stop() closes the log: a server that did not come up shows why
         self.stop()
-        raise AssertionError(f"predictor serve did not come up: {self.output()}")
+        raise AssertionError(f"predictor serve did not come up within 300 s: {output}")
 
     def headers(self, role: str, **extra: str) -> dict:
         return {"Authorization": f"Bearer {TOKENS[role]}", **extra}
