@@ -122,12 +122,11 @@ class CheckpointManager:
         self._home = durable[0]  # the disk, else the object store: its volume groups the ranks of a node
         self._owner_root = str(self.disk.root.resolve()) if self.disk is not None else self.object.location
         self._ns = namespace_dir(self._owner_root, self.run, memory_dir)
-        # Without a disk tier a slot stays busy while it uploads: a third keeps save() from waiting on it.
-        # Overlapped: one more, for the snapshot being copied while the newest sealed one waits for the drain.
+        # Without a disk tier a slot stays busy while it uploads: a third keeps save() from waiting on it;
+        # overlapped, one more, for the snapshot being copied while the newest sealed one waits for the drain.
         self.overlap = overlap
         self.memory = MemoryTier.own(self._ns, self.rank, slots=(2 if self.disk is not None else 3) + overlap,
                                      owner={"root": self._owner_root, "run": self.run})
-        self.committer.on_commit = self.memory.pool.record_durable  # sweepers read it (tiers/memory/owners.py)
         self.tiers: list[TierReader] = [self.memory, *durable]  # fastest first
         if sweep:
             remove_leftovers(self.disk, self.object, self.committer.leads, root=self._owner_root, run=self.run,
@@ -353,21 +352,19 @@ class CheckpointManager:
         self._close(together=True)
 
     def _close(self, together: bool) -> None:
-        """``together``: every rank closes at this point (not one leaving on an error, which must
-        not wait for the others)."""
+        """``together``: every rank closes at this point (not one leaving on an error: no wait for the others)."""
         if self._closed:
             return
         self._closed = True
-        keep = not together or self.keep_memory or self.restart_expected or sys.exc_info()[0] is not None
         remove = False
         try:
             self.flush()
             if self.peering is not None and together:
                 self.peering.send_last()
                 self.coord.barrier()  # no rank stops serving while another's last replica is on its way to it
-            if not keep:
+            if together and not (self.keep_memory or self.restart_expected or sys.exc_info()[0]):
                 self.wait()  # a failed drain raises here, and the slots stay
-                remove = True
+                remove = self.memory.pool.all_durable()  # not a step restored from memory and never saved
         finally:
             self._release(remove_memory=remove)
         if remove:

@@ -9,7 +9,8 @@ agent, whatever root it was given) decides without the job's roots or its object
 
 * live: some rank's lock is held (read from /proc/locks: looking never takes a lock);
 * durable: each rank's newest sealed step is at or below a durable step of its record
-  (a peer replica's only counts the object store: its disk copy is on the node it covers);
+  (a peer replica's only counts the object store: its disk copy is on the node it covers;
+  a disk step counts while its commit is still there, where the root is visible);
 * reclaimable: no rank lives and every rank is durable (or holds nothing sealed).
 
 A dead namespace holding a step durable nowhere else may be the only copy: it is kept
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ...errors import CheckpointError
+from ...format.manifest import MANIFEST_FILE
 from ..base import CheckpointId
 from .namespace import is_trusted, rank_dirs, read_owner, seals
 
@@ -146,14 +148,18 @@ def _user(uid: int) -> str:
         return str(uid)
 
 
-def _durable_ids(owner: dict[str, Any], only: str | None = None) -> list[CheckpointId]:
-    """The steps the record says are committed, in ``only`` that tier (a replica's: the object store)."""
-    rec = owner.get("durable")
+def committed_ids(owner: dict[str, Any], only: str | None = None) -> list[CheckpointId]:
+    """The steps the record says are committed, in ``only`` that tier (a replica's: the object
+    store). A disk step whose root is visible here counts only while its commit is still there
+    (deleted since, the slots may be its only copy)."""
+    rec, root = owner.get("durable"), owner.get("root")
     if not isinstance(rec, dict):
         return []
     only = "object" if only is None and "replica_of" in owner else only
-    return [CheckpointId(*v) for tier, v in rec.items() if (only is None or tier == only)
-            and isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)]
+    local = Path(root) if isinstance(root, str) and os.path.isabs(root) and os.path.isdir(root) else None
+    ids = [(tier, CheckpointId(*v)) for tier, v in rec.items() if (only is None or tier == only)
+           and isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)]
+    return [c for tier, c in ids if tier != "disk" or local is None or (local / c.name / MANIFEST_FILE).exists()]
 
 
 def _lock_id(path: Path) -> tuple[int, int, int] | None:
@@ -202,7 +208,7 @@ def inspect_rank(rdir: Path, uid: int, locks: set[tuple[int, int, int]] | None) 
             st = p.lstat()
             last = max(last, st.st_mtime)
             size += st.st_blocks * 512 if p.is_file() and not p.is_symlink() else 0
-    return RankHolding(rdir, owner, _live(rdir / "lock", locks), newest, _durable_ids(owner), last, size)
+    return RankHolding(rdir, owner, _live(rdir / "lock", locks), newest, committed_ids(owner), last, size)
 
 
 def survey(shm_dir: str, *, uid: int | None = None) -> list[Holding]:
@@ -218,15 +224,16 @@ def survey(shm_dir: str, *, uid: int | None = None) -> list[Holding]:
         if m is None or (uid is not None and int(m.group(1)) != uid):
             continue
         owner_uid = int(m.group(1))
-        if not is_trusted(ns, directory=True, uid=owner_uid) or not os.access(ns, os.R_OK | os.X_OK):
+        if not is_trusted(ns, directory=True, uid=owner_uid):
             continue
-        with contextlib.suppress(OSError):  # its owner removed it meanwhile
+        with contextlib.suppress(OSError):  # not readable by this process, or its owner removed it meanwhile
+            os.listdir(ns)
             found.append(Holding(ns, owner_uid, [inspect_rank(d, owner_uid, locks) for d in rank_dirs(ns, owner_uid)]))
     # A peer replica's step is durable once its job committed it to the object store, which the
     # job's own ranks on this node record (the replica pools' owner is another process's code).
     uploaded: dict[tuple[Any, Any], list[CheckpointId]] = {}
     for r in (r for h in found for r in h.ranks if "replica_of" not in r.owner):
-        uploaded.setdefault(r.job, []).extend(_durable_ids(r.owner, "object"))
+        uploaded.setdefault(r.job, []).extend(committed_ids(r.owner, "object"))
     for r in (r for h in found for r in h.ranks if "replica_of" in r.owner):
         r.durable_ids += uploaded.get(r.job, [])
     return found
@@ -251,10 +258,10 @@ def remove_holding(h: Holding, *, force: bool = False) -> bool:
 
 def reclaim(shm_dir: str, *, uid: int | None = None, grace: float | None = None,
             keep: Callable[[Holding], bool] = lambda h: False) -> tuple[list[Holding], list[Holding]]:
-    """Remove every dead, durable namespace this process may (``uid``: default this user's, every
-    user's for root) but those ``keep`` names. Returns (removed, stale: past grace, kept)."""
+    """Remove every dead, durable namespace of ``uid`` (default: this user) but those ``keep``
+    names. Returns (removed, stale: past the grace time, kept)."""
     grace = grace_s() if grace is None else grace
-    uid = (None if os.geteuid() == 0 else os.getuid()) if uid is None else uid
+    uid = os.getuid() if uid is None else uid
     removed, stale = [], []
     for h in survey(shm_dir, uid=uid):
         if keep(h):

@@ -36,7 +36,8 @@ from ...format.manifest import ManifestError, ShardManifest
 from ..base import CheckpointId
 from ..fsutil import atomic_write
 from .copier import PendingCopy, TensorCopier
-from .namespace import MAX_SEAL_BYTES, OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_private
+from .namespace import MAX_SEAL_BYTES, OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_owner, read_private
+from .owners import committed_ids
 from .reader import epoch_path
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,9 @@ class SlotPool:
             tmp.unlink(missing_ok=True)
         self.owner: dict = {}
         self._owner_lock = threading.Lock()
-        self.set_owner({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})})
+        durable = (read_owner(self.dir) or {}).get("durable")  # a previous owner's commits stay true of its slots
+        self.set_owner({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {}),
+                        **({"durable": durable} if isinstance(durable, dict) else {})})
         self.slots = [ShmSlot(self.dir / f"slot-{k}.bin") for k in range(slots)]
         self._ready = threading.Event()
         self._prepare_error: BaseException | None = None
@@ -226,6 +229,12 @@ class SlotPool:
                 return
             rec[tier] = [ckpt_id.generation, ckpt_id.step]
             self._write_owner({**self.owner, "durable": rec})
+
+    def all_durable(self) -> bool:
+        """Whether every step these slots hold is committed in a durable tier (so removing them
+        loses nothing: a step restored from memory and never saved again may be the only copy)."""
+        done = committed_ids(self.owner)
+        return all(any(CheckpointId(*s.holds) <= d for d in done) for s in self.slots if s.holds)
 
     def _write_owner(self, owner: dict) -> None:
         atomic_write(self.dir / OWNER_FILE, json.dumps(owner).encode(), durable=False, mode=0o600)
