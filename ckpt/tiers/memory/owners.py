@@ -24,7 +24,6 @@ Torch-free: the node agent imports it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import pwd
 import re
@@ -32,12 +31,12 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_FILE
 from ..base import CheckpointId
-from .namespace import is_trusted, rank_dirs, read_owner, seals
+from .namespace import is_trusted, owner_gone, rank_dirs, read_owner, seals
 
 GRACE_ENV = "CKPT_GUARD_SHM_GRACE_S"
 DEFAULT_GRACE_S = 24 * 3600.0
@@ -176,27 +175,8 @@ def _live(lock: Path, locks: set[tuple[int, int, int]] | None) -> bool | None:
         return None
     if locks is not None:
         return lock_id in locks
-    with _taken(lock) as fd:  # no /proc/locks: probe (a starting owner waits for it: SlotPool)
-        return fd is None
-
-
-@contextlib.contextmanager
-def _taken(lock: Path) -> Iterator[int | None]:
-    """The lock taken here for the block (its fd), or None when a live process holds it."""
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        yield None
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield None
-            return
-        yield fd
-    finally:
-        os.close(fd)
+    with owner_gone(lock.parent) as gone:  # no /proc/locks: probe (a starting owner waits for it: SlotPool)
+        return not gone
 
 
 def inspect_rank(rdir: Path, uid: int, locks: set[tuple[int, int, int]] | None) -> RankHolding:
@@ -243,8 +223,8 @@ def remove_holding(h: Holding, *, force: bool = False) -> bool:
     """Remove a dead namespace, rank by rank under its lock, re-checked under it (a job that
     took a lock meanwhile keeps everything); ``force``: durable or not. Returns whether it is gone."""
     for rank in h.ranks:
-        with _taken(rank.path / "lock") as fd:
-            if fd is None:
+        with owner_gone(rank.path) as gone:
+            if not gone:
                 return False  # taken meanwhile (a restart), or no lock to take
             again = inspect_rank(rank.path, h.uid, set())
             again.durable_ids += rank.durable_ids
