@@ -12,33 +12,24 @@ from typing import Callable, Iterator
 import pytest
 
 from ckpt import CheckpointManager
-from ckpt.tiers.memory.namespace import DEFAULT_SHM_DIR, read_owner
+from ckpt.tiers.memory.namespace import DEFAULT_SHM_DIR
+from ckpt.tiers.memory.owners import left_behind
 from tests.agents_fixtures import Receiver
 from tests.ckpt_helpers import SAVED_NEWEST, CrashServer, ckpt_dir, step_state
 from tests.objstore_fixtures import create_bucket, moto_server
 from tests.predictor_fixtures import LiveServer, run_cli, simulate
 
 
-def _ours(tmp: Path | None) -> set[Path]:
-    """The namespaces in /dev/shm that this test process made, or that name a root under ``tmp``
-    (this test's tmp_path: child processes'): a neighbour's (another xdist worker, another
-    checkout's tests on this machine) names neither."""
-    found = set()
-    for owner in Path(DEFAULT_SHM_DIR).glob("ckpt-guard-*/rank-*/owner.json"):
-        record = read_owner(owner.parent) or {}
-        root = str(record.get("root"))
-        if record.get("pid") == os.getpid() or (tmp is not None and root.startswith(str(tmp.resolve()))):
-            found.add(owner.parent.parent)
-    return found
-
-
 @pytest.fixture(autouse=True)
 def leaves_no_shared_memory(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves checkpoint shared memory behind in /dev/shm (issue 54): a finished
     job frees its slots; a test that keeps some (a crash, keep_memory) removes them itself."""
-    before = _ours(None)  # its tmp_path is new: nothing under it yet
+    before = left_behind(DEFAULT_SHM_DIR, pid=os.getpid())  # its tmp_path is new: nothing under it yet
     yield
-    left = sorted(p for p in _ours(getattr(request.node, "funcargs", {}).get("tmp_path")) - before if p.exists())
+    # this test's: made by this process (an xdist worker), or naming a root under its tmp_path (its
+    # child processes'); a neighbour's (another worker, another checkout's tests) names neither
+    tmp = getattr(request.node, "funcargs", {}).get("tmp_path")
+    left = sorted(p for p in left_behind(DEFAULT_SHM_DIR, under=tmp, pid=os.getpid()) - before if p.exists())
     if left:
         for ns in left:
             shutil.rmtree(ns, ignore_errors=True)

@@ -254,4 +254,18 @@ def reclaim(shm_dir: str, *, uid: int | None = None, grace: float | None = None,
     return removed, stale
 
 
-__all__ = ["DEFAULT_GRACE_S", "GRACE_ENV", "Holding", "grace_s", "held_locks", "reclaim", "remove_holding", "survey"]
+def left_behind(shm_dir: str, *, under: Path | None = None, pid: int | None = None) -> set[Path]:
+    """The namespaces whose owner record names a root ``under`` that directory, or ``pid``: what
+    a test or a benchmark (its tmp root, its process) left, told apart from a neighbour's."""
+    found = set()
+    below = str(under.resolve()) + os.sep if under is not None else None
+    for owner in Path(shm_dir).glob(f"{NAMESPACE_GLOB}/rank-*/owner.json"):
+        record = read_owner(owner.parent) or {}
+        root = str(record.get("root"))
+        if (pid is not None and record.get("pid") == pid) or (below is not None and (root + os.sep).startswith(below)):
+            found.add(owner.parent.parent)
+    return found
+
+
+__all__ = ["DEFAULT_GRACE_S", "GRACE_ENV", "Holding", "grace_s", "held_locks", "left_behind", "reclaim",
+           "remove_holding", "survey"]
