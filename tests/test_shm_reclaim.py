@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,10 @@ import torch
 from ckpt import CheckpointManager, Preempted, SaveRequests
 from ckpt.integrations.loop import save_at_boundary
 from ckpt.tiers.memory import memory_namespace
+from ckpt.tiers.memory.namespace import owner_gone
 from ckpt.tiers.memory.owners import reclaim, survey
 from tests.ckpt_helpers import PYTHON, REPO, assert_same, ckpt_dir, restored, step_state
+from tests.test_ckpt_planted import plant_namespace
 
 
 def namespaces(shm_dir: str) -> list[Path]:
@@ -142,3 +146,39 @@ def test_ls_memory_shows_each_namespace(tmp_path: Path, shm_dir: str) -> None:
     assert "reclaimable" in text and "held by jobs that are gone" in text
     assert ckpt("ls", "--memory-dir", shm_dir).returncode == 2  # neither ROOT nor --memory
     shutil.rmtree(dead)
+
+
+def test_a_job_starting_while_a_sweeper_removes_its_predecessor_waits_and_starts_afresh(tmp_path: Path,
+                                                                                        shm_dir: str) -> None:
+    """A sweeper holds a dead rank's lock while it removes the directory: a job taking that
+    rank at that moment waits for it, then makes the directory again (never a refusal, never
+    a lock on a removed file)."""
+    root = tmp_path / "ckpt"
+    rdir = dead_job(root, shm_dir) / "rank-00000"
+    taken, done = threading.Event(), threading.Event()
+
+    def sweeper() -> None:
+        with owner_gone(rdir) as gone:
+            assert gone
+            taken.set()
+            time.sleep(0.5)
+            shutil.rmtree(rdir)
+        done.set()
+
+    thread = threading.Thread(target=sweeper)
+    thread.start()
+    taken.wait(10)
+    with CheckpointManager(root, memory_dir=shm_dir, sweep=False) as mgr:
+        assert done.is_set() and (rdir / "lock").exists()
+        mgr.save(3, step_state(3)).wait()
+        assert [i.id.step for i in mgr.tiers[0].list()] == [3]
+    thread.join()
+
+
+def test_a_namespace_planted_by_another_user_is_neither_listed_nor_removed(root: Path, shm_dir: str,
+                                                                          tmp_path: Path) -> None:
+    planted = plant_namespace(root, shm_dir, tmp_path, step=99)
+    assert planted not in [h.path for h in survey(shm_dir)]
+    reclaim(shm_dir, grace=0)
+    assert planted.is_dir()
+    assert str(planted) not in ckpt("ls", "--memory", "--memory-dir", shm_dir).stdout
