@@ -182,3 +182,18 @@ def test_a_namespace_planted_by_another_user_is_neither_listed_nor_removed(root:
     reclaim(shm_dir, grace=0)
     assert planted.is_dir()
     assert str(planted) not in ckpt("ls", "--memory", "--memory-dir", shm_dir).stdout
+
+
+def test_a_damaged_owner_record_is_a_namespace_of_nobody_known(tmp_path: Path, shm_dir: str) -> None:
+    """Owner records are written by their user: values of the wrong type are shown as unknown,
+    a durable record that does not parse vouches for nothing, and nothing breaks."""
+    ns = dead_job(tmp_path / "ckpt", shm_dir)
+    (ns / "rank-00000" / "owner.json").write_text(json.dumps({"root": {"a": 1}, "run": ["x"], "pid": "1", "host": 7,
+                                                              "replica_of": 0, "durable": {"object": "x"}}))
+    out = ckpt("ls", "--memory", "--memory-dir", shm_dir, "--json")
+    assert out.returncode == 0, out.stderr
+    [row] = json.loads(out.stdout)
+    assert (row["root"], row["run"], row["pid"], row["host"]) == (None, None, None, None)
+    assert row["state"] == "grace" and not row["durable_elsewhere"]
+    assert ckpt("ls", "--memory", "--memory-dir", shm_dir).returncode == 0
+    shutil.rmtree(ns)

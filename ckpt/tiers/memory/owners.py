@@ -3,7 +3,7 @@
 Each rank directory's ``owner.json`` says whose slots these are (pid, host, run, root, the
 job's object store) and, as the job's saves become durable, the newest step committed in
 each durable tier: ``"durable": {"disk": [generation, step], "object": [...]}`` (written by
-the owner when a drain or upload completes: ``record_durable``). The slots' seals say what
+the owner as each commit completes: ``SlotPool.record_durable``). The slots' seals say what
 the directory holds. So anyone on the node (the next job, ``ckpt gc --orphans``, the node
 agent, whatever root it was given) decides without the job's roots or its object store:
 
@@ -88,8 +88,10 @@ class RankHolding:
         return self.newest is None or any(self.newest <= d for d in self.durable_ids)
 
     @property
-    def job(self) -> tuple[Any, Any]:
-        return self.owner.get("root"), self.owner.get("run")
+    def job(self) -> tuple[str | None, str | None]:
+        """(root, run) as recorded (a value of another type, from a damaged record: None)."""
+        root, run = self.owner.get("root"), self.owner.get("run")
+        return root if isinstance(root, str) else None, run if isinstance(run, str) else None
 
 
 @dataclass
@@ -131,10 +133,12 @@ class Holding:
 
     def describe(self, grace: float) -> dict[str, Any]:
         """What ``ckpt ls --memory --json`` and the agent's metrics say of it."""
-        o = self.owner()
+        o = self.owner()  # untrusted (its user wrote it): only values of the expected types are shown
+        pid, (host, run, root) = o.get("pid"), (o.get(k) if isinstance(o.get(k), str) else None
+                                                for k in ("host", "run", "root"))
         newest = max((r.newest for r in self.ranks if r.newest is not None), default=None)
         return {"namespace": str(self.path), "bytes": self.bytes, "user": _user(self.uid), "uid": self.uid,
-                "pid": o.get("pid"), "host": o.get("host"), "run": o.get("run"), "root": o.get("root"),
+                "pid": pid if type(pid) is int else None, "host": host, "run": run, "root": root,
                 "replicas": "replica_of" in o, "ranks": len(self.ranks), "owner_alive": self.live,
                 "newest_step": None if newest is None else newest.step,
                 "durable_elsewhere": self.durable, "idle_s": round(self.idle_s, 1), "state": self.state(grace)}
@@ -211,7 +215,7 @@ def survey(shm_dir: str, *, uid: int | None = None) -> list[Holding]:
             found.append(Holding(ns, owner_uid, [inspect_rank(d, owner_uid, locks) for d in rank_dirs(ns, owner_uid)]))
     # A peer replica's step is durable once its job committed it to the object store, which the
     # job's own ranks on this node record (the replica pools' owner is another process's code).
-    uploaded: dict[tuple[Any, Any], list[CheckpointId]] = {}
+    uploaded: dict[tuple[str | None, str | None], list[CheckpointId]] = {}
     for r in (r for h in found for r in h.ranks if "replica_of" not in r.owner):
         uploaded.setdefault(r.job, []).extend(committed_ids(r.owner, "object"))
     for r in (r for h in found for r in h.ranks if "replica_of" in r.owner):
