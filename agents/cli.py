@@ -224,13 +224,18 @@ def _make_source(source, interval, node_name, trace, speed, replay_nodes, retime
               help="Stop after this many seconds.")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="At exit, how long to keep sending the spool.")
+@click.option("--shm-dir", default="/dev/shm", show_default=True,
+              help="Where checkpoint jobs keep shared memory: reported on /metrics, reclaimed when their job is gone.")
+@click.option("--reclaim-shm-every", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              help="Seconds between reclaims of the shared memory of jobs gone, once durable (0: report only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the agent's counters as JSON at exit.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @fleet_options
 def run(source, predictor, token_file, token_argv, interval, metrics_port, metrics_addr, node_name, spool_dir,
         spool_max_mb, batch_seconds, trace, speed, replay_nodes, retime, model_clock, dcgm_urls, dcgm_node_label,
-        dcgm_timeout, dcgm_max_mb, duration, drain_seconds, as_json, log_level, **fleet) -> None:
+        dcgm_timeout, dcgm_max_mb, duration, drain_seconds, shm_dir, reclaim_shm_every, as_json, log_level,
+        **fleet) -> None:
     """Run the node agent: sample GPUs, stream to the predictor, serve /metrics."""
     import logging
     import signal
@@ -258,7 +263,8 @@ def run(source, predictor, token_file, token_argv, interval, metrics_port, metri
         agent = Agent(src, interval, predictor=predictor, token=token, spool_dir=spool_dir or _default_spool_dir(node),
                       spool_max_bytes=int(spool_max_mb * (1 << 20)), batch_s=batch_seconds,
                       metrics_port=metrics_port or None, metrics_addr=metrics_addr,
-                      sinks=(lambda samples, xids: bar.update(len(samples)),))
+                      sinks=(lambda samples, xids: bar.update(len(samples)),), shm_dir=shm_dir,
+                      reclaim_shm_s=reclaim_shm_every)
     except (OSError, ValueError) as e:
         src.close()
         raise click.UsageError(str(e)) from None

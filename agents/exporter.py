@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agents.shm import orphaned
+from agents.shm import ShmWatch
 from agents.spool import Spool
 from agents.stats import AgentStats
 from telemetry import schema as S
@@ -64,9 +64,9 @@ def _number(v: float) -> str:
 
 
 class _AgentCollector:
-    def __init__(self, stats: AgentStats, spool: Spool | None, shm_dir: str | None,
+    def __init__(self, stats: AgentStats, spool: Spool | None, shm: ShmWatch | None,
                  source_metrics: Callable[[], list]):
-        self.stats, self.spool, self.shm_dir, self.source_metrics = stats, spool, shm_dir, source_metrics
+        self.stats, self.spool, self.shm, self.source_metrics = stats, spool, shm, source_metrics
 
     def collect(self):
         yield from self.source_metrics()
@@ -79,13 +79,8 @@ class _AgentCollector:
                                     value=self.spool.bytes)
             yield GaugeMetricFamily("ckpt_guard_agent_spool_batches", "Batches waiting in the spool.",
                                     value=len(self.spool))
-        if self.shm_dir is not None:
-            count, size = orphaned(self.shm_dir)
-            yield GaugeMetricFamily("ckpt_guard_node_orphaned_shm_bytes",
-                                    "Shared memory held by checkpoint jobs that are gone (ckpt gc --orphans frees it).",
-                                    value=size)
-            yield GaugeMetricFamily("ckpt_guard_node_orphaned_shm_namespaces",
-                                    "Checkpoint shared-memory namespaces whose job is gone.", value=count)
+        if self.shm is not None:
+            yield from self.shm.families()
 
 
 class Exporter:
@@ -93,15 +88,15 @@ class Exporter:
 
     def __init__(self, stats: AgentStats, spool: Spool | None = None,
                  model_name: Callable[[str, int], str] = lambda node, gpu: "unknown", stale_s: float = 60.0,
-                 shm_dir: str | None = "/dev/shm", source_metrics: Callable[[], list] = list):
-        """``shm_dir``: where checkpoint jobs keep their shared memory (None: do not report it);
+                 shm: ShmWatch | None = None, source_metrics: Callable[[], list] = list):
+        """``shm``: the checkpoint jobs' shared memory on this node (None: do not report it);
         ``source_metrics``: the source's own metric families (Source.metrics)."""
         self._model_name, self.stale_s = model_name, stale_s
         self._latest: dict[tuple[str, int], tuple[float, dict]] = {}
         self._last_xid: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
         self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_AgentCollector(stats, spool, shm_dir, source_metrics))
+        self._registry.register(_AgentCollector(stats, spool, shm, source_metrics))
         ProcessCollector(registry=self._registry)
         self._server: ThreadingHTTPServer | None = None
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import (  # noqa: E402
     disk_floor,
     drop_cache,
+    leaves_no_shm,
     median_time,
     memcpy_floor,
     parser,
@@ -127,6 +128,7 @@ def main() -> None:
             sync(tensors)
         res["ours_restore_memory_s"] = median_time(lambda: restore_from(mgr.memory), args.repeats)
         mgr.close()
+        leaves_no_shm(shm)
         # A restore from disk runs in a fresh process, before any slot exists: give the
         # slots' memory back so the cold read has the page cache the floor had.
         shutil.rmtree(shm, ignore_errors=True)

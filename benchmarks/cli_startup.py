@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.harness import median_time, parser, run_meta, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, median_time, parser, run_meta, write_json  # noqa: E402
 
 
 def median_wall(cmd: list[str], runs: int) -> float:
@@ -48,6 +48,7 @@ def main() -> None:
         for name, argv in (("help", ["--help"]), ("ls", ["ls", str(root), "--memory-dir", shm]),
                            ("verify", ["verify", str(root), "--memory-dir", shm])):
             res[f"{name}_s"] = median_wall(ckpt + argv, args.runs)
+        leaves_no_shm(shm)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
-from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, parser, run_meta, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.format.manifest import Manifest  # noqa: E402
 from ckpt.restore.execute import read_shard  # noqa: E402
@@ -288,6 +288,7 @@ def run(args: argparse.Namespace) -> dict:
                     if not args.no_urgent:
                         urgent.append(bench.urgent_save())
                         bar.update()
+        leaves_no_shm(shm)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

@@ -38,7 +38,7 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import memcpy_floor, parser, run_meta, spread, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, memcpy_floor, parser, run_meta, spread, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 
 ARMS = ("none", "overlap", "paced", "blocking", "dcp")
@@ -209,6 +209,7 @@ def main() -> None:
             mgr.close()
         if dcp is not None:
             dcp.close()
+        leaves_no_shm(*shm)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for m in shm:

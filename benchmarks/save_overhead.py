@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, parser, run_meta, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 
 
@@ -47,6 +47,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 mgr.restore(state)
                 restore.append(time.perf_counter() - t0)
+        leaves_no_shm(shm)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

@@ -58,12 +58,20 @@ def _size(n: int) -> str:
 
 
 @cli.command("ls")
-@_root
+@click.argument("root", required=False)
 @_run
 @_memdir
+@click.option("--memory", is_flag=True, help="Instead of one ROOT: the shared memory every job holds on this node.")
 @_json
-def ls_cmd(root: str, run: str | None, memory_dir: str, as_json: bool) -> None:
-    """List checkpoints: step, time, size, tiers holding them, status."""
+def ls_cmd(root: str | None, run: str | None, memory_dir: str, memory: bool, as_json: bool) -> None:
+    """List checkpoints: step, time, size, tiers holding them, status. With --memory: each
+    namespace in the memory directory, its bytes, owner, whether the owner lives and whether
+    its newest step is durable elsewhere (docs/engine.md, "Shared memory on a node")."""
+    if memory or root is None:
+        if root is not None or not memory:
+            raise click.UsageError("Missing argument 'ROOT' (or --memory for the node's shared memory)")
+        _ls_memory(memory_dir, as_json)
+        return
     _must_exist(root)
     tiers = tiers_for(root, run=run, memory_dir=memory_dir)
     rows = merge_listing(tiers)
@@ -79,6 +87,23 @@ def ls_cmd(root: str, run: str | None, memory_dir: str, as_json: bool) -> None:
         lines.append(f"shared memory on this node: {_size(shm['memory'])} in this job's slots, {_size(shm['peer'])} "
                      "in peer replica slots (PEER: whose shards it holds for other nodes)")
     _emit(as_json, rows, "\n".join(lines) if rows else f"no checkpoints in {root}")
+
+
+def _ls_memory(memory_dir: str, as_json: bool) -> None:
+    from .tiers.memory.owners import grace_s, survey
+
+    rows = [h.describe(grace_s()) for h in survey(memory_dir)]
+    lines = [f"{'NAMESPACE':36}  {'SIZE':>10}  {'USER':8}  {'PID':>7}  {'RUN':10}  {'STATE':11}  {'STEP':>8}  "
+             "DURABLE  ROOT"]
+    for r in rows:
+        lines.append(f"{os.path.basename(r['namespace']):36}  {_size(r['bytes']):>10}  {r['user']:8}  "
+                     f"{r['pid'] or '-':>7}  {str(r['run'] or '-')[:10]:10}  {r['state']:11}  "
+                     f"{'-' if r['newest_step'] is None else r['newest_step']:>8}  "
+                     f"{'yes' if r['durable_elsewhere'] else 'no':7}  {r['root'] or '-'}")
+    dead = sum(r["bytes"] for r in rows if not r["owner_alive"])
+    lines.append(f"{_size(sum(r['bytes'] for r in rows))} in {len(rows)} namespace(s), {_size(dead)} of it held by "
+                 "jobs that are gone")
+    _emit(as_json, rows, "\n".join(lines) if rows else f"no checkpoint shared memory in {memory_dir}")
 
 
 @cli.command("verify")

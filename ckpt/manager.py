@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -85,7 +86,7 @@ class CheckpointManager:
     every step keeps the checksum, peer and disk work off the training's cores.
     ``node_memory`` restores from every rank's memory slots on this node, not only this
     rank's (``ckpt.inprocess``: the survivors of a lost rank read its sealed slots).
-    ``keep_memory`` keeps a finished job's slots (``close()`` removes them otherwise).
+    ``keep_memory`` keeps the slots at a normal end too (see ``close()``).
     ``sweep``: remove what interrupted saves and this root's dead jobs left behind, the
     job's start-up (``ckpt.inprocess`` skips it when it rebuilds a manager after a fault).
     """
@@ -110,7 +111,7 @@ class CheckpointManager:
         self.node_memory = node_memory
         self.replicated = frozenset(replicated)
         self.keep_memory = keep_memory
-        self.finished = False  # set at the end of training (resumable, the callbacks): close() may free the slots
+        self.restart_expected = False  # set on preemption (the integrations): close() keeps the slots for it
         self.coord = Coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.run = run or "default"
@@ -121,15 +122,15 @@ class CheckpointManager:
         self._home = durable[0]  # the disk, else the object store: its volume groups the ranks of a node
         self._owner_root = str(self.disk.root.resolve()) if self.disk is not None else self.object.location
         self._ns = namespace_dir(self._owner_root, self.run, memory_dir)
-        # Without a disk tier a slot stays busy while it uploads: a third keeps save() from waiting on it.
-        # Overlapped: one more, for the snapshot being copied while the newest sealed one waits for the drain.
+        # Without a disk tier a slot stays busy while it uploads: a third keeps save() from waiting on it;
+        # overlapped, one more, for the snapshot being copied while the newest sealed one waits for the drain.
         self.overlap = overlap
         self.memory = MemoryTier.own(self._ns, self.rank, slots=(2 if self.disk is not None else 3) + overlap,
                                      owner={"root": self._owner_root, "run": self.run})
         self.tiers: list[TierReader] = [self.memory, *durable]  # fastest first
         if sweep:
-            remove_leftovers(self.disk, self.object, self.committer.leads, root=self._owner_root, own=self._ns,
-                             memory_dir=memory_dir)
+            remove_leftovers(self.disk, self.object, self.committer.leads, root=self._owner_root, run=self.run,
+                             own=self._ns, memory_dir=memory_dir)
             self.coord.barrier()  # nobody writes before the leftovers are gone
         self._offload = None if self.object is None else Offloader(self.object, self.committer,
                                                                    interval_s=object_interval_s)
@@ -344,15 +345,14 @@ class CheckpointManager:
 
     def close(self) -> None:
         """``flush()``; with peers, send the last replica and wait until every rank has (no rank
-        stops serving a replica still on its way); then release shared memory mappings. The
-        slots stay for a restart, except when training ``finished`` and every save is durable:
-        then this rank's slots are removed (``keep_memory=True`` keeps them). Idempotent: a
-        preempted loop closes inside ``with manager``."""
+        stops serving a replica still on its way); then release shared memory mappings. Once every
+        save is durable, this rank's slots (and the peer replicas it held) are removed, unless a
+        restart is expected (``restart_expected``: a preemption; a close while an exception is
+        raised: ``with manager`` left on an error) or ``keep_memory=True``. Idempotent."""
         self._close(together=True)
 
     def _close(self, together: bool) -> None:
-        """``together``: every rank closes at this point (not one leaving on an error, which must
-        not wait for the others)."""
+        """``together``: every rank closes at this point (not one leaving on an error: no wait for the others)."""
         if self._closed:
             return
         self._closed = True
@@ -362,13 +362,13 @@ class CheckpointManager:
             if self.peering is not None and together:
                 self.peering.send_last()
                 self.coord.barrier()  # no rank stops serving while another's last replica is on its way to it
-            if self.finished and not self.keep_memory:
+            if together and not (self.keep_memory or self.restart_expected or sys.exc_info()[0]):
                 self.wait()  # a failed drain raises here, and the slots stay
-                remove = True
+                remove = self.memory.pool.all_durable()  # not a step restored from memory and never saved
         finally:
             self._release(remove_memory=remove)
         if remove:
-            sweep_finished(self._home, self._ns)
+            sweep_finished(self._home, self._ns, self.peering.replicas.ns if self.peering is not None else None)
 
     def abandon(self) -> None:
         """Let go after a peer failed (``ckpt.inprocess``): background waits on other ranks

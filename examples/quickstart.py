@@ -15,6 +15,7 @@ optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
 data = ckpt.ResumableSampler(range(10_000))  # remembers where the epoch stood
 state = {"model": model, "optim": optim, "sampler": data, "rng": ckpt.RNGState()}
 
+# its end frees the shared memory; an error or SIGTERM keeps it for the restart (keep_memory=True: always)
 with ckpt.CheckpointManager(root, keep_last=3, state=state) as mgr:
     for step in ckpt.resumable(mgr, state, total=200, every=50):  # restores first; saves; SIGTERM-safe
         loss = model(torch.randn(32, 16)).pow(2).mean()

@@ -12,10 +12,29 @@ from typing import Callable, Iterator
 import pytest
 
 from ckpt import CheckpointManager
+from ckpt.tiers.memory.namespace import DEFAULT_SHM_DIR
+from ckpt.tiers.memory.owners import left_behind
 from tests.agents_fixtures import Receiver
 from tests.ckpt_helpers import SAVED_NEWEST, CrashServer, ckpt_dir, step_state
 from tests.objstore_fixtures import create_bucket, moto_server
 from tests.predictor_fixtures import LiveServer, run_cli, simulate
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_shared_memory(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves checkpoint shared memory behind in /dev/shm (issue 54): a finished
+    job frees its slots; a test that keeps some (a crash, keep_memory) removes them itself."""
+    before = left_behind(DEFAULT_SHM_DIR, pid=os.getpid())  # its tmp_path is new: nothing under it yet
+    yield
+    # this test's: made by this process (an xdist worker), or naming a root under its tmp_path (its
+    # child processes'); a neighbour's (another worker, another checkout's tests) names neither
+    tmp = getattr(request.node, "funcargs", {}).get("tmp_path")
+    left = sorted(p for p in left_behind(DEFAULT_SHM_DIR, under=tmp, pid=os.getpid()) - before if p.exists())
+    if left:
+        for ns in left:
+            shutil.rmtree(ns, ignore_errors=True)
+        pytest.fail(f"the test left {len(left)} checkpoint namespace(s) in {DEFAULT_SHM_DIR}: "
+                    f"{', '.join(map(str, left))} (removed now)")
 
 
 @pytest.fixture
@@ -129,8 +148,9 @@ def receiver():
 
 @pytest.fixture
 def saved(root: Path, shm_dir: str) -> Path:
-    """Steps 1..3 durable on disk (and in the memory slots: 2 and 3); the newest's directory."""
-    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
+    """Steps 1..3 durable on disk (and in the memory slots: 2 and 3, kept as after a crash); the
+    newest's directory."""
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5, keep_memory=True) as mgr:
         for step in range(1, SAVED_NEWEST + 1):
             mgr.save(step, step_state(step))
         mgr.wait()

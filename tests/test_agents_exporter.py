@@ -1,5 +1,6 @@
 """/metrics: dcgm-exporter names and labels, checked by prometheus_client's parser and a real Prometheus."""
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -116,23 +117,44 @@ def test_default_metrics_port_is_not_dcgm_exporters():
         assert str(DEFAULT_METRICS_PORT) in text and "9400" not in text, name
 
 
-def test_orphaned_checkpoint_shared_memory_is_reported(tmp_path, shm_dir):
-    """A job that is gone leaves its slots in /dev/shm; a live job's are not orphans. The
-    agent reads the locks from /proc/locks, never takes them."""
+def test_checkpoint_shared_memory_is_reported_and_reclaimed(tmp_path, shm_dir, monkeypatch):
+    """Each namespace on the node with its owner, whether it lives and whether its newest step
+    is durable; a job that is gone is an orphan, reclaimed on the second tick that finds it
+    durable; one holding the only copy of a step is kept, stale past the grace time. The agent
+    reads the locks from /proc/locks, never takes them to look."""
     import torch
 
+    from agents.shm import ShmWatch
     from ckpt import CheckpointManager
+    from ckpt.tiers.memory import memory_namespace
 
-    with CheckpointManager(tmp_path / "gone", memory_dir=shm_dir) as mgr:
-        mgr.save(1, {"w": torch.ones(1 << 16)}).wait()
-    live = CheckpointManager(tmp_path / "live", memory_dir=shm_dir)
+    def gone(name):
+        with CheckpointManager(tmp_path / name, memory_dir=shm_dir, keep_memory=True, sweep=False) as mgr:
+            mgr.save(1, {"w": torch.ones(1 << 16)}).wait()
+        return memory_namespace(tmp_path / name, None, shm_dir)
+
+    live = CheckpointManager(tmp_path / "live", memory_dir=shm_dir, keep_memory=True)
+    durable, only_copy = gone("gone"), gone("only-copy")
+    shutil.rmtree(tmp_path / "only-copy" / "step-000000000001.g0")
+    watch = ShmWatch(shm_dir, every_s=0)
     try:
         live.save(1, {"w": torch.ones(1 << 16)}).wait()
-        exp = Exporter(AgentStats(), shm_dir=shm_dir)
-        fams = families(exp.render().decode())
-        assert fams["ckpt_guard_node_orphaned_shm_namespaces"].samples[0].value == 1
-        assert 4 * (1 << 16) <= fams["ckpt_guard_node_orphaned_shm_bytes"].samples[0].value < 1 << 22  # one slot
+        fams = families(Exporter(AgentStats(), shm=watch).render().decode())
+        rows = {s.labels["root"].rsplit("/", 1)[-1]: s for s in fams["ckpt_guard_node_shm_bytes"].samples}
+        assert {k: (s.labels["owner_alive"], s.labels["durable"], s.labels["state"]) for k, s in rows.items()} == {
+            "gone": ("0", "1", "reclaimable"), "only-copy": ("0", "0", "grace"), "live": ("1", "1", "live")}
+        assert rows["live"].labels["pid"] == str(os.getpid()) and rows["live"].labels["user"]
+        assert 4 * (1 << 16) <= rows["gone"].value < 1 << 22  # one slot
+        assert fams["ckpt_guard_node_orphaned_shm_namespaces"].samples[0].value == 2
+        assert fams["ckpt_guard_node_stale_shm_bytes"].samples[0].value == 0
+        assert watch.tick() == [] and durable.is_dir()  # first sighting: a relaunch may be taking it back
+        assert [h.path for h in watch.tick()] == [durable] and not durable.exists()
+        monkeypatch.setenv("CKPT_GUARD_SHM_GRACE_S", "0")
+        watch.tick()
+        fams = families(Exporter(AgentStats(), shm=watch).render().decode())
+        assert fams["ckpt_guard_node_stale_shm_bytes"].samples[0].value > 0 and only_copy.is_dir()
+        assert fams["ckpt_guard_node_shm_reclaimed_bytes"].samples[0].value > 0
     finally:
         live.close()
-    fams = families(Exporter(AgentStats(), shm_dir=shm_dir).render().decode())
-    assert fams["ckpt_guard_node_orphaned_shm_namespaces"].samples[0].value == 2
+        shutil.rmtree(only_copy)
+        shutil.rmtree(memory_namespace(tmp_path / "live", None, shm_dir))

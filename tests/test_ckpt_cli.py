@@ -35,8 +35,8 @@ def ckpt(*args: str | Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def saved(root: Path, shm_dir: str) -> Path:
-    """Steps 1..3 on disk; 2 and 3 also in the memory slots."""
-    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
+    """Steps 1..3 on disk; 2 and 3 also in the memory slots (kept as after a crash)."""
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5, keep_memory=True) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, step_state(step))
         mgr.wait()
@@ -68,7 +68,7 @@ def test_verify_of_intact_checkpoints_exits_0(saved: Path, shm_dir: str) -> None
 
 
 def test_verify_names_each_damaged_file_and_exits_1(root: Path, shm_dir: str, no_slots: Path) -> None:
-    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5, keep_memory=True) as mgr:
         for step in range(1, 6):
             mgr.save(step, step_state(step))
         mgr.wait()
@@ -175,18 +175,18 @@ def test_gc_orphans_reclaims_the_memory_of_jobs_that_are_gone(tmp_path: Path, sh
     job is never touched."""
     def job(name: str, *, drain: bool = True) -> Path:
         root = tmp_path / name
-        mgr = CheckpointManager(root, memory_dir=shm_dir)
+        mgr = CheckpointManager(root, memory_dir=shm_dir, keep_memory=True, sweep=False)  # sweeps nothing else
         mgr.save(1, step_state(1)).wait()
         if not drain:  # the step stays in memory only: its disk copy is lost
             shutil.rmtree(root / "step-000000000001.g0")
         mgr.close()
         return root
 
-    shutil.rmtree(job("deleted"))
-    job("durable")
-    job("memory-only", drain=False)
-    live = CheckpointManager(tmp_path / "live", memory_dir=shm_dir)
+    live = CheckpointManager(tmp_path / "live", memory_dir=shm_dir)  # first: a job's start reclaims dead ones
     try:
+        shutil.rmtree(job("deleted"))
+        job("durable")
+        job("memory-only", drain=False)
         live.save(1, step_state(1)).wait()
         done = ckpt("gc", "--orphans", "--memory-dir", shm_dir, "--json")
         assert done.returncode == 0, done.stderr

@@ -200,7 +200,7 @@ def test_a_finished_job_removes_the_slots_its_dead_ranks_left(root: Path, shm_di
     free. The job's finished close removes them once a newer step is durable; a slot of a
     step not yet durable anywhere is kept while nothing newer is."""
     ns = memory_namespace(root, None, shm_dir)
-    with CheckpointManager(root, memory_dir=shm_dir, keep_last=1) as mgr:
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=1, keep_memory=True) as mgr:
         for step in (1, 2):
             mgr.save(step, step_state(step)).wait()
     (ns / "rank-00000").rename(ns / "rank-00003")  # a dead rank's directory: steps 1 and 2, lock free
@@ -208,5 +208,4 @@ def test_a_finished_job_removes_the_slots_its_dead_ranks_left(root: Path, shm_di
     with CheckpointManager(root, memory_dir=shm_dir, keep_last=1) as mgr:
         mgr.save(3, step_state(3)).wait()
         assert [s for _, s in disk_steps(root)] == [3] and (ns / "rank-00003").is_dir()
-        mgr.finished = True
     assert not ns.exists()  # its own slots and the dead rank's are gone, and the namespace with them

@@ -103,7 +103,7 @@ def test_a_checkpoint_one_rank_has_no_copy_of_is_named(saved: Path) -> None:
 def test_a_step_sealed_in_memory_but_committed_nowhere_is_no_checkpoint(root: Path, shm_dir: str) -> None:
     """An interrupted first save (rank 0 sealed its slot, rank 1 never did) is not a
     checkpoint to refuse over: the job starts fresh."""
-    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+    with CheckpointManager(root, memory_dir=shm_dir, keep_memory=True) as mgr:
         mgr.save(5, {"model": model(3)}).wait()
     memory = [t for t in tiers_for(root, memory_dir=shm_dir) if t.name == "memory"]
     assert [i.id.step for t in memory for i in t.list()] == [5]

@@ -28,7 +28,7 @@ def test_keep_last_keeps_exactly_the_newest_complete_checkpoints(root: Path, shm
 
 
 def test_keep_last_does_not_count_a_damaged_checkpoint_as_one_to_keep(root: Path, shm_dir: str) -> None:
-    with CheckpointManager(root, memory_dir=shm_dir, keep_last=1) as mgr:
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=1, keep_memory=True) as mgr:
         save_steps(mgr, [1, 2])
         flip_byte(ckpt_dir(root, 2) / "manifest.json", 20)  # step 2's commit rots
         save_steps(mgr, [3])

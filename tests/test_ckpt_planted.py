@@ -34,7 +34,7 @@ def plant_namespace(victim_root: Path, shm: str, tmp_path: Path, step: int, name
     """A namespace another user made: a valid sealed slot of a newer ``step`` whose owner
     record names the victim's root."""
     other = tmp_path / "attacker-root"
-    with CheckpointManager(other, memory_dir=shm, run="evil") as mgr:
+    with CheckpointManager(other, memory_dir=shm, run="evil", keep_memory=True) as mgr:
         mgr.save(step, {"w": torch.full((4,), 666.0)}).wait()
     src = memory_namespace(other, "evil", shm)
     planted = Path(shm) / f"ckpt-guard-{os.getuid()}-{name}"
@@ -113,7 +113,7 @@ def test_a_namespace_taken_under_the_jobs_exact_name_makes_the_job_choose_anothe
     taken = memory_namespace(root, "default", shm_dir)
     taken.mkdir(mode=0o777)
     chown_tree(taken, NOBODY)
-    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+    with CheckpointManager(root, memory_dir=shm_dir, keep_memory=True) as mgr:
         mgr.save(1, {"w": torch.ones(4)}).wait()
         ns = mgr._ns
     assert ns != taken and ns.name.startswith(taken.name + "-") and (ns / "rank-00000").is_dir()

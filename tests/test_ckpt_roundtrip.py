@@ -123,7 +123,7 @@ def tier(request: pytest.FixtureRequest) -> str:
 def save_then_reopen(root: Path, shm_dir: str, tier: str, state: dict, tmp_path: Path,
                      step: int = 7) -> CheckpointManager:
     """Save ``state``, close, and reopen so that only ``tier`` holds the checkpoint."""
-    with CheckpointManager(root, memory_dir=shm_dir) as mgr:
+    with CheckpointManager(root, memory_dir=shm_dir, keep_memory=True) as mgr:
         mgr.save(step, state)
         mgr.wait()
     if tier == "memory":

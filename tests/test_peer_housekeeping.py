@@ -29,7 +29,8 @@ def held_replica(tmp_path: Path, shm_dir: str, *, object_store: bool) -> tuple[P
     whose root is ``holder``, holds its replica and has since exited. Returns (holder
     root, the replica's rank directory)."""
     store = f"file://{tmp_path}/objstore" if object_store else None
-    with CheckpointManager(tmp_path / "src", memory_dir=shm_dir, object_store=store, chunk_bytes=64 << 10) as mgr:
+    with CheckpointManager(tmp_path / "src", memory_dir=shm_dir, object_store=store, chunk_bytes=64 << 10,
+                           keep_memory=True) as mgr:
         mgr.save(7, state_of(7))
         mgr.wait()
     src = MemoryTier(namespace_dir(os.path.realpath(tmp_path / "src"), "default", shm_dir), 0)

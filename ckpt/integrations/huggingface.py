@@ -118,7 +118,6 @@ class HFCheckpoint(TrainerCallback):
             self.mgr.save(state.global_step, self._state(state, control))
             self._saved = state.global_step
         self.mgr.wait()
-        self.mgr.finished = True
 
     def _training_objects(self) -> dict[str, Any]:
         t = self._trainer

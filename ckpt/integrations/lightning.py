@@ -126,7 +126,6 @@ class LightningCheckpoint(pl.Callback):
         if trainer.global_step != self._saved:
             self.mgr.save(trainer.global_step, _resumable_state(trainer))
         self.mgr.wait()
-        self.mgr.finished = True
 
     def _stop_watchdog(self, *, finished: bool = True) -> None:
         if self._watchdog is not None:

@@ -68,6 +68,7 @@ def save_at_boundary(mgr: CheckpointManager, requests: SaveRequests, step: int,
             if tier != "peer":
                 handle.wait(tier)
         mgr.flush()
+        mgr.restart_expected = True  # close() keeps the memory slots: the requeued job restores from them
         log.warning("preempted: step %d is durable; exiting", step)
         raise Preempted(step)
     return True
@@ -108,7 +109,6 @@ def resumable(mgr: CheckpointManager, state: dict, *, total: int, every: int | I
         mgr.save(total, state)
     mgr.flush()  # the newest step off-node too, if an upload was pending when it was saved
     mgr.wait()
-    mgr.finished = True  # close() may now free this rank's memory slots
     if listener is not None:
         listener.close()
 

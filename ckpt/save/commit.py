@@ -66,6 +66,8 @@ class Committer:
         self._pins: dict[str, set[CheckpointId]] = defaultdict(set)
         self._lock = threading.Lock()
         self.abandoned = threading.Event()  # set: waits for other ranks end (the job goes on without them)
+        # told (tier name, step) once a step is committed: the memory slots' owner record notes it
+        self.on_commit: Callable[[str, CheckpointId], None] = lambda tier, ckpt_id: None
 
     def register(self, tier: DurableTier, volumes: list[str]) -> None:
         """``volumes``: every rank's ``tier.volume``, by rank (one all-gather at start-up)."""
@@ -103,7 +105,11 @@ class Committer:
         if self.world_size == 1:
             tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref]))
             self.apply_retention(tier)
-            return
+        else:
+            self._commit_together(tier, ckpt_id, ref)
+        self.on_commit(tier.name, ckpt_id)
+
+    def _commit_together(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef) -> None:
         store = self._store()
         key = f"{tier.name}/{ckpt_id.generation}.{ckpt_id.step}"
         ranks = self._volumes[tier.name]

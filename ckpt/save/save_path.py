@@ -57,6 +57,8 @@ class SavePath:
     _hooks: StepHooks | None = None
 
     def __post_init__(self) -> None:
+        # each committed step is recorded beside the slots, for whoever sweeps them (tiers/memory/owners.py)
+        self.committer.on_commit = self.memory.pool.record_durable
         if self.overlap:
             self._hooks = StepHooks(self.wait_staged, self.seal_if_copied)
 

@@ -1,12 +1,14 @@
 """Reclaiming the shared memory of jobs that are gone.
 
-A crashed or deleted job leaves its slots in /dev/shm (they are meant to survive the
-trainer). Start-up of the same job, or ``ckpt gc ROOT``, sweeps them once their steps
-are durable, and a finished job those of its own dead ranks (``sweep_finished``);
-``ckpt gc --orphans`` sweeps every namespace of this user whose owner
-process is gone, without knowing the roots: those whose root no longer exists, and
-those whose steps are all durable in it; the rest (steps held nowhere else) only
-with ``force``. A live job's slots (its lock is held) are never touched.
+A crashed job leaves its slots in /dev/shm (they are meant to survive the trainer). They
+go once their owner is gone and their newest steps are durable (``tiers/memory/owners.py``
+decides from the owner records alone): at any job's start-up (every dead namespace of this
+user in its memory_dir but its own job's: ``reclaim_dead``, besides this root's dead jobs
+whose steps are on its disk), from the node agent's timer, and with ``ckpt gc --orphans``
+(which also lists the roots of records that predate the durable record, and frees jobs whose
+root is gone; steps held nowhere else only with ``force``). A finished job removes its own
+slots and those of its dead ranks and its peer replicas (``sweep_finished``). A live job's
+slots (its lock is held) are never touched.
 
 At start-up, ``remove_leftovers`` also removes each durable volume's interrupted writes.
 
@@ -22,27 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..tiers.base import DurableTier, complete_shards
+from ..tiers.base import CheckpointId, DurableTier, complete_shards
 from ..tiers.local import LocalDiskTier
 from ..tiers.locations import durable_tier_for, is_url
-from ..tiers.memory.namespace import (
-    DEFAULT_SHM_DIR,
-    namespaces_of_root,
-    owner_gone,
-    rank_dirs,
-    read_owner,
-    sweep_orphans,
-    trusted_namespaces,
-)
+from ..tiers.memory.namespace import DEFAULT_SHM_DIR, namespaces_of_root, rank_dirs, read_owner, sweep_orphans
+from ..tiers.memory.owners import Holding, grace_s, reclaim, remove_holding, survey
 
 log = logging.getLogger(__name__)
 
 
 def remove_leftovers(disk: LocalDiskTier | None, store: DurableTier | None, leads: Callable[[DurableTier], bool], *,
-                     root: str, own: Path, memory_dir: str) -> None:
+                     root: str, run: str, own: Path, memory_dir: str) -> None:
     """A job's start-up sweep, before anything is written: each volume's leader (``leads``)
     sweeps its own volume (nobody touches another node's disk): interrupted writes, and the
-    memory slots of this root's dead jobs (namespaces but ``own``) whose steps are on disk."""
+    memory slots of this root's dead jobs (namespaces but ``own``) whose steps are on disk;
+    each node's first rank, every dead job's durable slots in ``memory_dir``."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        reclaim_dead(memory_dir, job=(root, run))
     leftovers: list[str] = []
     if store is not None and leads(store):
         leftovers += store.cleanup()
@@ -54,17 +52,34 @@ def remove_leftovers(disk: LocalDiskTier | None, store: DurableTier | None, lead
         log.info("removed leftover of an interrupted save: %s", leftover)
 
 
-def sweep_finished(home: DurableTier, own: Path) -> None:
+def reclaim_dead(memory_dir: str, *, job: tuple[str, str] | None = None) -> list[Holding]:
+    """Remove this user's dead namespaces whose newest steps are durable, but those of ``job``
+    (root, run: its restart restores from them); warn of those past the grace time."""
+    removed, stale = reclaim(memory_dir, keep=lambda h: any(r.job == job for r in h.ranks))
+    for h in removed:
+        log.info("removed the shared memory of a job that is gone (its steps are durable): %s", h.path)
+    for h in stale:
+        log.warning("%s: %.0f MiB of shared memory held by a job that is gone, its newest step durable nowhere "
+                    "else, for %.1f h (root %s); `ckpt gc --orphans --force` frees it", h.path, h.bytes / 2**20,
+                    h.idle_s / 3600, h.owner().get("root"))
+    return removed
+
+
+def sweep_finished(home: DurableTier, own: Path, replicas: Path | None) -> None:
     """A finished job's slots left by its dead or superseded ranks (killed, or renumbered
     when ``ckpt.inprocess`` shrank the world) in this node's namespace ``own``: nothing
     restores them once a newer step is durable in ``home``. Slots of a newer step stay (a
-    rank that died in the last save)."""
+    rank that died in the last save). The peer replicas this node held for the job go too,
+    those of a step newer than ``home``'s newest excepted."""
     try:
         durable = [i for i in home.list() if i.complete]
         if durable:
+            newest = max(i.id for i in durable)
             shards = {(r, i.id.generation, i.id.step) for i in durable for r in i.ranks}
-            for gone in sweep_orphans([own], shards, older_than=max(i.id for i in durable)):
+            for gone in sweep_orphans([own], shards, older_than=newest):
                 log.info("removed a finished job's dead rank's memory slots: %s", gone)
+            if replicas is not None:
+                sweep_orphans([replicas], set(), older_than=CheckpointId(newest.generation, newest.step + 1))
     except Exception as e:  # housekeeping: the job's saves are durable; `ckpt gc --orphans` can do it later
         log.warning("could not sweep dead ranks' memory slots in %s: %s", own, e)
 
@@ -91,47 +106,42 @@ def durable_elsewhere(spaces: list[Path]) -> set[tuple[int, int, int]]:
     return found
 
 
-def _in_use(rdir: Path) -> bool:
-    with owner_gone(rdir) as gone:
-        return gone is False
-
-
-def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def orphans(shm_dir: str = DEFAULT_SHM_DIR) -> list[Orphan]:
-    """Namespaces of this user with no live owner process (none of their ranks' locks held)."""
-    found = []
-    for ns in trusted_namespaces(shm_dir):
-        ranks = rank_dirs(ns)
-        if any(_in_use(d) for d in ranks):
-            continue
-        owner = next((o for d in ranks if (o := read_owner(d)) is not None), None)
-        root = owner.get("root") if owner else None
-        found.append(Orphan(ns, root if isinstance(root, str) else None, _size(ns), ""))
-    return found
+def _listed(orphan: Orphan) -> tuple[set[tuple[int, int, int]] | None, str]:
+    """What the job's own root (and object store) hold durably; None: anything may go (no root)."""
+    root = orphan.root
+    if root is None or (not is_url(root) and not os.path.isdir(root)):
+        return None, "its root is gone" if root else "no owner record"
+    try:
+        return (complete_shards(durable_tier_for(root)) | durable_elsewhere([orphan.namespace]),
+                f"its steps are durable in {root} or the job's object store")
+    except Exception as e:  # an unreachable store: nothing is known to be safe
+        return set(), f"cannot list {root}: {e}"
 
 
 def sweep_orphaned_jobs(shm_dir: str = DEFAULT_SHM_DIR, *, force: bool = False) -> tuple[list[Orphan], list[Orphan]]:
-    """Remove orphaned namespaces (see the module docstring); returns (removed, kept)."""
+    """Remove this user's namespaces with no live owner process (see the module docstring);
+    returns (removed, kept)."""
     removed, kept = [], []
-    for orphan in orphans(shm_dir):
-        root = orphan.root
-        if root is None or (not is_url(root) and not os.path.isdir(root)):
-            orphan.reason = "its root is gone" if root else "no owner record"
-            durable: set[tuple[int, int, int]] | None = None
+    grace = grace_s()
+    for h in survey(shm_dir, uid=os.getuid()):
+        if h.live:
+            continue
+        root = h.owner().get("root")
+        orphan = Orphan(h.path, root if isinstance(root, str) else None, h.bytes, "")
+        if h.durable:
+            orphan.reason = "its newest steps are durable (its owner record says where)"
+            remove_holding(h)
         else:
-            try:
-                durable = complete_shards(durable_tier_for(root)) | durable_elsewhere([orphan.namespace])
-                orphan.reason = f"its steps are durable in {root} or the job's object store"
-            except Exception as e:  # an unreachable store: nothing is known to be safe
-                durable, orphan.reason = set(), f"cannot list {root}: {e}"
-        sweep_orphans([orphan.namespace], durable or set(), force=force or durable is None)
-        if orphan.namespace.exists():
-            orphan.reason = f"holds steps not durable in {root} (use --force)" if durable is not None else \
-                orphan.reason
-            orphan.bytes = _size(orphan.namespace)
+            durable, orphan.reason = _listed(orphan)
+            if force or durable is None:
+                remove_holding(h, force=True)
+            else:
+                sweep_orphans([h.path], durable)
+                if h.path.exists():
+                    orphan.reason = (f"holds steps durable nowhere else ({h.state(grace)}: its owner last wrote "
+                                     f"{h.idle_s / 3600:.1f} h ago); --force removes it")
+        if h.path.exists():
+            orphan.bytes = sum(p.lstat().st_blocks * 512 for p in h.path.rglob("*") if p.is_file())
             kept.append(orphan)
         else:
             removed.append(orphan)

@@ -74,14 +74,14 @@ def rank_dir(ns: Path, rank: int) -> Path:
     return ns / f"rank-{rank:05d}"
 
 
-def is_trusted(path: Path, *, directory: bool) -> bool:
-    """Owned by this user, private, and not a symlink (checked with lstat)."""
+def is_trusted(path: Path, *, directory: bool, uid: int | None = None) -> bool:
+    """Owned by this user (or ``uid``), private, and not a symlink (checked with lstat)."""
     try:
         st = path.lstat()
     except OSError:
         return False
     kind = stat.S_ISDIR if directory else stat.S_ISREG
-    return kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+    return kind(st.st_mode) and st.st_uid == (os.getuid() if uid is None else uid) and not st.st_mode & 0o077
 
 
 def make_private_dir(path: Path) -> None:
@@ -90,12 +90,12 @@ def make_private_dir(path: Path) -> None:
         raise CheckpointError(f"{path} is not a private directory of this user; refusing to use it")
 
 
-def read_private(path: Path, limit: int) -> bytes:
-    """A small file of this user's, read without following a symlink; OSError otherwise."""
+def read_private(path: Path, limit: int, uid: int | None = None) -> bytes:
+    """A small file of this user's (or ``uid``'s), read without following a symlink; OSError otherwise."""
     fd = os.open(path, _NOFOLLOW)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != (os.getuid() if uid is None else uid) or st.st_mode & 0o077:
             raise PermissionError(errno.EPERM, "not a private file of this user", str(path))
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
@@ -105,11 +105,11 @@ def read_private(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
-def read_owner(rdir: Path) -> dict[str, Any] | None:
+def read_owner(rdir: Path, uid: int | None = None) -> dict[str, Any] | None:
     """A rank directory's owner record, or None when it is missing, foreign or malformed."""
     path = rdir / OWNER_FILE
     try:
-        doc = loads_bounded(read_private(path, _MAX_OWNER_BYTES), str(path), 4, _MAX_OWNER_BYTES)
+        doc = loads_bounded(read_private(path, _MAX_OWNER_BYTES, uid), str(path), 4, _MAX_OWNER_BYTES)
     except (OSError, ManifestError):
         return None
     return doc if isinstance(doc, dict) else None
@@ -123,8 +123,8 @@ def trusted_namespaces(shm_dir: str = DEFAULT_SHM_DIR) -> list[Path]:
     return [ns for ns in sorted(base.glob(f"ckpt-guard-{os.getuid()}-*")) if is_trusted(ns, directory=True)]
 
 
-def rank_dirs(ns: Path) -> list[Path]:
-    return [d for d in sorted(ns.glob("rank-*")) if is_trusted(d, directory=True)]
+def rank_dirs(ns: Path, uid: int | None = None) -> list[Path]:
+    return [d for d in sorted(ns.glob("rank-*")) if is_trusted(d, directory=True, uid=uid)]
 
 
 def slot_file_bytes(ns: Path) -> int:
@@ -170,11 +170,11 @@ def owner_gone(rdir: Path) -> Iterator[bool | None]:
         os.close(fd)
 
 
-def seals(rdir: Path) -> Iterator[ShardManifest]:
+def seals(rdir: Path, uid: int | None = None) -> Iterator[ShardManifest]:
     """The seals in a rank directory that parse (one being replaced, or damaged, is skipped)."""
     for meta in rdir.glob("slot-*.json"):
         try:
-            yield ShardManifest.from_bytes(read_private(meta, MAX_SEAL_BYTES), str(meta))
+            yield ShardManifest.from_bytes(read_private(meta, MAX_SEAL_BYTES, uid), str(meta))
         except (OSError, ManifestError):
             continue
 

@@ -33,9 +33,11 @@ import torch
 
 from ...errors import CheckpointError
 from ...format.manifest import ManifestError, ShardManifest
+from ..base import CheckpointId
 from ..fsutil import atomic_write
 from .copier import PendingCopy, TensorCopier
-from .namespace import MAX_SEAL_BYTES, OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_private
+from .namespace import MAX_SEAL_BYTES, OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_owner, read_private
+from .owners import committed_ids
 from .reader import epoch_path
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 # A replica pool's slots: its newest, the newest step common to the sender's node, and the one
 # being received (ckpt/peers/replicas.py says why); the shared-memory budget counts them too
 REPLICA_SLOTS = 3
+_LOCK_WAIT_S = 2.0  # a sweeper holds a dead rank's lock only while it removes the directory
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -172,28 +175,68 @@ class SlotPool:
     def __init__(self, ns: Path, rank: int, *, slots: int = 2, owner: dict | None = None) -> None:
         if slots < 2:
             raise ValueError("at least two slots: a snapshot must never overwrite the last complete one")
-        make_private_dir(ns)
         self.dir = rank_dir(ns, rank)
-        make_private_dir(self.dir)
         self.rank = rank
-        self._lock_fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise CheckpointError(f"{self.dir} is in use by another live process (same root, run and rank): "
-                                  "is the job already running? Each job needs its own checkpoint root") from None
+        self._lock_fd = self._take_lock()
         _LOCKS_HELD.add(self._lock_fd)
         for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
             tmp.unlink(missing_ok=True)
         self.owner: dict = {}
-        self.set_owner({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {})})
+        self._owner_lock = threading.Lock()
+        durable = (read_owner(self.dir) or {}).get("durable")  # a previous owner's commits stay true of its slots
+        self.set_owner({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(owner or {}),
+                        **({"durable": durable} if isinstance(durable, dict) else {})})
         self.slots = [ShmSlot(self.dir / f"slot-{k}.bin") for k in range(slots)]
         self._ready = threading.Event()
         self._prepare_error: BaseException | None = None
 
+    def _take_lock(self) -> int:
+        """The rank's lock. A sweeper that holds it for a moment (it is removing a dead job's
+        directory: ``owners.remove_holding``) is waited out, and the directory made again."""
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                make_private_dir(self.dir.parent)
+                make_private_dir(self.dir)
+                fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                continue  # removed between the two steps
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+                continue
+            with contextlib.suppress(OSError):
+                if os.stat(self.dir / "lock").st_ino == os.fstat(fd).st_ino:
+                    return fd
+            os.close(fd)  # a sweeper removed it while this waited
+        raise CheckpointError(f"{self.dir} is in use by another live process (same root, run and rank): "
+                              "is the job already running? Each job needs its own checkpoint root")
+
     def set_owner(self, owner: dict) -> None:
         """(Re)write ``owner.json``: what the CLI and the sweeps know of these slots."""
+        with self._owner_lock:
+            self._write_owner(owner)
+
+    def record_durable(self, tier: str, ckpt_id: CheckpointId) -> None:
+        """A step committed in a durable tier: recorded in ``owner.json`` (``owners`` says why)."""
+        with self._owner_lock:
+            rec = dict(self.owner.get("durable") or {})
+            if tuple(rec.get(tier, (-1, -1))) >= (ckpt_id.generation, ckpt_id.step):
+                return
+            rec[tier] = [ckpt_id.generation, ckpt_id.step]
+            self._write_owner({**self.owner, "durable": rec})
+
+    def all_durable(self) -> bool:
+        """Whether every step these slots hold is committed in a durable tier (so removing them
+        loses nothing: a step restored from memory and never saved again may be the only copy)."""
+        done = committed_ids(self.owner)
+        return all(any(CheckpointId(*s.holds) <= d for d in done) for s in self.slots if s.holds)
+
+    def _write_owner(self, owner: dict) -> None:
         atomic_write(self.dir / OWNER_FILE, json.dumps(owner).encode(), durable=False, mode=0o600)
         self.owner = owner
 
