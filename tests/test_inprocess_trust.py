@@ -43,6 +43,18 @@ def step_of(raw: "dist.TCPStore", worker: int) -> int:
     return -1 if value is None else int(value)
 
 
+def listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} writes them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hexport = local.rpartition(":")
+            if state == "0A" and int(hexport, 16) == port:
+                found.add(addr)
+    return found
+
+
 def clean_digest(tmp_path: Path) -> set[str]:
     launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
     return {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
@@ -100,9 +112,10 @@ def test_forged_control_values_and_a_lifeline_claim_change_nothing(tmp_path):
 @pytest.mark.timeout(900)
 def test_a_replayed_or_forged_beat_keeps_no_vanished_node_alive(tmp_path):
     """2 nodes x 1 rank; node 1 (launcher and worker) is stopped as if its host vanished. The
-    outsider keeps its beat going: it adds to it (a counter's forged increment), writes back the
-    last beat node 1 sent and an older one. Node 1 is lost all the same after ``--hang-s`` without
-    a beat, and worker 0 finishes alone in its own process (node 1's shard from the object store)."""
+    outsider keeps its beat going: it adds to it (a counter's forged increment) while it can,
+    then writes back an older beat of node 1's and its last one, again and again. Node 1 is lost
+    all the same after ``--hang-s`` without a beat, and worker 0 finishes alone in its own process
+    (node 1's shard from the object store)."""
     workdir, port = tmp_path / "a", free_port()
     workdir.mkdir()
     stop = threading.Event()
@@ -120,21 +133,22 @@ def test_a_replayed_or_forged_beat_keeps_no_vanished_node_alive(tmp_path):
             last = raw.get(key)
 
             def keep_alive() -> None:
-                client = raw
+                client, counting = raw, True
                 while not stop.is_set():
                     try:
-                        client.add(key, 1)
+                        if counting:
+                            client.add(key, 1)  # a counter's forged increment, while the beat is one
+                        else:
+                            client.set(key, older)  # the replays
+                            client.set(key, last)
                     except Exception:  # a signed value is no counter: torch drops the connection
+                        if not counting:
+                            return  # the store is gone: the job ended
+                        counting = False
                         try:
                             client = outsider(port)
                         except Exception:
-                            return  # the store is gone: the job ended
-                    try:
-                        client.set(key, last)
-                        client.set(key, older)
-                        client.set(key, last)
-                    except Exception:
-                        return
+                            return
                     time.sleep(0.05)
 
             threading.Thread(target=keep_alive, daemon=True).start()
@@ -149,3 +163,45 @@ def test_a_replayed_or_forged_beat_keeps_no_vanished_node_alive(tmp_path):
     assert "node 1 lost (no beat for" in log and "attempt 1" not in log, log[-4000:]
     done = finals(events(workdir / "events.jsonl"))
     assert {w: (e["steps"], e["world"]) for w, e in done.items()} == {0: (40, 1)}, log[-4000:]
+
+
+@pytest.mark.timeout(900)
+def test_a_flood_of_idle_lifeline_connections_leaves_the_launcher_alive(tmp_path):
+    """1,100 idle connections to the job launcher's lifeline port, whose open-file limit is 256
+    (the cheap stand-in for the common 1,024): none proves a node, so each is closed after the
+    hello timeout or pushed out by newer ones, accept() running out of descriptors pauses
+    instead of raising, and the job ends bitwise equal to a clean run. The job's store listens
+    on the --master-addr it was given (127.0.0.1) alone, not on every interface."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.test_inprocess import CHILD, ENV, REPO
+
+    port, ev = free_port(), tmp_path / "a.jsonl"
+    cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--nproc", "2", "--master-port", str(port), str(CHILD),
+           "--root", str(tmp_path / "a"), "--events", str(ev), *PACED]
+    proc = subprocess.Popen(cmd, env={**os.environ, **ENV}, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+    idle: list[socket.socket] = []
+    try:
+        raw = outsider(port)
+        assert wait_for(lambda: step_of(raw, 0) >= 2, timeout=300)
+        assert listening(port) == {"0100007F"}, listening(port)  # 127.0.0.1 only; torch's own: every interface
+        lifeline_port = int(payload(raw, lifeline.KEY))
+        for _ in range(1100):
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", lifeline_port), timeout=10))
+            except OSError:  # the backlog is full: the flood goes on with the next
+                continue
+        log, _ = proc.communicate(timeout=600)  # a hang guard only
+    finally:
+        for s in idle:
+            s.close()
+        stop_process(proc)
+    assert proc.returncode == 0 and len(idle) >= 1000, (len(idle), log[-4000:])
+    assert "lifeline: closed a connection" in log, log[-4000:]
+    done = finals(events(ev))
+    assert {w: e["steps"] for w, e in done.items()} == {0: STEPS, 1: STEPS}, log[-4000:]
+    assert {e["digest"] for e in done.values()} == clean_digest(tmp_path)
