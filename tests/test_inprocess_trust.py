@@ -205,3 +205,20 @@ def test_a_flood_of_idle_lifeline_connections_leaves_the_launcher_alive(tmp_path
     done = finals(events(ev))
     assert {w: e["steps"] for w, e in done.items()} == {0: STEPS, 1: STEPS}, log[-4000:]
     assert {e["digest"] for e in done.values()} == clean_digest(tmp_path)
+
+
+def test_several_nodes_without_a_secret_are_refused_in_one_line():
+    """A multi-node launch needs the same secret on every node: none given is one clear line,
+    before anything listens (the secret never comes from argv)."""
+    import subprocess
+    import sys
+
+    from ckpt.secret import SECRET_ENV, SECRET_FILE_ENV
+    from tests.test_inprocess import ENV, REPO
+
+    env = {k: v for k, v in {**os.environ, **ENV}.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    out = subprocess.run([sys.executable, "-m", "ckpt.inprocess.launch", "--nodes", "2", "--node-rank", "1",
+                          "--master-port", "1", "--nproc", "1", "train.py"], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and f"give every node the same job secret in {SECRET_FILE_ENV}" in out.stderr, out
+    assert "Traceback" not in out.stderr
