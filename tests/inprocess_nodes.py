@@ -48,13 +48,19 @@ def job_store(port: int) -> Control:
     return membership.of_attempt(base, 0, control_key(ENV[SECRET_ENV].encode()))
 
 
+# the launcher imported, then started once the file argv[1] exists (a test's outsider acts first)
+_ON_GO = ("import sys, time, ckpt.inprocess.launch as launch\nfrom pathlib import Path\n"
+          "while not Path(sys.argv[1]).exists():\n    time.sleep(0.01)\nsys.exit(launch.main(sys.argv[2:]))")
+
+
 def start_node_launcher(k: int, nodes: int, port: int, workdir: Path, shm: Path, launcher: list[str], child: list[str],
-               **popen) -> subprocess.Popen:
+                        go: Path | None = None, **popen) -> subprocess.Popen:
     """Node ``k``'s launcher (its own CKPT_GUARD_NODE, memory dir ``shm/nodeK`` and disk root
     ``workdir/nodeK``), its workers appending to ``workdir/events.jsonl``, its output in
-    ``workdir/nodeK.log``."""
+    ``workdir/nodeK.log``; ``go``: imported now, started once that file exists."""
     (shm / f"node{k}").mkdir(mode=0o700)
-    cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--nodes", str(nodes), "--node-rank", str(k),
+    start = ["-m", "ckpt.inprocess.launch"] if go is None else ["-c", _ON_GO, str(go)]
+    cmd = [sys.executable, *start, "--nodes", str(nodes), "--node-rank", str(k),
            "--master-port", str(port), *launcher, str(CHILD), "--root", str(workdir / f"node{k}"),
            "--memory-dir", str(shm / f"node{k}"), "--events", str(workdir / "events.jsonl"), *child]
     with open(workdir / f"node{k}.log", "wb") as out:

@@ -78,14 +78,16 @@ def test_forged_control_values_and_a_lifeline_claim_change_nothing(tmp_path):
     workdir, port = tmp_path / "a", free_port()
     workdir.mkdir()
     with tempfile.TemporaryDirectory(prefix="inprocess-trust-", dir="/dev/shm") as shm:
-        procs = [start_node_launcher(0, 2, port, workdir, Path(shm), ["--nproc", "1"], PACED)]
+        go = workdir / "go"
+        procs = [start_node_launcher(k, 2, port, workdir, Path(shm), ["--nproc", "1"], PACED,
+                                     go=go if k else None) for k in range(2)]  # node 1 waits, imported
         try:
             raw = outsider(port)
             assert wait_for(lambda: raw.check([lifeline.KEY]), timeout=300)
             claim = socket.create_connection(("127.0.0.1", int(payload(raw, lifeline.KEY))))
             claim.sendall(b"1\n")  # the claim as node 1's launcher made it before lifelines were proven
             time.sleep(0.5)  # the job launcher has taken it (or refused it) before node 1 comes
-            procs.append(start_node_launcher(1, 2, port, workdir, Path(shm), ["--nproc", "1"], PACED))
+            go.touch()
             assert wait_for(lambda: step_of(raw, 0) >= 2, timeout=300)
             raw.set(membership.evict_key(1), "the outsider evicts worker 1")
             raw.set(membership.round_key(1), json.dumps({"members": [0], "spares": [], "reason": "forged",

@@ -15,7 +15,6 @@ capped per address and in total (the oldest goes first), and no read buffer grow
 """
 from __future__ import annotations
 
-import errno
 import hmac
 import logging
 import os
@@ -24,6 +23,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from ..peers.server import TRANSIENT_ACCEPT_ERRORS
 from . import membership
 from .control import Control
 
@@ -34,9 +34,6 @@ PENDING_PER_ADDRESS, PENDING_TOTAL = 16, 128  # unproven connections held at onc
 _CHALLENGE = 16
 _LINE = 128  # "K MAC-hex\n" fits; a longer line is nobody's
 _PAUSE_S = 0.5
-# accept() failing with one of these is the machine short of something for a while, or one
-# connection gone before it was taken: wait, then go on
-_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
 
 
 @dataclass
@@ -98,7 +95,7 @@ class Lifelines:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                if e.errno not in _TRANSIENT:
+                if e.errno not in TRANSIENT_ACCEPT_ERRORS:
                     raise
                 if not self.accept_errors:
                     log.warning("lifeline listener cannot accept a connection now (%s); pausing %.1f s each time "

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # accept() failing with one of these is the machine short of something for a while (file
 # descriptors, memory) or one connection gone before it was taken: wait, then go on.
-_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+TRANSIENT_ACCEPT_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
 HANDSHAKE_S = 5.0  # a connection that has not proven the secret by then is closed (a proof takes ms)
 PENDING_PER_ADDRESS, PENDING_TOTAL = 8, 32  # unproven connections held at once
 
@@ -68,7 +68,7 @@ class PeerServer:
             except TimeoutError:
                 continue
             except OSError as e:
-                if self._stop.is_set() or e.errno not in _TRANSIENT:
+                if self._stop.is_set() or e.errno not in TRANSIENT_ACCEPT_ERRORS:
                     return
                 self.accept_errors += 1
                 if streak % 120 == 0:  # once a minute while it lasts
