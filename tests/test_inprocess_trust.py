@@ -224,3 +224,54 @@ def test_several_nodes_without_a_secret_are_refused_in_one_line():
                          text=True, timeout=120)
     assert out.returncode == 2 and f"give every node the same job secret in {SECRET_FILE_ENV}" in out.stderr, out
     assert "Traceback" not in out.stderr
+
+
+def test_a_lifeline_counts_only_with_the_proof_and_unproven_ones_are_capped():
+    """The job launcher's lifeline listener on its own: a node launcher's proof is held (its
+    end is news); an outsider's bare claim, a wrong proof, an endless line and a node already
+    held are closed; unproven connections from one address never exceed the cap."""
+    from ckpt.inprocess.control import Control
+
+    base = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctl = Control(base, b"k" * 32, 0)
+    lines = lifeline.Lifelines("127.0.0.1", ctl, {1, 2})
+    port = int(ctl.get(lifeline.KEY))
+    ticking = threading.Event()
+    ended: list[int] = []
+
+    def tick() -> None:
+        while not ticking.is_set():
+            ended.extend(lines.cut())
+            time.sleep(0.005)
+
+    threading.Thread(target=tick, daemon=True).start()
+    try:
+        real = lifeline.hold(ctl, "127.0.0.1", 1)
+        outsiders = []
+        for line in (b"2\n", b"2 " + b"00" * 32 + b"\n", b"9" * 4096):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.recv(16)  # the challenge
+            s.sendall(line)
+            outsiders.append(s)
+        forger = Control(base, b"x" * 32, 0)  # another job's key
+        outsiders.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+        outsiders[-1].sendall(f"2 {forger.mac('lifeline', 2, outsiders[-1].recv(16)).hex()}\n".encode())
+        for s in outsiders:  # each is closed by the listener (a hang guard: not timed)
+            try:
+                assert s.recv(4096) == b""
+            except ConnectionResetError:  # closed with the rest of its line unread
+                pass
+        assert wait_for(lambda: lines.refused >= 4, timeout=30)
+        crowd = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(40)]
+        pushed_out = len(crowd) - lifeline.PENDING_PER_ADDRESS
+        assert wait_for(lambda: lines.refused >= 4 + pushed_out, timeout=30)  # the oldest went first
+        assert len(lines._hellos) <= lifeline.PENDING_PER_ADDRESS
+        assert not ended
+        real.close()
+        assert wait_for(lambda: ended == [1], timeout=30)
+        for s in crowd:
+            s.close()
+    finally:
+        ticking.set()
+        time.sleep(0.05)
+        lines.close()

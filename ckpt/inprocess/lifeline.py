@@ -68,6 +68,8 @@ class Lifelines:
                 self._accept(now)
                 continue
             conn, state = key.fileobj, key.data  # a _Hello, or the node it holds
+            if conn.fileno() < 0:  # pushed out by this tick's accept, after select() named it
+                continue
             try:
                 data = conn.recv(_LINE)
             except (BlockingIOError, InterruptedError):
@@ -141,7 +143,10 @@ class Lifelines:
 
     def _drop(self, conn: socket.socket) -> None:
         self._hellos.pop(conn, None)
-        self._sel.unregister(conn)
+        try:
+            self._sel.unregister(conn)
+        except (KeyError, ValueError):  # already gone
+            pass
         conn.close()
 
     def close(self) -> None:
