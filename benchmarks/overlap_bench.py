@@ -18,6 +18,7 @@ temporary directory). The memcpy floor of the state's bytes is
 measured in the same run. Not a test: nothing here asserts a speed.
 
     PYTHONPATH=. python benchmarks/overlap_bench.py [--device cpu|cuda] [--rounds 6] [--json out.json | --json -]
+    PYTHONPATH=. python benchmarks/overlap_bench.py --arms none,overlap,verified   # overlap_verify's cost
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import leaves_no_shm, memcpy_floor, parser, run_meta, spread, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 
-ARMS = ("none", "overlap", "paced", "blocking", "dcp")
+ARMS = ("none", "overlap", "paced", "blocking", "dcp", "verified")
+DEFAULT_ARMS = ARMS[:5]  # "verified" (overlap_verify=True: the staged bytes compared at the seal) on request
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -149,7 +151,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--block", type=int, default=8, help="steps per block")
-    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated subset of " + ",".join(ARMS))
     ap.add_argument("--drain-interval-s", type=float, default=1.0,
                     help="the paced arm: overlap=True with this drain_interval_s (blocks should last several)")
     ap.add_argument("--dir", default=None, help="where the disk root and DCP's directory go")
@@ -166,12 +168,13 @@ def main() -> None:
                                                      if isinstance(v, torch.Tensor)]
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     work = Path(tempfile.mkdtemp(prefix="overlap-bench-", dir=args.dir))
-    shm = [tempfile.mkdtemp(prefix="overlap-bench-", dir="/dev/shm") for _ in range(3)]
+    shm = [tempfile.mkdtemp(prefix="overlap-bench-", dir="/dev/shm") for _ in range(4)]
     counter, blocking = [0], {a: [] for a in arms}
     blocks: list[dict[str, Any]] = []
     try:
         paced = {"overlap": True, "drain_interval_s": args.drain_interval_s}
-        options = {"overlap": {"overlap": True}, "paced": paced, "blocking": {}}
+        options = {"overlap": {"overlap": True}, "paced": paced, "blocking": {},
+                   "verified": {"overlap": True, "overlap_verify": True}}
         ours = {a: CheckpointManager(work / a, memory_dir=m, keep_last=2, state=state, **options[a])
                 for a, m in zip(options, shm) if a in arms}
         dcp = DcpSaver(work / "dcp", args.device) if "dcp" in arms else None

@@ -167,7 +167,7 @@ def readiness_cost(clean_events: list[dict] | None = None, checks: int = 2000) -
     from ckpt.inprocess import membership
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    client = membership.of_attempt(dist.TCPStore("127.0.0.1", server.port, is_master=False), 0, os.urandom(32))
     t0 = time.perf_counter()
     for _ in range(checks):
         membership.changed(client, 0)

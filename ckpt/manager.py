@@ -78,9 +78,9 @@ class CheckpointManager:
     ``peer_avoid_at_risk`` places no replica on a node the predictor reports at risk
     while others are left (``ckpt.resumable(predictor=...)`` and the callbacks tell it).
 
-    ``overlap`` (docs/overlap.md): parameters and optimizer state are copied during the
-    next forward and backward, and the next ``optimizer.step()`` waits for it; for saving
-    every step, superseded drains are skipped. One more memory slot per rank.
+    ``overlap`` (docs/overlap.md): parameters and optimizer state are copied during the next forward
+    and backward, the next ``optimizer.step()`` waits for it, superseded drains are skipped; one more
+    memory slot per rank. ``overlap_verify``: also refuse a snapshot torn by a write through numpy or ``.data``.
     ``drain_interval_s`` (with ``overlap``): a drain to the lower tiers starts at most
     this often; the snapshots saved meanwhile stay in memory only (superseded), so saving
     every step keeps the checksum, peer and disk work off the training's cores.
@@ -100,7 +100,7 @@ class CheckpointManager:
                  node: str | None = None, peer_bytes_per_s: float | None = None,
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
                  keep_memory: bool = False, node_memory: bool = False, drain_interval_s: float = 0.0,
-                 sweep: bool = True) -> None:
+                 sweep: bool = True, overlap_verify: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         if drain_interval_s and not overlap:
@@ -155,7 +155,8 @@ class CheckpointManager:
         self._saves = SavePath(rank=self.rank, world_size=self.world_size, memory=self.memory, disk=self.disk,
                                offload=self._offload, committer=self.committer, peering=self.peering,
                                metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
-                               replicated=self.replicated, overlap=overlap, pace=Pace(drain_interval_s),
+                               replicated=self.replicated, overlap=overlap, verify=overlap_verify,
+                               pace=Pace(drain_interval_s),
                                yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"))
         if self._offload is not None:
             self._lineage.current()  # list the store now: save() must not wait on it during an outage

@@ -95,7 +95,7 @@ def main() -> None:
     emit(event="start")
     evicted: list[int] = []
     listener = RiskListener("http://127.0.0.1:9", [node_name()], SaveRequests())  # never started: fed by hand
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    store = membership.worker_store(60.0)
 
     def build(ctx: Context) -> dict:
         if args.model == "gpt":
@@ -131,7 +131,7 @@ def main() -> None:
         torch in them): what is measured is a fault with a spare ready, not a start-up race."""
         spares = membership.wait_round(store, 0, 60.0).spares
         deadline = time.monotonic() + 300
-        while not store.check([membership.ready_key(s) for s in spares]) and time.monotonic() < deadline:
+        while not all(store.has(membership.ready_key(s)) for s in spares) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def step(objects: dict, i: int) -> None:

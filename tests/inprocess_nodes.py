@@ -24,11 +24,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ckpt.inprocess import membership
+from ckpt.inprocess.control import Control, control_key
+from ckpt.secret import SECRET_ENV
 from tests.procs import free_port, running, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "inprocess_child.py"
-ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+# every node launcher of a job is handed the same secret (never on argv)
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), SECRET_ENV: os.urandom(32).hex()}
 
 
 @dataclass
@@ -39,13 +42,25 @@ class LostNode:
     node1_workers_gone: bool  # no worker of node 1 outlived its launcher
 
 
+def job_store(port: int) -> Control:
+    """The job's store at ``port`` as its launchers see it (signed values, attempt 0)."""
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    return membership.of_attempt(base, 0, control_key(ENV[SECRET_ENV].encode()))
+
+
+# the launcher imported, then started once the file argv[1] exists (a test's outsider acts first)
+_ON_GO = ("import sys, time, ckpt.inprocess.launch as launch\nfrom pathlib import Path\n"
+          "while not Path(sys.argv[1]).exists():\n    time.sleep(0.01)\nsys.exit(launch.main(sys.argv[2:]))")
+
+
 def start_node_launcher(k: int, nodes: int, port: int, workdir: Path, shm: Path, launcher: list[str], child: list[str],
-               **popen) -> subprocess.Popen:
+                        go: Path | None = None, **popen) -> subprocess.Popen:
     """Node ``k``'s launcher (its own CKPT_GUARD_NODE, memory dir ``shm/nodeK`` and disk root
     ``workdir/nodeK``), its workers appending to ``workdir/events.jsonl``, its output in
-    ``workdir/nodeK.log``."""
+    ``workdir/nodeK.log``; ``go``: imported now, started once that file exists."""
     (shm / f"node{k}").mkdir(mode=0o700)
-    cmd = [sys.executable, "-m", "ckpt.inprocess.launch", "--nodes", str(nodes), "--node-rank", str(k),
+    start = ["-m", "ckpt.inprocess.launch"] if go is None else ["-c", _ON_GO, str(go)]
+    cmd = [sys.executable, *start, "--nodes", str(nodes), "--node-rank", str(k),
            "--master-port", str(port), *launcher, str(CHILD), "--root", str(workdir / f"node{k}"),
            "--memory-dir", str(shm / f"node{k}"), "--events", str(workdir / "events.jsonl"), *child]
     with open(workdir / f"node{k}.log", "wb") as out:
@@ -63,17 +78,17 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
     procs = [start_node_launcher(k, 2, port, workdir, shm, ["--hang-s", str(hang_s), *launcher], child,
                         start_new_session=k == 1) for k in range(2)]
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+        store = job_store(port)
         first = membership.wait_round(store, 0, 300.0)
         if first is None:
             raise AssertionError(f"no first round:\n{logs[0].read_text()[-3000:]}")
-        hosts = {w: int(h) for w, h in zip(first.members + first.spares, store.multi_get(
+        hosts = {w: int(h) for w, h in zip(first.members + first.spares, store.many(
             [membership.host_key(w) for w in first.members + first.spares]))}
         ready = [membership.ready_key(s) for s in first.spares if hosts[s] == 0]
 
         def fault_point() -> bool:
-            return (store.check([membership.step_key(0)]) and int(store.get(membership.step_key(0))) >= at_step
-                    and (not ready or store.check(ready)))
+            return (int(store.get(membership.step_key(0)) or -1) >= at_step
+                    and all(store.has(k) for k in ready))
 
         if not wait_for(fault_point, timeout=300, interval=0.01):
             raise AssertionError(f"worker 0 never reached step {at_step}:\n{logs[0].read_text()[-3000:]}")

@@ -122,6 +122,33 @@ def test_an_in_place_write_before_the_wait_is_refused_and_the_last_snapshot_stay
         assert_restores(mgr, 1, expected)
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_write_through_numpy_escapes_the_counter_and_only_overlap_verify_refuses_it(root: Path, shm_dir: str,
+                                                                                      verify: bool) -> None:
+    """A write through a numpy view of a saved parameter, after its copy and before the wait,
+    bumps no version counter: sealed torn without ``overlap_verify`` (the documented gap),
+    refused with it (the staged bytes differ from the live ones), the last snapshot kept."""
+    state = build()
+    with CheckpointManager(root, memory_dir=shm_dir, overlap=True, overlap_verify=verify, state=state) as mgr:
+        train_step(state)
+        expected = expected_of(state)
+        mgr.save(1, state)
+        train_step(state)
+        mgr.save(2, state)
+        assert wait_for(lambda: mgr._saves._staged.copied(), timeout=60)
+        state["model"][5].bias.detach().numpy()[:] += 1.0  # no torch op: the counter stays
+        if not verify:
+            mgr.wait_staged()  # sealed: had the write landed during the copy, step 2 would be torn unseen
+            mgr.wait()
+            assert sorted({i["step"] for i in mgr.list()}) == [1, 2]
+            return
+        with pytest.raises(SnapshotChanged, match=r"model\.5\.bias changed in place"):
+            mgr.wait_staged()
+        mgr.wait()
+        assert sorted({i["step"] for i in mgr.list()}) == [1]
+        assert_restores(mgr, 1, expected)
+
+
 def test_buffers_rng_and_plain_values_are_copied_before_save_returns(root: Path, shm_dir: str) -> None:
     """What the next forward writes (BatchNorm statistics, num_batches_tracked) cannot wait
     for the optimizer: it is in the slot when save() returns."""

@@ -181,13 +181,13 @@ def test_node_failed_maps_the_event_to_the_workers_there():
 
     from ckpt.inprocess import evictions, membership
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = membership.of_attempt(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False), 0, b"k" * 32)
     membership.publish(store, membership.Membership(0, (0, 1, 2, 3), (4,), "start", 0.0))
     for w, (node, gpu) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 2)]):
         evictions.announce_place(store, w, node, gpu)
     evict = evictions.on_node_failed(store)
     evict({"node": "a", "gpu": 1, "reason": "critical XID 79 on GPU 1"})
-    evicted = lambda: [w for w in range(5) if store.check([membership.evict_key(w)])]  # noqa: E731
+    evicted = lambda: [w for w in range(5) if store.has(membership.evict_key(w))]  # noqa: E731
     assert evicted() == [1]
     evict({"node": "b", "reason": "lost"})  # no GPU named: the whole node
     assert evicted() == [1, 2, 3]
@@ -204,7 +204,7 @@ def test_membership_rounds_through_the_store():
 
     from ckpt.inprocess import membership
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = membership.of_attempt(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False), 0, b"k" * 32)
     first = membership.Membership(0, (0, 1, 2), (3,), "start", 0.0)
     membership.publish(store, first)
     assert membership.wait_round(store, 0, 5.0) == first and not membership.changed(store, 0)
@@ -213,7 +213,7 @@ def test_membership_rounds_through_the_store():
     newest = membership.latest_after(store, 0)
     assert membership.changed(store, 0) and newest.round == 2 and newest.rank_of(3) == 1 and newest.rank_of(2) is None
     assert membership.wait_round(store, 3, 0.05) is None  # bounded
-    store.set(membership.DONE_KEY, "1")
+    store.put(membership.DONE_KEY, "1")
     assert membership.wait_round(store, 3, 60.0) is None
 
 

@@ -27,7 +27,7 @@ from ckpt.peers.placement import node_name, ring_targets
 from ckpt.peers.remote import Held, RemoteTier
 from ckpt.peers.replicas import ReplicaSlots
 from ckpt.peers.replicator import ReplicaJob, Replicator
-from ckpt.peers.server import PeerServer
+from ckpt.peers.server import PENDING_PER_ADDRESS, PeerServer
 from ckpt.restore.execute import LOCAL, load_plan, open_shard, restore_agreed
 from ckpt.restore.plan import Inventory, ShardNeed
 from ckpt.tiers.base import CheckpointId
@@ -391,11 +391,37 @@ def test_idle_connections_are_capped_and_a_real_peer_still_gets_in(small_holder)
     try:
         time.sleep(0.3)
         threads = [t for t in threading.enumerate() if t.name == "ckpt-peer-conn"]
-        assert len(threads) <= 4
+        assert len(threads) <= PENDING_PER_ADDRESS  # unproven, from one address
         assert "step 1 (generation 0)" in str(_ask(small_holder.addr).get("error"))
     finally:
         for s in idle:
             s.close()
+
+
+def test_seventy_idle_connections_do_not_keep_a_real_peer_out(shm_dir: str) -> None:
+    """70 idle connections (none proves the secret) to a holder whose requests may take 300 s:
+    they would have held all 64 slots for that long. Unproven connections are capped and pushed
+    out by newer ones, and a proven peer takes no unproven one's slot: a real request gets its
+    answer (the idle ones are closed after the handshake timeout, a few seconds)."""
+    ns = Path(shm_dir) / "ckpt-guard-idle-holder"
+    replicas = ReplicaSlots(ns, {"root": "/nowhere", "run": "t"})
+    server = PeerServer(replicas, [PeerTier(ns)], host="127.0.0.1", timeout_s=300)
+    server.start(SECRET)
+    host, port = server.addr.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(70)]
+    try:
+        time.sleep(0.5)
+        assert "step 1 (generation 0)" in str(_ask(server.addr).get("error"))
+        for s in idle:  # each is closed by the holder (a hang guard: not timed)
+            s.settimeout(60)
+            while s.recv(4096):
+                pass
+        assert server.refused >= 70
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+        replicas.close()
 
 
 def test_the_accept_loop_survives_running_out_of_file_descriptors(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@
 launcher, its store and membership decisions; ``node``: a node's launcher, which starts, watches
 and reports that node's workers); ``group`` leaves a broken process group without waiting on it
 and closes its connections; ``membership`` is the round-by-round decision of who is in the job;
-``evictions`` maps the predictor's events to the workers to evict.
+``evictions`` maps the predictor's events to the workers to evict; ``control`` signs every store
+value they act on under the job's secret, and ``lifeline`` holds each node launcher's connection.
 """
 from .runner import EXIT_FALLBACK, EXIT_LEAVE, Context, FallBack, Recovery, Result, run
 

@@ -12,9 +12,8 @@ import json
 import logging
 from typing import Callable
 
-import torch.distributed as dist
-
 from . import membership
+from .control import Control
 
 log = logging.getLogger(__name__)
 
@@ -23,19 +22,18 @@ def place_key(worker: int) -> str:
     return f"{membership.PREFIX}/place/{worker}"
 
 
-def announce_place(store: "dist.Store", worker: int, node: str, gpu: int) -> None:
+def announce_place(ctl: Control, worker: int, node: str, gpu: int) -> None:
     """Record where ``worker`` runs, for whoever maps a failed node or GPU to workers."""
-    store.set(place_key(worker), json.dumps({"node": node, "gpu": gpu}))
+    ctl.put(place_key(worker), json.dumps({"node": node, "gpu": gpu}))
 
 
-def workers_on(store: "dist.Store", workers: list[int], node: str, gpu: int | None) -> list[int]:
+def workers_on(ctl: Control, workers: list[int], node: str, gpu: int | None) -> list[int]:
     """Those of ``workers`` on ``node`` (on its GPU ``gpu`` when given) that announced a place."""
-    known = [w for w in workers if store.check([place_key(w)])]
-    places = {w: json.loads(v) for w, v in zip(known, store.multi_get([place_key(w) for w in known]))} if known else {}
+    places = {w: json.loads(v) for w, v in zip(workers, ctl.many([place_key(w) for w in workers])) if v is not None}
     return [w for w, p in places.items() if p["node"] == node and (gpu is None or p["gpu"] == gpu)]
 
 
-def on_node_failed(store: "dist.Store") -> Callable[[dict], None]:
+def on_node_failed(ctl: Control) -> Callable[[dict], None]:
     """The in-process reaction to a predictor "node_failed" event (``RiskListener.on_node_failed``):
     evict the current members on the failed GPU (on the whole node when the event names no GPU)."""
     def evict(event: dict) -> None:
@@ -43,14 +41,14 @@ def on_node_failed(store: "dist.Store") -> Callable[[dict], None]:
         if not isinstance(node, str):
             log.warning("node_failed event without a node name ignored: %s", event)
             return
-        current = membership.latest_after(store, -1)
+        current = membership.latest_after(ctl, -1)
         members = list(current.members) if current is not None else []
-        culprits = workers_on(store, members, node, gpu if isinstance(gpu, int) else None)
+        culprits = workers_on(ctl, members, node, gpu if isinstance(gpu, int) else None)
         reason = f"the predictor reports node {node} failed ({event.get('reason')})"
         if not culprits:
             log.warning("%s: no member of round %s runs there; nothing evicted", reason,
                         current.round if current is not None else "?")
         for w in culprits:
             log.critical("%s: evicting worker %d", reason, w)
-            membership.evict(store, w, reason)
+            membership.evict(ctl, w, reason, current.round)
     return evict

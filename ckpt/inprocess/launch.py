@@ -21,19 +21,28 @@ pool. A spare called in is replaced by a new one on its node, so the pool stays 
 further, is relaunched whole, today's path, at most ``--relaunches`` times: every node
 launcher still there starts its workers again, on keys of the new attempt in the same store
 (a node lost meanwhile takes no part); every decision is logged with its reason.
+
+The job's secret (``ckpt.secret``: ``CKPT_JOB_SECRET_FILE`` or ``CKPT_JOB_SECRET``, never argv)
+signs every control value (``control.py``) and keys the lifelines and peer replicas: on one
+node the launcher makes one when none is given; with ``--nodes`` > 1 every node must be given
+the same one. The store listens on ``--master-addr`` only (docs/security.md).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import resource
+import socket
 import sys
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from .. import secret
 from . import membership
+from .control import control_key
 from .lifeline import Lifelines
 from .node import POLL_S, NodeLauncher, run_node
 from .runner import EXIT_FALLBACK
@@ -45,7 +54,7 @@ class Job:
     """One launch of the workers on every node (a relaunch is a new Job, on keys of its own)."""
 
     def __init__(self, args: argparse.Namespace, attempt: int, base: "dist.TCPStore", lost: set[int]) -> None:
-        self.store = membership.of_attempt(base, attempt)
+        self.store = membership.of_attempt(base, attempt, control_key())
         n, per_node = args.nproc, args.nproc + args.spares
         # worker ids K * (nproc + spares) + i on node K: members first, then spares; nodes lost
         # in an earlier attempt take no part
@@ -57,7 +66,8 @@ class Job:
         self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
         self.lost = set(lost)
         self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
-        self.store.multi_set([membership.host_key(w) for w in self.hosts], [str(k) for k in self.hosts.values()])
+        for w, k in self.hosts.items():
+            self.store.put(membership.host_key(w), str(k))
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
                                                              "start", 0.0))
         log.info("attempt %d: workers %s, spares %s on %d node(s)", attempt, self.members, self.spares,
@@ -71,10 +81,10 @@ class Job:
         while True:
             self.local.poll()
             for w in [w for w in [*self.members, *self.spares] if w not in seen]:
-                if not self.store.check([membership.exit_key(w)]):
+                if (raw := self.store.get(membership.exit_key(w))) is None:
                     continue
                 seen.add(w)
-                ended = json.loads(self.store.get(membership.exit_key(w)))
+                ended = json.loads(raw)
                 if w in self.spares:
                     self.spares.remove(w)
                     log.warning("spare %d left (%s)", w, ended["cause"])
@@ -97,7 +107,8 @@ class Job:
         now = time.monotonic()
         cut = set(self.lifelines.cut())
         for k in sorted(set(self.hosts.values()) - self.lost):
-            beats = self.store.add(membership.node_key(k), 0)
+            beat = self.store.signed(membership.node_key(k))
+            beats = 0 if beat is None else beat.seq
             last, since = self.nodes.get(k, (-1, now))
             if k in cut:
                 how = "its launcher's lifeline closed"
@@ -121,7 +132,7 @@ class Job:
         while there is one); the reason to relaunch instead, if any."""
         fault_time = time.time()
         members = list(self.members)
-        ready = [w for w in self.spares if self.store.check([membership.ready_key(w)])]
+        ready = [w for w in self.spares if self.store.has(membership.ready_key(w))]
         called = []
         for worker in lost:
             if ready:
@@ -131,7 +142,7 @@ class Job:
                 called.append(spare)
                 new = max(self.hosts) + 1  # the pool is topped up: a new spare warms up on that node
                 self.hosts[new] = self.hosts[spare]
-                self.store.set(membership.host_key(new), str(self.hosts[new]))
+                self.store.put(membership.host_key(new), str(self.hosts[new]))
                 self.spares.append(new)
             else:
                 members.remove(worker)
@@ -160,12 +171,12 @@ class Job:
         other nodes' launchers (bounded by ``hang_s``) the time to end theirs before the store goes
         or the next attempt starts."""
         if again:
-            self.store.set(membership.RELAUNCH_KEY, "1")
-        self.store.set(membership.DONE_KEY, why)
+            self.store.put(membership.RELAUNCH_KEY, "1", round=self.round)
+        self.store.put(membership.DONE_KEY, why, round=self.round)
         self.local.stop()
         others = [membership.left_key(k) for k in set(self.hosts.values()) - self.lost - {0}]
         deadline = time.monotonic() + self.hang_s
-        while others and not self.store.check(others) and time.monotonic() < deadline:
+        while others and not all(self.store.has(k) for k in others) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         self.lifelines.close()
 
@@ -194,13 +205,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --nproc >= 1 and a training script")
     if not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.master_port):
         ap.error("give 0 <= --node-rank < --nodes, and --master-port with several nodes")
+    try:
+        job_secret = secret.ensure() if args.nodes == 1 else secret.load()
+    except secret.SecretError as e:
+        ap.error(str(e))
+    if job_secret is None:
+        ap.error(f"--nodes {args.nodes}: give every node the same job secret in {secret.SECRET_FILE_ENV} (a file) "
+                 f"or {secret.SECRET_ENV}, never on the command line (docs/security.md)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise_fd_limit()
     if args.node_rank:
         return run_node(args.node_rank, (args.master_addr, args.master_port), args.command, args.hang_s,
                         args.progress_s)
-    # one store server for every attempt: the other nodes' launchers find each relaunch on it
-    base = dist.TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=60))
+    # one store server for every attempt: the other nodes' launchers find each relaunch on it. torch
+    # binds its own listener to every interface: it is given one bound to --master-addr alone
+    listener = socket.create_server((args.master_addr, args.master_port), backlog=1024)
+    base = dist.TCPStore(args.master_addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=60), master_listen_fd=listener.detach())
     lost: set[int] = set()
     for attempt in range(args.relaunches + 1):
         job = Job(args, attempt, base, lost)
@@ -220,6 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         log.error("falling back to a relaunch (attempt %d of %d) on node(s) %s: %s", attempt + 1, args.relaunches,
                   sorted(set(job.hosts.values()) - lost), why)
     return 1
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit: a launcher holds a
+    connection per worker and node, and idle connections to its ports must not end it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ The launcher sees every worker's exit first hand, so it is the one to decide mem
 it publishes round ``r + 1`` (the members in rank order, the spares left, the reason) when a
 member dies or is killed. A survivor whose collective failed waits, bounded, for that round;
 a warm spare waits for a round that names it. No agreement protocol runs among the ranks.
+Every key here is read and written signed (``control.Control``): a round, an eviction or a
+done mark that is not the job's own is ignored.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .control import Control, control_key
+
 PREFIX = "ckpt-guard/inprocess"
 DONE_KEY = f"{PREFIX}/done"
 RELAUNCH_KEY = f"{PREFIX}/relaunch"  # set before DONE_KEY when the job is launched again: every node takes part
@@ -22,17 +26,20 @@ ATTEMPT_ENV = "CKPT_INPROCESS_ATTEMPT"
 _POLL_S = 0.005
 
 
-def of_attempt(store: "dist.Store", attempt: int) -> "dist.Store":
-    """The job's store as one launch of it sees it: a relaunch (``attempt`` > 0) starts on
-    keys of its own, on the same store server, so that every node launcher finds it there."""
-    return store if attempt == 0 else dist.PrefixStore(f"ckpt-guard/attempt/{attempt}", store)
+def of_attempt(store: "dist.Store", attempt: int, key: bytes) -> Control:
+    """The job's store as one launch of it sees it, signed under the control ``key``: a relaunch
+    (``attempt`` > 0) starts on keys of its own, on the same store server, so that every node
+    launcher finds it there."""
+    return Control(store if attempt == 0 else dist.PrefixStore(f"ckpt-guard/attempt/{attempt}", store), key,
+                   attempt)
 
 
-def worker_store(timeout_s: float) -> "dist.Store":
-    """A worker's own connection to its launch's store (MASTER_ADDR, MASTER_PORT, the attempt)."""
+def worker_store(timeout_s: float) -> Control:
+    """A worker's own connection to its launch's store (MASTER_ADDR, MASTER_PORT, the attempt;
+    the job's secret from the environment its launcher gave it)."""
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=timedelta(seconds=timeout_s))
-    return of_attempt(base, int(os.environ.get(ATTEMPT_ENV, "0")))
+    return of_attempt(base, int(os.environ.get(ATTEMPT_ENV, "0")), control_key())
 
 
 def round_key(round_id: int) -> str:
@@ -40,7 +47,8 @@ def round_key(round_id: int) -> str:
 
 
 def beat_key(worker: int) -> str:
-    """A counter each worker's beat thread adds to: a stopped process stops counting."""
+    """Each worker's beat thread writes it anew (a higher sequence number each time): a stopped
+    process stops beating."""
     return f"{PREFIX}/beat/{worker}"
 
 
@@ -73,7 +81,7 @@ def exit_key(worker: int) -> str:
 
 
 def node_key(node: int) -> str:
-    """A counter each node launcher adds to every ``BEAT_S``: a silent node is a lost node."""
+    """Each node launcher writes it anew every ``BEAT_S``: a silent node is a lost node."""
     return f"{PREFIX}/node/{node}"
 
 
@@ -82,10 +90,10 @@ def left_key(node: int) -> str:
     return f"{PREFIX}/left/{node}"
 
 
-def evict(store: "dist.Store", worker: int, reason: str) -> None:
+def evict(ctl: Control, worker: int, reason: str, round_id: int = 0) -> None:
     """Ask the launcher to end ``worker`` and go on without it (a predicted node failure, an
     XID 79 on its GPU): it never resumes in place."""
-    store.set(evict_key(worker), reason)
+    ctl.put(evict_key(worker), reason, round=round_id)
 
 
 @dataclass(frozen=True)
@@ -111,32 +119,37 @@ class Membership:
         return cls(round_id, tuple(d["members"]), tuple(d["spares"]), d["reason"], d["fault_time"])
 
 
-def publish(store: "dist.Store", m: Membership) -> None:
-    store.set(round_key(m.round), m.to_json())
+def publish(ctl: Control, m: Membership) -> None:
+    ctl.put(round_key(m.round), m.to_json(), round=m.round)
 
 
-def changed(store: "dist.Store", round_id: int) -> bool:
-    """Whether the launcher has published a round after ``round_id`` (one store round trip)."""
-    return store.check([round_key(round_id + 1)])
+def _round(ctl: Control, round_id: int) -> Membership | None:
+    """Round ``round_id`` if the launcher published it (a value signed for that round)."""
+    found = ctl.signed(round_key(round_id))
+    return Membership.from_json(round_id, found.payload) if found is not None and found.round == round_id else None
 
 
-def wait_round(store: "dist.Store", round_id: int, timeout_s: float) -> Membership | None:
+def changed(ctl: Control, round_id: int) -> bool:
+    """Whether the launcher has published a round after ``round_id`` (one store round trip
+    while none is there)."""
+    return ctl.store.check([round_key(round_id + 1)]) and _round(ctl, round_id + 1) is not None
+
+
+def wait_round(ctl: Control, round_id: int, timeout_s: float) -> Membership | None:
     """Round ``round_id`` once published, or None after ``timeout_s`` or when the job is over.
     Polls (a check is a few µs on the launcher's store; a blocking wait with a timeout logs a
     warning each time it expires)."""
     deadline = time.monotonic() + timeout_s
-    key = round_key(round_id)
-    while not store.check([key]):
-        if store.check([DONE_KEY]) or time.monotonic() >= deadline:
+    while (found := _round(ctl, round_id)) is None:
+        if ctl.has(DONE_KEY) or time.monotonic() >= deadline:
             return None
         time.sleep(_POLL_S)
-    return Membership.from_json(round_id, store.get(key))
+    return found
 
 
-def latest_after(store: "dist.Store", round_id: int) -> Membership | None:
+def latest_after(ctl: Control, round_id: int) -> Membership | None:
     """The newest published round after ``round_id`` (several faults may have passed), if any."""
     found = None
-    while store.check([round_key(round_id + 1)]):
-        round_id += 1
-        found = Membership.from_json(round_id, store.get(round_key(round_id)))
+    while (newer := _round(ctl, round_id + 1)) is not None:
+        found, round_id = newer, round_id + 1
     return found

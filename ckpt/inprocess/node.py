@@ -6,7 +6,7 @@ then each spare that tops up the pool), reports each exit (``membership.exit_key
 acting on it, holds a lifeline and beats (``lifeline.py``: its end, or silence for
 ``--hang-s`` on ``membership.node_key``, loses the node, all its members at once) and SIGKILLs
 those of its members that are evicted, frozen or left behind: the frozen check reads /proc,
-which is local.
+which is local. It reads and writes every key signed (``control.py``).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..recovery.hang_policy import HangDetection
 from . import lifeline, membership
+from .control import Control, control_key
 from .runner import BEAT_S, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.node")
@@ -48,7 +49,7 @@ def _exit_text(code: int) -> str:
 class NodeLauncher:
     """The workers of node ``node``; ``poll()`` once per launcher tick."""
 
-    def __init__(self, store: "dist.Store", node: int, *, master: tuple[str, int], command: list[str],
+    def __init__(self, store: Control, node: int, *, master: tuple[str, int], command: list[str],
                  attempt: int, hang_s: float, progress_s: float | None) -> None:
         self.store, self.node, self.command, self.hang_s = store, node, command, hang_s
         first = membership.wait_round(store, 0, 300.0)
@@ -78,8 +79,8 @@ class NodeLauncher:
     def _start_assigned(self) -> None:
         """Start the workers of the current round that are this node's and not started yet."""
         new = [w for w in [*self.current.members, *self.current.spares] if w not in self.procs]
-        hosts = self.store.multi_get([membership.host_key(w) for w in new]) if new else []
-        for w in (w for w, host in zip(new, hosts) if int(host) == self.node):
+        hosts = self.store.many([membership.host_key(w) for w in new])
+        for w in (w for w, host in zip(new, hosts) if host is not None and int(host) == self.node):
             rank = self.current.rank_of(w)
             self.procs[w] = subprocess.Popen([sys.executable, *self.command], env={
                 **self.env, WORKER_ENV: str(w), "RANK": str(-1 if rank is None else rank),
@@ -89,7 +90,7 @@ class NodeLauncher:
         """Beat, follow the rounds, report exits, kill the members to kill; False once the job is over."""
         now = time.monotonic()
         if now - self.beat_at >= BEAT_S:
-            self.store.add(membership.node_key(self.node), 1)
+            self.store.put(membership.node_key(self.node), b"", round=self.current.round)
             self.beat_at = now
         newer = membership.latest_after(self.store, self.current.round)
         if newer is not None:
@@ -104,10 +105,11 @@ class NodeLauncher:
             self.reported.add(w)
             if code == 0:
                 self.finished.add(w)
-            self.store.set(membership.exit_key(w), json.dumps({"code": code,
-                                                               "cause": self.causes.get(w, _exit_text(code))}))
+            self.store.put(membership.exit_key(w), json.dumps({"code": code,
+                                                               "cause": self.causes.get(w, _exit_text(code))}),
+                           round=self.current.round)
         self._kill_frozen_and_evicted(now)
-        return not self.store.check([membership.DONE_KEY])
+        return not self.store.has(membership.DONE_KEY)
 
     def _mine(self) -> list[int]:
         """This node's members of the current round, alive and not killed."""
@@ -119,10 +121,11 @@ class NodeLauncher:
         aborted: it is killed, never waited out), or one evicted through the store, is
         SIGKILLed; its exit then starts the next round like any other death."""
         for w in self._mine():
-            if self.store.check([membership.evict_key(w)]):
-                self._kill(w, f"evicted: {self.store.get(membership.evict_key(w)).decode()[:200]}")
+            if (why := self.store.get(membership.evict_key(w))) is not None:
+                self._kill(w, f"evicted: {why.decode(errors='replace')[:200]}")
                 continue
-            progress = (self.store.add(membership.beat_key(w), 0), _cpu_ticks(self.procs[w].pid))
+            beat = self.store.signed(membership.beat_key(w))
+            progress = (0 if beat is None else beat.seq, _cpu_ticks(self.procs[w].pid))
             last, since = self.beats.get(w, ((-1, -1), now))
             if progress != last:
                 self.beats[w] = (progress, now)
@@ -138,8 +141,9 @@ class NodeLauncher:
         one step (a hang inside a collective) name no culprit: the collective timeout, then a
         relaunch, handles them."""
         live = [w for w in self.current.members if w not in self.causes and w not in self.finished]
-        keys = [w for w in live if self.store.check([membership.step_key(w)])]
-        for w, v in zip(keys, self.store.multi_get([membership.step_key(w) for w in keys]) if keys else []):
+        values = {w: v for w, v in zip(live, self.store.many([membership.step_key(w) for w in live])) if v is not None}
+        keys = list(values)
+        for w, v in values.items():
             step, since = self.steps.get(w, (None, now))
             if int(v) != step:
                 if step is not None:
@@ -181,9 +185,9 @@ def run_node(node: int, master: tuple[str, int], command: list[str], hang_s: flo
     new attempt (its keys on the same store). A job launcher gone (its store unreachable) ends
     this node's workers too."""
     base = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=60))
-    attempt = 0
+    key, attempt = control_key(), 0
     while True:
-        store = membership.of_attempt(base, attempt)
+        store = membership.of_attempt(base, attempt, key)
         try:
             line = lifeline.hold(store, master[0], node)  # open while this process lives: its end is news
             launcher = NodeLauncher(store, node, master=master, command=command, attempt=attempt, hang_s=hang_s,
@@ -195,13 +199,13 @@ def run_node(node: int, master: tuple[str, int], command: list[str], hang_s: flo
             while launcher.poll():
                 time.sleep(POLL_S)
             ok = store.get(membership.DONE_KEY) == b"done"
-            again = store.check([membership.RELAUNCH_KEY])
+            again = store.has(membership.RELAUNCH_KEY)
         except RuntimeError as e:  # torch's store errors (DistStoreError) are RuntimeErrors
             log.error("node %d: the job launcher's store is gone (%s): ending this node's workers", node, e)
             return 1
         finally:
             launcher.stop()
-        store.set(membership.left_key(node), "1")
+        store.put(membership.left_key(node), "1")
         line.close()
         if not again:
             return 0 if ok else 1

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
-import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict  # noqa: F401 - a shrink's restore needs it: imported then, 0.05 s
 
 from ..integrations.risk import RiskListener
@@ -35,6 +34,7 @@ from ..manager import CheckpointManager
 from ..peers.placement import node_name
 from ..recovery.leaving import flush_logs
 from . import evictions, group, membership
+from .control import Control
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -178,7 +178,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
         mgr: CheckpointManager | None = None
         progress = Steps()
         try:
-            group.join(store, current.round, rank, len(current.members), collective_timeout_s)
+            group.join(store.store, current.round, rank, len(current.members), collective_timeout_s)
             t_group = time.monotonic()
             objects = build(ctx)
             t_build = time.monotonic()
@@ -193,7 +193,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             recovered = None if pending is None else partial(_finish, pending, current, ctx, restored, marks)
             progress.train(objects, step, mgr, state, steps=steps, save_every=save_every,
                            before=partial(_raise_if_changed, store, current.round),
-                           after=lambda done: store.set(membership.step_key(worker), str(done)),
+                           after=lambda done: store.put(membership.step_key(worker), str(done)),
                            first=recovered and partial(record, recoveries, on_recovery, recovered))
             mgr.close()  # finished: this rank's memory slots go once every save is durable
             return Result(objects, progress.done, recoveries)
@@ -246,11 +246,12 @@ class _Watched:
 
 
 def _start_beating(worker: int, timeout_s: float, watched: _Watched) -> None:
-    """The launcher's frozen-rank detector: a daemon thread adds to this worker's beat counter
-    (its own store connection) every ``BEAT_S``; a stopped or wedged process stops counting.
-    It also ends the manager's commit waits once a newer round is published: a save blocked on
-    a full memory slot whose drain waits for a lost rank's commit would otherwise never return
-    to the step loop that notices the new round; and it breaks the round's group, so that a
+    """The launcher's frozen-rank detector: a daemon thread beats (its own store connection)
+    every ``BEAT_S``; a stopped or wedged process stops. Each beat is a signed value with a
+    higher sequence number (``control.py``): one replayed or forged by someone else keeps no
+    frozen rank alive. It also ends the manager's commit waits once a newer round is
+    published: a save blocked on a full memory slot whose drain waits for a lost rank's commit
+    would otherwise never return to the step loop that notices the new round; and it breaks the round's group, so that a
     collective blocked on a rank whose host vanished (stopped, its sockets open) fails now."""
     def beat() -> None:
         store = None
@@ -258,7 +259,7 @@ def _start_beating(worker: int, timeout_s: float, watched: _Watched) -> None:
             try:
                 if store is None:
                     store = membership.worker_store(timeout_s)
-                store.add(membership.beat_key(worker), 1)
+                store.put(membership.beat_key(worker), b"", round=watched.round)
                 mgr = watched.mgr
                 if mgr is not None and membership.changed(store, watched.round):
                     mgr.committer.abandoned.set()
@@ -271,14 +272,14 @@ def _start_beating(worker: int, timeout_s: float, watched: _Watched) -> None:
     threading.Thread(target=beat, name="ckpt-inprocess-beat", daemon=True).start()
 
 
-def _first_round(store: "dist.Store", worker: int, timeout_s: float,
+def _first_round(store: Control, worker: int, timeout_s: float,
                  warm_up: Callable[[], Any] | None) -> membership.Membership:
     """Round 0, or for a warm spare the first round that names it (it waits, warmed up)."""
     m = membership.wait_round(store, 0, timeout_s)
     if m is not None and m.rank_of(worker) is None:
         if warm_up is not None:
             warm_up()
-        store.set(membership.ready_key(worker), "1")
+        store.put(membership.ready_key(worker), "1")
     while m is not None and m.rank_of(worker) is None:
         m = membership.wait_round(store, m.round + 1, float("inf"))
     if m is None:
@@ -300,7 +301,7 @@ def _finish(pending: tuple, current: membership.Membership, ctx: Context, restor
     return rec
 
 
-def _raise_if_changed(store: "dist.Store", round_id: int) -> None:
+def _raise_if_changed(store: Control, round_id: int) -> None:
     """Before each step: a newer round (a predicted failure, an eviction) ends this one."""
     if membership.changed(store, round_id):
         raise _MembershipChanged()

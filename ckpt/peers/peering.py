@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from .. import secret
 from ..coordination import Coordinator
 from ..errors import CheckpointError
 from ..format.manifest import ShardManifest, ShardRef
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 class Peering:
     """Collective at construction (every rank, same point): ranks gather (node, server
-    address) and rank 0's secret."""
+    address) and agree on the replicas' key (``_peer_key``)."""
 
     def __init__(self, coord: Coordinator, *, peers: int, node: str | None, owner_root: str, run: str,
                  memory_dir: str, bytes_per_s: float | None = None, timeout_s: float = 300.0,
@@ -60,9 +61,12 @@ class Peering:
         nice = replication_nice()
         self.server = PeerServer(self.replicas, [self.held, self.node_memory], host=_bind_host(), timeout_s=timeout_s,
                                  nice=nice)
-        secret = wire.new_secret().hex() if coord.rank == 0 else None
-        everyone = coord.gather((self.node, self.server.addr, secret))
-        self._secret = bytes.fromhex(everyone[0][2])
+        try:
+            self._secret, everyone = _peer_key(coord, self.node, self.server.addr)
+        except CheckpointError:
+            self.server.close()
+            self.replicas.close()
+            raise
         self.nodes, self.addrs = [e[0] for e in everyone], [e[1] for e in everyone]
         self.server.start(self._secret)
         self.holders = ring_targets(self.nodes, self.rank, peers)
@@ -208,6 +212,24 @@ class Peering:
         finally:
             if self.server.close():  # else a connection may still touch the replica slots: leave them mapped
                 self.replicas.close()
+
+
+def _peer_key(coord: Coordinator, node: str, addr: str) -> tuple[bytes, list[tuple]]:
+    """The replicas' key and every rank's (node, address, key fingerprint). With a job secret
+    (``ckpt.secret``: always under ``python -m ckpt.inprocess.launch``) every rank derives the
+    key from it and nothing secret crosses the process group; ranks that disagree (one started
+    without the secret or with another job's) are refused at once rather than at the first
+    replica. Without one (torchrun, no secret given) rank 0 draws a key and hands it to the others
+    over the first process group: anyone who can join that group's rendezvous can learn it."""
+    job = secret.load()
+    key = secret.derive(job, "peer replicas") if job is not None else None
+    drawn = wire.new_secret().hex() if key is None and coord.rank == 0 else None
+    everyone = coord.gather((node, addr, key and secret.fingerprint(key), drawn))
+    if len({e[2] for e in everyone}) > 1:
+        odd = [r for r, e in enumerate(everyone) if e[2] != everyone[0][2]]
+        raise CheckpointError(f"rank(s) {', '.join(map(str, odd))} hold another job secret than rank 0 (or "
+                              f"none): give every rank the same {secret.SECRET_FILE_ENV} or {secret.SECRET_ENV}")
+    return key or bytes.fromhex(everyone[0][3]), everyone
 
 
 def _counter(registry: "CollectorRegistry | None", rank: int) -> Callable[[str], None]:

@@ -2,12 +2,14 @@
 takes replicas from the ranks it holds for (``put``) and hands out, at restore
 (``get``), the replicas it holds and this node's own snapshots of any rank (a rank
 numbered differently after a restart fetches its old shard from here). One
-short-lived thread per connection, at most ``max_connections`` at once, each done by
-its deadline (``timeout_s`` from its handshake to its reply); every connection first
-proves it knows the job's secret and then speaks encrypted (``wire``). Running out of
-file descriptors pauses the accept loop, never ends it. A ``put`` is received at nice ``nice`` (``priority``:
-training on this node runs first), a ``get`` (a restore waiting for it) at normal
-priority."""
+short-lived thread per connection, each done by its deadline; every connection first
+proves it knows the job's secret and then speaks encrypted (``wire``). A connection has
+``HANDSHAKE_S`` to prove it, and unproven connections are capped per address and in total
+(a new one pushes out the oldest), so idle or hostile connections never take the
+``max_connections`` slots of proven peers (each done ``timeout_s`` after its handshake).
+Running out of file descriptors pauses the accept loop, never ends it. A ``put`` is
+received at nice ``nice`` (``priority``: training on this node runs first), a ``get`` (a
+restore waiting for it) at normal priority."""
 from __future__ import annotations
 
 import errno
@@ -29,7 +31,9 @@ log = logging.getLogger(__name__)
 
 # accept() failing with one of these is the machine short of something for a while (file
 # descriptors, memory) or one connection gone before it was taken: wait, then go on.
-_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+TRANSIENT_ACCEPT_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+HANDSHAKE_S = 5.0  # a connection that has not proven the secret by then is closed (a proof takes ms)
+PENDING_PER_ADDRESS, PENDING_TOTAL = 8, 32  # unproven connections held at once
 
 
 class PeerServer:
@@ -47,8 +51,10 @@ class PeerServer:
         self._thread = threading.Thread(target=self._accept, name="ckpt-peer-server", daemon=True)
         self._serving: dict[threading.Thread, socket.socket] = {}  # connections being served
         self._serving_guard = threading.Lock()
+        self._unproven: dict[socket.socket, str] = {}  # connections in their handshake -> address, oldest first
         self.received = 0  # replicas sealed here
         self.accept_errors = 0  # accept() failures waited out (file descriptors exhausted, ...)
+        self.refused = 0  # connections closed unproven: no proof in time, a wrong one, or pushed out
 
     def start(self, secret: bytes) -> None:
         self._secret = secret
@@ -57,16 +63,12 @@ class PeerServer:
     def _accept(self) -> None:
         streak = 0  # accept() failures in a row
         while not self._stop.is_set():
-            if not self._slots.acquire(timeout=0.5):  # every slot taken: the oldest end by their deadline
-                continue
             try:
                 conn, peer = self._sock.accept()
             except TimeoutError:
-                self._slots.release()
                 continue
             except OSError as e:
-                self._slots.release()
-                if self._stop.is_set() or e.errno not in _TRANSIENT:
+                if self._stop.is_set() or e.errno not in TRANSIENT_ACCEPT_ERRORS:
                     return
                 self.accept_errors += 1
                 if streak % 120 == 0:  # once a minute while it lasts
@@ -75,23 +77,60 @@ class PeerServer:
                 self._stop.wait(0.5)
                 continue
             streak = 0
+            self._make_room(peer[0])
             thread = threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="ckpt-peer-conn",
                                       daemon=True)
             with self._serving_guard:
                 self._serving[thread] = conn
+                self._unproven[conn] = peer[0]
             try:
                 thread.start()
             except RuntimeError as e:  # no thread to be had now: this connection is dropped, not the server
                 with self._serving_guard:
                     del self._serving[thread]
+                    del self._unproven[conn]
                 conn.close()
-                self._slots.release()
                 log.warning("peer server dropped a connection from %s:%s: %s", peer[0], peer[1], e)
 
+    def _make_room(self, address: str) -> None:
+        """Before a new connection from ``address``: at the cap, the oldest unproven connection
+        (of that address, else of all) is shut down; its thread's handshake then fails."""
+        with self._serving_guard:
+            mine = [c for c, a in self._unproven.items() if a == address]
+            if len(mine) >= PENDING_PER_ADDRESS:
+                victim = mine[0]
+            elif len(self._unproven) >= PENDING_TOTAL:
+                victim = next(iter(self._unproven))
+            else:
+                return
+            del self._unproven[victim]
+        try:
+            victim.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            session = wire.handshake(conn, self._secret, server=True,
+                                     deadline=time.monotonic() + min(HANDSHAKE_S, self.timeout_s))
+        except OSError as e:
+            with self._serving_guard:
+                self.refused += 1
+                first = self.refused == 1
+            if first:
+                log.warning("peer server closed a connection from %s that did not prove the job's secret within "
+                            "%.0f s (%s); logged once, counted in refused", peer, HANDSHAKE_S, e)
+            self._done(conn, slot=False)
+            return
+        with self._serving_guard:
+            self._unproven.pop(conn, None)
+        if not self._slots.acquire(blocking=False):
+            log.warning("peer server: every one of its slots is taken by proven peers; a request from %s refused", peer)
+            self._done(conn, slot=False)
+            return
         deadline = time.monotonic() + self.timeout_s
         try:
-            with wire.handshake(conn, self._secret, server=True, deadline=deadline) as session:
+            with session:
                 req = session.recv_frame(deadline=deadline)
                 if req.get("op") == "put":
                     lower_this_thread(self.nice)  # this connection's thread only; its checkers inherit it
@@ -104,10 +143,15 @@ class PeerServer:
         except (CheckpointError, OSError) as e:
             log.warning("peer request from %s failed: %s", peer, e)
         finally:
-            conn.close()
+            self._done(conn, slot=True)
+
+    def _done(self, conn: socket.socket, *, slot: bool) -> None:
+        conn.close()
+        if slot:
             self._slots.release()
-            with self._serving_guard:
-                self._serving.pop(threading.current_thread(), None)
+        with self._serving_guard:
+            self._unproven.pop(conn, None)
+            self._serving.pop(threading.current_thread(), None)
 
     def _put(self, session: wire.Session, req: dict, peer: str, deadline: float) -> None:
         try:

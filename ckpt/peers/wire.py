@@ -3,16 +3,17 @@ every piece of shard bytes encrypted and authenticated with a key of this connec
 (paced by a bandwidth cap, bounded by a deadline).
 
 Threat model: the ranks of a job sit on a network that others may read and write. The
-secret (32 random bytes chosen by rank 0 and handed to every rank through the job's
-control group at start-up) is what a peer must know: a connection proves it by an
+secret (derived from the job's secret, ``ckpt.secret``, on every rank; without one, 32
+random bytes chosen by rank 0 and handed to every rank through the job's control group at
+start-up) is what a peer must know: a connection proves it by an
 HMAC-SHA256 over both sides' fresh nonces, in both directions, and both sides derive
 this connection's keys (one per direction) from the secret and both nonces. Every frame
 and data piece after the handshake is AES-256-GCM under those keys, numbered by a
 sequence number (the GCM nonce), so a transparent relay that passes the handshake
 through (both ends see the same nonces) can neither read a replica nor change, drop,
 reorder or replay a piece of it: the holder's decryption fails before it seals. What is
-not protected: anyone who can read the job's rendezvous (the store that hands out the
-secret) can be a peer; traffic volume and timing are visible. Shard bytes are still
+not protected: without a job secret, anyone who can read the job's rendezvous (the store
+that hands out the secret) can be a peer; traffic volume and timing are visible. Shard bytes are still
 checked against their CRC32C chunk sums on arrival (a torn transfer, a bad sender).
 
 Every wait is bounded: the handshake and each request by a total deadline (not per

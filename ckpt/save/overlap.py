@@ -13,10 +13,12 @@ lets a lost node's replica of the last step arrive before the next fault. The se
 never done on the copy thread: between ops, the training thread is in no in-place write.
 
 Each deferred tensor's version counter is recorded at ``save()`` and compared when the
-copy is waited for: an in-place write meanwhile (anything but ``optimizer.step()``)
-refuses the seal (``SnapshotChanged``) instead of keeping a torn snapshot. Writes
-through ``.data`` (or ``torch.no_grad()`` code that swaps ``.data``) bump no counter and
-escape the check: do not write saved parameters that way between ``save()`` and the wait.
+copy is waited for: an in-place torch op meanwhile (anything but ``optimizer.step()``)
+refuses the seal (``SnapshotChanged``) instead of keeping a torn snapshot. Writes through
+an alias the counter does not see (a numpy view, ``torch.from_numpy``, ``.data``, DLPack)
+escape it; ``verify`` (``CheckpointManager(overlap_verify=True)``) catches those too, by
+comparing the staged bytes with the live tensors at the seal (a second read of every
+deferred byte).
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ class StagedSnapshot:
     copy: PendingCopy
     watched: list[tuple[str, torch.Tensor, int]]  # (path, tensor, version at save)
     drain: tuple[SaveHandle, bool, bool] | None = None  # (handle, upload, urgent): queued once sealed
+    verify: bool = False  # compare the staged bytes with the live tensors at the seal
 
     def copied(self) -> bool:
         """Whether the copy has ended (without waiting for it)."""
@@ -123,6 +126,8 @@ class StagedSnapshot:
         """Wait for the copy; raise ``SnapshotChanged`` naming the tensors written meanwhile."""
         self.copy.wait()
         changed = [path for path, t, version in self.watched if t._version != version]
+        if not changed and self.verify:
+            changed = self._torn()
         if changed:
             shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
             raise SnapshotChanged(
@@ -130,6 +135,19 @@ class StagedSnapshot:
                 "copied (overlap=True). Only optimizer.step() may write parameters and optimizer state before the "
                 "copy is waited for (it waits by itself); call mgr.wait_staged() before any other in-place write, "
                 "or use overlap=False")
+
+    def _torn(self) -> list[str]:
+        """The watched tensors whose staged bytes differ from the live ones (a write the version
+        counter did not see: through numpy, ``from_numpy``, ``.data``, DLPack)."""
+        entries = {e.path: e for e in self.manifest.tensors}
+        torn = []
+        for path, t, _ in self.watched:
+            e = entries[path]
+            staged = self.slot.buffer[e.offset : e.offset + e.nbytes]
+            live = local_tensor(t).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            if not torch.equal(staged, live):
+                torn.append(path)
+        return torn
 
 
 class StepHooks:

@@ -45,6 +45,7 @@ class SavePath:
     chunk_bytes: int
     replicated: frozenset[str]
     overlap: bool = False  # snapshots staged (``stage``), a queued drain skipped for a newer snapshot's
+    verify: bool = False  # overlap: staged bytes compared with the live tensors at the seal (``StagedSnapshot``)
     # how a skippable drain runs: at low priority, so that saving every step yields the CPU to training
     yielding: Callable[[Callable[[], None]], None] = lambda run: run()
     drainer: Drainer = dataclasses.field(default_factory=Drainer)
@@ -89,7 +90,7 @@ class SavePath:
         except BaseException:
             slot.idle.set()
             raise
-        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched)
+        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, verify=self.verify)
         return slot, manifest
 
     def wait_staged(self) -> None:
