@@ -52,6 +52,17 @@ class Outcome:
     intent: str | None = None    # the intent line this outcome closes
 
 
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise RecordError(f"cannot make the action log's directory {path} durable: {e.strerror or e}") from None
+
+
 class ActionLog:
     """Appends JSON lines to ``path`` (created 0600), each fsync'd, and logs each at WARNING
     (ERROR when refused or failed), so every action on the cluster leaves a line in both."""
@@ -67,18 +78,14 @@ class ActionLog:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the log's exclusive lock (across processes) for a count-intent-apply-outcome."""
+        new = not self.path.exists()
         try:
-            new = not self.path.exists()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            if new:   # the file's name is durable too
-                dir_fd = os.open(self.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
         except OSError as e:
             raise RecordError(f"cannot open the action log {self.path}: {e.strerror or e}") from None
         try:
+            if new:   # the file's name is durable too
+                _fsync_dir(self.path.parent)
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._fd = fd
             yield
