@@ -187,6 +187,9 @@ def test_webhook_receiver_drains(slurm: SlurmCluster, work: Path) -> None:
         bad = requests.post(url, json={"alerts": [{**alert, "labels": {**alert["labels"], "node": "gpu[1-512]"}}]},
                             headers=operator, timeout=30)
         assert bad.status_code == 400 and "not one node's name" in bad.json()["error"]
+        everyone = requests.post(url, json={"alerts": [{**alert, "labels": {**alert["labels"], "node": "ALL"}}]},
+                                 headers=operator, timeout=30)
+        assert everyone.status_code == 400 and "DRAIN" not in slurm.node_state()["State"], everyone.text
         assert requests.post(url, data=b"{", headers=operator, timeout=30).status_code == 400
         other = {**alert, "labels": {**alert["labels"], "alertname": "GPUHotterThanNodePeers"}}
         ok = requests.post(url, json={"version": "4", "status": "firing", "alerts": [alert, other]},
