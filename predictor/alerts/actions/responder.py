@@ -51,8 +51,10 @@ class Responder:
         """Decide, act, log; returns the log entry. The scheduler's refusals are entries;
         RecordError (the log cannot be written: nothing applied, or the drain stands
         counted by its intent) is raised after paging, for the caller to fail loudly."""
-        if not NODE_NAME.fullmatch(prediction.node) or prediction.node.upper() in RESERVED_NAMES:
+        if not NODE_NAME.fullmatch(prediction.node):
             raise ValueError(f"node {prediction.node!r} is not one node's name (letters, digits, . _ -)")
+        if prediction.node.upper() in RESERVED_NAMES:
+            raise ValueError(f"node {prediction.node!r} is not one node's name: the scheduler reads it as every node")
         try:
             with self._lock, self.actions.locked():
                 outcome = self._decide(prediction)
