@@ -37,6 +37,7 @@ from predictor.serve.jobs import (
 )
 from predictor.serve.metrics import ServiceMetrics
 from predictor.serve.scoring_queue import ScoringQueue, Stopping
+from predictor.serve.strict_json import strict_dumps
 from telemetry.schema import is_critical_xid
 from telemetry.wire import TELEMETRY_KEYS, XID_KEYS
 
@@ -332,15 +333,10 @@ async def _read_body(request: web.Request, cap: int) -> bytes:
 
 def _sse(event: str, data: dict, event_id: int | None = None) -> bytes:
     head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {event}\ndata: {_dumps(data)}\n\n".encode()
+    return f"{head}event: {event}\ndata: {strict_dumps(data)}\n\n".encode()
 
 
-def _dumps(data: object) -> str:
-    """JSON, never with bare NaN or Infinity (not JSON: a client's parser refuses them)."""
-    return json.dumps(data, allow_nan=False)
-
-
-_json_response = functools.partial(web.json_response, dumps=_dumps)
+_json_response = functools.partial(web.json_response, dumps=strict_dumps)
 REFUSED = {400: web.HTTPBadRequest, 413: web.HTTPRequestEntityTooLarge, 429: web.HTTPTooManyRequests}
 
 
