@@ -268,3 +268,11 @@ def test_registered_jobs_are_capped(live_server):
     assert register(["d"]).status_code == 201
     long_name = register(["n" * 254])
     assert long_name.status_code == 400 and "1 to 253 characters" in long_name.json()["error"]
+
+
+def test_answers_carry_no_bare_nan():
+    """A job with a node at probability 1 has an infinite hazard: it goes out as null, not Infinity."""
+    from predictor.serve.strict_json import strict_dumps
+    assert strict_dumps({"hazard_ratio": float("inf"), "p": [0.5, float("nan")], "n": 3}) == \
+        '{"hazard_ratio": null, "p": [0.5, null], "n": 3}'
+    assert _strict_json(strict_dumps({"ok": 1.0})) == {"ok": 1.0}
