@@ -16,6 +16,7 @@ import pytest
 
 from tests.procs import free_port, stop_process, wait_for
 
+NODESET = "gpus"   # a nodeset naming the one node: `predictor act drain gpus` must be refused
 DAEMONS = ("munged", "slurmctld", "slurmd", "scontrol", "sbatch")
 # Debian puts munged and the Slurm daemons in /usr/sbin, which a non-root PATH may lack.
 SBIN = "/usr/sbin"
@@ -49,6 +50,7 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=30
 NodeName={node} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
+NodeSet={nodeset} Nodes={node}
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -85,7 +87,7 @@ class SlurmCluster:
         (self.dir / "plugstack.conf").touch()
         self.conf = self.dir / "slurm.conf"
         self.conf.write_text(SLURM_CONF.format(node=self.node, dir=self.dir, munge_socket=munge / "socket",
-                                               ctld_port=free_port(), slurmd_port=free_port()))
+                                               ctld_port=free_port(), slurmd_port=free_port(), nodeset=NODESET))
         self.conf.chmod(0o644)
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.procs: list[subprocess.Popen] = []

@@ -227,3 +227,52 @@ def test_distinct_nodes_are_bounded(live_server):
     assert 'predictor_batches_total{endpoint="telemetry",outcome="node_limit"} 1.0' in metrics
     assert 'predictor_batches_total{endpoint="xid",outcome="node_limit"} 1.0' in metrics
     assert "predictor_nodes 3.0" in metrics
+
+
+def _strict_json(text: str) -> object:
+    """json.loads that refuses NaN and Infinity, as a strict client (JavaScript's JSON.parse) does."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"bare {name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("interval", ["NaN", "Infinity", "-Infinity", "-1", "1e300", "true", '"60"'])
+def test_min_interval_must_be_finite_and_in_range(shared_server, interval):
+    """Issue 48.6: NaN passed `interval < 0`, disabled the rate limit and came back as bare NaN."""
+    body = f'{{"nodes": ["nan-node"], "min_interval_s": {interval}}}'
+    r = requests.post(f"{shared_server.url}/v1/jobs", data=body, timeout=10,
+                      headers=shared_server.headers("job", **{"Content-Type": "application/json"}))
+    assert r.status_code == 400, r.text
+    assert "must be a finite number of seconds from 0 to 604800" in _strict_json(r.text)["error"]
+
+
+def test_registered_jobs_are_capped(live_server):
+    """Issue 48.6: jobs per token, nodes per job and node entries in all are bounded, each
+    refusal says which limit and the option that sets it; a deleted job frees its place."""
+    srv = live_server("--max-jobs-per-token", "2", "--max-nodes-per-job", "3", "--max-job-nodes", "5")
+
+    def register(nodes: list[str], role: str = "job") -> requests.Response:
+        return requests.post(f"{srv.url}/v1/jobs", json={"nodes": nodes}, headers=srv.headers(role), timeout=10)
+
+    too_wide = register(["a", "b", "c", "d"])
+    assert too_wide.status_code == 413 and "--max-nodes-per-job" in too_wide.json()["error"]
+    first = register(["a", "b"])
+    assert first.status_code == 201 and _strict_json(first.text)["min_interval_s"] == 60.0
+    assert register(["c"]).status_code == 201
+    third = register(["d"])
+    assert third.status_code == 429 and "--max-jobs-per-token" in third.json()["error"], third.text
+    assert register(["x"], "operator").status_code == 201       # another token has its own count
+    past_total = register(["y", "z"], "operator")                # 2 + 1 + 1 + 2 > 5 entries
+    assert past_total.status_code == 429 and "--max-job-nodes" in past_total.json()["error"], past_total.text
+    assert requests.delete(f"{srv.url}/v1/jobs/{first.json()['id']}", headers=srv.headers("job"), timeout=10).ok
+    assert register(["d"]).status_code == 201
+    long_name = register(["n" * 254])
+    assert long_name.status_code == 400 and "1 to 253 characters" in long_name.json()["error"]
+
+
+def test_answers_carry_no_bare_nan():
+    """A job with a node at probability 1 has an infinite hazard: it goes out as null, not Infinity."""
+    from predictor.serve.strict_json import strict_dumps
+    assert strict_dumps({"hazard_ratio": float("inf"), "p": [0.5, float("nan")], "n": 3}) == \
+        '{"hazard_ratio": null, "p": [0.5, null], "n": 3}'
+    assert _strict_json(strict_dumps({"ok": 1.0})) == {"ok": 1.0}

@@ -1,7 +1,9 @@
 """`predictor act` on a real Slurm (tests/slurm_fixtures.py) and a real Alertmanager: a
 predicted failure drains the node and releases a held spare job, once (idempotent), only
 with --apply, never past the hourly cap (then it pages), and a user without Slurm
-operator rights gets one clear error. Every decision is a line of the action log."""
+operator rights gets one clear error. Every decision is a line of the action log. A name
+that is not exactly one node (ALL, a nodeset, a hostlist, an unknown one) is refused, and
+a log that cannot grow applies nothing (issue 48)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +23,7 @@ import requests
 from predictor.alerts.alertmanager import Alert
 from tests.predictor_fixtures import TOKENS
 from tests.procs import free_port, stop_process, wait_for
-from tests.slurm_fixtures import SlurmCluster
+from tests.slurm_fixtures import NODESET, SlurmCluster
 from tests.test_predictor_alerts import alertmanager  # noqa: F401 - the real Alertmanager fixture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,9 +63,12 @@ def python_for(slurm: SlurmCluster, user: str | None) -> tuple[str, str]:
     return system, f"{REPO}:{sysconfig.get_paths()['purelib']}"
 
 
-def act(slurm: SlurmCluster, work: Path, *args: str, user: str | None = None) -> subprocess.CompletedProcess:
+def act(slurm: SlurmCluster, work: Path, *args: str, user: str | None = None,
+        fsize: int | None = None) -> subprocess.CompletedProcess:
+    """``predictor act ARGS --backend slurm``; ``fsize``: no file it writes may grow past that (prlimit)."""
     python, path = python_for(slurm, user)
-    return slurm.run(python, "-m", "predictor.cli", "act", *args, "--backend", "slurm",
+    limit = ["prlimit", f"--fsize={fsize}:{fsize}", "--"] if fsize is not None else []
+    return slurm.run(*limit, python, "-m", "predictor.cli", "act", *args, "--backend", "slurm",
                      "--log", str(work / "actions.jsonl"), check=False, user=user,
                      env={"PYTHONPATH": path, "HOME": str(work)})
 
@@ -97,7 +102,8 @@ def test_drain_releases_a_spare_once(slurm: SlurmCluster, work: Path) -> None:
     again = act(slurm, work, "drain", slurm.node, "--apply", "--spare-job", SPARE)
     assert again.returncode == 0 and "already-drained" in again.stdout, again.stderr
     assert slurm.job(spares[1])["Reason"] == "JobHeldUser"       # idempotent: no second spare
-    first, second = log_entries(work)
+    intent, first, second = log_entries(work)
+    assert intent["action"] == "intent" and first["intent"] == intent["intent"]     # recorded before applied
     assert first["action"] == "drained" and first["applied"] and f"released spare job {spares[0]}" in first["steps"][1]
     assert first["prediction"]["detail"] == {"reason": "xid 79 predicted"}
     assert second["action"] == "already-drained" and not second["applied"]
@@ -111,8 +117,31 @@ def test_without_operator_rights_one_clear_error(slurm: SlurmCluster, work: Path
     assert "Traceback" not in res.stderr
     assert "DRAIN" not in slurm.node_state()["State"]
     assert "Security violation, UPDATE_NODE RPC" in (Path(slurm.dir) / "slurmctld.log").read_text()
-    [entry] = log_entries(work)
+    _intent, entry = log_entries(work)
     assert entry["action"] == "failed" and not entry["applied"]
+
+
+@pytest.mark.parametrize("name", ["ALL", "all", NODESET, "no-such-node", "gpu[1-3]", "a,b"])
+def test_a_name_that_is_not_one_node_is_refused(slurm: SlurmCluster, work: Path, name: str) -> None:
+    """Before issue 48, `ALL` passed the name check and `scontrol update NodeName=ALL` drained
+    the cluster (counted as one node by the cap)."""
+    res = act(slurm, work, "drain", name, "--apply")
+    assert res.returncode != 0, res.stdout
+    assert "Traceback" not in res.stderr
+    assert ("not one node's name" in res.stderr or "not a node Slurm knows" in res.stderr
+            or "does not name exactly one Slurm node" in res.stderr), res.stderr
+    assert "DRAIN" not in slurm.node_state()["State"]
+
+
+def test_a_log_that_cannot_grow_drains_nothing(slurm: SlurmCluster, work: Path) -> None:
+    """The action log at its size limit (RLIMIT_FSIZE, as a full volume): before issue 48 the
+    drain was applied, then its record failed, and the cap never saw it."""
+    (work / "actions.jsonl").write_text(json.dumps({"t": 0, "action": "dry-run", "node": "x"}) + "\n")
+    res = act(slurm, work, "drain", slurm.node, "--apply", fsize=(work / "actions.jsonl").stat().st_size)
+    assert res.returncode == 1 and "File too large" in res.stderr, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    assert "DRAIN" not in slurm.node_state()["State"]
+    assert len(log_entries(work)) == 1
 
 
 def test_hourly_cap_refuses_and_pages(slurm: SlurmCluster, work: Path, alertmanager: str) -> None:  # noqa: F811
@@ -158,6 +187,9 @@ def test_webhook_receiver_drains(slurm: SlurmCluster, work: Path) -> None:
         bad = requests.post(url, json={"alerts": [{**alert, "labels": {**alert["labels"], "node": "gpu[1-512]"}}]},
                             headers=operator, timeout=30)
         assert bad.status_code == 400 and "not one node's name" in bad.json()["error"]
+        everyone = requests.post(url, json={"alerts": [{**alert, "labels": {**alert["labels"], "node": "ALL"}}]},
+                                 headers=operator, timeout=30)
+        assert everyone.status_code == 400 and "DRAIN" not in slurm.node_state()["State"], everyone.text
         assert requests.post(url, data=b"{", headers=operator, timeout=30).status_code == 400
         other = {**alert, "labels": {**alert["labels"], "alertname": "GPUHotterThanNodePeers"}}
         ok = requests.post(url, json={"version": "4", "status": "firing", "alerts": [alert, other]},
@@ -216,7 +248,7 @@ def test_predicted_failure_reaches_slurm_through_alertmanager(slurm: SlurmCluste
         finally:
             stop_process(am)
             am_log.close()
-    [entry] = log_entries(work)
+    _intent, entry = log_entries(work)
     assert entry["prediction"]["source"] == "alertmanager:GPUFailurePredicted"
     assert entry["prediction"]["detail"]["gpu"] == "5" and entry["prediction"]["detail"]["risk"] == "0.970"
 

@@ -40,13 +40,13 @@ def _backend_options(f):
 def _responder(backend: str, apply: bool, max_per_hour: int, log_path: Path, page_alertmanager: str | None,
                spare_job: str | None, kube_api: str | None, kube_token_file: str | None, kube_ca: str | None,
                namespace: str, standby_pod: Path | None):
+    from predictor.alerts.actions.errors import ActionError
     from predictor.alerts.actions.record import ActionLog
     from predictor.alerts.actions.responder import Responder, alertmanager_pager
     if backend == "slurm":
         from predictor.alerts.actions.slurm import SlurmNodes
         nodes = SlurmNodes(spare_job)
     else:
-        from predictor.alerts.actions.errors import ActionError
         from predictor.alerts.actions.kubernetes import KubernetesNodes
         try:
             template = json.loads(standby_pod.read_text()) if standby_pod else None
@@ -61,7 +61,11 @@ def _responder(backend: str, apply: bool, max_per_hour: int, log_path: Path, pag
                 nodes = KubernetesNodes.in_cluster(template)
             except ActionError as e:
                 raise click.ClickException(str(e)) from None
-    return Responder(nodes, ActionLog(log_path), max_per_hour, dry_run=not apply,
+    try:
+        actions = ActionLog(log_path)
+    except ActionError as e:
+        raise click.ClickException(str(e)) from None
+    return Responder(nodes, actions, max_per_hour, dry_run=not apply,
                      page=alertmanager_pager(page_alertmanager) if page_alertmanager else None)
 
 
@@ -80,13 +84,17 @@ def act() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the log entry as JSON")
 @_backend_options
 def drain(node: str, reason: str, as_json: bool, **backend) -> None:
-    """Drain NODE now (with the same cap, log and idempotence as the webhook)."""
+    """Drain NODE now (with the same cap, log and idempotence as the webhook). Exit 1 when
+    refused, capped, failed, or when the action log cannot be written (then nothing is applied)."""
+    from predictor.alerts.actions.errors import ActionError
     from predictor.alerts.actions.record import Prediction
     _logging()
     try:
         entry = _responder(**backend).handle(Prediction(node, "operator", {"reason": reason}))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="NODE") from None
+    except ActionError as e:   # RecordError: the log could not be written
+        raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps(entry, sort_keys=True))
     else:

@@ -247,14 +247,21 @@ def eval_(model_path: str | None, trace: Path | None, threshold: str, alarms_out
                    "(a simulated clock that runs faster, as in the demo, needs more)")
 @click.option("--max-nodes", type=click.IntRange(min=1), default=100_000, show_default=True,  # server.MAX_NODES
               help="distinct node names to keep state for (a few KB each); batches with more new ones get 429")
+@click.option("--max-jobs-per-token", type=click.IntRange(min=1), default=16, show_default=True,  # jobs.JobLimits
+              help="jobs registered at once with one token; past it POST /v1/jobs gets 429")
+@click.option("--max-nodes-per-job", type=click.IntRange(min=1), default=100_000, show_default=True,
+              help="nodes one job may name (413 past it)")
+@click.option("--max-job-nodes", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="node entries over all registered jobs (429 past it)")
 def serve(model_path: str | None, host: str, port: int, tokens_path: str | None, no_auth: bool,
           alertmanager_url: str | None, webhook_url: str | None, max_body: int, max_ahead_s: float,
-          max_nodes: int) -> None:
+          max_nodes: int, max_jobs_per_token: int, max_nodes_per_job: int, max_job_nodes: int) -> None:
     """Run the HTTP service: ingest, risk, jobs + checkpoint stream, /metrics, alerts."""
     if no_auth and not _is_loopback(host):
         raise click.UsageError(f"--no-auth serves anyone who can reach {host}: use it with a loopback --host only")
     from predictor.ingest import auth
     from predictor.serve import server
+    from predictor.serve.jobs import JobLimits
     try:
         tokens = None if no_auth else auth.load_tokens(tokens_path)
     except ValueError as e:
@@ -262,7 +269,7 @@ def serve(model_path: str | None, host: str, port: int, tokens_path: str | None,
     try:
         server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
                    alertmanager_url=alertmanager_url, webhook_url=webhook_url, max_ahead_s=max_ahead_s,
-                   max_nodes=max_nodes)
+                   max_nodes=max_nodes, job_limits=JobLimits(max_jobs_per_token, max_nodes_per_job, max_job_nodes))
     except server.CannotListen as e:
         raise click.ClickException(str(e)) from None
 

@@ -109,7 +109,17 @@ def _scores(model_path: Path, history_path: Path, at: str | None, horizon_days: 
     tz = _zone(history_path, tz)
     h = _read(history_path, tz)
     t = _time(at, tz, h.end_t)
-    return scoring.score(hm, h, t, horizon_days), t
+    first = float(h.stay_in.min())
+    if not first <= t <= h.end_t:
+        raise BadInput(f"--at {at} is outside the history ({_day(first)} to {_day(h.end_t)}): nothing to score")
+    s = scoring.score(hm, h, t, horizon_days)
+    if not len(s.probability):
+        raise BadInput(f"no GPU is in service at {at or _day(t)} in {history_path}: nothing to score")
+    return s, t
+
+
+def _day(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d")
 
 
 _model_opt = click.option("--model", "model_path", required=True,

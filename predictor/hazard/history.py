@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
 from zoneinfo import ZoneInfo
 
 import numpy as np
@@ -23,6 +24,7 @@ DEFAULT_TZ = "America/New_York"
 COLUMNS = ("SN", "location", "insert", "remove", "duration", "out", "event")
 EVENTS = ("DBE", "OTB")
 LOCATION = re.compile(r"^c(\d+)-(\d+)c(\d+)s(\d+)n(\d+)$")
+T = TypeVar("T")
 LOT_LEN = 5  # the serial's prefix that names its production lot
 
 
@@ -87,18 +89,35 @@ def _resolve_overlaps(gpu: np.ndarray, t_in: np.ndarray, t_out: np.ndarray, rows
     return t_out
 
 
+def _checked(read: Callable[[], T], reader: Any, path: str) -> T:
+    """``read()``, with what the csv module or the decoder refuses (a field over
+    csv.field_size_limit(), a NUL byte, bytes that are not UTF-8) as one HistoryError."""
+    try:
+        return read()
+    except csv.Error as e:
+        raise HistoryError(f"{path}: line {reader.line_num}: {e} (not a service history CSV?)") from None
+    except UnicodeDecodeError as e:
+        raise HistoryError(f"{path}: not UTF-8 text: {e}") from None
+
+
+def _rows(reader: csv.DictReader, path: str) -> Iterator[dict]:
+    while (row := _checked(lambda: next(reader, None), reader, path)) is not None:
+        yield row
+
+
 def read_history(path: str | Path, tz: str = DEFAULT_TZ, end: str | None = None) -> History:
     """Read a history CSV; one ``HistoryError`` naming the row for the first malformed value."""
     path = str(path)
     serial_idx: dict[str, int] = {}
     stays: list[tuple] = []
     events: list[tuple[int, float, str, str]] = []
-    with open(path, newline="") as f:
+    # utf-8-sig: a spreadsheet's byte order mark is not part of the first column's name
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        missing = [c for c in COLUMNS if c not in (_checked(lambda: reader.fieldnames, reader, path) or [])]
         if missing:
             raise HistoryError(f"{path}: missing columns {missing} (need {', '.join(COLUMNS)})")
-        for rowno, row in enumerate(reader, start=2):
+        for rowno, row in enumerate(_rows(reader, path), start=2):
             try:
                 sn = row["SN"].strip()
                 if not sn:
@@ -118,11 +137,12 @@ def read_history(path: str | Path, tz: str = DEFAULT_TZ, end: str | None = None)
                 if removed < inserted:
                     raise ValueError("remove is before insert")
                 out = row["out"].strip()
-                if out not in ("True", "False"):
+                if out.lower() not in ("true", "false"):   # the Titan files write TRUE and FALSE
                     raise ValueError(f"out {out!r} is not True or False")
+                taken_out = out.lower() == "true"
             except (ValueError, TypeError, AttributeError) as e:
                 raise HistoryError(f"{path}: row {rowno}: {e}") from None
-            stays.append((g, loc, row["location"].strip(), inserted, removed, out == "True", bool(event), rowno))
+            stays.append((g, loc, row["location"].strip(), inserted, removed, taken_out, bool(event), rowno))
             if event:
                 events.append((g, removed, event, row["location"].strip()))
     if not stays:

@@ -49,6 +49,11 @@ class Tokens:
         if not self._roles:
             raise ValueError("no tokens configured")
 
+    @staticmethod
+    def owner_of(authorization: str | None) -> str:
+        """Who presented the header, for per-token limits: a digest, never the token."""
+        return _digest((authorization or "")[7:].strip()).hex()[:16]
+
     def role_of(self, authorization: str | None) -> str | None:
         if not authorization or not authorization.startswith("Bearer "):
             return None

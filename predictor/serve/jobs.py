@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,12 +23,55 @@ from predictor.model.job_risk import NodeCalibration, job_risk, node_scores
 from predictor.model.scoring import Scorer
 
 DEFAULT_MIN_INTERVAL_S = 60.0
-MAX_NODES_PER_JOB = 100_000
+MAX_INTERVAL_S = 7 * 86_400.0        # "at most one checkpoint a week" is the longest sensible limit
+MAX_NODE_NAME = 253                  # a DNS name's length
+MAX_JOB_NAME = 200
 LISTENER_QUEUE = 64
 #: A "risk" event goes out when the probability moved this much (absolute) or the hazard
 #: ratio by this factor since the last one sent.
 RISK_STEP_P = 0.02
 RISK_STEP_RATIO = 1.25
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """What registered jobs may cost the service (`predictor serve --max-jobs-per-token ...`):
+    a job token cannot grow its memory without bound (25 jobs of 100,000 nodes: ~1 GB)."""
+    per_token: int = 16              # live jobs registered with one token
+    nodes_per_job: int = 100_000
+    total_nodes: int = 1_000_000     # node entries over all jobs
+
+
+DEFAULT_LIMITS = JobLimits()
+
+
+class Refused(ValueError):
+    """A registration the service will not take; ``status`` is the HTTP answer (400, 413, 429)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_registration(body: object, limits: JobLimits) -> tuple[list[str], str, float]:
+    """(nodes, name, min_interval_s) of a POST /v1/jobs body, or Refused saying why."""
+    nodes = body.get("nodes") if isinstance(body, dict) else None
+    if not isinstance(nodes, list) or not nodes:
+        raise Refused(400, "\"nodes\" must be a non-empty list of node names")
+    if len(nodes) > limits.nodes_per_job:
+        raise Refused(413, f"{len(nodes)} nodes: a job may name at most {limits.nodes_per_job} "
+                           "(predictor serve --max-nodes-per-job)")
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_NODE_NAME for n in nodes):
+        raise Refused(400, f"\"nodes\" must be node names (strings of 1 to {MAX_NODE_NAME} characters)")
+    interval = body.get("min_interval_s", DEFAULT_MIN_INTERVAL_S)
+    if (not isinstance(interval, (int, float)) or isinstance(interval, bool) or not math.isfinite(interval)
+            or not 0 <= interval <= MAX_INTERVAL_S):
+        raise Refused(400, f"\"min_interval_s\" must be a finite number of seconds from 0 to {MAX_INTERVAL_S:.0f} "
+                           f"(got {interval!r})")
+    name = body.get("name", "")
+    if not isinstance(name, str):
+        raise Refused(400, "\"name\" must be a string")
+    return nodes, name[:MAX_JOB_NAME], float(interval)
 
 
 @dataclass
@@ -42,6 +86,7 @@ class Job:
     suppressed: int = 0
     listeners: set[asyncio.Queue] = field(default_factory=set)
     risk_sent: dict | None = None
+    owner: str = ""                  # who registered it (a token's digest): the per-token cap
 
     def public(self) -> dict:
         return {"id": self.id, "name": self.name, "nodes": sorted(self.nodes), "min_interval_s": self.min_interval_s,
@@ -52,14 +97,27 @@ class Job:
 class JobRegistry:
     """Jobs by id and by node; `notify` fans an event out to the listeners of affected jobs."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: JobLimits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
         self.jobs: dict[str, Job] = {}
         self.by_node: dict[str, set[str]] = {}
+        self.node_entries = 0
         self._event_ids = itertools.count(1)
 
-    def register(self, nodes: list[str], name: str = "", min_interval_s: float = DEFAULT_MIN_INTERVAL_S) -> Job:
-        job = Job(uuid.uuid4().hex, name, frozenset(nodes), float(min_interval_s))
+    def register(self, nodes: list[str], name: str = "", min_interval_s: float = DEFAULT_MIN_INTERVAL_S,
+                 owner: str = "") -> Job:
+        """A new job, or Refused (429) past the per-token or total limit."""
+        distinct = frozenset(nodes)
+        mine = sum(j.owner == owner for j in self.jobs.values())
+        if mine >= self.limits.per_token:
+            raise Refused(429, f"this token has {mine} jobs registered, the limit is {self.limits.per_token} "
+                               "(predictor serve --max-jobs-per-token): delete finished ones")
+        if self.node_entries + len(distinct) > self.limits.total_nodes:
+            raise Refused(429, f"{len(distinct)} more nodes would take the registered jobs past "
+                               f"{self.limits.total_nodes} nodes in all (predictor serve --max-job-nodes)")
+        job = Job(uuid.uuid4().hex, name, distinct, float(min_interval_s), owner=owner)
         self.jobs[job.id] = job
+        self.node_entries += len(distinct)
         for n in job.nodes:
             self.by_node.setdefault(n, set()).add(job.id)
         return job
@@ -67,6 +125,7 @@ class JobRegistry:
     def remove(self, job_id: str) -> Job | None:
         job = self.jobs.pop(job_id, None)
         if job:
+            self.node_entries -= len(job.nodes)
             for n in job.nodes:
                 self.by_node.get(n, set()).discard(job.id)
             for q in job.listeners:

@@ -8,6 +8,7 @@ strict-threshold alerts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
@@ -25,9 +26,18 @@ from predictor.ingest.batch_ids import BatchIds
 from predictor.model.job_risk import NodeCalibration, node_scores
 from predictor.model.model_io import Model
 from predictor.model.scoring import Scored, Scorer
-from predictor.serve.jobs import DEFAULT_MIN_INTERVAL_S, LISTENER_QUEUE, MAX_NODES_PER_JOB, JobRegistry, JobRisks
+from predictor.serve.jobs import (
+    DEFAULT_LIMITS,
+    LISTENER_QUEUE,
+    JobLimits,
+    JobRegistry,
+    JobRisks,
+    Refused,
+    parse_registration,
+)
 from predictor.serve.metrics import ServiceMetrics
 from predictor.serve.scoring_queue import ScoringQueue, Stopping
+from predictor.serve.strict_json import strict_dumps
 from telemetry.schema import is_critical_xid
 from telemetry.wire import TELEMETRY_KEYS, XID_KEYS
 
@@ -48,14 +58,14 @@ class Service:
 
     def __init__(self, model: Model, tokens: Tokens | None, max_body: int = 16 * 2**20,
                  alerts: StrictAlerts | None = None, max_ahead_s: float = wire.MAX_AHEAD_S,
-                 max_nodes: int = MAX_NODES):
+                 max_nodes: int = MAX_NODES, job_limits: JobLimits = DEFAULT_LIMITS):
         self.scorer = Scorer(model)
         self.job_risks = JobRisks(self.scorer, NodeCalibration.of(model))
         self.tokens = tokens
         self.max_body = max_body
         self.max_ahead_s = max_ahead_s
         self.max_nodes, self.nodes = max_nodes, set()   # nodes admitted: scored or queued
-        self.jobs = JobRegistry()
+        self.jobs = JobRegistry(job_limits)
         self.metrics = ServiceMetrics(self)
         self.alerts = alerts or StrictAlerts(None, None)
         self.alerts.on_delivery = self.metrics.alert_delivered
@@ -96,7 +106,7 @@ class Service:
             raise _json_error(web.HTTPBadRequest, "X-Batch-Id header missing (or longer than 128 characters)")
         if not await self.batch_ids.claim(batch_id):
             self.metrics.batch(kind, "duplicate")
-            return web.json_response({"accepted": 0, "duplicate": True})
+            return _json_response({"accepted": 0, "duplicate": True})
         taken = False
         try:
             table = await self._batch(request, kind)
@@ -119,7 +129,7 @@ class Service:
             await scored
         except Stopping:
             raise _unavailable() from None
-        return web.json_response({"accepted": table.num_rows}, status=202)
+        return _json_response({"accepted": table.num_rows}, status=202)
 
     def _admit_nodes(self, table: pa.Table, kind: str) -> None:
         """429 for a batch that would take the service past --max-nodes distinct nodes: each
@@ -224,39 +234,34 @@ class Service:
             job = self.jobs.jobs.get(job_id)
             if job is None:
                 raise _json_error(web.HTTPNotFound, "no such job")
-            return web.json_response(self.job_risks.of(job))
+            return _json_response(self.job_risks.of(job))
         self._require(request, "risk")
         node = request.query.get("node")
         if not node:
             at_risk = [r for r in map(self.scorer.node_risk, list(self.scorer.state.node_names))
                        if r and r["risk"] >= self.scorer.model.sensitive]
-            return web.json_response({"nodes": at_risk,
+            return _json_response({"nodes": at_risk,
                                       "sensitive": self.scorer.model.sensitive, "strict": self.scorer.model.strict})
         r = self.scorer.node_risk(node)
         if r is None:
             raise _json_error(web.HTTPNotFound, f"no telemetry seen from node {node!r}")
-        return web.json_response(r)
+        return _json_response(r)
 
     # ------------------------------------------------------------ jobs
     async def register_job(self, request: web.Request) -> web.Response:
         self._require(request, "jobs")
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):     # not JSON, not UTF-8, nested past the parser's depth
             raise _json_error(web.HTTPBadRequest, "body must be JSON: {\"nodes\": [...]}") from None
-        nodes = body.get("nodes") if isinstance(body, dict) else None
-        if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) and n for n in nodes):
-            raise _json_error(web.HTTPBadRequest, "\"nodes\" must be a non-empty list of node names")
-        if len(nodes) > MAX_NODES_PER_JOB:
-            raise _json_error(web.HTTPRequestEntityTooLarge, f"more than {MAX_NODES_PER_JOB} nodes")
-        interval = body.get("min_interval_s", DEFAULT_MIN_INTERVAL_S)
-        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval < 0:
-            raise _json_error(web.HTTPBadRequest, "\"min_interval_s\" must be a number ≥ 0")
-        name = body.get("name", "")
-        if not isinstance(name, str):
-            raise _json_error(web.HTTPBadRequest, "\"name\" must be a string")
-        job = self.jobs.register(nodes, name[:200], interval)
-        return web.json_response(job.public(), status=201)
+        try:
+            nodes, name, interval = parse_registration(body, self.jobs.limits)
+            owner = self.tokens.owner_of(request.headers.get("Authorization")) if self.tokens else ""
+            job = self.jobs.register(nodes, name, interval, owner)
+        except Refused as e:
+            retry = {"Retry-After": "60"} if e.status == 429 else None
+            raise _json_error(REFUSED[e.status], str(e), headers=retry) from None
+        return _json_response(job.public(), status=201)
 
     def _job(self, request: web.Request):
         self._require(request, "jobs")
@@ -266,13 +271,13 @@ class Service:
         return job
 
     async def get_job(self, request: web.Request) -> web.Response:
-        return web.json_response(self._job(request).public())
+        return _json_response(self._job(request).public())
 
     async def delete_job(self, request: web.Request) -> web.Response:
         job = self._job(request)
         self.jobs.remove(job.id)
         self.job_risks.forget(job.id)
-        return web.json_response({"deleted": job.id})
+        return _json_response({"deleted": job.id})
 
     async def job_events(self, request: web.Request) -> web.StreamResponse:
         """SSE: `hello` on connect, `checkpoint` and `node_failed` events, comment keep-alives."""
@@ -309,7 +314,7 @@ class Service:
         return web.Response(body=body, headers={"Content-Type": ctype})
 
     async def health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "gpus": len(self.scorer.state.slot_key),
+        return _json_response({"ok": True, "gpus": len(self.scorer.state.slot_key),
                                   "pending_samples": self.queue.pending_rows})
 
 
@@ -328,7 +333,11 @@ async def _read_body(request: web.Request, cap: int) -> bytes:
 
 def _sse(event: str, data: dict, event_id: int | None = None) -> bytes:
     head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+    return f"{head}event: {event}\ndata: {strict_dumps(data)}\n\n".encode()
+
+
+_json_response = functools.partial(web.json_response, dumps=strict_dumps)
+REFUSED = {400: web.HTTPBadRequest, 413: web.HTTPRequestEntityTooLarge, 429: web.HTTPTooManyRequests}
 
 
 def _unavailable() -> web.HTTPException:
@@ -364,7 +373,8 @@ class CannotListen(RuntimeError):
 
 def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens | None = None,
         max_body: int = 16 * 2**20, alertmanager_url: str | None = None, webhook_url: str | None = None,
-        resend_s: float = 60.0, max_ahead_s: float = wire.MAX_AHEAD_S, max_nodes: int = MAX_NODES) -> None:
+        resend_s: float = 60.0, max_ahead_s: float = wire.MAX_AHEAD_S, max_nodes: int = MAX_NODES,
+        job_limits: JobLimits = DEFAULT_LIMITS) -> None:
     """Serve until interrupted."""
     try:
         sock = socket.create_server((host, port))
@@ -372,7 +382,7 @@ def run(model: Model, host: str = "127.0.0.1", port: int = 9410, tokens: Tokens 
         raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     alerts = StrictAlerts(alertmanager_url, webhook_url, resend_s)
-    service = Service(model, tokens, max_body, alerts, max_ahead_s, max_nodes)
+    service = Service(model, tokens, max_body, alerts, max_ahead_s, max_nodes, job_limits)
     # auto_decompress off: wire.decompress inflates gzip itself, under the size cap
     web.run_app(make_app(service), sock=sock, access_log=None, auto_decompress=False,
                 print=lambda msg: log.info("listening on http://%s:%d (auth %s)", host, port,

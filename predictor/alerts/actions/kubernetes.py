@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .errors import ActionError
+from .errors import ActionError, NotOneNode
 
 TAINT_KEY = "ckpt-guard.io/predicted-failure"
 REASON_ANNOTATION = "ckpt-guard.io/drain-reason"
@@ -93,8 +93,20 @@ class KubernetesNodes:
         except (urllib.error.URLError, OSError) as e:
             raise ActionError(f"{method} {path}: cannot reach the Kubernetes API at {self.api_url}: {e}") from None
 
+    def node(self, node: str) -> dict[str, Any]:
+        """The API's Node object named ``node``; NotOneNode when there is none."""
+        try:
+            found = self._call("GET", f"/api/v1/nodes/{node}")
+        except ActionError as e:
+            if "HTTP 404" in str(e):
+                raise NotOneNode(f"{node!r} is not a node of this cluster: {e}") from None
+            raise
+        if found.get("kind", "Node") != "Node" or found.get("metadata", {}).get("name") != node:
+            raise NotOneNode(f"GET /api/v1/nodes/{node} did not answer that one node")
+        return found
+
     def is_out_of_service(self, node: str) -> bool:
-        spec = self._call("GET", f"/api/v1/nodes/{node}").get("spec", {})
+        spec = self.node(node).get("spec", {})
         return bool(spec.get("unschedulable")) and any(t.get("key") == TAINT_KEY for t in spec.get("taints") or [])
 
     def plan(self, node: str, reason: str) -> list[str]:
@@ -104,7 +116,7 @@ class KubernetesNodes:
         return steps
 
     def drain(self, node: str, reason: str) -> list[str]:
-        patch = drain_patch(self._call("GET", f"/api/v1/nodes/{node}"), reason)
+        patch = drain_patch(self.node(node), reason)
         self._call("PATCH", f"/api/v1/nodes/{node}", patch, "application/strategic-merge-patch+json")
         return [f"cordoned {node} and tainted it {TAINT_KEY}=true:NoSchedule"]
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from predictor.ingest.auth import Tokens
 
-from .record import Prediction
+from .record import Prediction, RecordError
 from .responder import NODE_NAME, Responder
 
 log = logging.getLogger("predictor.actions")
@@ -65,6 +65,8 @@ def make_app(responder: Responder, tokens: Tokens | None, alerts: frozenset[str]
         except ValueError as e:   # bad JSON, a payload of another shape, a node that is not one name
             log.warning("webhook refused: %s", e)
             raise _error(web.HTTPBadRequest, str(e)) from None
+        except RecordError as e:  # the action log cannot be written: nothing applied (Alertmanager retries)
+            raise _error(web.HTTPInternalServerError, str(e)) from None
         return web.json_response({"actions": entries})
 
     async def health(_request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from .errors import ActionError
+from .errors import ActionError, NotOneNode
 
 DRAINED_STATES = ("DRAIN", "DRAINED", "DRAINING", "DOWN")
 HELD_REASONS = ("JobHeldUser", "JobHeldAdmin")
@@ -41,10 +41,25 @@ class SlurmNodes:
             raise ActionError(f"{' '.join(args[:3])} failed (exit {proc.returncode}): {said}{hint}")
         return proc.stdout
 
+    def node_record(self, node: str) -> dict[str, str]:
+        """``scontrol show node -o NODE`` as key=value pairs, when it answers exactly one
+        record named NODE; else NotOneNode (unknown, ``ALL``, a nodeset, a hostlist)."""
+        try:
+            out = self._run("scontrol", "show", "node", "-o", node)
+        except ActionError as e:
+            if "not found" in str(e).lower():
+                raise NotOneNode(f"{node!r} is not a node Slurm knows: {e}") from None
+            raise
+        records = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.splitlines() if line.strip()]
+        if len(records) != 1 or records[0].get("NodeName") != node:
+            names = [r.get("NodeName", "?") for r in records]
+            raise NotOneNode(f"{node!r} does not name exactly one Slurm node: scontrol answers {len(records)} "
+                             f"record(s) ({', '.join(names[:5])}{' ...' if len(names) > 5 else ''})")
+        return records[0]
+
     def is_out_of_service(self, node: str) -> bool:
         """Drained, draining or down already (by anyone, for any reason)."""
-        out = self._run("scontrol", "show", "node", "-o", node)
-        state = next((f.split("=", 1)[1] for f in out.split() if f.startswith("State=")), "")
+        state = self.node_record(node).get("State", "")
         return any(s in state.upper().replace("+", " ").split() for s in DRAINED_STATES)
 
     def plan(self, node: str, reason: str) -> list[str]:
@@ -54,6 +69,7 @@ class SlurmNodes:
         return steps
 
     def drain(self, node: str, reason: str) -> list[str]:
+        self.node_record(node)   # still exactly one node, just before the update
         self._run("scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
         return [f"drained {node} (Reason={reason!r})"]
 
