@@ -242,6 +242,13 @@ def _tensor_size(metadata, data_file: Path) -> None:
     metadata.state_dict_metadata["model.layers.0.weight"].size = "big"
 
 
+def _huge_tensor(metadata, data_file: Path) -> None:
+    """A 4 TiB tensor declared over the bytes of a small one (issue 48)."""
+    md = metadata.state_dict_metadata["model.layers.0.weight"]
+    md.size = torch.Size([1 << 40])
+    md.chunks[0].sizes = torch.Size([1 << 40])
+
+
 def _deep_path(metadata, data_file: Path) -> None:
     metadata.planner_data["epoch"] = ("a",) * 100_000
 
@@ -255,8 +262,9 @@ def _deep_path(metadata, data_file: Path) -> None:
     (_set("length", "10"), "not in the file"),
     (_tensor_size, "not a list of non-negative integers"),
     (_deep_path, "not a path in a state"),
+    (_huge_tensor, "more than its stored bytes"),
 ], ids=["crafted-posixpath", "symlinked-distcp", "missing-file", "negative-offset", "1-tib-length",
-        "string-length", "string-tensor-size", "100k-deep-path"])
+        "string-length", "string-tensor-size", "100k-deep-path", "4-tib-tensor"])
 def test_hostile_storage_metadata_gets_one_clear_line_and_nothing_is_read_or_written(
         tmp_path: Path, root: Path, change, message: str) -> None:
     dcp_save({"model": Net(1).state_dict(), "epoch": 7}, tmp_path / "dcp")
