@@ -19,7 +19,7 @@ from tqdm import tqdm
 from .errors import CheckpointError, DamagedCheckpoint
 from .format.manifest import Manifest, ShardRef
 from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
-from .restore.listing import merge_listing, shm_usage
+from .restore.listing import merge_listing, optimizer_layouts, shm_usage
 from .restore.plan import Inventory, RestorePlan, ShardNeed
 from .simulate_cli import simulate_cmd
 from .tiers.base import CheckpointId, TierReader, complete_shards
@@ -75,10 +75,15 @@ def ls_cmd(root: str | None, run: str | None, memory_dir: str, memory: bool, as_
     _must_exist(root)
     tiers = tiers_for(root, run=run, memory_dir=memory_dir)
     rows = merge_listing(tiers)
+    for r in rows:
+        if r["status"] == "complete":
+            r["optimizers"] = optimizer_layouts(tiers, r)  # "by position": restores only when asked (match_by_position)
     lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  {'PEER':10}  STATUS"]
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
         status = r["status"] + "".join(f"; {t}: {e}" for t, e in r["damaged"].items())
+        status += "".join(f"; {k}: optimizer state by position" for k, how in (r.get("optimizers") or {}).items()
+                          if how == "by position")
         peer = "rank " + ",".join(map(str, r["peer"])) if r["peer"] else "-"
         lines.append(f"{r['step']:>10}  {r['generation']:>3}  {when}  {_size(r['bytes']):>10}  "
                      f"{','.join(r['tiers']) or '-':16}  {peer:10}  {status}")
@@ -256,7 +261,8 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
     out = Path(dest)
     if out.exists() and any(out.iterdir()) and not force:
         raise click.UsageError(f"{dest} is not empty; pass --force to write into it")
-    ckpt_id, values = read_whole(root, step, run=run)  # sharded tensors assembled from every saved shard
+    # sharded tensors assembled from every saved shard; DCP gets optimizer state keyed by name
+    ckpt_id, values = read_whole(root, step, run=run, optimizers_by_name=fmt == "dcp")
     if fmt == "dcp":
         def write(into: Path) -> list[Path]:
             export.write_dcp(values, into)

@@ -117,7 +117,7 @@ def test_an_import_of_fqn_keyed_optimizer_state_restores_by_name(tmp_path: Path,
 def test_a_positional_import_is_refused_naming_the_choice(tmp_path: Path, plan: str) -> None:
     """``optimizer.state_dict()`` keys moments by position: nothing says which parameter they
     belong to, so restoring them is a guess unless the user says the order is the same."""
-    from ckpt.restore.optim_names import match_by_position
+    from ckpt import match_by_position
 
     model, optim = trained(1)
     root = dcp_import({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_path)
@@ -202,7 +202,7 @@ def test_the_quickstart_state_exports_and_imports_back(tmp_path: Path, shm_dir: 
     model, optim = trained(1)
     with CheckpointManager(tmp_path / "ours", memory_dir=shm_dir) as mgr:
         mgr.save(1, {"model": model, "optim": optim, "rng": ckpt.RNGState(), "epoch": 2}).wait()
-    write_dcp(read_whole(str(tmp_path / "ours"))[1], tmp_path / "work" / "dcp")
+    write_dcp(read_whole(str(tmp_path / "ours"), optimizers_by_name=True)[1], tmp_path / "work" / "dcp")
     from ckpt.interop.dcp_import import read_dcp
     from ckpt.interop.offline_write import import_target, write_state
 
@@ -214,3 +214,44 @@ def test_the_quickstart_state_exports_and_imports_back(tmp_path: Path, shm_dir: 
     assert restore(tmp_path / "back", state, "own-shard") == 1
     assert state["epoch"] == 2
     assert_same_moments(moments(target_model, target_optim), moments(model, optim))
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_torchtitans_flattened_optimizer_imports_by_name_into_several_groups(tmp_path: Path, plan: str) -> None:
+    """torchtitan saves ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``:
+    "state.<fqn>.<moment>" and "param_groups.<fqn>.<hyperparameter>" keys; groups rebuilt by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = Net(1)
+    optim = torch.optim.Adam([{"params": [model.fc0.weight, model.fc1.bias]},
+                              {"params": [model.fc0.bias, model.fc1.weight], "lr": 0.5}])
+    model(torch.randn(5, 4)).sum().backward()
+    optim.step()
+    flat = get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    root = dcp_import({"model": model.state_dict(), "optimizer": flat}, tmp_path)
+    target_model = Net(2)
+    target_optim = torch.optim.Adam([{"params": [target_model.fc1.bias, target_model.fc0.weight]},
+                                     {"params": [target_model.fc1.weight, target_model.fc0.bias], "lr": 0.1}])
+    assert restore(root, {"model": target_model, "optimizer": target_optim}, plan) == 1
+    assert_same_moments(moments(target_model, target_optim), moments(model, optim))
+    assert [g["lr"] for g in target_optim.param_groups] == [optim.defaults["lr"], 0.5]
+    regrouped = torch.optim.Adam([{"params": [target_model.fc1.bias, target_model.fc0.bias]},
+                                  {"params": [target_model.fc1.weight, target_model.fc0.weight]}])
+    with pytest.raises(StateMismatch, match="groups its parameters otherwise"):
+        restore(root, {"model": target_model, "optimizer": regrouped}, plan)
+
+
+def test_ls_says_which_optimizer_state_is_keyed_by_position(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from tests.test_ckpt_cli import ckpt as ckpt_cli
+
+    model, optim = trained(1)
+    root = dcp_import({"model": model.state_dict(), "optim": optim.state_dict(),
+                       "named": get_optimizer_state_dict(model, optim)}, tmp_path)
+    r = ckpt_cli("ls", root, "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    assert json.loads(r.stdout)[0]["optimizers"] == {"optim": "by position", "named": "by name"}
+    assert "optim: optimizer state by position" in ckpt_cli("ls", root).stdout
