@@ -15,8 +15,9 @@ with planner and writer options) of ``get_model_state_dict``/``get_optimizer_sta
 (``dcp-N``), imported by rank 0 (``imp-N``); rank 0 exports ``ckpt-N`` to DCP (``exp-N``)
 and imports that back (``reimp-N``); the reference (every tensor whole, by name) in
 ``ref-N.pt``. ``load`` (at M): each restored by ckpt-guard (``ckpt``, ``import``,
-``export-import``), the export read by ``dcp.load`` (``export``), and DCP's own by
-``dcp.load`` (the control). Verdicts as in ``conformance_child.py``.
+``export-import``), the export read by ``dcp.load`` (``export``), ``ckpt-N`` read by
+``dcp.load`` through ``CheckpointReader`` (``reader``), and DCP's own by ``dcp.load``
+(the control). Verdicts as in ``conformance_child.py``.
 """
 from __future__ import annotations
 
@@ -44,12 +45,13 @@ from tests.conformance_child import COMMIT_TIMEOUT_S, agreed, as_bytes, attempt
 
 
 class Net(torch.nn.Module):
-    """Uneven dims (7 and 5 rows over 2 or 4 ranks), two layers TP can split."""
+    """Uneven dims (7 and 5 rows over 2 or 4 ranks; TP's layers get 8: DTensor's matmuls need
+    even shards), two layers TP can split."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int) -> None:
         super().__init__()
         torch.manual_seed(7)
-        self.up, self.down = torch.nn.Linear(6, 7), torch.nn.Linear(7, 5)
+        self.up, self.down = torch.nn.Linear(6, hidden), torch.nn.Linear(hidden, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x)))
@@ -69,11 +71,11 @@ class AppState:
         set_optimizer_state_dict(self.model, self.optim, sd["optim"])
 
 
-def wrapped(kind: str, world: int) -> torch.nn.Module:
+def wrapped(kind: str, world: int, hidden: int) -> torch.nn.Module:
     """The model as ``kind`` holds it at ``world`` ranks (a layout needing more ranks falls back to FSDP2)."""
     from torch.distributed.fsdp import fully_shard
 
-    model = Net()
+    model = Net(hidden)
     if kind == "plain":
         return model
     if kind == "ddp":
@@ -98,7 +100,7 @@ def wrapped(kind: str, world: int) -> torch.nn.Module:
 def built(case: dict, kind: str, world: int, *, target: bool) -> dict:
     """The case's state at ``world`` ranks: trained one step (the saved one), or (``target``)
     as a fresh job builds it before restoring (its parameters listed in reverse when ``reorder``)."""
-    model = wrapped(kind, world)
+    model = wrapped(kind, world, 8 if "tp_fsdp" in (case["save"], case["load"]) else 7)
     def flip(xs: list) -> list:
         return xs[::-1] if target and case["reorder"] else xs
 
@@ -256,6 +258,11 @@ def load(cases: list[dict], out: Path, memory_dir: str, saved_worlds: list[int])
             for path, name in (("dcp", "dcp"), ("export", "exp")):
                 if (folder / f"{name}-{n}" / ".metadata").exists():
                     verdicts[path] = restored(case, world, want, partial(restore_theirs, folder / f"{name}-{n}"))
+            if (folder / f"ckpt-{n}").exists():
+                from ckpt.dcp_reader import CheckpointReader
+
+                reader = partial(CheckpointReader, str(folder / f"ckpt-{n}"), memory_dir=f"{memory_dir}/none")
+                verdicts["reader"] = restored(case, world, want, partial(restore_theirs, None, reader=reader))
     return results
 
 
@@ -265,20 +272,20 @@ def restore_ours(root: Path, memory_dir: str, state: dict) -> str:
     return "ok" if got == 1 else f"error: restored step {got}"
 
 
-def restore_theirs(folder: Path, state: dict) -> str:
-    """The control: ``dcp.load`` into get_state_dict's dicts, then set_state_dict (DCP's way)."""
+def restore_theirs(folder: Path | None, state: dict, reader: Any = None) -> str:
+    """The control: ``dcp.load`` into get_state_dict's dicts, then set_state_dict (DCP's way);
+    with ``reader``, ``dcp.load`` reads ckpt-guard's checkpoint through ``CheckpointReader``."""
     model, optim = model_optim(state)
     loaded = dcp_state(state)
-    dcp.load(loaded, checkpoint_id=str(folder))
+    if reader is not None:
+        Path(reader.keywords["memory_dir"]).mkdir(parents=True, exist_ok=True)
+        dcp.load(loaded, storage_reader=reader())
+    else:
+        dcp.load(loaded, checkpoint_id=str(folder))
     dicts = loaded.get("app", loaded)
     set_model_state_dict(model, dicts["model"])
     set_optimizer_state_dict(model, optim, dicts["optim"])
-    for key in ("sched", "scaler"):
-        if key in state:
-            state[key].load_state_dict(loaded[key])
-    if "ema" in state:
-        state["ema"].copy_(loaded["ema"])
-    return "ok"
+    return "ok"  # the scheduler and scaler (Stateful) and the view target were loaded by dcp.load itself
 
 
 def restored(case: dict, world: int, want: dict, restore) -> str:

@@ -255,3 +255,23 @@ def test_ls_says_which_optimizer_state_is_keyed_by_position(tmp_path: Path) -> N
 
     assert json.loads(r.stdout)[0]["optimizers"] == {"optim": "by position", "named": "by name"}
     assert "optim: optimizer state by position" in ckpt_cli("ls", root).stdout
+
+
+def test_dcp_load_through_our_reader_matches_moments_by_name(tmp_path: Path, shm_dir: str) -> None:
+    """The DCP reader describes a named optimizer by name too: ``get_state_dict`` /
+    ``set_state_dict`` into an optimizer listing its parameters otherwise gets each its own."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ckpt.dcp_reader import CheckpointReader
+
+    model, optim = trained(1)
+    with CheckpointManager(tmp_path / "ours", memory_dir=shm_dir) as mgr:
+        mgr.save(1, {"model": model, "optim": optim}).wait()
+    target_model, target_optim = trained(2, reverse=True)
+    model_sd, optim_sd = get_state_dict(target_model, target_optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=CheckpointReader(str(tmp_path / "ours"), memory_dir=shm_dir))
+    set_state_dict(target_model, target_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert_same_moments(moments(target_model, target_optim), moments(model, optim))

@@ -88,18 +88,20 @@ class _Reads:
 
 
 def load_values(plan: RestorePlan, state: dict, rank: int, world_size: int, *, threads: int = 4,
-                inventory: Inventory | None = None) -> tuple[dict, ReshardStats | None]:
+                inventory: Inventory | None = None, overlaps: bool = False) -> tuple[dict, ReshardStats | None]:
     """Values for ``load_into`` on ``rank`` of a job of ``world_size`` (tensors in ``state``'s
     own where they fit), and what resharding read (None when every tensor was read whole
     from this rank's own shard). ``inventory``: where the other saved shards are, when a
-    tensor is laid out otherwise at the same world size."""
+    tensor is laid out otherwise at the same world size. ``overlaps``: every tensor with a
+    target read from the overlaps of every saved shard, none whole (the differential
+    conformance test: both plans must give the same bytes)."""
     same = plan.world_size == world_size
     with OpenShards(plan.ckpt_id) as opened:
         sources = _sources(plan, state, rank if same else 0, same, opened)
         create_optimizer_state(state)  # after the checks: a mismatch leaves the optimizer as it was
         for src in sources:
             src.targets = tensor_targets(src.state, src.tree, any_kind=True)
-        reads = plan_reads(sources)
+        reads = plan_reads(sources, overlaps=overlaps)
         if reads.changes and same and len(plan.shards) < plan.world_size:
             log.info("rank %d: step %d is laid out otherwise than the state (%s%s): resharding", rank,
                      plan.ckpt_id.step, "; ".join(reads.changes[:3]), " ..." if len(reads.changes) > 3 else "")
@@ -131,10 +133,11 @@ def _sources(plan: RestorePlan, state: dict, anchor: int, same: bool, opened: Op
     return out
 
 
-def plan_reads(sources: list[_Source]) -> _Reads:
+def plan_reads(sources: list[_Source], *, overlaps: bool = False) -> _Reads:
     """Which saved tensor is read how: whole from its source shard where that covers its
-    target exactly (the degenerate plan: nothing else to open), else from the overlaps of
-    every saved shard (listed by ``reshard_reads`` once their manifests are open)."""
+    target exactly (the degenerate plan: nothing else to open), else (or, ``overlaps``,
+    always) from the overlaps of every saved shard (listed by ``reshard_reads`` once their
+    manifests are open)."""
     reads = _Reads()
     for src in sources:
         by_id = {e.id: e for e in src.manifest.tensors}
@@ -142,7 +145,7 @@ def plan_reads(sources: list[_Source]) -> _Reads:
         unplaced = []
         for i in _ids(src.tree):
             e, t = by_id[i], src.targets.get(i)
-            why = _change(e, t)
+            why = f"{e.path}: read from the overlaps, as asked" if overlaps and t is not None else _change(e, t)
             if why is None:
                 whole[i] = t
             elif t is None:
