@@ -281,17 +281,19 @@ def restored_verdict(case: dict, restore) -> str:
     return agreed(attempt(lambda: compare(case, holder["state"])))
 
 
-def main() -> None:
+def main(save_phase=None, load_phase=None, prefix: str = "") -> None:
+    """Run the phase named on the command line over the cases (``save_phase``/``load_phase``:
+    another child's, writing ``OUT/<prefix><phase>-<world>-rank<r>.json``)."""
     phase, cases_file, out, memory_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     init_process_group("gloo")
     cases = json.loads(cases_file.read_text())
     if phase == "save":
-        results = save(cases, out, memory_dir)
+        results = (save_phase or save)(cases, out, memory_dir)
     else:
-        results = load(cases, out, memory_dir, [int(w) for w in sys.argv[5:] if w.isdigit()])
+        results = (load_phase or load)(cases, out, memory_dir, [int(w) for w in sys.argv[5:] if w.isdigit()])
     world, rank = dist.get_world_size(), dist.get_rank()
-    (out / f"{phase}-{world}-rank{rank}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
-    print(f"rank {rank}: {phase} of {len(cases)} cases at {world} done", flush=True)
+    (out / f"{prefix}{phase}-{world}-rank{rank}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    print(f"rank {rank}: {prefix}{phase} of {len(cases)} cases at {world} done", flush=True)
     exit_rank()
 
 

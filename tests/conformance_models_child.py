@@ -21,7 +21,6 @@ and imports that back (``reimp-N``); the reference (every tensor whole, by name)
 """
 from __future__ import annotations
 
-import json
 import sys
 from functools import partial
 from pathlib import Path
@@ -40,8 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ckpt import CheckpointManager
-from ckpt.distributed import exit_rank, init_process_group
-from tests.conformance_child import COMMIT_TIMEOUT_S, agreed, as_bytes, attempt
+from tests.conformance_child import COMMIT_TIMEOUT_S, agreed, as_bytes, attempt, main
 
 
 class Net(torch.nn.Module):
@@ -301,19 +299,5 @@ def restored(case: dict, world: int, want: dict, restore) -> str:
     return agreed(attempt(lambda: compare(want, holder["state"])))
 
 
-def main() -> None:
-    phase, cases_file, out, memory_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
-    init_process_group("gloo")
-    cases = json.loads(cases_file.read_text())
-    if phase == "save":
-        results = save(cases, out, memory_dir)
-    else:
-        results = load(cases, out, memory_dir, [int(w) for w in sys.argv[5:] if w.isdigit()])
-    world, rank = dist.get_world_size(), dist.get_rank()
-    (out / f"models-{phase}-{world}-rank{rank}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
-    print(f"rank {rank}: {phase} of {len(cases)} model cases at {world} done", flush=True)
-    exit_rank()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(save, load, "models-"))

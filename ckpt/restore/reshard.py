@@ -155,7 +155,8 @@ def plan_reads(sources: list[_Source], *, overlaps: bool = False) -> _Reads:
                 reads.dests[e.path], reads.layouts[e.path] = _local(t), _layout(t, e.path)
         if unplaced:
             raise StateMismatch(f"no tensor in the state to hold the new shard of {', '.join(unplaced[:5])}"
-                                f"{' ...' if len(unplaced) > 5 else ''}")
+                                f"{' ...' if len(unplaced) > 5 else ''}: a sharded tensor is read only into a "
+                                "tensor of the state; add it there (a DTensor or a tensor of its global shape)")
     return reads
 def _execute(plan: RestorePlan, sources: list[_Source], reads: _Reads, opened: OpenShards, rank: int,
              threads: int, *, resharded: bool) -> tuple[dict, ReshardStats | None]:

@@ -111,7 +111,9 @@ def _raise_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> Non
         more = f"\n  ... and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         raise StateMismatch(f"the state does not match the checkpoint ({len(found)} difference"
                             f"{'s' if len(found) > 1 else ''}; nothing was loaded):\n  "
-                            + "\n  ".join(found[:_SHOWN]) + more)
+                            + "\n  ".join(found[:_SHOWN]) + more + "\n  to restore it, build the state as it was "
+                            "saved (the same keys, global shapes, dtypes and parameter groups; keys only the "
+                            "checkpoint has are added)")
 
 
 def _mismatches(target: Any, value: Any, path: str, found: list[str], strict: bool, depth: int) -> None:
