@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ckpt import CheckpointManager
 from ckpt.errors import StateMismatch
@@ -275,3 +277,70 @@ def test_dcp_load_through_our_reader_matches_moments_by_name(tmp_path: Path, shm
         dcp.load(state, storage_reader=CheckpointReader(str(tmp_path / "ours"), memory_dir=shm_dir))
     set_state_dict(target_model, target_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert_same_moments(moments(target_model, target_optim), moments(model, optim))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("plan", PLANS)
+def test_on_the_gpu_moments_by_name_and_a_conj_view_target_from_pinned_memory(tmp_path: Path, shm_dir: str,
+                                                                              plan: str) -> None:
+    """The same normalisation into CUDA targets, read from the memory tier's pinned slot (the
+    device-checked path) or through the overlaps."""
+    model, optim = trained(1)
+    model.cuda()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 4, device="cuda")).sum().backward()
+    optim.step()
+    z = torch.randn(64, 1024, dtype=torch.complex64, device="cuda")
+    with CheckpointManager(tmp_path, memory_dir=shm_dir) as mgr:
+        mgr.save(1, {"model": model, "optim": optim, "z": z}).wait()
+        memory = mgr.memory  # the pinned slot: the device-checked read
+        target_model, target_optim = trained(2, reverse=True)
+        target_model.cuda()
+        target_optim = torch.optim.Adam(list(target_model.parameters())[::-1], lr=1e-2)
+        base = torch.zeros_like(z)
+        state = {"model": target_model, "optim": target_optim, "z": base.conj()}
+        found = restore_agreed(LOCAL, Inventory([memory]), lambda w: [ShardNeed(r) for r in range(w)],
+                               lambda p: load_values(p, state, 0, 1 if plan == "own-shard" else 2)[0])
+        assert found is not None
+        load_into(state, found[1])
+    assert_same_moments(moments(target_model, target_optim), moments(model, optim))
+    assert torch.equal(base, z.conj().resolve_conj())
+
+
+@settings(derandomize=True, database=None, max_examples=8, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.permutations(range(4)), st.permutations(range(4)), st.integers(1, 3), st.sampled_from(PLANS))
+def test_any_parameter_order_and_grouping_restores_by_name(tmp_path_factory: pytest.TempPathFactory,
+                                                            saved_order: list[int], target_order: list[int],
+                                                            split: int, plan: str) -> None:
+    """Property: whatever order either side lists its parameters in, and wherever the groups
+    split them (the same members, groups in either order), every moment and learning rate
+    lands on its own parameter."""
+    def built(seed: int, order: list[int], flip: bool) -> tuple[Net, torch.optim.Adam]:
+        model = Net(seed)
+        params = [list(model.parameters())[i] for i in order]
+        members = sorted(params[:split], key=id), sorted(params[split:], key=id)
+        by_name = {id(p): n for n, p in model.named_parameters()}
+        groups = [{"params": sorted(members[0], key=lambda p: by_name[id(p)])},
+                  {"params": sorted(members[1], key=lambda p: by_name[id(p)]), "lr": 0.5}]
+        return model, torch.optim.Adam(groups[::-1] if flip else groups, lr=1e-2)
+
+    work = tmp_path_factory.mktemp("prop")
+    model, optim = built(1, saved_order, False)
+    model(torch.randn(5, 4)).sum().backward()
+    optim.step()
+    with CheckpointManager(work, memory_dir=str(work / "shm")) as mgr:
+        mgr.save(1, {"model": model, "optim": optim}).wait()
+    # the target's groups hold the same members (split by the saved order), listed otherwise
+    target_model, target_optim = built(2, saved_order, True)
+    rank = {id(p): target_order.index(k) for k, p in enumerate(target_model.parameters())}
+    for g in target_optim.param_groups:
+        g["params"] = sorted(g["params"], key=lambda p: rank[id(p)])
+    assert restore(work, {"model": target_model, "optim": target_optim}, plan) == 1
+    assert_same_moments(moments(target_model, target_optim), moments(model, optim))
+    lr = {n: g["lr"] for g in target_optim.param_groups for n, p in target_model.named_parameters()
+          if any(p is q for q in g["params"])}
+    want = {n: g["lr"] for g in optim.param_groups for n, p in model.named_parameters()
+            if any(p is q for q in g["params"])}
+    assert lr == want
