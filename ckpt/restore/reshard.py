@@ -208,6 +208,12 @@ def _change(e: TensorEntry, t: torch.Tensor | None) -> str | None:
     return None
 
 
+def load_shard(tier: TierReader, ckpt_id: CheckpointId, state: dict, *, threads: int = 4) -> dict:
+    """Values of a one-rank checkpoint's shard in ``tier``, read into ``state``'s tensors
+    through the one restore path (no agreement, no fallback: what the benchmarks time)."""
+    return load_values(RestorePlan(ckpt_id, 1, [ShardPlan(0, [tier], None)]), state, 0, 1, threads=threads)[0]
+
+
 def load(location: str, step: int | None = None, *, run: str | None = None) -> dict:
     """Read a checkpoint into plain tensors and values, without any training objects
     (inspection, export, inference): the newest valid one, or ``step``, every tensor whole."""
