@@ -297,6 +297,7 @@ def import_cmd(source: str, fmt: str, dest: str, step: int | None, force: bool, 
 
     from .interop import dcp_import
     from .interop.offline_write import import_target, write_state
+    from .restore.optim_names import saved_layouts
 
     if step is None:
         found = re.search(r"(\d+)$", os.path.basename(os.path.normpath(source)))
@@ -312,10 +313,14 @@ def import_cmd(source: str, fmt: str, dest: str, step: int | None, force: bool, 
         if not is_url(dest):
             os.makedirs(dest, exist_ok=True)
         write_state(tier, ckpt_id, state, run=run, progress=bar.update)
+    optimizers = saved_layouts(state, {})  # "by position": restores only into ckpt.match_by_position(optim)
     out = {"step": ckpt_id.step, "generation": ckpt_id.generation, "from": source, "to": tier.location,
-           "items": len(metadata.state_dict_metadata), "bytes": total}
+           "items": len(metadata.state_dict_metadata), "bytes": total, "optimizers": optimizers}
+    positional = [k for k, how in optimizers.items() if how == "by position"]
     _emit(as_json, out, f"imported {source} as step {ckpt_id.step} (generation {ckpt_id.generation}) into "
-          f"{tier.location} ({_size(total)} of tensors)")
+          f"{tier.location} ({_size(total)} of tensors)" + "".join(
+              f"\n{k}: optimizer state by position (optimizer.state_dict()); it restores only into "
+              f"ckpt.match_by_position(optimizer)" for k in positional))
 
 
 @cli.command("gc")

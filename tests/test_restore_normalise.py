@@ -256,6 +256,8 @@ def test_ls_says_which_optimizer_state_is_keyed_by_position(tmp_path: Path) -> N
     import json
 
     assert json.loads(r.stdout)[0]["optimizers"] == {"optim": "by position", "named": "by name"}
+    r = ckpt_cli("import", tmp_path / "dcp", "--from", "dcp", "--to", tmp_path / "again", "--step", "2", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["optimizers"] == {"optim": "by position", "named": "by name"}
     assert "optim: optimizer state by position" in ckpt_cli("ls", root).stdout
 
 
