@@ -148,7 +148,8 @@ def _from_flat(key: str, node: dict, names: list[str], optim: torch.optim.Optimi
         hyper = [take(f"param_groups.{name}.") for name in names[start:start + len(group["params"])]]
         if not hyper[0] or any(h != hyper[0] for h in hyper):
             raise StateMismatch(f"{key}: the checkpoint's optimizer groups its parameters otherwise than the "
-                                f"target (group {len(groups)}: {', '.join(names[start:start + 3])} ...)")
+                                f"target (group {len(groups)}: {', '.join(names[start:start + 3])} ...); build the "
+                                "optimizer's groups as they were saved")
         groups.append({**hyper[0], "params": list(range(start, start + len(hyper)))})
         state += [[start + i, moments] for i, name in enumerate(names[start:start + len(hyper)])
                   if (moments := take(f"state.{name}."))]
@@ -214,8 +215,9 @@ def _renumber(key: str, node: dict, saved: list[str], target: list[str], optim: 
         start += len(g["params"])
     saved_groups = {frozenset(perm[_id_key(p)] for p in g["params"]): g for g in node["param_groups"]}
     if set(saved_groups) != {frozenset(g) for g in groups}:
-        raise StateMismatch(f"{key}: the checkpoint's optimizer groups its parameters otherwise than the target "
-                            "(param groups hold other parameters)")
+        raise StateMismatch(f"{key}.param_groups: checkpoint has {len(node['param_groups'])} parameter groups, "
+                            f"target {len(groups)}, and they do not hold the same parameters (matched by name, in "
+                            "any order); build the optimizer's groups as they were saved")
     node["param_groups"] = [saved_groups[frozenset(g)] for g in groups]  # groups, too, matched by their members
     for g, want, target_group in zip(node["param_groups"], groups, optim.param_groups):
         g["params"] = want
