@@ -106,7 +106,7 @@ def load_values(plan: RestorePlan, state: dict, rank: int, world_size: int, *, t
             log.info("rank %d: step %d is laid out otherwise than the state (%s%s): resharding", rank,
                      plan.ckpt_id.step, "; ".join(reads.changes[:3]), " ..." if len(reads.changes) > 3 else "")
             plan = every_shard(inventory, plan, "; ".join(reads.changes[:3]))
-        if reads.chunks or reads.changes:
+        if reads.changes:  # some tensor needs the overlaps: every saved shard's manifest, opened once
             manifests = {s.rank: shard_manifest(s, plan.ckpt_id, opened) for s in plan.shards}
             require_layouts(manifests, plan.ckpt_id)
             reads.chunks = reshard_reads(manifests, reads.layouts, rank)
