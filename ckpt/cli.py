@@ -261,8 +261,8 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
     out = Path(dest)
     if out.exists() and any(out.iterdir()) and not force:
         raise click.UsageError(f"{dest} is not empty; pass --force to write into it")
-    # sharded tensors assembled from every saved shard; DCP gets optimizer state keyed by name
-    ckpt_id, values = read_whole(root, step, run=run, optimizers_by_name=fmt == "dcp")
+    # sharded tensors assembled from every saved shard; DCP gets the names get_state_dict gives
+    ckpt_id, values = read_whole(root, step, run=run, by_name=fmt == "dcp")
     if fmt == "dcp":
         def write(into: Path) -> list[Path]:
             export.write_dcp(values, into)

@@ -235,7 +235,7 @@ def export_import(folder: Path, world: int) -> str:
     from ckpt.interop.export import write_dcp
     from ckpt.restore.reshard import read_whole
 
-    write_dcp(read_whole(str(folder / f"ckpt-{world}"), optimizers_by_name=True)[1], folder / f"exp-{world}")
+    write_dcp(read_whole(str(folder / f"ckpt-{world}"), by_name=True)[1], folder / f"exp-{world}")
     return import_dcp(folder / f"exp-{world}", folder / f"reimp-{world}")
 
 

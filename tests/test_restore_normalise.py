@@ -204,7 +204,7 @@ def test_the_quickstart_state_exports_and_imports_back(tmp_path: Path, shm_dir: 
     model, optim = trained(1)
     with CheckpointManager(tmp_path / "ours", memory_dir=shm_dir) as mgr:
         mgr.save(1, {"model": model, "optim": optim, "rng": ckpt.RNGState(), "epoch": 2}).wait()
-    write_dcp(read_whole(str(tmp_path / "ours"), optimizers_by_name=True)[1], tmp_path / "work" / "dcp")
+    write_dcp(read_whole(str(tmp_path / "ours"), by_name=True)[1], tmp_path / "work" / "dcp")
     from ckpt.interop.dcp_import import read_dcp
     from ckpt.interop.offline_write import import_target, write_state
 
@@ -346,3 +346,32 @@ def test_any_parameter_order_and_grouping_restores_by_name(tmp_path_factory: pyt
     want = {n: g["lr"] for g in optim.param_groups for n, p in model.named_parameters()
             if any(p is q for q in g["params"])}
     assert lr == want
+
+
+@pytest.mark.parametrize("route", ["export", "reader"])
+def test_a_ddp_save_loads_into_dcps_names_by_export_and_reader(tmp_path: Path, shm_dir: str, route: str) -> None:
+    """DCP users load ``get_state_dict``'s names (no ``module.``): an export, and our reader,
+    give them those names as well as the saved ones."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ckpt.dcp_reader import CheckpointReader
+    from ckpt.interop.export import write_dcp
+    from ckpt.restore.reshard import read_whole
+
+    model, optim = trained(1)
+    wrapped = Wrapped(model)
+    with CheckpointManager(tmp_path / "ours", memory_dir=shm_dir) as mgr:
+        mgr.save(1, {"model": wrapped, "optim": optim}).wait()
+    target_model, target_optim = trained(2, reverse=True)
+    model_sd, optim_sd = get_state_dict(target_model, target_optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if route == "export":
+            write_dcp(read_whole(str(tmp_path / "ours"), by_name=True)[1], tmp_path / "exported")
+            dcp.load(state, checkpoint_id=str(tmp_path / "exported"))
+        else:
+            dcp.load(state, storage_reader=CheckpointReader(str(tmp_path / "ours"), memory_dir=shm_dir))
+    set_state_dict(target_model, target_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert torch.equal(target_model.fc0.weight, model.fc0.weight)
+    assert_same_moments(moments(target_model, target_optim), moments(model, optim))

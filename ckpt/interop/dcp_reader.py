@@ -13,8 +13,9 @@ values are decoded from our JSON tree and handed over in DCP's format (serialise
 from values that never were pickled on disk). There is no writer: DCP stores some items
 as pickles, which our format never holds.
 
-An optimizer whose parameters' names the checkpoint records is described both ways: by
-position (``optim.state_dict()``) and by name, as ``get_optimizer_state_dict`` keys it, so
+Modules and optimizers are described both ways: as saved (``model.state_dict()``,
+``optim.state_dict()``) and as ``get_state_dict`` names them (no ``module.`` prefix; an
+optimizer whose parameters' names are recorded keyed by those names), so
 ``dcp.load`` into ``get_state_dict``'s dicts then ``set_state_dict`` matches moments by name
 (the one restore path's rule, invariant 14) whatever order the loading optimizer has.
 
@@ -134,7 +135,8 @@ class CheckpointReader(StorageReader):
                 metadata[fqn] = BytesStorageMetadata()
 
         traverse_state_dict(tree, visit, keep_traversing=lambda v: isinstance(v, _Placeholder))
-        traverse_state_dict(keyed_by_name(tree, manifest.param_names), partial(visit, named=True),
+        named = keyed_by_name(tree, manifest.param_names, lambda v: isinstance(v, _Placeholder))
+        traverse_state_dict(named, partial(visit, named=True),
                             keep_traversing=lambda v: isinstance(v, _Placeholder))
         return Metadata(state_dict_metadata=metadata)
 

@@ -18,7 +18,7 @@ to match by position (the parameters listed in the same order as when saved).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import StateMismatch
 from .plan import canonical_path
@@ -58,11 +58,18 @@ def param_names(state: Mapping[str, Any]) -> dict[str, list[str]]:
     return out
 
 
-def keyed_by_name(values: dict, recorded: Mapping[str, list[str]]) -> dict:
-    """``values`` (a checkpoint read whole) with each optimizer whose parameters' names were
-    recorded keyed by those names, as ``get_optimizer_state_dict`` keys it: what an export
-    hands DCP, so that ``dcp.load`` and ``ckpt import`` match moments by name."""
+def keyed_by_name(values: dict, recorded: Mapping[str, list[str]], is_tensor: Callable[[Any], bool]) -> dict:
+    """``values`` (a checkpoint read whole) named as ``get_state_dict`` names a state, which is
+    what DCP users load: each module's tensors without wrapper prefixes (DDP's ``module.``,
+    torch.compile's ``_orig_mod.``), and each optimizer whose parameters' names were recorded
+    keyed by those names, as ``get_optimizer_state_dict`` keys it. What an export hands DCP,
+    so that ``dcp.load`` and ``ckpt import`` match by name. ``is_tensor``: a tensor leaf."""
     out = dict(values)
+    for key, node in values.items():
+        if isinstance(node, dict) and node and all(isinstance(k, str) and is_tensor(v) for k, v in node.items()):
+            names = {k: canonical_path(k) for k in node}
+            if len(set(names.values())) == len(names):
+                out[key] = {names[k]: v for k, v in node.items()}
     for key, names in recorded.items():
         node = values.get(key)
         if not isinstance(node, dict) or not isinstance(node.get("param_groups"), list):

@@ -221,12 +221,13 @@ def load(location: str, step: int | None = None, *, run: str | None = None) -> d
 
 
 def read_whole(location: str, step: int | None = None, *, run: str | None = None, threads: int = 4,
-               optimizers_by_name: bool = False) -> tuple[CheckpointId, dict]:
+               by_name: bool = False) -> tuple[CheckpointId, dict]:
     """Every value of the newest valid checkpoint in ``location`` (or of ``step``), each tensor
     whole: a DTensor assembled from every saved shard (the overlap reads of resharding, into
     one process without a mesh), so what export writes is the saved tensor, not a shard of it.
-    ``optimizers_by_name``: optimizer state keyed by parameter name where the names were
-    recorded (``optim_names.keyed_by_name``: what an export to DCP writes)."""
+    ``by_name``: named as ``get_state_dict`` names a state (modules without wrapper prefixes,
+    optimizers keyed by parameter name: ``optim_names.keyed_by_name``, what an export to DCP
+    writes)."""
     from ..tiers.locations import tiers_for
 
     inventory = Inventory(tiers_for(location, run=run))
@@ -241,7 +242,7 @@ def read_whole(location: str, step: int | None = None, *, run: str | None = None
                 by_id[i].layout.global_shape if by_id[i].layout else by_id[i].shape, dtype=by_id[i].torch_dtype))
             values = load_values(every_shard(inventory, chosen, "it holds sharded DTensors"), blank, 0, 1,
                                  threads=threads, inventory=inventory)[0]
-        return keyed_by_name(values, first.param_names) if optimizers_by_name else values
+        return keyed_by_name(values, first.param_names, lambda v: isinstance(v, torch.Tensor)) if by_name else values
 
     found = restore_agreed(LOCAL, inventory, lambda world: [ShardNeed(0)], execute, step=step)
     if found is None:
