@@ -38,7 +38,7 @@ from benchmarks.harness import (  # noqa: E402
     write_json,
 )
 from ckpt import CheckpointManager  # noqa: E402
-from ckpt.restore.execute import read_shard  # noqa: E402
+from ckpt.restore.reshard import load_shard  # noqa: E402
 from ckpt.restore.state_load import load_into  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -124,7 +124,7 @@ def main() -> None:
         last = max(mgr.disk.list(), key=lambda i: i.id).id
 
         def restore_from(tier) -> None:
-            load_into(state, read_shard(tier, last, 0, state=state, threads=mgr.restore_threads))
+            load_into(state, load_shard(tier, last, state, threads=mgr.restore_threads))
             sync(tensors)
         res["ours_restore_memory_s"] = median_time(lambda: restore_from(mgr.memory), args.repeats)
         mgr.close()

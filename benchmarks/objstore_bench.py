@@ -53,7 +53,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from benchmarks.harness import leaves_no_shm, parser, run_meta, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.format.manifest import Manifest  # noqa: E402
-from ckpt.restore.execute import read_shard  # noqa: E402
+from ckpt.restore.reshard import load_shard  # noqa: E402
 from ckpt.tiers.object_store import ObjectStoreTier  # noqa: E402
 from tests.objstore_fixtures import S3Server, create_bucket, moto_server  # noqa: E402
 from tests.procs import cpu_seconds, free_port, stop_process  # noqa: E402
@@ -207,7 +207,7 @@ class Bench:
             src.close()
         got = self._blank()
         with clock("down"):
-            values = read_shard(tier, self.ckpt_id, 0, state=got)
+            values = load_shard(tier, self.ckpt_id, got)
         self._check({k: values[k] for k in got})
         tier.delete(self.ckpt_id)
         tier.close()

@@ -9,7 +9,7 @@ contender:
 * tcp copy    ``sendall`` of the slot's bytes into a pre-allocated buffer on a loopback
               socket, nothing else: the ceiling for this machine;
 * restore     a lost node's shard read back into the trainer's existing tensors, every
-              chunk verified (``read_shard``, what ``restore()`` runs per shard), from
+              chunk verified (``load_shard``, what ``restore()`` runs per shard), from
               - memory: this node's own slot (what a crashed process restores from),
               - peer: the replica held by another rank (``RemoteTier``: a replacement node),
               - object: the object store (a moto S3 server on loopback, objects in its
@@ -55,7 +55,7 @@ from ckpt.peers.replicas import ReplicaSlots  # noqa: E402
 from ckpt.peers.replicator import ReplicaJob, Replicator  # noqa: E402
 from ckpt.peers.server import PeerServer  # noqa: E402
 from ckpt.peers.wire import new_secret, recv_into  # noqa: E402
-from ckpt.restore.execute import read_shard  # noqa: E402
+from ckpt.restore.reshard import load_shard  # noqa: E402
 from ckpt.tiers.memory import MemoryTier, namespace_dir  # noqa: E402
 from ckpt.tiers.memory.reader import SlotReader, slot_epoch  # noqa: E402
 from ckpt.tiers.peer import PeerTier  # noqa: E402
@@ -139,7 +139,7 @@ def main() -> None:
             assert ok == [True], "replication failed"
 
         def restore_from(tier_of: Callable[[], object]) -> Callable[[], None]:
-            return lambda: read_shard(tier_of(), ckpt_id, 0, state=target)
+            return lambda: load_shard(tier_of(), ckpt_id, target)
 
         def peer_tier() -> RemoteTier:
             ref = PeerTier(ns).read_manifest(ckpt_id).shards[0]

@@ -34,7 +34,8 @@ from ckpt.format.read_items import read_items  # noqa: E402
 from ckpt.format.state import tensor_targets  # noqa: E402
 from ckpt.format.tensor_io import read_tensors  # noqa: E402
 from ckpt.format.verify import verify_shard  # noqa: E402
-from ckpt.restore.execute import open_shard, read_shard  # noqa: E402
+from ckpt.restore.execute import open_shard  # noqa: E402
+from ckpt.restore.reshard import load_shard  # noqa: E402
 from ckpt.restore.state_load import load_into  # noqa: E402
 from examples.gpt import GPTConfig  # noqa: E402
 
@@ -63,7 +64,7 @@ def main() -> None:
         threads = 8
 
         def restore() -> None:
-            load_into(state, read_shard(mgr.memory, last, 0, state=state, threads=threads))
+            load_into(state, load_shard(mgr.memory, last, state, threads=threads))
             sync(tensors)
 
         def noverify() -> None:

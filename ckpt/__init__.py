@@ -18,6 +18,7 @@ from .errors import BackgroundError, CheckpointError, DamagedCheckpoint, Manifes
 _LAZY = {
     "CheckpointManager": ".manager",
     "load": ".restore.reshard",
+    "match_by_position": ".restore.optim_names",
     "resumable": ".integrations",
     "SaveRequests": ".integrations",
     "RNGState": ".integrations",
@@ -25,9 +26,9 @@ _LAZY = {
     "ResumableDataLoader": ".integrations",
 }
 
-__all__ = ["CheckpointManager", "load", "resumable", "SaveRequests", "RNGState", "ResumableSampler",
-           "ResumableDataLoader", "CheckpointError", "DamagedCheckpoint", "ManifestError", "BackgroundError",
-           "Preempted"]
+__all__ = ["CheckpointManager", "load", "match_by_position", "resumable", "SaveRequests", "RNGState",
+           "ResumableSampler", "ResumableDataLoader", "CheckpointError", "DamagedCheckpoint", "ManifestError",
+           "BackgroundError", "Preempted"]
 
 
 def __getattr__(name: str) -> Any:

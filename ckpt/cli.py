@@ -19,7 +19,7 @@ from tqdm import tqdm
 from .errors import CheckpointError, DamagedCheckpoint
 from .format.manifest import Manifest, ShardRef
 from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
-from .restore.listing import merge_listing, shm_usage
+from .restore.listing import merge_listing, optimizer_layouts, shm_usage
 from .restore.plan import Inventory, RestorePlan, ShardNeed
 from .simulate_cli import simulate_cmd
 from .tiers.base import CheckpointId, TierReader, complete_shards
@@ -75,10 +75,15 @@ def ls_cmd(root: str | None, run: str | None, memory_dir: str, memory: bool, as_
     _must_exist(root)
     tiers = tiers_for(root, run=run, memory_dir=memory_dir)
     rows = merge_listing(tiers)
+    for r in rows:
+        if r["status"] == "complete":
+            r["optimizers"] = optimizer_layouts(tiers, r)  # "by position": restores only when asked (match_by_position)
     lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  {'PEER':10}  STATUS"]
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
         status = r["status"] + "".join(f"; {t}: {e}" for t, e in r["damaged"].items())
+        status += "".join(f"; {k}: optimizer state by position" for k, how in (r.get("optimizers") or {}).items()
+                          if how == "by position")
         peer = "rank " + ",".join(map(str, r["peer"])) if r["peer"] else "-"
         lines.append(f"{r['step']:>10}  {r['generation']:>3}  {when}  {_size(r['bytes']):>10}  "
                      f"{','.join(r['tiers']) or '-':16}  {peer:10}  {status}")
@@ -256,7 +261,8 @@ def export_cmd(root: str, step: int | None, fmt: str, dest: str, key: str | None
     out = Path(dest)
     if out.exists() and any(out.iterdir()) and not force:
         raise click.UsageError(f"{dest} is not empty; pass --force to write into it")
-    ckpt_id, values = read_whole(root, step, run=run)  # sharded tensors assembled from every saved shard
+    # sharded tensors assembled from every saved shard; DCP gets the names get_state_dict gives
+    ckpt_id, values = read_whole(root, step, run=run, by_name=fmt == "dcp")
     if fmt == "dcp":
         def write(into: Path) -> list[Path]:
             export.write_dcp(values, into)
@@ -291,6 +297,7 @@ def import_cmd(source: str, fmt: str, dest: str, step: int | None, force: bool, 
 
     from .interop import dcp_import
     from .interop.offline_write import import_target, write_state
+    from .restore.optim_names import saved_layouts
 
     if step is None:
         found = re.search(r"(\d+)$", os.path.basename(os.path.normpath(source)))
@@ -306,10 +313,14 @@ def import_cmd(source: str, fmt: str, dest: str, step: int | None, force: bool, 
         if not is_url(dest):
             os.makedirs(dest, exist_ok=True)
         write_state(tier, ckpt_id, state, run=run, progress=bar.update)
+    optimizers = saved_layouts(state, {})  # "by position": restores only into ckpt.match_by_position(optim)
     out = {"step": ckpt_id.step, "generation": ckpt_id.generation, "from": source, "to": tier.location,
-           "items": len(metadata.state_dict_metadata), "bytes": total}
+           "items": len(metadata.state_dict_metadata), "bytes": total, "optimizers": optimizers}
+    positional = [k for k, how in optimizers.items() if how == "by position"]
     _emit(as_json, out, f"imported {source} as step {ckpt_id.step} (generation {ckpt_id.generation}) into "
-          f"{tier.location} ({_size(total)} of tensors)")
+          f"{tier.location} ({_size(total)} of tensors)" + "".join(
+              f"\n{k}: optimizer state by position (optimizer.state_dict()); it restores only into "
+              f"ckpt.match_by_position(optimizer)" for k in positional))
 
 
 @cli.command("gc")

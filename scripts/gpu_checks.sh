@@ -22,7 +22,7 @@ nvidia-smi -L | tee "$out/nvidia-smi.txt"
 $py -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 
 echo "== GPU tests"
-$py -m pytest -q -m gpu -s tests/test_ckpt_roundtrip.py tests/test_ckpt_overlap.py tests/test_agents_run.py 2>&1 | tee "$out/pytest-gpu.log"
+$py -m pytest -q -m gpu -s tests/test_ckpt_roundtrip.py tests/test_ckpt_overlap.py tests/test_restore_normalise.py tests/test_agents_run.py 2>&1 | tee "$out/pytest-gpu.log"
 
 echo "== agent on NVML: /metrics"
 $py -m agents.cli run --source nvml --interval 1 --duration 6 --metrics-port 19400 --json >"$out/agent-nvml.json" 2>"$out/agent-nvml.log" &

@@ -142,3 +142,56 @@ def fast_subset(cases: list[dict]) -> list[dict]:
               "noncontiguous-target", "noncontiguous-target-same", "submesh", "submesh-to-1d", "1d-to-submesh",
               "conj-beside"}
     return [c for c in cases if c["id"] in wanted or c["id"].startswith("gen00")]
+
+
+# Model-and-optimizer cases (issue 47; ``conformance_models_child.py``): a model held as users hold
+# it (KIND: a bare module, DDP, FSDP2, HSDP, FSDP2+TP, FSDP2 over a mesh of permuted ranks), its
+# optimizer, trained one step, saved and restored as another KIND or the same.
+KINDS = ["plain", "ddp", "fsdp", "hsdp", "tp_fsdp", "permuted"]
+
+
+def _model(cid: str, save: str, load: str, *, groups: bool = False, reorder: bool = False, extras: bool = False,
+           stateful: bool = False, dcp_saver: str = "save") -> dict:
+    return {"id": cid, "save": save, "load": load, "groups": groups, "reorder": reorder, "extras": extras,
+            "stateful": stateful, "dcp_saver": dcp_saver}
+
+
+def model_cases(generated_n: int = 12) -> list[dict]:
+    """Named cases (each layout change and option at least once) plus ``generated_n`` drawn by
+    hypothesis (derandomized) over layout pairs and options."""
+    named = [
+        _model("m-fsdp-groups-reorder", "fsdp", "fsdp", groups=True, reorder=True, extras=True),
+        _model("m-fsdp-stateful", "fsdp", "fsdp", stateful=True, reorder=True),
+        _model("m-tp-fsdp-to-fsdp", "tp_fsdp", "fsdp", reorder=True),
+        _model("m-fsdp-to-tp-fsdp", "fsdp", "tp_fsdp", groups=True),
+        _model("m-hsdp-to-fsdp", "hsdp", "fsdp", groups=True, dcp_saver="async"),
+        _model("m-fsdp-to-hsdp", "fsdp", "hsdp", extras=True, dcp_saver="planner"),
+        _model("m-ddp-to-plain", "ddp", "plain", reorder=True),
+        _model("m-plain-to-ddp", "plain", "ddp", reorder=True, extras=True),
+        _model("m-permuted-to-fsdp", "permuted", "fsdp", reorder=True, dcp_saver="async"),
+        _model("m-ddp-stateful", "ddp", "ddp", stateful=True, groups=True, dcp_saver="planner"),
+    ]
+    out: list[dict] = []
+
+    @settings(derandomize=True, database=None, max_examples=generated_n, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(KINDS), st.sampled_from(KINDS), st.booleans(), st.booleans(), st.booleans(),
+           st.booleans(), st.sampled_from(["save", "async", "planner"]))
+    def collect(save: str, load: str, groups: bool, reorder: bool, extras: bool, stateful: bool, saver: str) -> None:
+        out.append(_model("", save, load, groups=groups, reorder=reorder, extras=extras, stateful=stateful,
+                          dcp_saver=saver))
+
+    collect()
+    seen, unique = set(), []
+    for case in out:
+        key = repr({k: v for k, v in case.items() if k != "id"})
+        if key not in seen:
+            seen.add(key)
+            unique.append({**case, "id": f"m-gen{len(unique):02d}-{case['save']}-{case['load']}"})
+    return named + unique[:generated_n]
+
+
+def model_fast_subset(cases: list[dict]) -> list[dict]:
+    """What ``make test`` runs of them: the four wrongs of issue 47 and a TP and an HSDP change."""
+    wanted = {"m-fsdp-groups-reorder", "m-fsdp-stateful", "m-plain-to-ddp", "m-tp-fsdp-to-fsdp"}
+    return [c for c in cases if c["id"] in wanted]

@@ -227,6 +227,9 @@ def load(cases: list[dict], out: Path, memory_dir: str, saved_worlds: list[int])
                 if root.exists():  # else not saved (DCP refused it, so nothing was imported)
                     verdicts[path] = restored_verdict(case, partial(restore_ours, case, world, root,
                                                                     f"{memory_dir}/{case['id']}-{n}-{path}"))
+            if (folder / f"ckpt-{n}").exists():  # the differential: every tensor through the overlaps
+                verdicts["ckpt-overlaps"] = restored_verdict(case, partial(restore_overlaps, case, world,
+                                                                           folder / f"ckpt-{n}"))
             if (folder / f"dcp-{n}" / ".metadata").exists():
                 verdicts["dcp"] = restored_verdict(case, partial(restore_theirs, case, world, folder / f"dcp-{n}"))
     return results
@@ -237,6 +240,25 @@ def restore_ours(case: dict, world: int, root: Path, memory_dir: str) -> tuple[s
     with CheckpointManager(root, memory_dir=memory_dir, run="conformance", commit_timeout_s=COMMIT_TIMEOUT_S) as mgr:
         got = mgr.restore(state)
     return ("ok" if got == 1 else f"error: restored step {got}"), state
+
+
+def restore_overlaps(case: dict, world: int, root: Path) -> tuple[str, dict]:
+    """The same restore with every tensor read from the overlaps of every saved shard, none
+    whole from this rank's own (the plan ``CheckpointManager.restore`` takes when layouts
+    differ): both plans of the one restore path must give the same bytes."""
+    from ckpt.restore.execute import LOCAL, restore_agreed
+    from ckpt.restore.plan import Inventory, ShardNeed
+    from ckpt.restore.reshard import load_values
+    from ckpt.restore.state_load import load_into
+    from ckpt.tiers.local import LocalDiskTier
+
+    state = state_of(case, case["load"], world, target=True)
+    found = restore_agreed(LOCAL, Inventory([LocalDiskTier(root)]), lambda saved: [ShardNeed(r) for r in range(saved)],
+                           lambda plan: load_values(plan, state, dist.get_rank(), world, overlaps=True)[0])
+    if found is None:
+        return "error: nothing restored", state
+    load_into(state, found[1])
+    return "ok", state
 
 
 def restore_theirs(case: dict, world: int, folder: Path) -> tuple[str, dict]:
@@ -259,17 +281,19 @@ def restored_verdict(case: dict, restore) -> str:
     return agreed(attempt(lambda: compare(case, holder["state"])))
 
 
-def main() -> None:
+def main(save_phase=None, load_phase=None, prefix: str = "") -> None:
+    """Run the phase named on the command line over the cases (``save_phase``/``load_phase``:
+    another child's, writing ``OUT/<prefix><phase>-<world>-rank<r>.json``)."""
     phase, cases_file, out, memory_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     init_process_group("gloo")
     cases = json.loads(cases_file.read_text())
     if phase == "save":
-        results = save(cases, out, memory_dir)
+        results = (save_phase or save)(cases, out, memory_dir)
     else:
-        results = load(cases, out, memory_dir, [int(w) for w in sys.argv[5:] if w.isdigit()])
+        results = (load_phase or load)(cases, out, memory_dir, [int(w) for w in sys.argv[5:] if w.isdigit()])
     world, rank = dist.get_world_size(), dist.get_rank()
-    (out / f"{phase}-{world}-rank{rank}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
-    print(f"rank {rank}: {phase} of {len(cases)} cases at {world} done", flush=True)
+    (out / f"{prefix}{phase}-{world}-rank{rank}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    print(f"rank {rank}: {prefix}{phase} of {len(cases)} cases at {world} done", flush=True)
     exit_rank()
 
 

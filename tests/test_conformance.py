@@ -10,14 +10,15 @@ saves and loads a case, ckpt-guard's restore and the restore of its import do to
 DCP cannot do either is counted as unsupported by both, not as a pass.
 
 The fast subset runs in ``make test``; the whole matrix (every case, saved at 1, 2 and 4
-ranks, restored at 1-4) is one command:
+ranks, restored at 1-4; the model cases at 1, 2 and 4 both ways) is one command:
 
-    CKPT_CONFORMANCE=full python -m pytest -q tests/test_conformance.py
+    python -m pytest -q -s -m conformance_full tests/test_conformance.py
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from collections import Counter
 from functools import partial
@@ -32,12 +33,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckpt.dcp_reader import CheckpointReader
 from ckpt.interop.export import model_weights, write_dcp, write_safetensors
 from ckpt.restore.reshard import read_whole
-from tests.conformance_cases import fast_subset, generated, ported
+from tests.conformance_cases import fast_subset, generated, model_cases, model_fast_subset, ported
 from tests.conformance_child import compare, expected
 from tests.integration_helpers import torchrun
 
 CHILD = Path(__file__).with_name("conformance_child.py")
-FULL = os.environ.get("CKPT_CONFORMANCE") == "full"
+MODELS_CHILD = Path(__file__).with_name("conformance_models_child.py")
+# The whole matrix: ``pytest -m conformance_full tests/test_conformance.py`` (or CKPT_CONFORMANCE=full)
+FULL = os.environ.get("CKPT_CONFORMANCE") == "full" or any("conformance_full" in a for a in sys.argv)
 SAVE_WORLDS, LOAD_WORLDS = ((1, 2, 4), (1, 2, 3, 4)) if FULL else ((4,), (4, 1))
 BATCH = 15 if FULL else 40  # cases per launch: each inside torchrun's 400 s hang guard on a busy machine
 
@@ -58,6 +61,9 @@ def judge(save: dict, loads: dict[int, dict], by_id: dict[str, dict]) -> tuple[l
             for path, verdict in verdicts.items():
                 if verdict.startswith("wrong"):
                     failures.append(f"{where} {path}: {verdict}")
+            if "ckpt-overlaps" in verdicts and (verdicts["ckpt-overlaps"] == "ok") != (verdicts.get("ckpt") == "ok"):
+                failures.append(f"{where}: the plans differ: own shard {verdicts.get('ckpt')}, overlaps "
+                                f"{verdicts['ckpt-overlaps']}")
             dcp_ok = saved["dcp"] == "ok" and verdicts.get("dcp") == "ok"
             ours = saved["ckpt"] if saved["ckpt"] != "ok" else verdicts.get("ckpt", "error: not restored")
             if dcp_ok:
@@ -71,6 +77,7 @@ def judge(save: dict, loads: dict[int, dict], by_id: dict[str, dict]) -> tuple[l
     return failures, tally
 
 
+@pytest.mark.conformance_full
 @pytest.mark.timeout(4 * 3600 if FULL else 600)  # the whole matrix is some 40 torchrun launches
 def test_conformance(tmp_path: Path, shm_dir: str) -> None:
     todo = cases()
@@ -95,6 +102,63 @@ def test_conformance(tmp_path: Path, shm_dir: str) -> None:
     assert not failures, "\n".join(failures[:40])
     assert tally["passed"] > 0
     exported_by_the_cli(tmp_path / f"out-{[c['id'] for c in todo].index('fsdp-to-tp') // BATCH * BATCH}", tmp_path)
+
+
+MODEL_WORLDS = ((1, 2, 4), (1, 2, 4)) if FULL else ((2,), (2, 1))  # saved at, restored at (N = M included)
+MODEL_PATHS = ("ckpt", "import", "export-import", "export", "reader")
+
+
+MODEL_BATCH = 3  # cases per launch: inside torchrun's 400 s hang guard on a busy 2-core machine
+
+
+def run_models(todo: list[dict], work: Path, shm_dir: str,
+               worlds: tuple[tuple[int, ...], tuple[int, ...]] = MODEL_WORLDS) -> tuple[list[str], Counter]:
+    """The model-and-optimizer cases saved at each N, restored at each M, a few cases per
+    launch: every path bitwise by parameter name; an error where DCP (the control) succeeds fails."""
+    saves, loads = worlds
+    failures, tally = [], Counter()
+    for b in range(0, len(todo), MODEL_BATCH):
+        spec, out = work / f"model-cases-{b}.json", work / f"models-{b}"
+        spec.write_text(json.dumps(todo[b:b + MODEL_BATCH]))
+        out.mkdir()
+        more, counted = judge_models(spec, out, shm_dir, saves, loads)
+        failures, tally = failures + more, tally + counted
+    return failures, tally
+
+
+def judge_models(spec: Path, out: Path, shm_dir: str, saves: tuple[int, ...],
+                 loads: tuple[int, ...]) -> tuple[list[str], Counter]:
+    saved = {}
+    for n in saves:
+        torchrun(MODELS_CHILD, "save", str(spec), str(out), f"{shm_dir}/ms{n}", nproc=n)
+        saved[n] = json.loads((out / f"models-save-{n}-rank0.json").read_text())
+    failures, tally = [], Counter()
+    for m in loads:
+        torchrun(MODELS_CHILD, "load", str(spec), str(out), f"{shm_dir}/ml{m}", *map(str, saves), nproc=m)
+        for key, verdicts in json.loads((out / f"models-load-{m}-rank0.json").read_text()).items():
+            cid, n = key.rsplit("@", 1)
+            dcp_ok = saved[int(n)][cid].get("dcp") == "ok" and verdicts.get("dcp") == "ok"
+            for path in MODEL_PATHS:
+                verdict = verdicts.get(path) or saved[int(n)][cid].get(path.split("-")[0], "error: not saved")
+                if verdict.startswith("wrong") or (dcp_ok and verdict != "ok"):
+                    failures.append(f"{cid} {n}->{m} {path}: {verdict}")
+                what = "ok" if verdict == "ok" else "wrong" if verdict.startswith("wrong") else "error"
+                tally[f"{path}: {what}"] += 1
+            tally["dcp: " + ("ok" if dcp_ok else "error")] += 1
+    return failures, tally
+
+
+@pytest.mark.conformance_full
+@pytest.mark.timeout(4 * 3600 if FULL else 1200)
+def test_models_and_optimizers_restore_by_name_at_every_pair_of_world_sizes(tmp_path: Path, shm_dir: str) -> None:
+    """Issue 47: FSDP2, HSDP, FSDP2+TP, DDP (``module.``), permuted meshes, several param
+    groups, parameters listed in another order, Stateful get/set_state_dict, a scheduler, a
+    grad scaler, a view target; through our restore, the import of ``dcp.save`` /
+    ``async_save`` / a save with planner options, export -> import, and export read by DCP."""
+    everything = model_cases()
+    failures, tally = run_models(everything if FULL else model_fast_subset(everything), tmp_path, shm_dir)
+    print(f"model conformance: {dict(sorted(tally.items()))}")
+    assert not failures, "\n".join(failures[:40])
 
 
 def exported_by_the_cli(saved: Path, work: Path) -> None:

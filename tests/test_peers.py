@@ -106,7 +106,7 @@ def test_a_replica_is_sealed_private_and_restores_bitwise(saved, holder) -> None
     for p in [held.ns, rdir, *rdir.iterdir()]:
         assert not p.is_symlink() and not os.lstat(p).st_mode & 0o077 and os.lstat(p).st_uid == os.getuid(), p
     assert stat.S_IMODE(os.lstat(rdir / "slot-0.bin").st_mode) == 0o600
-    found = restore_agreed(LOCAL, Inventory([held]), lambda w: [ShardNeed(0)], lambda plan: load_plan(plan, None))
+    found = restore_agreed(LOCAL, Inventory([held]), lambda w: [ShardNeed(0)], lambda plan: load_plan(plan))
     assert found is not None
     values = found[1]
     expected = state_of(7)
@@ -237,8 +237,8 @@ def test_a_damaged_replica_is_detected_and_skipped(saved, holder) -> None:
         return [ShardNeed(0)]
 
     with pytest.raises(CheckpointError, match=r"shard 0 of step 7"):
-        restore_agreed(LOCAL, Inventory([held, remote]), needs, lambda plan: load_plan(plan, None))
-    found = restore_agreed(LOCAL, Inventory([held, remote, src]), needs, lambda plan: load_plan(plan, None))
+        restore_agreed(LOCAL, Inventory([held, remote]), needs, lambda plan: load_plan(plan))
+    found = restore_agreed(LOCAL, Inventory([held, remote, src]), needs, lambda plan: load_plan(plan))
     assert found is not None and torch.equal(found[1]["w"], state_of(7)["w"])
     assert found[0].ckpt_id == CheckpointId(0, 7)
 

@@ -29,7 +29,7 @@ except ImportError:  # torch built without distributed
     DTensor = ()  # type: ignore[assignment,misc]
 
 _TAGS = ("__tensor__", "__dtensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__",
-         "__device__", "__size__", "__npscalar__")
+         "__device__", "__size__", "__npscalar__", "__complex__")
 _NP_KINDS = set("biufc")
 _DEEPEST_TAG = 3  # {"__npscalar__": ["<c16", [re, im]]}: a value's encoding opens at most 3 levels
 
@@ -97,6 +97,8 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
                                      obj.item() if obj.dtype.kind != "c" else [obj.real.item(), obj.imag.item()]]}
         if isinstance(obj, (int, float)):
             return obj
+        if isinstance(obj, complex):  # JSON has no complex numbers (DCP keeps them: so do we)
+            return {"__complex__": [obj.real, obj.imag]}
         if isinstance(obj, bytes):
             return {"__bytes__": base64.b64encode(obj).decode()}
         if isinstance(obj, torch.dtype):
@@ -162,6 +164,11 @@ def _decode_tag(tag: str, val: Any, dec: Callable[[Any], Any], leaf: Callable[[s
             return torch.device(val)
         if tag == "__size__":
             return torch.Size(int(v) for v in val)
+        if tag == "__complex__":
+            re, im = val
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (re, im)):
+                raise ValueError(f"complex parts {val!r}")
+            return complex(re, im)
         if tag == "__npscalar__":
             dtype = np.dtype(val[0])
             if dtype.kind not in _NP_KINDS:

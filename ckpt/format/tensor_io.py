@@ -32,6 +32,13 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+def writable_bytes(t: torch.Tensor) -> bool:
+    """Whether bytes can be written straight into ``t``'s memory (a contiguous CPU or CUDA
+    tensor whose values are its bytes: not a conj or neg view, whose bytes hold the value's
+    conjugate or negation); other targets get new memory and are copied into (``load_into``)."""
+    return t.device.type in ("cpu", "cuda") and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def read_tensors(
     reader: ShardReader,
     targets: dict[int, torch.Tensor] | None = None,
@@ -63,8 +70,7 @@ def read_tensors(
             continue
         t = targets.get(e.id)
         local = local_tensor(t) if t is not None else None
-        if (local is None or local.device.type not in ("cpu", "cuda") or local.dtype != e.torch_dtype
-                or tuple(local.shape) != e.shape or not local.is_contiguous()):
+        if local is None or not writable_bytes(local) or local.dtype != e.torch_dtype or tuple(local.shape) != e.shape:
             t = local = torch.empty(e.shape, dtype=e.torch_dtype)
         out.append(t)
         dests.append(byte_view(local) if local.device.type == "cpu" else local.reshape(-1).view(torch.uint8))
@@ -238,7 +244,7 @@ def _span(item: tuple, chunk: int) -> tuple[int, int]:
 def _whole_rows(rd: ChunkRead, dst: torch.Tensor) -> bool:
     """Whether each box is whole rows of both the saved shard and ``dst`` (a contiguous CPU tensor)."""
     rest = tuple(rd.tensor.shape[1:])
-    return (dst.device.type == "cpu" and dst.is_contiguous() and tuple(dst.shape[1:]) == rest and len(rd.tensor.shape)
+    return (dst.device.type == "cpu" and writable_bytes(dst) and tuple(dst.shape[1:]) == rest and len(rd.tensor.shape)
             > 0 and all(b.size[1:] == rest and not any(b.src[1:]) and not any(b.dst[1:]) for b in rd.boxes))
 
 

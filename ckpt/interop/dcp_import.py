@@ -25,6 +25,7 @@ import use much memory or time. Import only directories you chose.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import re
@@ -39,7 +40,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import CheckpointError
@@ -90,7 +97,7 @@ def read_metadata(directory: str | Path) -> Metadata:
     if not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{path}: DCP metadata without storage data")
     _check_storage(Path(directory), metadata.storage_data)
-    _check_tensors(path, metadata.state_dict_metadata)
+    _check_tensors(path, metadata.state_dict_metadata, metadata.storage_data)
     return metadata
 
 
@@ -120,14 +127,31 @@ def _check_storage(directory: Path, storage: dict) -> None:
                                   f"the file ({sizes[name]} bytes)")
 
 
-def _check_tensors(path: Path, items: dict) -> None:
-    """Tensor items have a dtype and a size of non-negative integers (what allocating them takes)."""
+def _check_tensors(path: Path, items: dict, storage: dict) -> None:
+    """Tensor items have a dtype and a size of non-negative integers, and no more elements
+    than their stored chunks hold (what allocating them takes: a crafted size is refused
+    before any memory is asked for)."""
     for fqn, md in items.items():
-        if isinstance(md, TensorStorageMetadata) and not (
-                isinstance(md.size, tuple) and all(type(d) is int and d >= 0 for d in md.size)
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        if not (isinstance(md.size, tuple) and all(type(d) is int and d >= 0 for d in md.size)
                 and isinstance(getattr(md.properties, "dtype", None), torch.dtype)):
             raise CheckpointError(f"{path}: DCP item {fqn!r}: tensor size {md.size!r} is not a list of non-negative "
                                   "integers, or its dtype is not a torch dtype")
+        stored = 0
+        for chunk in md.chunks if isinstance(md.chunks, list) else ():
+            info = storage.get(MetadataIndex(fqn, getattr(chunk, "offsets", None)))
+            sizes = getattr(chunk, "sizes", None)
+            if info is None or not isinstance(sizes, tuple) or not all(type(d) is int and d >= 0 for d in sizes):
+                raise CheckpointError(f"{path}: DCP item {fqn!r}: a chunk with no stored bytes or a bad size")
+            if getattr(info, "transform_descriptors", None):  # compressed: its length is no bound
+                stored = None
+            elif stored is not None:
+                stored += min(math.prod(sizes), info.length // md.properties.dtype.itemsize)
+        if stored is not None and stored < math.prod(md.size):
+            raise CheckpointError(f"{path}: DCP item {fqn!r} declares a tensor of {math.prod(md.size)} elements "
+                                  f"({list(md.size)}), more than its stored bytes hold ({stored}); the metadata is "
+                                  "damaged or crafted")
 
 
 class _Reader(FileSystemReader):
@@ -138,6 +162,24 @@ class _Reader(FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+# What a pickled numpy array names (an RNG state's, as ``ckpt export`` writes it): numpy's
+# own reconstruction of an array from its dtype and bytes. An array of objects would name
+# the objects' classes too (refused); our format keeps numeric arrays only (``flatten``).
+_NUMPY_ARRAY: dict[str, Callable[[], Any]] = {
+    "numpy.ndarray": lambda: __import__("numpy").ndarray,
+    "numpy.dtype": lambda: __import__("numpy").dtype,
+    "numpy._core.multiarray._reconstruct": lambda: __import__("numpy")._core.multiarray._reconstruct,
+    "numpy.core.multiarray._reconstruct": lambda: __import__("numpy")._core.multiarray._reconstruct,
+}
+
+
+def _numeric_dtypes() -> list[type]:
+    """numpy's dtype classes of numbers and bools (what an array's pickle builds its dtype from)."""
+    import numpy as np
+
+    return [type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG"]
 
 
 class _Planner(DefaultLoadPlanner):
@@ -153,11 +195,13 @@ class _Planner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         raw = value.read()
         try:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(raw))
-            if unsafe:
+            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(raw)))
+            if unsafe - set(_NUMPY_ARRAY):
                 self.refused[fqn] = "a pickled object of " + ", ".join(sorted(unsafe))
             else:
-                self.values[fqn] = torch.load(io.BytesIO(raw), weights_only=True)
+                with torch.serialization.safe_globals([_NUMPY_ARRAY[name]() for name in unsafe]
+                                                      + (_numeric_dtypes() if unsafe else [])):
+                    self.values[fqn] = torch.load(io.BytesIO(raw), weights_only=True)
         except Exception as e:  # not a torch.save blob, or weights_only refused what it builds
             first = (str(e).splitlines() or [""])[0]
             self.refused[fqn] = f"not decodable without unpickling ({type(e).__name__}: {first})"

@@ -13,6 +13,12 @@ values are decoded from our JSON tree and handed over in DCP's format (serialise
 from values that never were pickled on disk). There is no writer: DCP stores some items
 as pickles, which our format never holds.
 
+Modules and optimizers are described both ways: as saved (``model.state_dict()``,
+``optim.state_dict()``) and as ``get_state_dict`` names them (no ``module.`` prefix; an
+optimizer whose parameters' names are recorded keyed by those names), so
+``dcp.load`` into ``get_state_dict``'s dicts then ``set_state_dict`` matches moments by name
+(the one restore path's rule, invariant 14) whatever order the loading optimizer has.
+
 A sharded DTensor (FSDP2, tensor parallel) is described whole, at its global shape; each
 region DCP asks for is read from the saved shards overlapping it (``plan.reshard_reads``,
 as restore at another world size does). Checkpoints from before the layout record (format
@@ -46,6 +52,7 @@ from ..format.manifest import ShardManifest, TensorEntry
 from ..format.state import tree_holds, unflatten
 from ..format.tensor_io import read_chunks, read_tensors
 from ..restore.execute import LOCAL, first_sound, open_shard, restore_agreed, shard_manifest
+from ..restore.optim_names import keyed_by_name
 from ..restore.plan import Inventory, RestorePlan, ShardNeed, every_shard, reshard_reads
 from ..restore.reshard import require_layouts
 from ..tiers.base import CheckpointId
@@ -77,11 +84,12 @@ class CheckpointReader(StorageReader):
         self._manifests: dict[int, ShardManifest] = {}
         self._tensors: dict[str, TensorEntry] = {}
         self._values: dict[str, Any] = {}
+        self._by_name: dict[str, Any] = {}  # an optimizer's param_groups.N.params as names, where asked so
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.location = os.fspath(checkpoint_id)
-        self._plan, self._manifests, self._tensors, self._values = None, {}, {}, {}
+        self._plan, self._manifests, self._tensors, self._values, self._by_name = None, {}, {}, {}, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -107,8 +115,14 @@ class CheckpointReader(StorageReader):
         tree = unflatten(manifest.tree, lambda i: _Placeholder(manifest.tensors[i]))
         metadata: dict[str, Any] = {}
 
-        def visit(path: tuple, value: Any) -> None:
+        def visit(path: tuple, value: Any, named: bool = False) -> None:
             fqn = ".".join(map(str, path))
+            if named:  # the same values keyed by parameter name: aliases, for get_optimizer_state_dict's layout
+                if fqn not in metadata:
+                    visit(path, value)
+                elif not isinstance(value, _Placeholder) and value != self._values.get(fqn):
+                    self._by_name[fqn] = value
+                return
             if isinstance(value, _Placeholder):
                 e = value.entry
                 self._tensors[fqn] = e
@@ -121,6 +135,9 @@ class CheckpointReader(StorageReader):
                 metadata[fqn] = BytesStorageMetadata()
 
         traverse_state_dict(tree, visit, keep_traversing=lambda v: isinstance(v, _Placeholder))
+        named = keyed_by_name(tree, manifest.param_names, lambda v: isinstance(v, _Placeholder))
+        traverse_state_dict(named, partial(visit, named=True),
+                            keep_traversing=lambda v: isinstance(v, _Placeholder))
         return Metadata(state_dict_metadata=metadata)
 
     def _region(self, e: TensorEntry, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
@@ -150,10 +167,13 @@ class CheckpointReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self._plan is not None, "read_metadata comes first"
         tensor_items = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
+        wanted = getattr(planner, "state_dict", {})
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
-                buf = io.BytesIO()
-                torch.save(self._values[item.storage_index.fqn], buf)
+                fqn, buf = item.storage_index.fqn, io.BytesIO()
+                mine = wanted.get(fqn) if isinstance(wanted, dict) else None
+                by_name = fqn in self._by_name and isinstance(mine, list) and all(isinstance(p, str) for p in mine)
+                torch.save(self._by_name[fqn] if by_name else self._values[fqn], buf)
                 buf.seek(0)
                 planner.load_bytes(item, buf)
         plain = [r for r in tensor_items if self._tensors[r.storage_index.fqn].layout is None]

@@ -132,14 +132,15 @@ def write_hf_config(values: Mapping[str, Any], out: Path) -> Path | None:
 
 
 def write_dcp(values: Mapping[str, Any], out: Path) -> None:
-    """The whole state as a torch.distributed.checkpoint directory (single process)."""
+    """The whole state as a torch.distributed.checkpoint directory, written by this process
+    alone (``no_dist``: inside a distributed job too, no other rank takes part)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(dict(values), checkpoint_id=str(out))
+        dcp.save(dict(values), checkpoint_id=str(out), no_dist=True)
 
 
 # What an export writes (either format), and so what a later one with --force replaces.

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from functools import partial
-from typing import Any, Callable, Mapping, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 from ..errors import CheckpointError, DamagedCheckpoint, ManifestError, StateMismatch
 from ..format.manifest import ShardManifest
@@ -147,16 +147,15 @@ class OpenShards:
         self._open.clear()
 
 
-def read_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, *, state: Mapping[str, Any] | None = None,
-               threads: int = 4, progress: Progress | None = None, opened: OpenShards | None = None) -> dict:
-    """Read and verify one saved rank's shard; tensors land in ``state``'s own tensors where they fit."""
-    from ..format.state import tensor_targets, unflatten
+def read_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, *, threads: int = 4,
+               progress: Progress | None = None, opened: OpenShards | None = None) -> dict:
+    """Read and verify one saved rank's shard into new tensors and plain values."""
+    from ..format.state import unflatten
     from ..format.tensor_io import read_tensors
 
     reader = opened.take(tier, rank) if opened is not None else open_shard(tier, ckpt_id, rank)
     try:
-        targets = tensor_targets(state, reader.manifest.tree) if state is not None else {}
-        tensors = read_tensors(reader, targets, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
+        tensors = read_tensors(reader, step=ckpt_id.step, tier=tier.name, threads=threads, progress=progress)
         values = unflatten(reader.manifest.tree, lambda i: tensors[i])
     finally:
         reader.close()
@@ -185,20 +184,15 @@ def first_sound(shard: ShardPlan, ckpt_id: CheckpointId, read: Callable[[TierRea
     raise CheckpointError(f"no valid copy of shard {shard.rank} of step {ckpt_id.step} ({'; '.join(failures)})")
 
 
-def load_plan(plan: RestorePlan, state: Mapping[str, Any] | None, *, threads: int = 4,
-              progress: Progress | None = None, opened: OpenShards | None = None) -> dict:
-    """Execute ``plan`` into plain values (tensors in ``state``'s own where they fit).
-    With a ``state``, every shard's layout is checked against the part of the state it
-    covers before any byte is read into it: a mismatch changes nothing. ``opened``: shards
-    the caller has opened already (and closes)."""
+def load_plan(plan: RestorePlan, *, threads: int = 4, progress: Progress | None = None) -> dict:
+    """Execute ``plan`` into new tensors and plain values, with no target to match (inspection,
+    export, a copy): a restore into a live state goes through ``reshard.load_values``, which
+    normalises the saved state against it first (invariant 14)."""
     values: dict = {}
-    with nullcontext(opened) if opened is not None else OpenShards(plan.ckpt_id) as opened:
-        if state is not None:
-            check_plan(plan, state, opened)
+    with OpenShards(plan.ckpt_id) as opened:
         for shard in plan.shards:
             got = first_sound(shard, plan.ckpt_id, partial(read_shard, ckpt_id=plan.ckpt_id, rank=shard.rank,
-                                                           state=state, threads=threads, progress=progress,
-                                                           opened=opened))
+                                                           threads=threads, progress=progress, opened=opened))
             values.update(got if shard.keys is None else {k: v for k, v in got.items() if k in shard.keys})
     return values
 
@@ -213,18 +207,3 @@ def shard_manifest(shard: ShardPlan, ckpt_id: CheckpointId, opened: OpenShards |
         return reader.manifest
     finally:
         reader.close()
-
-
-def check_plan(plan: RestorePlan, state: Mapping[str, Any], opened: OpenShards | None = None) -> None:
-    """Raise StateMismatch unless each shard's saved layout fits the state keys it covers
-    (a shard with ``keys`` covers those; the others cover the rest)."""
-    from .state_load import check_restorable
-
-    elsewhere = set().union(*(s.keys for s in plan.shards if s.keys is not None))
-    for shard in plan.shards:
-        covered = shard.keys if shard.keys is not None else {k for k in state if k not in elsewhere}
-        manifest = shard_manifest(shard, plan.ckpt_id, opened)
-        tree = manifest.tree
-        if shard.keys is not None and isinstance(tree, dict):
-            tree = {k: v for k, v in tree.items() if k in shard.keys}
-        check_restorable({k: v for k, v in state.items() if k in covered}, tree, manifest.tensors)

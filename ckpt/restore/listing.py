@@ -11,6 +11,8 @@ from ..tiers.base import CheckpointId, TierReader
 from ..tiers.memory import MemoryTier
 from ..tiers.memory.namespace import slot_file_bytes
 from ..tiers.peer import PeerTier
+from .execute import DAMAGE
+from .optim_names import saved_layouts
 
 
 def merge_listing(tiers: Sequence[TierReader]) -> list[dict]:
@@ -41,3 +43,21 @@ def shm_usage(tiers: Sequence[TierReader]) -> dict[str, int]:
     own = {t.dir.parent for t in tiers if isinstance(t, MemoryTier)}
     return {"memory": sum(slot_file_bytes(ns) for ns in own),
             "peer": sum(slot_file_bytes(t.ns) for t in tiers if isinstance(t, PeerTier))}
+
+
+def optimizer_layouts(tiers: Sequence[TierReader], row: dict) -> dict[str, str] | None:
+    """How each optimizer of a listed checkpoint is keyed ("by name" / "by position"), from
+    the first shard manifest of the first tier holding it; None when none can be read."""
+    ckpt_id = CheckpointId(row["generation"], row["step"])
+    for tier in tiers:
+        if tier.name not in row["tiers"]:
+            continue
+        try:
+            reader = tier.open_shard(ckpt_id, tier.read_manifest(ckpt_id).shards[0])
+        except DAMAGE:
+            continue
+        try:
+            return saved_layouts(reader.manifest.tree, reader.manifest.param_names)
+        finally:
+            reader.close()
+    return None

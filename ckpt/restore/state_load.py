@@ -111,7 +111,9 @@ def _raise_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> Non
         more = f"\n  ... and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         raise StateMismatch(f"the state does not match the checkpoint ({len(found)} difference"
                             f"{'s' if len(found) > 1 else ''}; nothing was loaded):\n  "
-                            + "\n  ".join(found[:_SHOWN]) + more)
+                            + "\n  ".join(found[:_SHOWN]) + more + "\n  to restore it, build the state as it was "
+                            "saved (the same keys, global shapes, dtypes and parameter groups; keys only the "
+                            "checkpoint has are added)")
 
 
 def _mismatches(target: Any, value: Any, path: str, found: list[str], strict: bool, depth: int) -> None:
@@ -151,7 +153,7 @@ def _mismatches(target: Any, value: Any, path: str, found: list[str], strict: bo
         for k, sub in target.items():
             if k in value:
                 _mismatches(sub, value[k], _join(path, k), found, strict, depth + 1)
-            elif strict:
+            elif strict and not _empty_container(sub):  # DCP records none: dcp.load leaves it too
                 found.append(f"{_join(path, k)}: in the state but not in the checkpoint")
     elif isinstance(target, Mapping) and isinstance(value, Mapping):
         for k, sub in target.items():
@@ -160,6 +162,10 @@ def _mismatches(target: Any, value: Any, path: str, found: list[str], strict: bo
     elif isinstance(target, (list, tuple)) and isinstance(value, (list, tuple)) and len(target) == len(value):
         for i, (t, v) in enumerate(zip(target, value)):
             _mismatches(t, v, _join(path, i), found, strict, depth + 1)
+
+
+def _empty_container(x: Any) -> bool:
+    return isinstance(x, (Mapping, list, tuple)) and not is_stateful(x) and len(x) == 0
 
 
 def _same_kind(mine: str, theirs: str, exact: bool) -> bool:
