@@ -24,7 +24,9 @@ from .coordination import Coordinator
 from .errors import BackgroundError, CheckpointError, SnapshotChanged
 from .format.checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .format.state import flatten
+from .peers.placement import node_name
 from .peers.priority import at_low_priority, replication_nice
+from .recovery.quarantine import record_path, strike
 from .recovery.restarts import mark
 from .restore.execute import log_restored, open_shard
 from .restore.fresh_start import set_aside
@@ -89,6 +91,7 @@ class CheckpointManager:
     ``keep_memory`` keeps the slots at a normal end too (see ``close()``).
     ``sweep``: remove what interrupted saves and this root's dead jobs left behind, the
     job's start-up (``ckpt.inprocess`` skips it when it rebuilds a manager after a fault).
+    ``rank_local``: keys (or dotted paths) not compared across replicas (docs/sound-state.md).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -100,7 +103,7 @@ class CheckpointManager:
                  node: str | None = None, peer_bytes_per_s: float | None = None,
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
                  keep_memory: bool = False, node_memory: bool = False, drain_interval_s: float = 0.0,
-                 sweep: bool = True, overlap_verify: bool = False) -> None:
+                 sweep: bool = True, overlap_verify: bool = False, rank_local: Iterable[str] = ()) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         if drain_interval_s and not overlap:
@@ -157,7 +160,10 @@ class CheckpointManager:
                                metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
                                replicated=self.replicated, overlap=overlap, verify=overlap_verify,
                                pace=Pace(drain_interval_s),
-                               yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"))
+                               yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"),
+                               rank_local=tuple(rank_local), node=node_name(node), strike=partial(
+                                   strike, record_path(self._owner_root if self.disk else self._ns, self.run),
+                                   node_name(node)))
         if self._offload is not None:
             self._lineage.current()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small
@@ -208,6 +214,7 @@ class CheckpointManager:
         self.wait_staged()
         self._saves.pace.resume()
         self._raise_background_errors()
+        self._saves.raise_unsound()
         ckpt_id = CheckpointId(self._lineage.current(), int(step))
         if self.overlap:
             self._saves.skip_superseded(self.coord.max)
@@ -323,6 +330,7 @@ class CheckpointManager:
         if self.peering is not None and self.peering.restored(plan) and self.last_reshard is None:
             self._saves.protect(*self._snapshot(plan.ckpt_id, state), plan.ckpt_id)
         self._lineage.resumed(plan.ckpt_id)
+        self._saves.unsound = None
         mark("restore_done")
         return plan.ckpt_id.step
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import StateMismatch
+from ..format.health import UNSOUND, classify, merged_health
 from ..format.layout import Layout, full_layout, overlap
 from ..format.manifest import ShardManifest, TensorEntry
 from ..format.read_items import ChunkRead
@@ -68,9 +69,14 @@ class Inventory:
         self.listings: list[list[CheckpointInfo]] = [t.list() for t in self.tiers]  # unreadable ones too
         self._listed: list[dict[CheckpointId, CheckpointInfo]] = [
             {i.id: i for i in listing if i.complete} for listing in self.listings]
+        self.status = classify(merged_health((i.id, i.health) for listed in self._listed for i in listed.values()))
 
     def ids(self, step: int | None = None) -> set[CheckpointId]:
-        return {i for listed in self._listed for i in listed if step is None or i.step == step}
+        """The complete ids (of ``step``); without ``step`` only sound ones: never a suspect,
+        unhealthy or tainted one (``format/health.py``), so the job goes back to the newest
+        step whose replicas agreed. Naming a ``step`` restores it whatever its status."""
+        return {i for listed in self._listed for i in listed
+                if (i.step == step if step is not None else self.status[i] not in UNSOUND)}
 
     def world_size(self, ckpt_id: CheckpointId) -> int:
         return next(listed[ckpt_id].world_size for listed in self._listed if ckpt_id in listed)
