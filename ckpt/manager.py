@@ -33,6 +33,8 @@ from .restore.fresh_start import set_aside
 from .restore.job import readable_tiers, restore_job
 from .restore.plan import shard_needs
 from .restore.reshard import ReshardStats
+from .save.canary import Canary, avoided, reference
+from .save.canary import record_path as canary_path
 from .save.drain import Pace, SaveHandle
 from .save.durable import open_durable
 from .save.lineage import Lineage
@@ -163,7 +165,8 @@ class CheckpointManager:
                                yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"),
                                rank_local=tuple(rank_local), node=node_name(node), strike=partial(
                                    strike, record_path(self._owner_root if self.disk else self._ns, self.run),
-                                   node_name(node)))
+                                   node_name(node)), canary=Canary(self.rank, self.world_size, canary_path(
+                                       self._owner_root if self.disk else self._ns, self.run), self.coord.any))
         if self._offload is not None:
             self._lineage.current()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small
@@ -316,7 +319,8 @@ class CheckpointManager:
                         holder=self._replica_holder)
         self.last_reshard = None
         found = restore_job(self.coord, tiers, needs, state, step, rank=self.rank, world_size=self.world_size,
-                            threads=self.restore_threads, peering=self.peering)
+                            threads=self.restore_threads, peering=self.peering,
+                            avoid=avoided(self._saves.canary.path) if step is None else None)
         if found is None:
             return None
         plan, self.last_reshard = found
@@ -331,8 +335,14 @@ class CheckpointManager:
             self._saves.protect(*self._snapshot(plan.ckpt_id, state), plan.ckpt_id)
         self._lineage.resumed(plan.ckpt_id)
         self._saves.unsound = None
+        self._saves.canary.restored(plan.ckpt_id, reference(self.tiers[1:], plan.ckpt_id, self.rank))
         mark("restore_done")
         return plan.ckpt_id.step
+
+    def record(self, loss: float, grad_norm: float | None = None) -> str | None:
+        """Once per step on every rank: its loss (and grad norm); the canary's reference for the
+        last save, and after a restore its check: "passed", "no reference" or ``CanaryFailed``."""
+        return self._saves.canary.record(loss, grad_norm)
 
     def list(self) -> list[dict]:
         """Every checkpoint: step, generation, time, size, the tiers holding it, and status."""

@@ -67,3 +67,54 @@ def test_a_rank_gone_wrong_is_caught_named_and_gone_back_from(tmp_path: Path, sh
 
     strikes = read(record_path(tmp_path / "root", "sound"))
     assert strikes and all("step-4" in [s["restart"] for s in ss] for ss in strikes.values()), strikes
+
+
+def _train(mgr, model, opt, steps: range, torch) -> list[float]:
+    losses = []
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        loss = model(torch.randn(8, 16, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(mgr.record(loss.item()))
+        mgr.save(step + 1, {"model": model, "opt": opt})
+        mgr.wait()
+    return losses
+
+
+def test_canary_passes_bitwise_fails_loudly_and_never_loops(tmp_path: Path, shm_dir: str) -> None:
+    """Same process, deterministic: the first step after a restore reproduces the recorded
+    loss bitwise; with the learning rate changed behind its back it fails once (the next
+    restore skips that step), then a second failure stops the job."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.save.canary import CanaryFailed
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with CheckpointManager(tmp_path, memory_dir=shm_dir, run="canary", keep_last=20) as mgr:
+            _train(mgr, model, opt, range(0, 6), torch)
+            assert mgr.restore({"model": model, "opt": opt}, step=3) == 3
+            assert _train(mgr, model, opt, range(3, 4), torch) == ["passed"]
+            assert mgr.restore({"model": model, "opt": opt}) == 4  # newest: no reference yet
+            assert _train(mgr, model, opt, range(4, 5), torch) == ["no reference"]
+            _train(mgr, model, opt, range(5, 8), torch)
+            assert mgr.restore({"model": model, "opt": opt}, step=6) == 6
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # the restored state is not what was saved
+            with pytest.raises(CanaryFailed, match="CANARY FAILED after restoring step 6") as failed:
+                _train(mgr, model, opt, range(6, 7), torch)
+            assert not failed.value.stop
+            newest = mgr.restore({"model": model, "opt": opt})
+            assert newest is not None and newest < 6 or newest is None  # step 6 and later skipped
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+            with pytest.raises(CanaryFailed, match="stopping the job") as again:
+                _train(mgr, model, opt, range(newest, newest + 1), torch)
+            assert again.value.stop
+    finally:
+        torch.use_deterministic_algorithms(False)

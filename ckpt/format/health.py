@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 from ..errors import ManifestError
 
 STATES = ("ok", "suspect", "unhealthy", "unchecked")
-UNSOUND = frozenset({"suspect", "unhealthy", "tainted"})
+UNSOUND = frozenset({"suspect", "unhealthy", "tainted", "avoided"})  # avoided: after a failed canary
 VERIFY_STEPS = 2  # default k: an ok checkpoint is verified once an ok one k or more steps newer exists
 
 Id = TypeVar("Id")  # a CheckpointId (ordered by generation, then step)

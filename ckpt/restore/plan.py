@@ -64,12 +64,19 @@ def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozense
 class Inventory:
     """What each tier lists, taken once, fastest tier first; plans use the complete ones."""
 
-    def __init__(self, tiers: Sequence[TierReader]) -> None:
+    def __init__(self, tiers: Sequence[TierReader], avoid: Callable[[CheckpointId], bool] | None = None) -> None:
+        """``avoid``: ids a plain restore skips (a failed canary's, ``save/canary.py``); then it
+        takes a verified id if there is one."""
         self.tiers = list(tiers)
         self.listings: list[list[CheckpointInfo]] = [t.list() for t in self.tiers]  # unreadable ones too
         self._listed: list[dict[CheckpointId, CheckpointInfo]] = [
             {i.id: i for i in listing if i.complete} for listing in self.listings]
         self.status = classify(merged_health((i.id, i.health) for listed in self._listed for i in listed.values()))
+        if avoid is not None and any(avoid(i) for i in self.status):
+            kept = {i: s for i, s in self.status.items() if not avoid(i)}
+            trusted = "verified" in kept.values()
+            self.status = {i: "avoided" if i not in kept or (trusted and s != "verified") else s
+                           for i, s in self.status.items()}
 
     def ids(self, step: int | None = None) -> set[CheckpointId]:
         """The complete ids (of ``step``); without ``step`` only sound ones: never a suspect,

@@ -17,6 +17,7 @@ from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader
 from ..tiers.memory.copier import plan_layout
+from .canary import Canary
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
 from .overlap import StagedSnapshot, StepHooks, deferrable, modules_in, optimizers_in, step_written
 from .soundness import NOTHING, Inspection, Scope, scope_of, where
@@ -66,6 +67,8 @@ class SavePath:
     unsound: tuple[CheckpointId, dict] | None = None  # the first unsound verdict since the last restore
     _scopes: dict[int, Scope] = dataclasses.field(default_factory=dict)  # by slot
     node: str = "?"  # this rank's node, as culprits are named
+    canary: Canary | None = None  # the reference each save carries for the one before (``canary.py``)
+    _refs: dict[int, dict | None] = dataclasses.field(default_factory=dict)  # by slot
 
     def __post_init__(self) -> None:
         # each committed step is recorded beside the slots, for whoever sweeps them (tiers/memory/owners.py)
@@ -159,6 +162,7 @@ class SavePath:
                                  param_names=param_names(state))
         slot, waited = self.memory.reserve(ckpt_id.step)
         self._scopes[id(slot)] = scope_of(state, self.rank_local, self.replicated)
+        self._refs[id(slot)] = self.canary.saved(ckpt_id.step) if self.canary is not None else None
         self.stall_s += waited
         if self.metrics is not None and waited:
             self.metrics.stall.inc(waited)
@@ -263,7 +267,8 @@ class SavePath:
             if self.disk is not None:
                 ref = self.disk.write_shard(ckpt_id, reader)
                 self._judged(ckpt_id, self.committer.commit(self.disk, ckpt_id, ref,
-                                                            inspection.report(sealed, where(self.node))))
+                                                            {**inspection.report(sealed, where(self.node)),
+                                                             "canary": self._refs.get(id(slot))}))
                 if upload and not urgent:
                     self.offload.submit(ckpt_id, lambda: self.disk.open_shard(ckpt_id, ref), handle, urgent=False,
                                         pin_in=self.disk.name)

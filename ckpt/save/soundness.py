@@ -143,6 +143,14 @@ def verdict(reports: Mapping[int, dict | None]) -> dict:
     anywhere makes it ``unhealthy``; replicas of a group whose digests differ make it
     ``suspect``, naming the minority (three or more replicas) or both (two)."""
     got = {r: rep for r, rep in reports.items() if rep}
+    health = _judge(got)
+    refs = {str(r): rep["canary"] for r, rep in got.items() if isinstance(rep.get("canary"), dict)}
+    if refs:  # the canary's reference for the save before (``canary.py``)
+        health["canary"] = {"after": next(iter(refs.values()))["after"], "by_rank": refs}
+    return health
+
+
+def _judge(got: Mapping[int, dict]) -> dict:
     if not got:
         return {"state": "unchecked", "reason": "no rank reported a digest", "culprits": []}
 
