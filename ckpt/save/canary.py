@@ -110,6 +110,18 @@ def compare(got: dict, ref: dict) -> str | None:
     return None
 
 
+def figures(out: Any) -> tuple[float, float | None] | None:
+    """A step's loss (and grad norm) from what a step or a ``training_step`` returned: a number,
+    a 0-d tensor, ``(loss, grad_norm)``, or a dict with "loss" (and "grad_norm"); else None."""
+    if isinstance(out, dict):
+        out = (out.get("loss"), out.get("grad_norm"))
+    loss, grad = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    try:
+        return float(loss), None if grad is None else float(grad)
+    except (TypeError, ValueError, RuntimeError):  # not a scalar: nothing to record
+        return None
+
+
 class Canary:
     """One rank's canary state: the reference being taken for the last save, and the check
     pending after a restore."""
