@@ -64,7 +64,8 @@ def _size(n: int) -> str:
 @click.option("--memory", is_flag=True, help="Instead of one ROOT: the shared memory every job holds on this node.")
 @_json
 def ls_cmd(root: str | None, run: str | None, memory_dir: str, memory: bool, as_json: bool) -> None:
-    """List checkpoints: step, time, size, tiers holding them, status. With --memory: each
+    """List checkpoints: step, time, size, tiers holding them, status, health (verified, ok,
+    unchecked, suspect, unhealthy, tainted: docs/sound-state.md). With --memory: each
     namespace in the memory directory, its bytes, owner, whether the owner lives and whether
     its newest step is durable elsewhere (docs/engine.md, "Shared memory on a node")."""
     if memory or root is None:
@@ -78,15 +79,18 @@ def ls_cmd(root: str | None, run: str | None, memory_dir: str, memory: bool, as_
     for r in rows:
         if r["status"] == "complete":
             r["optimizers"] = optimizer_layouts(tiers, r)  # "by position": restores only when asked (match_by_position)
-    lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  {'PEER':10}  STATUS"]
+    lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  {'PEER':10}  "
+             f"{'HEALTH':10}  STATUS"]
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
         status = r["status"] + "".join(f"; {t}: {e}" for t, e in r["damaged"].items())
         status += "".join(f"; {k}: optimizer state by position" for k, how in (r.get("optimizers") or {}).items()
                           if how == "by position")
+        if r.get("reason"):
+            status += f"; {r['reason']}"
         peer = "rank " + ",".join(map(str, r["peer"])) if r["peer"] else "-"
         lines.append(f"{r['step']:>10}  {r['generation']:>3}  {when}  {_size(r['bytes']):>10}  "
-                     f"{','.join(r['tiers']) or '-':16}  {peer:10}  {status}")
+                     f"{','.join(r['tiers']) or '-':16}  {peer:10}  {r['health']:10}  {status}")
     shm = shm_usage(tiers)
     if shm["peer"]:
         lines.append(f"shared memory on this node: {_size(shm['memory'])} in this job's slots, {_size(shm['peer'])} "

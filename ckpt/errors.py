@@ -50,3 +50,13 @@ class SnapshotChanged(CheckpointError):
     """An overlapped snapshot (``overlap=True``) was refused its seal: a saved tensor was
     written in place while it was being copied, before ``wait_staged()`` or the next
     ``optimizer.step()``. The previous sealed snapshot stays the newest."""
+
+
+class UnsoundState(CheckpointError):
+    """A committed step's replicas disagreed, or it held NaN/Inf (``ckpt/save/soundness.py``):
+    raised by the next ``save()`` so the job restarts from the newest step whose replicas
+    agreed. ``health``: the verdict (state, reason, culprits: rank, node, gpu)."""
+
+    def __init__(self, message: str, health: dict) -> None:
+        super().__init__(message)
+        self.health = health

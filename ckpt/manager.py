@@ -24,13 +24,17 @@ from .coordination import Coordinator
 from .errors import BackgroundError, CheckpointError, SnapshotChanged
 from .format.checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .format.state import flatten
+from .peers.placement import node_name
 from .peers.priority import at_low_priority, replication_nice
+from .recovery.quarantine import record_path, strike
 from .recovery.restarts import mark
 from .restore.execute import log_restored, open_shard
 from .restore.fresh_start import set_aside
 from .restore.job import readable_tiers, restore_job
 from .restore.plan import shard_needs
 from .restore.reshard import ReshardStats
+from .save.canary import Canary, avoided, reference
+from .save.canary import record_path as canary_path
 from .save.drain import Pace, SaveHandle
 from .save.durable import open_durable
 from .save.lineage import Lineage
@@ -89,6 +93,7 @@ class CheckpointManager:
     ``keep_memory`` keeps the slots at a normal end too (see ``close()``).
     ``sweep``: remove what interrupted saves and this root's dead jobs left behind, the
     job's start-up (``ckpt.inprocess`` skips it when it rebuilds a manager after a fault).
+    ``rank_local``: keys (or dotted paths) not compared across replicas (docs/sound-state.md).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -100,7 +105,7 @@ class CheckpointManager:
                  node: str | None = None, peer_bytes_per_s: float | None = None,
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
                  keep_memory: bool = False, node_memory: bool = False, drain_interval_s: float = 0.0,
-                 sweep: bool = True, overlap_verify: bool = False) -> None:
+                 sweep: bool = True, overlap_verify: bool = False, rank_local: Iterable[str] = ()) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         if drain_interval_s and not overlap:
@@ -157,7 +162,11 @@ class CheckpointManager:
                                metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
                                replicated=self.replicated, overlap=overlap, verify=overlap_verify,
                                pace=Pace(drain_interval_s),
-                               yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"))
+                               yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"),
+                               rank_local=tuple(rank_local), node=node_name(node), strike=partial(
+                                   strike, record_path(self._owner_root if self.disk else self._ns, self.run),
+                                   node_name(node)), canary=Canary(self.rank, self.world_size, canary_path(
+                                       self._owner_root if self.disk else self._ns, self.run), self.coord.any))
         if self._offload is not None:
             self._lineage.current()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small
@@ -208,6 +217,7 @@ class CheckpointManager:
         self.wait_staged()
         self._saves.pace.resume()
         self._raise_background_errors()
+        self._saves.raise_unsound()
         ckpt_id = CheckpointId(self._lineage.current(), int(step))
         if self.overlap:
             self._saves.skip_superseded(self.coord.max)
@@ -309,7 +319,8 @@ class CheckpointManager:
                         holder=self._replica_holder)
         self.last_reshard = None
         found = restore_job(self.coord, tiers, needs, state, step, rank=self.rank, world_size=self.world_size,
-                            threads=self.restore_threads, peering=self.peering)
+                            threads=self.restore_threads, peering=self.peering,
+                            avoid=avoided(self._saves.canary.path) if step is None else None)
         if found is None:
             return None
         plan, self.last_reshard = found
@@ -323,8 +334,15 @@ class CheckpointManager:
         if self.peering is not None and self.peering.restored(plan) and self.last_reshard is None:
             self._saves.protect(*self._snapshot(plan.ckpt_id, state), plan.ckpt_id)
         self._lineage.resumed(plan.ckpt_id)
+        self._saves.unsound = None
+        self._saves.canary.restored(plan.ckpt_id, reference(self.tiers[1:], plan.ckpt_id, self.rank))
         mark("restore_done")
         return plan.ckpt_id.step
+
+    def record(self, loss: float, grad_norm: float | None = None) -> str | None:
+        """Once per step on every rank: its loss (and grad norm); the canary's reference for the
+        last save, and after a restore its check: "passed", "no reference" or ``CanaryFailed``."""
+        return self._saves.canary.record(loss, grad_norm)
 
     def list(self) -> list[dict]:
         """Every checkpoint: step, generation, time, size, the tiers holding it, and status."""

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError, ManifestError
 from .bounded_json import check_extent, loads_bounded
 from .checksum import ALGORITHM, MIN_CHUNK_BYTES, crc32c_of
+from .health import check_health
 from .layout import Layout
 
 if TYPE_CHECKING:
@@ -341,6 +342,7 @@ class Manifest:
     shards: list[ShardRef]
     created: float = field(default_factory=time.time)
     format_version: str = FORMAT_VERSION
+    health: dict | None = None  # the replicas' verdict on this step (``format/health.py``)
 
     @property
     def total_bytes(self) -> int:
@@ -353,6 +355,8 @@ class Manifest:
             "shards": [{"rank": s.rank, "manifest": s.manifest_file, "manifest_crc32c": s.manifest_crc32c,
                         "data": s.data_file, "data_bytes": s.data_bytes} for s in self.shards],
         }
+        if self.health is not None:
+            body["health"] = self.health
         body["self_crc32c"] = crc32c_of(dumps(body))
         return dumps(body)
 
@@ -384,4 +388,5 @@ class Manifest:
         if not isinstance(created, (int, float)):
             raise ManifestError(f"{what}: bad 'created'")
         return cls(_int(doc, "step"), _int(doc, "generation"), world,
-                   sorted(shards, key=lambda s: s.rank), float(created), doc["format_version"])
+                   sorted(shards, key=lambda s: s.rank), float(created), doc["format_version"],
+                   check_health(doc.get("health"), what))

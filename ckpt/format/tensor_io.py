@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -248,8 +248,10 @@ def _whole_rows(rd: ChunkRead, dst: torch.Tensor) -> bool:
             > 0 and all(b.size[1:] == rest and not any(b.src[1:]) and not any(b.dst[1:]) for b in rd.boxes))
 
 
-def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> ShardManifest:
-    """The reader's manifest with CRCs computed from its bytes (memory slots are sealed without)."""
+def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS,
+                   visit: Callable[[TensorEntry], Callable[[memoryview], None] | None] | None = None) -> ShardManifest:
+    """The reader's manifest with CRCs computed from its bytes (memory slots are sealed without).
+    ``visit(entry)``: a callable to see that entry's bytes in the same read (``chunk_checksums``)."""
     man = reader.manifest
 
     def one(e: TensorEntry) -> TensorEntry:
@@ -257,7 +259,7 @@ def with_checksums(reader: ShardReader, threads: int = DEFAULT_THREADS) -> Shard
         if buf is None:
             buf = memoryview(bytearray(e.nbytes))
             reader.read_into(e.offset, buf)
-        return e.with_checksums(chunk_checksums(buf, man.chunk_bytes))
+        return e.with_checksums(chunk_checksums(buf, man.chunk_bytes, visit(e) if visit is not None else None))
 
     with ThreadPoolExecutor(threads) as pool:
         tensors = list(pool.map(one, sorted(man.tensors, key=lambda e: -e.nbytes)))

@@ -33,6 +33,7 @@ from ..integrations.risk import RiskListener
 from ..manager import CheckpointManager
 from ..peers.placement import node_name
 from ..recovery.leaving import flush_logs
+from ..save.canary import figures
 from . import evictions, group, membership
 from .control import Control
 
@@ -100,10 +101,12 @@ class Steps:
               after: Callable[[int], None] = lambda done: None, first: Callable[[], None] | None = None) -> None:
         """Steps ``done`` .. ``steps``: ``before()``, the step, ``after(done)``, ``first()`` once
         (a recovery ends with the first step it resumes), then a save every ``save_every`` steps
+        (a step that returns its loss, or ``(loss, grad_norm)``, feeds ``mgr.record``: the canary)
         and at the last; at the end ``mgr.finished``: its ``close()`` may free the memory slots."""
         while self.done < steps:
             before()
-            step(objects, self.done)
+            if (loss := figures(step(objects, self.done))) is not None:  # a step returning its loss: the canary
+                mgr.record(*loss)
             self.done += 1
             after(self.done)
             if first is not None:

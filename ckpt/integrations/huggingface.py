@@ -46,6 +46,7 @@ from ..errors import CheckpointError
 from ..interop.export import HF_CONFIG_KEY
 from ..manager import CheckpointManager
 from ..recovery.watchdog import HangDetection, Watchdog, start_watchdog
+from ..save.canary import figures
 from .loop import save_at_boundary
 from .rng import RNGState
 from .urgency import SaveRequests
@@ -108,6 +109,13 @@ class HFCheckpoint(TrainerCallback):
                                                     lambda: self._state(state, control), self.every,
                                                     watchdog=self._watchdog):
             self._saved = step
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict | None = None, **kwargs: Any) -> None:
+        """The canary (docs/sound-state.md): with ``logging_steps=1`` the Trainer logs every
+        step's loss and grad norm; otherwise its logs average several steps: not recorded."""
+        if args.logging_steps == 1 and logs and "loss" in logs and (loss := figures(logs)) is not None:
+            self.mgr.record(*loss)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:

@@ -39,6 +39,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
 from ..recovery.watchdog import HangDetection, Watchdog, start_watchdog
+from ..save.canary import figures
 from .loop import save_at_boundary
 from .rng import RNGState
 from .urgency import SaveRequests
@@ -117,6 +118,8 @@ class LightningCheckpoint(pl.Callback):
         if trainer.global_step == self._boundary:
             return  # accumulating gradients: no optimizer step since the last boundary
         self._boundary = trainer.global_step
+        if (loss := figures(outputs)) is not None:  # the canary (docs/sound-state.md)
+            self.mgr.record(*loss)
         if save_at_boundary(self.mgr, self.requests, trainer.global_step, lambda: _resumable_state(trainer),
                             self.every, watchdog=self._watchdog):
             self._saved = trainer.global_step

@@ -111,6 +111,12 @@ def write(path: Path, strikes: dict[str, list[dict]]) -> None:
         os.replace(tmp, path)
 
 
+def strike(path: Path, node: str, cause: str, step: int) -> None:
+    """One strike against ``node`` now, outside a restart (a replica of it disagreed at ``step``,
+    ``ckpt/save/soundness.py``): counted with the others at the next restart's decision."""
+    write(path, {node: [{"t": time.time(), "cause": cause[:300], "restart": f"step-{step}"}]})
+
+
 def clear(path: Path, node: str) -> bool:
     """Forget ``node``'s strikes (an operator repaired it); False when it had none."""
     with _locked(path):

@@ -34,14 +34,15 @@ def readable_tiers(memory: MemoryTier, namespace: Path, holder: int, *, replicat
 
 def restore_job(coord: Coordinator, tiers: list[TierReader], needs: Callable[..., list[ShardNeed]],
                 state: dict[str, Any], step: int | None, *, rank: int, world_size: int, threads: int,
-                peering: Any = None) -> tuple[RestorePlan, ReshardStats | None] | None:
+                peering: Any = None, avoid: Callable[[Any], bool] | None = None
+                ) -> tuple[RestorePlan, ReshardStats | None] | None:
     """Agree with every rank on the newest step all can read (or ``step``), load it into
     ``state`` in place; returns its plan and, when it was saved at another world size, the
     resharding's figures. None when there is nothing to restore; raises CheckpointError for
     a ``step`` that is nowhere, or checkpoints that exist but cannot be used (``fresh_start``)."""
     if peering is not None:
         tiers = peering.restore_tiers(coord, tiers)
-    inventory = Inventory(tiers)
+    inventory = Inventory(tiers, avoid)  # avoid: ids a failed canary rules out (``save/canary.py``)
     load = partial(load_values, state=state, rank=rank, world_size=world_size, threads=threads, inventory=inventory)
     found = restore_agreed(coord, inventory, needs, load, step=step)
     if found is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..format.health import classify, merged_health
 from ..tiers.base import CheckpointId, TierReader
 from ..tiers.memory import MemoryTier
 from ..tiers.memory.namespace import slot_file_bytes
@@ -16,10 +17,12 @@ from .optim_names import saved_layouts
 
 
 def merge_listing(tiers: Sequence[TierReader]) -> list[dict]:
-    """Step, generation, time, size, the tiers holding it and its status; newest last."""
+    """Step, generation, time, size, the tiers holding it, its status and its ``health``
+    (``format/health.py``: verified, ok, unchecked, suspect, unhealthy, tainted); newest last."""
     rows: dict[CheckpointId, dict] = {}
-    for tier in tiers:
-        for info in tier.list():
+    listed = [tier.list() for tier in tiers]
+    for tier, infos in zip(tiers, listed):
+        for info in infos:
             row = rows.setdefault(info.id, {"step": info.id.step, "generation": info.id.generation,
                                             "created": info.created, "bytes": info.bytes, "tiers": [], "damaged": {},
                                             "peer": [], "peer_bytes": 0})
@@ -32,8 +35,14 @@ def merge_listing(tiers: Sequence[TierReader]) -> list[dict]:
                 row["bytes"] = max(row["bytes"], info.bytes)
             else:
                 row["damaged"][tier.name] = info.error
-    for row in rows.values():
+    health = merged_health((i.id, i.health) for tier_rows in listed for i in tier_rows if i.complete)
+    status = classify(health)
+    for cid, row in rows.items():
         row["status"] = ("replica" if row["tiers"] == ["peer"] else "complete") if row["tiers"] else "damaged"
+        row["health"] = status.get(cid, "unchecked")  # format/health.py: verified, ok, suspect, ...
+        if health.get(cid):
+            row["culprits"] = health[cid].get("culprits", [])
+            row["reason"] = health[cid].get("reason", "")
     return [rows[k] for k in sorted(rows)]
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import StateMismatch
+from ..format.health import UNSOUND, classify, merged_health
 from ..format.layout import Layout, full_layout, overlap
 from ..format.manifest import ShardManifest, TensorEntry
 from ..format.read_items import ChunkRead
@@ -63,14 +64,26 @@ def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozense
 class Inventory:
     """What each tier lists, taken once, fastest tier first; plans use the complete ones."""
 
-    def __init__(self, tiers: Sequence[TierReader]) -> None:
+    def __init__(self, tiers: Sequence[TierReader], avoid: Callable[[CheckpointId], bool] | None = None) -> None:
+        """``avoid``: ids a plain restore skips (a failed canary's, ``save/canary.py``); then it
+        takes a verified id if there is one."""
         self.tiers = list(tiers)
         self.listings: list[list[CheckpointInfo]] = [t.list() for t in self.tiers]  # unreadable ones too
         self._listed: list[dict[CheckpointId, CheckpointInfo]] = [
             {i.id: i for i in listing if i.complete} for listing in self.listings]
+        self.status = classify(merged_health((i.id, i.health) for listed in self._listed for i in listed.values()))
+        if avoid is not None and any(avoid(i) for i in self.status):
+            kept = {i: s for i, s in self.status.items() if not avoid(i)}
+            trusted = "verified" in kept.values()
+            self.status = {i: "avoided" if i not in kept or (trusted and s != "verified") else s
+                           for i, s in self.status.items()}
 
     def ids(self, step: int | None = None) -> set[CheckpointId]:
-        return {i for listed in self._listed for i in listed if step is None or i.step == step}
+        """The complete ids (of ``step``); without ``step`` only sound ones: never a suspect,
+        unhealthy or tainted one (``format/health.py``), so the job goes back to the newest
+        step whose replicas agreed. Naming a ``step`` restores it whatever its status."""
+        return {i for listed in self._listed for i in listed
+                if (i.step == step if step is not None else self.status[i] not in UNSOUND)}
 
     def world_size(self, ckpt_id: CheckpointId) -> int:
         return next(listed[ckpt_id].world_size for listed in self._listed if ckpt_id in listed)

@@ -9,11 +9,11 @@ with local disks each node commits the shards it holds; on one machine, a shared
 filesystem or an object store there is one commit, as before. For one step in one
 tier::
 
-    every rank r      store[<tier>/<id>/shard/<r>] = its ShardRef          (announce)
+    every rank r      store[<tier>/<id>/shard/<r>] = its ShardRef, its replica report (announce)
     each leader       wait until all world_size ranks announced
-                      tier.commit(id, Manifest(the refs of its volume's ranks))
+                      tier.commit(id, Manifest(the refs of its volume's ranks, health=verdict))
                       retention on its volume
-                      store[<tier>/<id>/commit/<leader>] = 1
+                      store[<tier>/<id>/commit/<leader>] = the verdict
     every rank        wait for its leader's commit key, then count itself done;
                       the last one deletes the step's keys
 
@@ -32,8 +32,10 @@ from datetime import timedelta
 from typing import Callable, Mapping
 
 from ..errors import CheckpointError
+from ..format.health import classify, newest_verified
 from ..format.manifest import Manifest, ShardRef
 from ..tiers.base import CheckpointId, DurableTier
+from .soundness import verdict
 
 log = logging.getLogger(__name__)
 
@@ -93,41 +95,52 @@ class Committer:
             self._pins[tier].discard(ckpt_id)
 
     def apply_retention(self, tier: DurableTier) -> list[CheckpointId]:
+        """Prune ``tier`` to its count, never deleting a pinned step nor the newest verified
+        one (invariant 16: when the newer ones are suspect, it is the one to go back to)."""
         with self._lock:
             pinned = set(self._pins[tier.name])
-        return tier.prune(self._keep.get(tier.name, self._default_keep), pinned)
+        trusted = newest_verified(classify({i.id: i.health for i in tier.list() if i.complete}))
+        return tier.prune(self._keep.get(tier.name, self._default_keep), pinned | ({trusted} if trusted else set()))
 
     # -- the protocol ---------------------------------------------------------------
 
-    def commit(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef) -> None:
+    def commit(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef, report: dict | None = None) -> dict:
         """This rank's shard of ``ckpt_id`` is durable in ``tier``: returns once the step is
-        committed in this rank's volume (so: durable in ``tier`` on every rank)."""
+        committed in this rank's volume (so: durable in ``tier`` on every rank). ``report``: this
+        rank's replica digest (``soundness.py``), announced with the shard; returns the step's
+        health, the verdict on every rank's report (the same on every rank)."""
         if self.world_size == 1:
-            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref]))
+            health = verdict({0: report})
+            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref], health=health))
             self.apply_retention(tier)
         else:
-            self._commit_together(tier, ckpt_id, ref)
+            health = self._commit_together(tier, ckpt_id, ref, report)
         self.on_commit(tier.name, ckpt_id)
+        return health
 
-    def _commit_together(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef) -> None:
+    def _commit_together(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef, report: dict | None) -> dict:
         store = self._store()
         key = f"{tier.name}/{ckpt_id.generation}.{ckpt_id.step}"
         ranks = self._volumes[tier.name]
         leader = ranks[0]
-        store.set(f"{key}/shard/{self.rank}", json.dumps([ref.rank, ref.manifest_crc32c, ref.data_bytes]))
+        store.set(f"{key}/shard/{self.rank}", json.dumps([ref.rank, ref.manifest_crc32c, ref.data_bytes, report]))
         if self.rank == leader:
             self._wait(store, [f"{key}/shard/{r}" for r in range(self.world_size)],
                        f"every rank's shard of step {ckpt_id.step} in {tier.name}")
-            refs = [ShardRef(*json.loads(store.get(f"{key}/shard/{r}"))) for r in ranks]
-            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, refs))
+            announced = {r: json.loads(store.get(f"{key}/shard/{r}")) for r in range(self.world_size)}
+            health = verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
+            refs = [ShardRef(*announced[r][:3]) for r in ranks]
+            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, refs, health=health))
             self.apply_retention(tier)
-            store.set(f"{key}/commit/{leader}", "1")
+            store.set(f"{key}/commit/{leader}", json.dumps(health))
         else:
             self._wait(store, [f"{key}/commit/{leader}"], f"rank {leader} to commit step {ckpt_id.step} in {tier.name}")
+            health = json.loads(store.get(f"{key}/commit/{leader}"))
         if store.add(f"{key}/done", 1) == self.world_size:  # everyone has seen its commit: tidy the store
             for k in [*(f"{key}/shard/{r}" for r in range(self.world_size)), f"{key}/done",
                       *(f"{key}/commit/{r}" for r in range(self.world_size))]:
                 store.delete_key(k)
+        return health
 
     def _wait(self, store: object, keys: list[str], what: str) -> None:
         """Poll (a few µs a check) rather than block in the store, so ``abandon()`` ends the

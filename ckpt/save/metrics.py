@@ -29,6 +29,9 @@ class CheckpointMetrics:
         self.saves = Counter("ckpt_saves", "Checkpoints taken", ["rank", "kind"], registry=r)
         self._restore = Histogram("ckpt_restore_seconds", "Time to restore, per tier it came from",
                                   ["rank", "tier"], buckets=_BUCKETS, registry=r)
+        self._unsound = Counter("ckpt_unsound_snapshots", "Committed steps found suspect (replicas disagree) or "
+                                "unhealthy (NaN/Inf), per culprit rank, node and GPU",
+                                ["rank", "state", "culprit_rank", "culprit_node", "culprit_gpu"], registry=r)
         self.rank = str(rank)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
@@ -48,3 +51,8 @@ class CheckpointMetrics:
 
     def restored(self, tier: str, seconds: float) -> None:
         self._restore.labels(rank=self.rank, tier=tier).observe(seconds)
+
+    def unsound(self, state: str, culprits: list[dict]) -> None:
+        for c in culprits or [{}]:
+            self._unsound.labels(rank=self.rank, state=state, culprit_rank=str(c.get("rank", "?")),
+                                 culprit_node=str(c.get("node", "?")), culprit_gpu=str(c.get("gpu", "?"))).inc()

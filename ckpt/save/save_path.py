@@ -6,17 +6,21 @@ become durable (the handle's tiers, the upload); this module moves the bytes, in
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from ..errors import UnsoundState
 from ..format.manifest import ShardManifest
 from ..format.state import flatten
 from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader
 from ..tiers.memory.copier import plan_layout
+from .canary import Canary
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
 from .overlap import StagedSnapshot, StepHooks, deferrable, modules_in, optimizers_in, step_written
+from .soundness import NOTHING, Inspection, Scope, scope_of, where
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
     from ..format.state import FlatState
@@ -27,6 +31,8 @@ if TYPE_CHECKING:  # annotations only: the manager builds each of these
     from .commit import Committer
     from .metrics import CheckpointMetrics
     from .offload import Offloader
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -56,6 +62,13 @@ class SavePath:
     _newest: SaveHandle | None = None  # the last drain queued
     _staged: StagedSnapshot | None = None  # overlap: the snapshot being copied
     _hooks: StepHooks | None = None
+    rank_local: tuple[str, ...] = ()  # keys (or dotted path prefixes) not compared across replicas
+    strike: Callable[[str, int], None] | None = None  # (cause, step): this rank's node is a culprit
+    unsound: tuple[CheckpointId, dict] | None = None  # the first unsound verdict since the last restore
+    _scopes: dict[int, Scope] = dataclasses.field(default_factory=dict)  # by slot
+    node: str = "?"  # this rank's node, as culprits are named
+    canary: Canary | None = None  # the reference each save carries for the one before (``canary.py``)
+    _refs: dict[int, dict | None] = dataclasses.field(default_factory=dict)  # by slot
 
     def __post_init__(self) -> None:
         # each committed step is recorded beside the slots, for whoever sweeps them (tiers/memory/owners.py)
@@ -148,6 +161,8 @@ class SavePath:
                                  self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
                                  param_names=param_names(state))
         slot, waited = self.memory.reserve(ckpt_id.step)
+        self._scopes[id(slot)] = scope_of(state, self.rank_local, self.replicated)
+        self._refs[id(slot)] = self.canary.saved(ckpt_id.step) if self.canary is not None else None
         self.stall_s += waited
         if self.metrics is not None and waited:
             self.metrics.stall.inc(waited)
@@ -221,12 +236,14 @@ class SavePath:
         self.drainer.submit(lambda: self._checksum(slot, manifest, handle, urgent=True).close(), handle, urgent=True,
                             on_exit=slot.idle.set)
 
-    def _checksum(self, slot: ShmSlot, manifest: ShardManifest, handle: SaveHandle, urgent: bool) -> ShardReader:
+    def _checksum(self, slot: ShmSlot, manifest: ShardManifest, handle: SaveHandle, urgent: bool,
+                  inspection: Inspection | None = None) -> ShardReader:
         """Checksum the slot and re-seal it (memory restores can now verify too), then hand
-        it to the peer replicator. Returns the open reader (the caller closes it)."""
+        it to the peer replicator. Returns the open reader (the caller closes it).
+        ``inspection`` sees the compared state's bytes in the same read (``soundness.py``)."""
         reader = self.memory.open_slot(slot, manifest)
         try:
-            reader.manifest = with_checksums(reader, self.threads)
+            reader.manifest = with_checksums(reader, self.threads, inspection.visit if inspection else None)
             self.memory.seal(slot, reader.manifest)
             if self.peering is not None:
                 self.peering.replicate(slot, reader.manifest, handle, urgent=urgent)
@@ -239,7 +256,8 @@ class SavePath:
                upload: bool, urgent: bool, lease: Lease) -> None:
         """Checksum and re-seal the slot, then disk (committed), then the object store
         (from disk; straight from memory when urgent or without a disk)."""
-        reader = self._checksum(slot, manifest, handle, urgent)
+        inspection = Inspection(manifest, self._scopes.get(id(slot), NOTHING))
+        reader = self._checksum(slot, manifest, handle, urgent, inspection)
         try:
             sealed = reader.manifest
             if upload and (urgent or self.disk is None):  # the slot waits for both drains
@@ -248,10 +266,39 @@ class SavePath:
                                     on_exit=lease.release)
             if self.disk is not None:
                 ref = self.disk.write_shard(ckpt_id, reader)
-                self.committer.commit(self.disk, ckpt_id, ref)
+                self._judged(ckpt_id, self.committer.commit(self.disk, ckpt_id, ref,
+                                                            {**inspection.report(sealed, where(self.node)),
+                                                             "canary": self._refs.get(id(slot))}))
                 if upload and not urgent:
                     self.offload.submit(ckpt_id, lambda: self.disk.open_shard(ckpt_id, ref), handle, urgent=False,
                                         pin_in=self.disk.name)
                 handle.mark(self.disk.name)
         finally:
             reader.close()
+
+    def _judged(self, ckpt_id: CheckpointId, health: dict) -> None:
+        """Act on a committed step's verdict (``format/health.py``): an unsound one is logged (by
+        rank 0, the first since the last restore), counted, struck against the culprits' nodes,
+        and kept for ``raise_unsound``."""
+        state = health.get("state")
+        if state not in ("suspect", "unhealthy"):
+            return
+        if self.metrics is not None:
+            self.metrics.unsound(state, health.get("culprits", []))
+        mine = any(c.get("rank") == self.rank for c in health.get("culprits", []))
+        if mine and self.strike is not None:
+            self.strike(f"{state} snapshot at step {ckpt_id.step}: {health.get('reason', '')}", ckpt_id.step)
+        if self.unsound is None:
+            self.unsound = (ckpt_id, health)
+            if self.rank == 0 or mine:
+                log.error("step %d (generation %d) is %s: %s; a plain restore goes back to the newest step "
+                          "before it whose replicas agreed (docs/sound-state.md)", ckpt_id.step,
+                          ckpt_id.generation, state.upper(), health.get("reason", ""))
+
+    def raise_unsound(self) -> None:
+        """Raise ``UnsoundState`` once a drained step was found suspect or unhealthy: training on
+        would only build on the wrong state; the job restarts from the newest agreed step."""
+        if self.unsound is not None:
+            ckpt_id, health = self.unsound
+            raise UnsoundState(f"step {ckpt_id.step} (generation {ckpt_id.generation}) is {health['state']}: "
+                               f"{health.get('reason', '')}", health)

@@ -74,6 +74,7 @@ class CheckpointInfo:
     error: str | None = None  # set when the commit record itself is unreadable
     checksummed: bool = True  # False for a memory slot whose checksums are not computed yet
     ranks: frozenset[int] = field(default_factory=frozenset)  # the saved ranks whose shards this copy holds
+    health: dict | None = None  # the commit record's verdict on the replicas (``format/health.py``)
 
     @property
     def complete(self) -> bool:
@@ -185,7 +186,7 @@ def parse_commit(raw: bytes, ckpt_id: CheckpointId, where: str) -> Manifest:
 def committed_info(ckpt_id: CheckpointId, tier: str, manifest: Manifest) -> CheckpointInfo:
     """The listing row of a readable commit record."""
     return CheckpointInfo(ckpt_id, tier, manifest.created, manifest.total_bytes, manifest.world_size,
-                          ranks=frozenset(s.rank for s in manifest.shards))
+                          ranks=frozenset(s.rank for s in manifest.shards), health=manifest.health)
 
 
 def check_shard(ckpt_id: CheckpointId, ref: ShardRef, raw: bytes | None, data_size: int | None,
