@@ -24,28 +24,24 @@ from .coordination import Coordinator
 from .errors import BackgroundError, CheckpointError, SnapshotChanged
 from .format.checksum import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .format.state import flatten
-from .peers.placement import node_name
-from .peers.priority import at_low_priority, replication_nice
-from .recovery.quarantine import record_path, strike
 from .recovery.restarts import mark
 from .restore.execute import log_restored, open_shard
 from .restore.fresh_start import set_aside
 from .restore.job import readable_tiers, restore_job
 from .restore.plan import shard_needs
 from .restore.reshard import ReshardStats
-from .save.canary import Canary, avoided, reference
-from .save.canary import record_path as canary_path
-from .save.drain import Pace, SaveHandle
+from .save.canary import avoided, reference
+from .save.drain import SaveHandle
 from .save.durable import open_durable
 from .save.lineage import Lineage
 from .save.metrics import CheckpointMetrics
 from .save.offload import Offloader
-from .save.save_path import SavePath
 from .save.shm_budget import check_room, lazy_optimizer_bytes, refusal_of
 from .save.sweep import remove_leftovers, sweep_finished
 from .tiers.base import CheckpointId, DurableTier, TierReader
 from .tiers.memory import DEFAULT_SHM_DIR, MemoryTier, namespace_dir
 from .tiers.memory.copier import plan_layout
+from .wiring import wire_saves
 
 if TYPE_CHECKING:
     from .format.manifest import ShardManifest
@@ -147,26 +143,10 @@ class CheckpointManager:
         self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
         if self.metrics is not None:
             self.metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", "0")), metrics_addr)
-        # -- peer replicas (ckpt/peers): wiring only --
-        self.peering = None
-        if peers and self.world_size > 1:
-            from .peers.peering import Peering
-
-            self.peering = Peering(self.coord, peers=peers, node=node, owner_root=self._owner_root, run=self.run,
-                                   memory_dir=memory_dir, bytes_per_s=peer_bytes_per_s, timeout_s=peer_timeout_s,
-                                   registry=self.metrics.registry if self.metrics is not None else None,
-                                   object_store=self.object.location if self.object is not None else None,
-                                   avoid_at_risk=peer_avoid_at_risk)
-        self._saves = SavePath(rank=self.rank, world_size=self.world_size, memory=self.memory, disk=self.disk,
-                               offload=self._offload, committer=self.committer, peering=self.peering,
-                               metrics=self.metrics, threads=threads, chunk_bytes=self.chunk_bytes,
-                               replicated=self.replicated, overlap=overlap, verify=overlap_verify,
-                               pace=Pace(drain_interval_s),
-                               yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"),
-                               rank_local=tuple(rank_local), node=node_name(node), strike=partial(
-                                   strike, record_path(self._owner_root if self.disk else self._ns, self.run),
-                                   node_name(node)), canary=Canary(self.rank, self.world_size, canary_path(
-                                       self._owner_root if self.disk else self._ns, self.run), self.coord.any))
+        self.peering, self._saves = wire_saves(
+            self, memory_dir=memory_dir, node=node, peers=peers, peer_bytes_per_s=peer_bytes_per_s,
+            peer_timeout_s=peer_timeout_s, peer_avoid_at_risk=peer_avoid_at_risk, overlap_verify=overlap_verify,
+            drain_interval_s=drain_interval_s, rank_local=rank_local)
         if self._offload is not None:
             self._lineage.current()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small

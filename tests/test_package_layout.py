@@ -36,7 +36,7 @@ PACKAGES = {p.name: p for p in (
         {"save"},
         {"peers"},
         {"recovery", "interop"},
-        {"manager", "distributed", "dcp_reader", "quarantine", "policy"},
+        {"manager", "wiring", "distributed", "dcp_reader", "quarantine", "policy"},
         {"integrations", "inprocess", "cli", "simulate_cli", "goodput", "__init__"},
     ], max_top_level_modules=15, typing_imports_count=False),
     # the data's path: cli -> serve/alerts (hazard beside them) -> model -> ingest
