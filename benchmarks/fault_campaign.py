@@ -69,8 +69,8 @@ COLUMNS = ("fault", "mode", "detected", "detect_steps", "named", "restored_step"
 
 
 def table_line(r: dict) -> str:
-    if "skipped" in r:
-        return f"{r['fault']:<26} skipped: {r['skipped']}"
+    if "skipped" in r or "error" in r:
+        return f"{r['fault']:<26} {'skipped' if 'skipped' in r else 'ERROR'}: {r.get('skipped') or r['error'][:200]}"
     return " ".join(f"{str(r.get(k, '')):<{26 if k == 'fault' else 10}}" for k in COLUMNS)
 
 
@@ -110,7 +110,10 @@ def main() -> None:
             if fault in NOT_BUILT:
                 rows.append({"fault": fault, "skipped": NOT_BUILT[fault]})
             else:
-                rows.append({**FAULTS[fault](c), "wall_s": round(time.monotonic() - t0, 1)})
+                try:
+                    rows.append({**FAULTS[fault](c), "wall_s": round(time.monotonic() - t0, 1)})
+                except (SystemExit, Exception) as e:  # one broken row must not cost the others: it says why
+                    rows.append({"fault": fault, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
             print(f"{table_line(rows[-1])}  [{i}/{len(chosen)}, {time.monotonic() - t0:.0f} s]", file=sys.stderr,
                   flush=True)
         clean_step_s = c.clean_step_s

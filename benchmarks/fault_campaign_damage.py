@@ -30,7 +30,7 @@ def damage_disk_shard(memory_dir: Path, disk_root: Path, rank: int = 1) -> list[
     disk with one byte flipped: the restore must skip that step for the one before."""
     for p in memory_dir.iterdir():
         shutil.rmtree(p) if p.is_dir() else p.unlink()
-    newest = max(disk_root.glob("step-*"), key=lambda p: p.name)
-    shard = newest / f"rank-{rank:05d}.bin"
+    sealed = [p / f"rank-{rank:05d}.bin" for p in disk_root.glob("step-*") if (p / "manifest.json").exists()]
+    shard = max((p for p in sealed if p.exists() and p.stat().st_size), key=lambda p: p.parent.name)
     flip_middle_byte(shard)
     return [str(shard.relative_to(disk_root))]
