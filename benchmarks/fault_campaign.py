@@ -116,6 +116,8 @@ def main() -> None:
                     rows.append({"fault": fault, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
             print(f"{table_line(rows[-1])}  [{i}/{len(chosen)}, {time.monotonic() - t0:.0f} s]", file=sys.stderr,
                   flush=True)
+            if args.json not in (None, "-") and i < len(chosen):  # what ran so far survives an interrupted campaign
+                write_json(args.json, meta, rows, clean_step_s=c.clean_step_s, partial=f"{i} of {len(chosen)}")
         clean_step_s = c.clean_step_s
         shutil.rmtree(tmp, ignore_errors=True)
     write_json(args.json, meta, rows, clean_step_s=clean_step_s, total_s=round(time.monotonic() - t_all, 1))

@@ -29,10 +29,10 @@ STEPS, FAULT_AT = 8, 4
 SPARE = ["--nproc", "2", "--spares", "1"]
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
 # what a check that saw silent corruption would log (the sound-state work, issue 49 points 1-4):
-# a suspect snapshot, a non-finite one, replicas that differ, a failed canary
-SDC_SEEN = re.compile(r"suspect|non-?finite|not finite|replicas? (?:differ|disagree)|canary (?:failed|mismatch)",
-                      re.I)
-DAMAGE_SEEN = re.compile(r"is damaged|skipping step|checksum|mismatch", re.I)
+# a suspect snapshot, an unhealthy (non-finite) one, replicas that differ, a failed canary
+SDC_SEEN = re.compile(r"suspect|unhealthy|non-?finite|not finite|replicas? (?:differ|disagree)"
+                      r"|canary (?:failed|mismatch)", re.I)
+DAMAGE_SEEN = re.compile(r"is damaged|skipping step")  # a restore that met damaged bytes (ckpt/restore)
 
 
 @dataclass

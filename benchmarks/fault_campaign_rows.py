@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.fault_campaign_jobs import (
+    DAMAGE_SEEN,
     FAULT_AT,
     MODEL,
     REPO,
@@ -112,7 +113,7 @@ def relaunched(c: Campaign, fault: str, damage=None) -> dict:
     again = c.job(fault, SPARE, [])
     steps = restored_steps(again.log)
     restored = steps[0] if steps else None
-    damage_lines = [line for line in again.log.splitlines() if re.search(r"is damaged|skipping step", line)]
+    damage_lines = [line for line in again.log.splitlines() if DAMAGE_SEEN.search(line)]
     return row(fault, "relaunch", detected=bool(damage_lines) if damage else True, detect_steps=0 if damage_lines
                else None, named=None, restored_step=restored, steps_lost=None if restored is None else done - restored,
                relaunched=True, equal_to_clean=again.digests() == c.clean(), launcher_exit=first.returncode,
