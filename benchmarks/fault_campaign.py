@@ -113,6 +113,8 @@ def main() -> None:
                 try:
                     rows.append({**FAULTS[fault](c), "wall_s": round(time.monotonic() - t0, 1)})
                 except (SystemExit, Exception) as e:  # one broken row must not cost the others: it says why
+                    if isinstance(e, SystemExit) and not isinstance(e.code, str):
+                        raise  # SIGTERM (exit_on_sigterm), not a job's failure
                     rows.append({"fault": fault, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
             print(f"{table_line(rows[-1])}  [{i}/{len(chosen)}, {time.monotonic() - t0:.0f} s]", file=sys.stderr,
                   flush=True)
