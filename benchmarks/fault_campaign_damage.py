@@ -25,12 +25,13 @@ def damage_memory_slots(memory_dir: Path, disk_root: Path, min_bytes: int = 64 <
     return [str(p.relative_to(memory_dir)) for p in hit]
 
 
-def damage_disk_shard(memory_dir: Path, disk_root: Path, rank: int = 1) -> list[str]:
-    """The memory tier gone (a rebooted host) and rank ``rank``'s shard of the newest step on
-    disk with one byte flipped: the restore must skip that step for the one before."""
+def damage_disk_shard(memory_dir: Path, disk_root: Path) -> list[str]:
+    """The memory tier gone (a rebooted host) and the largest shard of the newest sealed step on
+    disk (rank 0's: it alone saves the replicated keys) with one byte flipped: the restore must
+    skip that step for the one before."""
     for p in memory_dir.iterdir():
         shutil.rmtree(p) if p.is_dir() else p.unlink()
-    sealed = [p / f"rank-{rank:05d}.bin" for p in disk_root.glob("step-*") if (p / "manifest.json").exists()]
-    shard = max((p for p in sealed if p.exists() and p.stat().st_size), key=lambda p: p.parent.name)
+    newest = max((p for p in disk_root.glob("step-*") if (p / "manifest.json").exists()), key=lambda p: p.name)
+    shard = max(newest.glob("rank-*.bin"), key=lambda p: p.stat().st_size)
     flip_middle_byte(shard)
     return [str(shard.relative_to(disk_root))]
