@@ -55,6 +55,11 @@ def children() -> list[int]:
     return out
 
 
+def flip_bit(t: torch.Tensor, bit: int = 22) -> None:
+    """Flip one bit of a float32 tensor's first element in place (a silent data corruption)."""
+    t.detach().view(-1)[:1].view(torch.int32).bitwise_xor_(1 << bit)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
@@ -71,6 +76,19 @@ def main() -> None:
                     help="at --kill-at, worker 0's predictor listener hears node_failed for this GPU of its node")
     ap.add_argument("--stall-worker", type=int, default=-1,
                     help="this worker sleeps at the end of step --kill-at: alive and beating, never stepping again")
+    ap.add_argument("--sdc", choices=("param", "optim", "nan_forward", "grad"), default=None,
+                    help="at --kill-at, worker --sdc-worker goes silently wrong once (benchmarks/fault_campaign.py): a "
+                    "bit flipped in a parameter after its optimizer step, in its optimizer state, a NaN loss from "
+                    "its forward, or a bit flipped in its local gradient before the all-reduce")
+    ap.add_argument("--sdc-worker", type=int, default=1)
+    ap.add_argument("--slow-worker", type=int, default=-1, help="this worker sleeps --slow-s per step (a straggler)")
+    ap.add_argument("--slow-s", type=float, default=0.3)
+    ap.add_argument("--kill-in-recovery", type=int, default=-1,
+                    help="this worker (a spare) SIGKILLs itself as it builds in round 1: a second fault in a recovery")
+    ap.add_argument("--lmr", action="store_true", help="after each step, lm-resiliency's C3 compares parameters and "
+                    "optimizer state across the ranks (its SDC check; events 'lmr')")
+    ap.add_argument("--listen", action="store_true",
+                    help="start the predictor listener (nothing listens at its address: the predictor is down)")
     ap.add_argument("--resume-step", type=int, default=None)
     ap.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower model)")
     ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
@@ -94,10 +112,15 @@ def main() -> None:
 
     emit(event="start")
     evicted: list[int] = []
-    listener = RiskListener("http://127.0.0.1:9", [node_name()], SaveRequests())  # never started: fed by hand
+    listener = RiskListener("http://127.0.0.1:9", [node_name()], SaveRequests())  # fed by hand; started: down
+    if args.listen:
+        listener.start()
     store = membership.worker_store(60.0)
 
     def build(ctx: Context) -> dict:
+        if worker == args.kill_in_recovery and ctx.round == 1:
+            emit(event="fault", step=None)
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.model == "gpt":
             model, optim = recovery_model.model()
             return {"model": model, "optim": optim, "ctx": ctx}
@@ -157,9 +180,14 @@ def main() -> None:
             listener.on_node_failed({"event": "node_failed", "node": node_name(), "gpu": gpu, "xid": 79,
                                      "reason": f"critical XID 79 on GPU {gpu}"})
         ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
+        sdc = args.sdc if worker == args.sdc_worker and i == args.kill_at and ctx.round == 0 and \
+            os.environ[membership.ATTEMPT_ENV] == "0" else None
+        if sdc:
+            emit(event="fault", step=i, sdc=sdc)
         optim.zero_grad()
         if args.model == "gpt":
-            recovery_model.loss(model, *recovery_model.batch(i, ctx.rank, ctx.world_size)).backward()
+            loss = recovery_model.loss(model, *recovery_model.batch(i, ctx.rank, ctx.world_size))
+            (loss * float("nan") if sdc == "nan_forward" else loss).backward()
         elif "loader" in objects:
             x, y = next_batch(objects)
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -169,17 +197,31 @@ def main() -> None:
             share = GLOBAL_BATCH // ctx.world_size
             mine = slice(ctx.rank * share, (ctx.rank + 1) * share)
             torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        if sdc == "grad":
+            flip_bit(next(model.parameters()).grad)
         for p in model.parameters():
             dist.all_reduce(p.grad)
             p.grad /= ctx.world_size
         optim.step()
-        if args.step_s:
-            time.sleep(args.step_s)
+        if sdc in ("param", "optim"):
+            flip_bit(next(model.parameters()) if sdc == "param" else next(iter(optim.state.values()))["exp_avg"])
+        if args.lmr:
+            lmr_check(model, optim, i + 1)
+        if args.step_s or worker == args.slow_worker:
+            time.sleep(args.step_s + (args.slow_s if worker == args.slow_worker else 0.0))
         if worker == args.stall_worker and i == args.kill_at:
             spares_ready()
             emit(event="fault", step=i)
             time.sleep(3600)  # the launcher's progress deadline must end it
         emit(event="step", step=i + 1, world=ctx.world_size)
+
+    def lmr_check(model: torch.nn.Module, optim: torch.optim.Optimizer, done: int) -> None:
+        from lm_resiliency.detection.c3 import C3  # on the path only in the campaign's lm-resiliency rows
+        t0 = time.perf_counter()
+        opt = [t for st in optim.state.values() for t in st.values() if t.dim()]
+        found = C3().run_tensor_groups({"params": [p.detach() for p in model.parameters()], "optim": opt})
+        emit(event="lmr", step=done, s=time.perf_counter() - t0,
+             **{k: {"status": r.status.value, "bitmap": list(r.bitmap)} for k, r in found.items()})
 
     def warm_up() -> None:  # a spare, while it waits: the first step's one-off costs, paid now
         objects = build(Context(0, 1, -1, worker))
@@ -200,7 +242,8 @@ def main() -> None:
                  resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,
                  warm_up=warm_up, listener=listener)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
-    emit(event="done", steps=result.steps_done, digest=digest.hexdigest(),
+    finite = all(bool(torch.isfinite(p).all()) for p in result.objects["model"].parameters())
+    emit(event="done", steps=result.steps_done, digest=digest.hexdigest(), finite=finite,
          world=result.objects["ctx"].world_size, children=len(children()))
     exit_rank(0)
 

@@ -1,0 +1,75 @@
+"""The fault campaign (benchmarks/fault_campaign.py) as tests: by default a cheap subset that
+covers distinct machinery (a killed rank recovered in process, a flipped parameter bit, a
+damaged disk shard after a killed launcher, a second fault during a recovery); the whole
+campaign with ``-m campaign``. Real launchers and gloo ranks; bounds are hang guards only.
+
+What is asserted is what every row must hold whatever the checks see: a fault that was
+recovered from ends bitwise equal to the clean run, and an SDC row never claims more than
+happened (an undetected flipped parameter leaves the replicas apart; a flipped gradient bit
+leaves them equal)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ckpt_helpers import REPO
+
+CHEAP = ["killed_rank", "sdc_param_bit", "disk_shard_damaged", "second_fault_in_recovery"]
+# the faults the job must survive ending bitwise equal to the clean run
+SURVIVED = {"killed_rank", "hung_rank", "lost_node", "vanished_node", "xid79", "second_fault_in_recovery",
+            "launcher_killed", "memory_slot_damaged", "disk_shard_damaged", "straggler", "predictor_agent_down"}
+KEYS = {"fault", "mode", "detected", "detect_steps", "named", "restored_step", "steps_lost", "relaunched",
+        "equal_to_clean"}
+
+
+def campaign(tmp_path: Path, faults: list[str] | None, timeout: float) -> dict:
+    out = tmp_path / "campaign.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "fault_campaign.py"), "--json", str(out),
+           *(["--faults", ",".join(faults)] if faults else [])]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+def check(rows: list[dict]) -> None:
+    for r in rows:
+        assert "error" not in r, r
+        if "skipped" in r:
+            assert r["skipped"], r
+            continue
+        assert KEYS <= set(r), r
+        assert r["mode"] in ("in-process", "relaunch"), r
+        if r["fault"] in SURVIVED:
+            assert r["equal_to_clean"], r
+        if r["fault"] in ("straggler", "predictor_agent_down"):  # slow or unadvised is not dead: nothing redone
+            assert r["restored_step"] is None and not r["relaunched"], r
+        elif r["fault"] in SURVIVED:
+            assert r["detected"] and r["restored_step"] is not None, r
+        if r["fault"] in ("sdc_param_bit", "sdc_optim_bit") and not r["detected"]:
+            assert not r["replicas_equal_at_end"], r  # the fault happened, and nothing saw it
+        if r["fault"] == "sdc_grad_bit":
+            assert r["replicas_equal_at_end"], r  # averaged into every gradient: no replica to compare
+        if r["fault"] == "sdc_nan_forward" and not r["detected"]:
+            assert not r["finite_at_end"], r
+
+
+@pytest.mark.timeout(3000)
+def test_cheap_subset_of_the_campaign(tmp_path: Path) -> None:
+    found = campaign(tmp_path, CHEAP, 2900)
+    assert [r["fault"] for r in found["rows"]] == CHEAP
+    assert found["meta"]["steps"] > found["meta"]["fault_at"]
+    check(found["rows"])
+
+
+@pytest.mark.campaign
+@pytest.mark.timeout(7200)
+def test_the_whole_campaign(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if "campaign" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the whole fault campaign runs with -m campaign (about 15 minutes on 2 idle cores)")
+    check(campaign(tmp_path, None, 7000)["rows"])
