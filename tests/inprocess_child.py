@@ -85,7 +85,9 @@ def main() -> None:
     ap.add_argument("--peers", type=int, default=0, help="peer replicas on other nodes (CKPT_GUARD_NODE)")
     ap.add_argument("--object-store", default=None, help="the job's shared object store (file://DIR)")
     args = ap.parse_args()
-    worker = int(os.environ["CKPT_INPROCESS_WORKER"])
+    inprocess = "CKPT_INPROCESS_WORKER" in os.environ  # else under plain torchrun: the same script, relaunched
+    worker = int(os.environ.get("CKPT_INPROCESS_WORKER", os.environ.get("RANK", "0")))
+    attempt = os.environ.get(membership.ATTEMPT_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     recovery_model = importlib.import_module("benchmarks.recovery_model") if args.model == "gpt" else None
 
     def emit(**event) -> None:
@@ -129,6 +131,8 @@ def main() -> None:
     def spares_ready() -> None:
         """The fault waits for the job's spares to be warm (a busy machine may still be importing
         torch in them): what is measured is a fault with a spare ready, not a start-up race."""
+        if not inprocess:  # torchrun has no spares
+            return
         spares = membership.wait_round(store, 0, 60.0).spares
         deadline = time.monotonic() + 300
         while not all(store.has(membership.ready_key(s)) for s in spares) and time.monotonic() < deadline:
@@ -140,7 +144,7 @@ def main() -> None:
             emit(event="fault", step=i)
             os.kill(os.getpid(), signal.SIGKILL)
         own_steps.append(i)
-        if worker == args.kill_worker and i == args.kill_at and os.environ[membership.ATTEMPT_ENV] == "0":
+        if worker == args.kill_worker and i == args.kill_at and attempt == "0":
             spares_ready()
             emit(event="fault", step=i)
             os.kill(os.getpid(), signal.SIGSTOP if args.hang else signal.SIGKILL)
