@@ -190,6 +190,7 @@ def main() -> None:
         sample = recovery_model.batch(0, 0, 1)[0] if recovery_model else torch.zeros(1, 16)
         objects["model"](sample).sum().backward()
         objects["optim"].step()
+        emit(event="warm")
 
     def on_recovery(r: Recovery) -> None:
         emit(event="recovery", leaked_groups=group.leaked(), **resources(), **r.__dict__)

@@ -71,6 +71,7 @@ def run_relaunched(build: Callable[[Context], T], step: Callable[[T, int], Any],
     mgr = CheckpointManager(**{"node_memory": True, **checkpoint})
     state = state_of(objects)
     restored = mgr.restore(state, step=resume_step if restart == 0 else None)
+    mgr.prepare(state)  # the slots sized in the background: the first save does not allocate them
     progress = Steps(restored or 0)
     marks = (t_start, t_group, t_build, time.monotonic())
     recoveries: list[Recovery] = []

@@ -60,9 +60,13 @@ class Job:
         # worker ids K * (nproc + spares) + i on node K: members first, then spares; nodes lost
         # in an earlier attempt take no part
         self.hosts = {k * per_node + i: k for k in range(args.nodes) if k not in lost for i in range(per_node)}
-        self.members = [w for w in self.hosts if w % per_node < n]
-        self.spares = [w for w in self.hosts if w % per_node >= n]
+        # the first nodes still there run the members; the last --spare-nodes only spares (a relaunch
+        # after a lost node moves its members onto a spare node)
+        working = sorted(set(self.hosts.values()))[:args.nodes - args.spare_nodes]
+        self.members = [w for w in self.hosts if w % per_node < n and self.hosts[w] in working]
+        self.spares = [w for w in self.hosts if w not in self.members]
         self.min_world, self.round, self.hang_s, self.nproc = args.min_world, 0, args.hang_s, n
+        self.working_nodes = args.nodes - args.spare_nodes
         self.finished: set[int] = set()
         self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
         self.lost = set(lost)
@@ -160,7 +164,7 @@ class Job:
 
     def can_relaunch(self) -> bool:
         """Whether the nodes left can run the job again (``--min-world`` members)."""
-        live = len(set(self.hosts.values()) - self.lost)
+        live = min(len(set(self.hosts.values()) - self.lost), self.working_nodes)
         if live * self.nproc < self.min_world:
             log.error("no relaunch: %d node(s) left, %d ranks, fewer than --min-world %d", live, live * self.nproc,
                       self.min_world)
@@ -224,6 +228,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--nproc", *_both("--nproc-per-node"), dest="nproc", type=_nproc, required=True,
                     help="training ranks per node")
     ap.add_argument("--spares", type=int, default=0, help="warm spare processes per node, started with the job")
+    ap.add_argument("--spare-nodes", type=int, default=0,
+                    help="of --nodes, how many run only spares (all their --nproc + --spares processes)")
     ap.add_argument("--nodes", *_both("--nnodes"), dest="nodes", type=_nodes, default=1,
                     help="nodes in the job, each running this command")
     ap.add_argument(*_both("--node-rank"), type=int, default=0, help="this node's; 0 runs the job launcher (the store)")
@@ -262,6 +268,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.master_addr, args.master_port = host, int(port)
     if not args.command or args.nproc < 1 or args.spares < 0:
         ap.error("give --nproc >= 1 and a training script")
+    if not 0 <= args.spare_nodes < args.nodes:
+        ap.error("give 0 <= --spare-nodes < --nodes")
     if not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.master_port):
         ap.error("give 0 <= --node-rank < --nodes, and --master-port with several nodes")
     return args

@@ -191,6 +191,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             state = state_of(objects)
             first = resume_step if current.round == 0 else None
             restored = mgr.restore(state, step=first)
+            mgr.prepare(state)  # the slots sized in the background: the first save does not allocate them
             progress.done = restored or 0
             marks = (t_join, t_group, t_build, time.monotonic())
             recovered = None if pending is None else partial(_finish, pending, current, ctx, restored, marks)
