@@ -96,7 +96,9 @@ class Job:
                 elif ended["code"] == 0:
                     self.finished.add(w)
                 elif ended["code"] == EXIT_FALLBACK:
-                    return False, f"worker {w} asked for a relaunch"
+                    key = membership.fallback_key(w)
+                    said = f": {self.store.get(key).decode()}" if self.store.check([key]) else ""
+                    return False, f"worker {w} asked for a relaunch{said}"
                 elif why := self._replace([w], f"worker {w} (rank {self.members.index(w)}) {ended['cause']}"):
                     return False, why
             if self.finished and self.finished >= set(self.members):
