@@ -230,6 +230,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                 mgr.abandon()  # waits for a drain in flight (checksum, disk write) to end: the slots it reads
             t_abandoned = time.monotonic()
             group.leave()
+            t_group_left = time.monotonic()
             del mgr
             gc.collect()  # the abandoned manager's cycles hold a store connection each: free them now
             t_left = time.monotonic()
@@ -239,7 +240,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                 raise FallBack(f"worker {worker} is not in round {nxt.round}") from e
             pending = (t_fault, nxt.reason, progress.done,
                        {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault, "abort_s": t_left - t_round,
-                        "abort_abandon_s": t_abandoned - t_round})
+                        "abort_abandon_s": t_abandoned - t_round, "abort_leave_s": t_group_left - t_abandoned})
             current = nxt
 
 
