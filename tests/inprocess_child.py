@@ -97,7 +97,7 @@ def main() -> None:
     emit(event="start")
     evicted: list[int] = []
     listener = RiskListener("http://127.0.0.1:9", [node_name()], SaveRequests())  # never started: fed by hand
-    store = membership.worker_store(60.0)
+    store = membership.worker_store(60.0) if inprocess else None  # under torchrun: no launcher, no store of ours
 
     def build(ctx: Context) -> dict:
         if args.model == "gpt":

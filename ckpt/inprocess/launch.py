@@ -96,8 +96,8 @@ class Job:
                 elif ended["code"] == 0:
                     self.finished.add(w)
                 elif ended["code"] == EXIT_FALLBACK:
-                    key = membership.fallback_key(w)
-                    said = f": {self.store.get(key).decode()}" if self.store.check([key]) else ""
+                    reason = self.store.get(membership.fallback_key(w))
+                    said = f": {reason.decode()}" if reason is not None else ""
                     return False, f"worker {w} asked for a relaunch{said}"
                 elif why := self._replace([w], f"worker {w} (rank {self.members.index(w)}) {ended['cause']}"):
                     return False, why

@@ -249,7 +249,7 @@ def _tell_launcher(reason: str) -> None:
     real cause, not only that a worker asked for a relaunch); best effort, the exit code says the rest."""
     try:
         store = membership.worker_store(5.0)
-        store.set(membership.fallback_key(int(os.environ[WORKER_ENV])), reason[:500])
+        store.put(membership.fallback_key(int(os.environ[WORKER_ENV])), reason[:500])
     except Exception as e:  # the launcher or its store is gone: nobody to tell
         log.debug("could not leave the fallback's reason: %s", e)
 
