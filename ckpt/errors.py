@@ -46,6 +46,11 @@ class Preempted(SystemExit):
         return f"preempted: step {self.step} is durable"
 
 
+class Abandoned(CheckpointError):
+    """A background wait on other ranks ended because the job's membership changed
+    (``ckpt.inprocess``): expected at every in-process recovery, so logged as news, not as an error."""
+
+
 class SnapshotChanged(CheckpointError):
     """An overlapped snapshot (``overlap=True``) was refused its seal: a saved tensor was
     written in place while it was being copied, before ``wait_staged()`` or the next

@@ -103,7 +103,9 @@ def main() -> None:
     ap.add_argument("--peers", type=int, default=0, help="peer replicas on other nodes (CKPT_GUARD_NODE)")
     ap.add_argument("--object-store", default=None, help="the job's shared object store (file://DIR)")
     args = ap.parse_args()
-    worker = int(os.environ["CKPT_INPROCESS_WORKER"])
+    inprocess = "CKPT_INPROCESS_WORKER" in os.environ  # else under plain torchrun: the same script, relaunched
+    worker = int(os.environ.get("CKPT_INPROCESS_WORKER", os.environ.get("RANK", "0")))
+    attempt = os.environ.get(membership.ATTEMPT_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     recovery_model = importlib.import_module("benchmarks.recovery_model") if args.model == "gpt" else None
 
     def emit(**event) -> None:
@@ -115,7 +117,7 @@ def main() -> None:
     listener = RiskListener("http://127.0.0.1:9", [node_name()], SaveRequests())  # fed by hand; started: down
     if args.listen:
         listener.start()
-    store = membership.worker_store(60.0)
+    store = membership.worker_store(60.0) if inprocess else None  # under torchrun: no launcher, no store of ours
 
     def build(ctx: Context) -> dict:
         if worker == args.kill_in_recovery and ctx.round == 1:
@@ -152,6 +154,8 @@ def main() -> None:
     def spares_ready() -> None:
         """The fault waits for the job's spares to be warm (a busy machine may still be importing
         torch in them): what is measured is a fault with a spare ready, not a start-up race."""
+        if not inprocess:  # torchrun has no spares
+            return
         spares = membership.wait_round(store, 0, 60.0).spares
         deadline = time.monotonic() + 300
         while not all(store.has(membership.ready_key(s)) for s in spares) and time.monotonic() < deadline:
@@ -163,7 +167,7 @@ def main() -> None:
             emit(event="fault", step=i)
             os.kill(os.getpid(), signal.SIGKILL)
         own_steps.append(i)
-        if worker == args.kill_worker and i == args.kill_at and os.environ[membership.ATTEMPT_ENV] == "0":
+        if worker == args.kill_worker and i == args.kill_at and attempt == "0":
             spares_ready()
             emit(event="fault", step=i)
             os.kill(os.getpid(), signal.SIGSTOP if args.hang else signal.SIGKILL)
@@ -228,6 +232,7 @@ def main() -> None:
         sample = recovery_model.batch(0, 0, 1)[0] if recovery_model else torch.zeros(1, 16)
         objects["model"](sample).sum().backward()
         objects["optim"].step()
+        emit(event="warm")
 
     def on_recovery(r: Recovery) -> None:
         emit(event="recovery", leaked_groups=group.leaked(), **resources(), **r.__dict__)

@@ -132,3 +132,4 @@ def test_a_job_that_cannot_shrink_is_relaunched_on_every_node(tmp_path):
     launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
     clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
     assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
+

@@ -24,6 +24,7 @@ import yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
+from ckpt.inprocess.launch import parse  # noqa: E402
 from predictor.alerts.actions.kubernetes import TAINT_KEY, drain_patch, standby_pod  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,6 +224,39 @@ def test_training_job_pods_match_the_api_schema() -> None:
         assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in container["ports"]
         node = next(e for e in container["env"] if e["name"] == "CKPT_GUARD_NODE")
         assert node["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_inprocess_job_matches_the_api_schema_and_the_launcher() -> None:
+    """deploy/k8s/training/inprocess-job.yaml: an Indexed Job whose pods are node launchers; one
+    failed pod fails its index only (no restart of the set); the job launcher is reached at pod 0
+    through the headless Service; the job's secret is a Secret mounted as a file, not argv."""
+    docs = documents(K8S / "training" / "inprocess-job.yaml")
+    for doc in docs:
+        validate(doc)
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    [job] = [d for d in docs if d["kind"] == "Job"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert spec["backoffLimitPerIndex"] == 0 and pod["restartPolicy"] == "Never"
+    assert [r["action"] for r in spec["podFailurePolicy"]["rules"]] == ["FailIndex"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    [container] = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    command = [c.replace("$(NODE_RANK)", "0") for c in container["command"]]
+    assert command[:3] == ["python", "-m", "ckpt.inprocess.launch"]
+    args = parse(command[3:])
+    assert args.nodes == spec["completions"] and 0 < args.spare_nodes < args.nodes
+    assert args.master_addr == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert args.master_port == service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"]
+    [secret] = [v for v in pod["volumes"] if "secret" in v]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == secret["name"]]
+    assert secret["secret"]["defaultMode"] == 0o400 and mount["readOnly"]
+    assert env["CKPT_JOB_SECRET_FILE"]["value"] == f"{mount['mountPath']}/{secret['secret']['items'][0]['path']}"
+    assert "CKPT_JOB_SECRET" not in env and not any("secret" in c.lower() for c in container["command"])
 
 
 if __name__ == "__main__":   # regenerate deploy/k8s/base/prometheusrule.yaml

@@ -3,6 +3,7 @@
     python -m ckpt.inprocess.launch --nproc 3 --spares 1 train.py [args]
     python -m ckpt.inprocess.launch --nodes 2 --node-rank 0 --master-addr H --master-port P --nproc 2 train.py [args]
     python -m ckpt.inprocess.launch --nodes 2 --node-rank 1 --master-addr H --master-port P --nproc 2 train.py [args]
+    python -m ckpt.inprocess.launch --nnodes 2 --nproc-per-node 2 --rdzv-endpoint H:P --node-rank 1 train.py
 
 torchrun's agent stops every local worker when one fails; this launcher keeps the healthy
 ones. The job launcher (node rank 0) hosts the job's store (MASTER_ADDR/MASTER_PORT for the
@@ -59,9 +60,13 @@ class Job:
         # worker ids K * (nproc + spares) + i on node K: members first, then spares; nodes lost
         # in an earlier attempt take no part
         self.hosts = {k * per_node + i: k for k in range(args.nodes) if k not in lost for i in range(per_node)}
-        self.members = [w for w in self.hosts if w % per_node < n]
-        self.spares = [w for w in self.hosts if w % per_node >= n]
+        # the first nodes still there run the members; the last --spare-nodes only spares (a relaunch
+        # after a lost node moves its members onto a spare node)
+        working = sorted(set(self.hosts.values()))[:args.nodes - args.spare_nodes]
+        self.members = [w for w in self.hosts if w % per_node < n and self.hosts[w] in working]
+        self.spares = [w for w in self.hosts if w not in self.members]
         self.min_world, self.round, self.hang_s, self.nproc = args.min_world, 0, args.hang_s, n
+        self.working_nodes = args.nodes - args.spare_nodes
         self.finished: set[int] = set()
         self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
         self.lost = set(lost)
@@ -91,7 +96,9 @@ class Job:
                 elif ended["code"] == 0:
                     self.finished.add(w)
                 elif ended["code"] == EXIT_FALLBACK:
-                    return False, f"worker {w} asked for a relaunch"
+                    reason = self.store.get(membership.fallback_key(w))
+                    said = f": {reason.decode()}" if reason is not None else ""
+                    return False, f"worker {w} asked for a relaunch{said}"
                 elif why := self._replace([w], f"worker {w} (rank {self.members.index(w)}) {ended['cause']}"):
                     return False, why
             if self.finished and self.finished >= set(self.members):
@@ -159,7 +166,7 @@ class Job:
 
     def can_relaunch(self) -> bool:
         """Whether the nodes left can run the job again (``--min-world`` members)."""
-        live = len(set(self.hosts.values()) - self.lost)
+        live = min(len(set(self.hosts.values()) - self.lost), self.working_nodes)
         if live * self.nproc < self.min_world:
             log.error("no relaunch: %d node(s) left, %d ranks, fewer than --min-world %d", live, live * self.nproc,
                       self.min_world)
@@ -181,15 +188,64 @@ class Job:
         self.lifelines.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+# torchrun's options this launcher has no counterpart for, refused by name (with why) rather than ignored
+_REFUSED = {
+    "--rdzv-conf": "the job launcher's store is the rendezvous", "--max-nodes": "no elastic node count",
+    "--min-nodes": "no elastic node count", "--role": "one role", "--no-python": "workers run the script in python",
+    "--module": "give the script's path", "--run-path": "give the script's path", "--local-addr": "no such choice",
+    "--logs-specs": "workers write to the node launcher's stdout/stderr",
+    "--log-dir": "workers write to the node launcher's stdout/stderr",
+    "--redirects": "workers write to the node launcher's stdout/stderr",
+    "--tee": "workers write to the node launcher's stdout/stderr",
+}
+
+
+def _nodes(text: str) -> int:
+    """``--nnodes``: a fixed count; torchrun's elastic ``MIN:MAX`` is refused by name."""
+    if ":" in text:
+        lo, _, hi = text.partition(":")
+        if lo != hi:
+            raise argparse.ArgumentTypeError(f"elastic --nnodes {text} is not supported: give a fixed node count "
+                                             "(the job shrinks in process down to --min-world instead)")
+        text = lo
+    return int(text)
+
+
+def _nproc(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--nproc-per-node {text} is not supported: give a number")
+    return int(text)
+
+
+def _both(name: str) -> list[str]:
+    """torchrun spells each option with dashes and with underscores: both are accepted."""
+    return [name, "--" + name[2:].replace("-", "_")] if "-" in name[2:] else [name]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The launcher's options, torchrun's among them for what the two share (``--nnodes``,
+    ``--nproc-per-node``, ``--rdzv-endpoint``, ``--master-addr``/``--master-port``,
+    ``--node-rank``, ``--max-restarts``), so a torchrun line changes by one word."""
     ap = argparse.ArgumentParser(prog="python -m ckpt.inprocess.launch", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, required=True, help="training ranks per node")
+    ap.add_argument("--nproc", *_both("--nproc-per-node"), dest="nproc", type=_nproc, required=True,
+                    help="training ranks per node")
     ap.add_argument("--spares", type=int, default=0, help="warm spare processes per node, started with the job")
-    ap.add_argument("--nodes", type=int, default=1, help="nodes in the job, each running this command")
-    ap.add_argument("--node-rank", type=int, default=0, help="this node's; 0 runs the job launcher (the store)")
-    ap.add_argument("--master-addr", default="127.0.0.1",
+    ap.add_argument("--spare-nodes", type=int, default=0,
+                    help="of --nodes, how many run only spares (all their --nproc + --spares processes)")
+    ap.add_argument("--nodes", *_both("--nnodes"), dest="nodes", type=_nodes, default=1,
+                    help="nodes in the job, each running this command")
+    ap.add_argument(*_both("--node-rank"), type=int, default=0, help="this node's; 0 runs the job launcher (the store)")
+    ap.add_argument(*_both("--master-addr"), default="127.0.0.1",
                     help="the job launcher's host as every node reaches it (its workers announce it to peers)")
-    ap.add_argument("--master-port", type=int, default=0, help="the job's store port (any free one on one node)")
+    ap.add_argument(*_both("--master-port"), type=int, default=0,
+                    help="the job's store port (any free one on one node)")
+    ap.add_argument(*_both("--rdzv-endpoint"), default=None, metavar="HOST:PORT",
+                    help="torchrun's spelling of --master-addr HOST --master-port PORT")
+    ap.add_argument(*_both("--rdzv-backend"), choices=("c10d", "static"), default=None,
+                    help="accepted: the job launcher's store is the rendezvous (a TCP store, as c10d's)")
+    ap.add_argument(*_both("--rdzv-id"), default=None, help="accepted and unused (the store names the job)")
+    ap.add_argument("--standalone", action="store_true", help="accepted: one node, a free port (the default)")
+    ap.add_argument(*_both("--monitor-interval"), type=float, default=None, help="accepted and unused")
     ap.add_argument("--min-world", type=int, default=1, help="relaunch rather than shrink below this")
     ap.add_argument("--hang-s", type=float, default=10.0,
                     help="kill a member whose beat (every 0.2 s) and CPU time stopped this long (a frozen "
@@ -197,21 +253,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress-s", type=float, default=None,
                     help="evict a member left behind by the others (alive, not stepping) after this long "
                          "(default: the watchdog's policy, 5 x the median step, at least 10 s)")
-    ap.add_argument("--relaunches", type=int, default=1,
+    ap.add_argument("--relaunches", *_both("--max-restarts"), dest="relaunches", type=int, default=1,
                     help="whole-job relaunches, on every node still there, when in-process recovery fails")
+    for name in _REFUSED:
+        ap.add_argument(*_both(name), dest=f"refused_{name[2:]}", nargs="?", const=True, default=None,
+                        help=argparse.SUPPRESS)
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = ap.parse_args(argv)
+    for name, why in _REFUSED.items():
+        if getattr(args, f"refused_{name[2:]}") is not None:
+            ap.error(f"torchrun's {name} is not supported by the in-process launcher: {why}")
+    if args.rdzv_endpoint:
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            ap.error(f"--rdzv-endpoint {args.rdzv_endpoint}: give HOST:PORT")
+        args.master_addr, args.master_port = host, int(port)
     if not args.command or args.nproc < 1 or args.spares < 0:
         ap.error("give --nproc >= 1 and a training script")
+    if not 0 <= args.spare_nodes < args.nodes:
+        ap.error("give 0 <= --spare-nodes < --nodes")
     if not 0 <= args.node_rank < args.nodes or (args.nodes > 1 and not args.master_port):
         ap.error("give 0 <= --node-rank < --nodes, and --master-port with several nodes")
+    return args
+
+
+def _job_secret(args: argparse.Namespace) -> None:
+    """The job's secret must be there (made for one node; every node's the same for several):
+    otherwise a one-line error, exit 2, as for a bad option."""
     try:
         job_secret = secret.ensure() if args.nodes == 1 else secret.load()
     except secret.SecretError as e:
-        ap.error(str(e))
+        _refuse(str(e))
     if job_secret is None:
-        ap.error(f"--nodes {args.nodes}: give every node the same job secret in {secret.SECRET_FILE_ENV} (a file) "
-                 f"or {secret.SECRET_ENV}, never on the command line (docs/security.md)")
+        _refuse(f"--nodes {args.nodes}: give every node the same job secret in {secret.SECRET_FILE_ENV} (a file) "
+                f"or {secret.SECRET_ENV}, never on the command line (docs/security.md)")
+
+
+def _refuse(why: str) -> None:
+    print(f"python -m ckpt.inprocess.launch: error: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    _job_secret(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     raise_fd_limit()
     if args.node_rank:

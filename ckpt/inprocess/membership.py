@@ -80,6 +80,11 @@ def exit_key(worker: int) -> str:
     return f"{PREFIX}/exit/{worker}"
 
 
+def fallback_key(worker: int) -> str:
+    """Why ``worker`` asked for a relaunch (``EXIT_FALLBACK``): the launcher's last line says it."""
+    return f"{PREFIX}/fallback/{worker}"
+
+
 def node_key(node: int) -> str:
     """Each node launcher writes it anew every ``BEAT_S``: a silent node is a lost node."""
     return f"{PREFIX}/node/{node}"

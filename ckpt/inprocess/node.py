@@ -56,7 +56,9 @@ class NodeLauncher:
         if first is None:
             raise RuntimeError(f"node {node}: the job launcher published no first round")
         self.current = first
-        self.env = {**os.environ, "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+        # as torchrun: one OpenMP thread per worker unless the user says otherwise (several workers
+        # share the node's cores; the same thread count also makes a run bitwise equal under either)
+        self.env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
                     "WORLD_SIZE": str(len(first.members)), membership.ATTEMPT_ENV: str(attempt),
                     LAUNCHER_ENV: str(os.getpid())}
         self.procs: dict[int, subprocess.Popen] = {}

@@ -29,6 +29,7 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import torch.distributed.checkpoint.state_dict  # noqa: F401 - a shrink's restore needs it: imported then, 0.05 s
 
+from ..errors import CheckpointError
 from ..integrations.risk import RiskListener
 from ..manager import CheckpointManager
 from ..peers.placement import node_name
@@ -149,6 +150,7 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
                     listener=listener)
     except FallBack as e:
         log.error("ckpt-guard inprocess: falling back to a relaunch: %s", e)
+        _tell_launcher(str(e))
         flush_logs()
         os._exit(EXIT_FALLBACK)
 
@@ -180,6 +182,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
         ctx = Context(rank, len(current.members), current.round, worker)
         mgr: CheckpointManager | None = None
         progress = Steps()
+        restoring = False
         try:
             group.join(store.store, current.round, rank, len(current.members), collective_timeout_s)
             t_group = time.monotonic()
@@ -190,7 +193,10 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             watched.round, watched.mgr = current.round, mgr
             state = state_of(objects)
             first = resume_step if current.round == 0 else None
+            restoring = True
             restored = mgr.restore(state, step=first)
+            restoring = False
+            mgr.prepare(state)  # the slots sized in the background: the first save does not allocate them
             progress.done = restored or 0
             marks = (t_join, t_group, t_build, time.monotonic())
             recovered = None if pending is None else partial(_finish, pending, current, ctx, restored, marks)
@@ -208,15 +214,23 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                           _short(e))
                 flush_logs()
                 os._exit(EXIT_LEAVE)
+            # a restore refused by the checkpoints (no copy of a shard: not a peer's death) gets
+            # no new round: wait only briefly for one (a peer lost meanwhile) before saying why
+            wait_s = min(membership_timeout_s, 2.0) if restoring and isinstance(e, CheckpointError) else \
+                membership_timeout_s
             nxt = membership.latest_after(store, current.round) or membership.wait_round(
-                store, current.round + 1, membership_timeout_s)
+                store, current.round + 1, wait_s)
+            if nxt is None and restoring:
+                raise FallBack(f"rank {rank} cannot restore: {_short(e, 2)}") from e
             if nxt is None:
                 raise FallBack(f"rank {rank} failed at step {progress.done} ({e}) and no new membership came "
                                f"within {membership_timeout_s:.0f} s") from e
             t_round = time.monotonic()
             if mgr is not None:
-                mgr.abandon()
+                mgr.abandon()  # waits for a drain in flight (checksum, disk write) to end: the slots it reads
+            t_abandoned = time.monotonic()
             group.leave()
+            t_group_left = time.monotonic()
             del mgr
             gc.collect()  # the abandoned manager's cycles hold a store connection each: free them now
             t_left = time.monotonic()
@@ -225,8 +239,19 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             if nxt.rank_of(worker) is None:
                 raise FallBack(f"worker {worker} is not in round {nxt.round}") from e
             pending = (t_fault, nxt.reason, progress.done,
-                       {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault, "abort_s": t_left - t_round})
+                       {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault, "abort_s": t_left - t_round,
+                        "abort_abandon_s": t_abandoned - t_round, "abort_leave_s": t_group_left - t_abandoned})
             current = nxt
+
+
+def _tell_launcher(reason: str) -> None:
+    """Leave the reason of a fallback where the launcher reads it (its last line names the
+    real cause, not only that a worker asked for a relaunch); best effort, the exit code says the rest."""
+    try:
+        store = membership.worker_store(5.0)
+        store.put(membership.fallback_key(int(os.environ[WORKER_ENV])), reason[:500])
+    except Exception as e:  # the launcher or its store is gone: nobody to tell
+        log.debug("could not leave the fallback's reason: %s", e)
 
 
 def die_with_launcher() -> None:
@@ -324,5 +349,7 @@ def _must_leave(e: BaseException) -> bool:
     return "CUDA error" in text and any(s in text for s in _STICKY)
 
 
-def _short(e: BaseException) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+def _short(e: BaseException, lines: int = 1) -> str:
+    """The first ``lines`` of an error's text (a restore's refusal says why on its second)."""
+    return " / ".join(line.strip() for line in str(e).splitlines()[:lines])[:100 + 200 * lines] if str(e) else \
+        type(e).__name__

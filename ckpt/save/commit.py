@@ -31,7 +31,7 @@ from collections import defaultdict
 from datetime import timedelta
 from typing import Callable, Mapping
 
-from ..errors import CheckpointError
+from ..errors import Abandoned, CheckpointError
 from ..format.health import classify, newest_verified
 from ..format.manifest import Manifest, ShardRef
 from ..tiers.base import CheckpointId, DurableTier
@@ -150,7 +150,7 @@ class Committer:
         try:
             while not store.check(keys):
                 if self.abandoned.is_set():
-                    raise CheckpointError(f"abandoned waiting for {what}: the job's membership changed")
+                    raise Abandoned(f"abandoned waiting for {what}: the job's membership changed")
                 if time.monotonic() >= deadline:
                     raise CheckpointError(f"timed out after {self._timeout.total_seconds():.0f} s waiting for {what}")
                 time.sleep(pause)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
-from ..errors import BackgroundError
+from ..errors import Abandoned, BackgroundError
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,9 @@ class Drainer:
             try:
                 job.run()
             except BaseException as e:  # kept for the next save()/wait()
-                log.error("background save of step %d failed: %s", job.handle.step, e)
+                # an abandoned wait (a recovery under way) is news, not a failure a user acts on
+                log.log(logging.INFO if isinstance(e, Abandoned) else logging.ERROR,
+                        "background save of step %d failed: %s", job.handle.step, e)
                 job.handle.fail(e)
                 with self._lock:
                     self._errors.append((job.handle.step, e))

@@ -177,6 +177,7 @@ class SlotPool:
             raise ValueError("at least two slots: a snapshot must never overwrite the last complete one")
         self.dir = rank_dir(ns, rank)
         self.rank = rank
+        self.waited = False  # a save has waited for a slot to drain (said once)
         self._lock_fd = self._take_lock()
         _LOCKS_HELD.add(self._lock_fd)
         for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
@@ -276,8 +277,10 @@ class SlotPool:
         slot = min(candidates, key=lambda s: (not s.idle.is_set(), s.capacity == 0, s.holds or (-1, -1)))
         waited = 0.0
         if not slot.idle.is_set():
-            log.warning("save(%d) waits for the previous checkpoint to leave memory (the drain is slower than the "
-                        "save interval)", step)
+            # once per pool: the advice (save less often, or a faster drain) does not change with each save
+            log.log(logging.DEBUG if self.waited else logging.WARNING, "save(%d) waits for the previous checkpoint "
+                    "to leave memory (the drain is slower than the save interval; said once)", step)
+            self.waited = True
             t0 = time.monotonic()
             slot.idle.wait()
             waited = time.monotonic() - t0
