@@ -23,6 +23,7 @@ from .restore.listing import merge_listing, optimizer_layouts, shm_usage
 from .restore.plan import Inventory, RestorePlan, ShardNeed
 from .simulate_cli import simulate_cmd
 from .tiers.base import CheckpointId, TierReader, complete_shards
+from .tiers.fsutil import made_for
 from .tiers.local import LocalDiskTier
 from .tiers.locations import durable_tier_for, is_url, tiers_for
 from .tiers.memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
@@ -174,8 +175,13 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
         if target.root.is_dir() else []
     if linked:  # writing a step there would write wherever it points
         raise CheckpointError(f"{linked[0]} is a symlink; refusing to restore through it (remove it first)")
-    target.root.mkdir(parents=True, exist_ok=True)
+    with made_for(dest):  # a restore that fails leaves no folder it made
+        _restore_into(root, step, target, already, run, memory_dir, as_json)
 
+
+def _restore_into(root: str, step: int | None, target: LocalDiskTier, already: set, run: str | None,
+                  memory_dir: str, as_json: bool) -> None:
+    """The restore itself, into a DEST that exists: split out so that a failure removes a DEST made for it."""
     def copy(plan: RestorePlan) -> None:
         total = 2 * sum(r.data_bytes for s in plan.shards for r in s.sources[0].read_manifest(plan.ckpt_id).shards
                         if r.rank == s.rank)  # copied, then verified

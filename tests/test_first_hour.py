@@ -17,8 +17,8 @@ _WITHOUT = "import sys; sys.modules.update(dict.fromkeys({mods!r})); sys.argv[0]
 
 
 def ckpt(*args: str, without: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m ckpt.cli ARGS``; the timeout is a hang guard only."""
-    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    """``python -m ckpt.cli ARGS`` in ``env`` (default: this one); the timeout is a hang guard only."""
+    full = {**(os.environ if env is None else env), "PYTHONPATH": str(REPO)}
     cmd = ["-c", _WITHOUT.format(mods=list(without)), *args] if without else ["-m", "ckpt.cli", *args]
     return subprocess.run([sys.executable, *cmd], cwd=REPO, env=full, capture_output=True, text=True, timeout=120)
 
@@ -31,7 +31,8 @@ def one_error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("url, package, extra", [("s3://bucket/run", "s3fs", "s3"), ("gs://bucket/run", "gcsfs", "gcs")])
+@pytest.mark.parametrize("url, package, extra", [("s3://bucket/run", "s3fs", "s3"),
+                                                 ("gs://bucket/run", "gcsfs", "gcs")])
 def test_a_store_url_without_its_driver_names_the_extra(url: str, package: str, extra: str) -> None:
     line = one_error_line(ckpt("ls", url, without=("s3fs", "gcsfs")))
     assert package in line and f"ckpt-guard[{extra}]" in line
@@ -46,8 +47,19 @@ def test_s3_without_credentials_fails_at_once_naming_them(tmp_path: Path) -> Non
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
                AWS_EC2_METADATA_DISABLED="true", HOME=str(tmp_path))
-    full = {**env, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "ckpt.cli", "ls", "s3://bucket/run"], cwd=REPO, env=full,
-                       capture_output=True, text=True, timeout=120)  # retried for 15 min before: the guard catches it
-    line = one_error_line(r)
+    line = one_error_line(ckpt("ls", "s3://bucket/run", env=env))  # retried for 15 min before
     assert "no AWS credentials" in line and "AWS_ACCESS_KEY_ID" in line
+
+
+def test_a_failed_restore_leaves_no_folder_it_made_and_keeps_one_that_was_there(tmp_path: Path) -> None:
+    empty_root = tmp_path / "run"
+    empty_root.mkdir()
+    made = tmp_path / "new" / "restored"
+    r = ckpt("restore", str(empty_root), "--to", str(made), "--memory-dir", str(tmp_path / "no-shm"))
+    assert "no checkpoint" in one_error_line(r)
+    assert not (tmp_path / "new").exists()  # neither DEST nor the parent made for it
+    there = tmp_path / "there"
+    there.mkdir()
+    r = ckpt("restore", str(empty_root), "--to", str(there), "--json", "--memory-dir", str(tmp_path / "no-shm"))
+    assert r.returncode == 1 and json.loads(r.stdout)["exit_code"] == 1, r.stdout + r.stderr
+    assert there.is_dir()
