@@ -16,6 +16,8 @@ from typing import Iterator
 import click
 from tqdm import tqdm
 
+from telemetry.cli_group import role_group
+
 from .errors import CheckpointError, DamagedCheckpoint
 from .format.manifest import Manifest, ShardRef
 from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
@@ -34,7 +36,17 @@ _memdir = click.option("--memory-dir", default=DEFAULT_SHM_DIR, show_default=Tru
 _json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(role_group("train")):
+    """Errors as every command reports them (``error: …``); a refusal of the engine is one of them."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except CheckpointError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Inspect and recover ckpt-guard checkpoints."""
 
@@ -203,7 +215,7 @@ def _restore_into(root: str, step: int | None, target: LocalDiskTier, already: s
                            lambda world: [ShardNeed(r) for r in range(world)], copy, step=step, on_skip=skip)
     if found is None:
         what = "" if step is None else f" for step {step}"
-        _fail(as_json, f"no checkpoint{what} in {root}", 1)
+        raise click.ClickException(f"no checkpoint{what} in {root}")
     plan = found[0]
     out = {"step": plan.ckpt_id.step, "generation": plan.ckpt_id.generation,
            "from": sorted({s.sources[0].name for s in plan.shards}), "to": str(target.root), "skipped": skipped}
@@ -387,29 +399,9 @@ def _gc_orphans(memory_dir: str, force: bool, as_json: bool) -> None:
 cli.add_command(simulate_cmd)
 
 
-def _fail(as_json: bool, message: str, code: int) -> None:
-    """An error as the command's output is: with --json, ``{"error", "exit_code"}`` on stdout."""
-    if as_json:
-        click.echo(json.dumps({"error": message, "exit_code": code}))
-    else:
-        click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
 def main() -> None:
-    """Errors exit 1 (2: usage); with --json they are JSON, as the output a script parses."""
-    as_json = "--json" in sys.argv[1:]
-    try:
-        code = cli.main(standalone_mode=not as_json)  # standalone: click prints usage errors and exits
-    except click.ClickException as e:  # --json only
-        _fail(True, e.format_message(), e.exit_code)
-    except click.Abort:
-        _fail(True, "aborted", 1)
-    except CheckpointError as e:
-        _fail(as_json, str(e), 1)
-    except ModuleNotFoundError as e:  # a base install: the engine's own imports need torch
-        _fail(as_json, f"{e}: this command needs the checkpoint engine: pip install 'ckpt-guard[train]'", 1)
-    sys.exit(code if isinstance(code, int) else 0)
+    """Errors exit 1 (2: usage), one line ``error: …``; with --json they are JSON, as the output a script parses."""
+    cli()
 
 
 if __name__ == "__main__":

@@ -63,3 +63,17 @@ def test_a_failed_restore_leaves_no_folder_it_made_and_keeps_one_that_was_there(
     r = ckpt("restore", str(empty_root), "--to", str(there), "--json", "--memory-dir", str(tmp_path / "no-shm"))
     assert r.returncode == 1 and json.loads(r.stdout)["exit_code"] == 1, r.stdout + r.stderr
     assert there.is_dir()
+
+
+@pytest.mark.parametrize("module, args, code", [
+    ("ckpt.cli", ("ls",), 2),                                   # usage: click's own three lines before
+    ("ckpt.cli", ("verify", "/no/such/root"), 2),
+    ("predictor.cli", ("eval", "--trace", "/no/such/trace"), 2),
+    ("agents.cli", ("simulate", "--nodes", "0", "--out", "/tmp/x"), 2),
+])
+def test_every_command_reports_an_error_as_one_line_starting_error(module: str, args: tuple, code: int) -> None:
+    r = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == code, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], r.stderr
