@@ -77,3 +77,15 @@ def test_every_command_reports_an_error_as_one_line_starting_error(module: str, 
     assert r.returncode == code, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], r.stderr
+
+
+def test_predictor_serve_without_tokens_says_so_before_loading_the_server() -> None:
+    """Said at once: the tokens are read before the server's imports (the model's libraries took 15 s
+    on a busy machine). No timing asserted: the import log shows that they were never loaded."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_GUARD_", "PREDICTOR_"))}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "predictor.cli", "serve", "--port", "1"], cwd=REPO,
+                       env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(errors) == 1 and errors[0].startswith("error: no tokens"), errors
+    assert "predictor.serve.server" not in r.stderr and "sklearn" not in r.stderr
