@@ -89,3 +89,16 @@ def test_predictor_serve_without_tokens_says_so_before_loading_the_server() -> N
     errors = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
     assert len(errors) == 1 and errors[0].startswith("error: no tokens"), errors
     assert "predictor.serve.server" not in r.stderr and "sklearn" not in r.stderr
+
+
+def test_the_data_docs_hazard_md_runs_on_is_where_it_says() -> None:
+    """Its commands run from the repository's root: every data path they name is there (../shared
+    beside the repository, as in CI; the page says where to get it elsewhere)."""
+    import re
+
+    text = (REPO / "docs" / "hazard.md").read_text()
+    paths = set(re.findall(r"(?<![\w/.])(\.\./shared/data/[\w./-]+\w)", text))
+    assert paths and not re.search(r"(?<![\w/.])shared/data/", text.replace("../shared/data/", "")), paths
+    if not (REPO.parent / "shared" / "data").is_dir():
+        pytest.skip("../shared/data is not beside this checkout")
+    assert [p for p in paths if not (REPO / p).exists()] == []
