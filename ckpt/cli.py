@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterator
 
 import click
@@ -23,6 +23,7 @@ from .format.manifest import Manifest, ShardRef
 from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
 from .restore.listing import merge_listing, optimizer_layouts, shm_usage
 from .restore.plan import Inventory, RestorePlan, ShardNeed
+from .restore.verdicts import apply_verdicts, read_verdicts, record_verdicts
 from .simulate_cli import simulate_cmd
 from .tiers.base import CheckpointId, TierReader, complete_shards
 from .tiers.fsutil import made_for
@@ -88,7 +89,7 @@ def ls_cmd(root: str | None, run: str | None, memory_dir: str, memory: bool, as_
         return
     _must_exist(root)
     tiers = tiers_for(root, run=run, memory_dir=memory_dir)
-    rows = merge_listing(tiers)
+    rows = merge_listing(tiers) if is_url(root) else apply_verdicts(merge_listing(tiers), read_verdicts(root))
     for r in rows:
         if r["status"] == "complete":
             r["optimizers"] = optimizer_layouts(tiers, r)  # "by position": restores only when asked (match_by_position)
@@ -157,6 +158,9 @@ def verify_cmd(root: str, step: int | None, run: str | None, memory_dir: str, as
                     row.update(status="damaged", file=tier.location, reason=str(e))
             results.append(row)
     damaged = [r for r in results if r["status"] == "damaged"]
+    if results and not is_url(root):
+        with suppress(OSError):  # a read-only root: the verdict is printed, not kept for ls
+            record_verdicts(root, results)
     lines = [f"step {r['step']} ({r['tier']}): {r['status']}"
              + (f": {r['file']}: {r['reason']}" if r["status"] == "damaged" else "")
              for r in sorted(results, key=lambda r: (r["generation"], r["step"]))]

@@ -102,3 +102,28 @@ def test_the_data_docs_hazard_md_runs_on_is_where_it_says() -> None:
     if not (REPO.parent / "shared" / "data").is_dir():
         pytest.skip("../shared/data is not beside this checkout")
     assert [p for p in paths if not (REPO / p).exists()] == []
+
+
+def test_ls_shows_what_verify_found_damaged_and_what_it_found_sound(root: Path, shm_dir: str, tmp_path: Path) -> None:
+    """The commit's seal does not cover the data: a flipped data byte lists as complete until
+    verify reads it; from then on ls says damaged (and checked, for the sound step)."""
+    from ckpt import CheckpointManager
+    from tests.ckpt_helpers import ckpt_dir, flip_byte, step_state
+
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
+        for step in (1, 2):
+            mgr.save(step, step_state(step))
+        mgr.wait()
+    flip_byte(ckpt_dir(root, 1) / "rank-00000.bin", 12345)
+    slots = ("--memory-dir", str(tmp_path / "no-slots"))
+
+    def ls() -> dict[int, str]:
+        r = ckpt("ls", str(root), *slots, "--json")
+        assert r.returncode == 0, r.stderr
+        return {row["step"]: row["status"] for row in json.loads(r.stdout)}
+
+    assert ls() == {1: "complete", 2: "complete"}
+    assert ckpt("verify", str(root), *slots).returncode == 1
+    assert ls() == {1: "damaged", 2: "checked"}
+    text = ckpt("ls", str(root), *slots)
+    assert "found damaged by ckpt verify" in text.stdout, text.stdout
