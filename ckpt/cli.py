@@ -19,13 +19,13 @@ from tqdm import tqdm
 from telemetry.cli_group import role_group
 
 from .errors import CheckpointError, DamagedCheckpoint
-from .format.manifest import Manifest, ShardRef
-from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
+from .restore.copy_into import copy_verified
+from .restore.execute import DAMAGE, LOCAL, restore_agreed
 from .restore.listing import merge_listing, optimizer_layouts, shm_usage
 from .restore.plan import Inventory, RestorePlan, ShardNeed
 from .restore.verdicts import apply_verdicts, read_verdicts, record_verdicts
 from .simulate_cli import simulate_cmd
-from .tiers.base import CheckpointId, TierReader, complete_shards
+from .tiers.base import CheckpointId, complete_shards
 from .tiers.fsutil import made_for
 from .tiers.local import LocalDiskTier
 from .tiers.locations import durable_tier_for, is_url, tiers_for
@@ -203,7 +203,7 @@ def _restore_into(root: str, step: int | None, target: LocalDiskTier, already: s
                         if r.rank == s.rank)  # copied, then verified
         try:
             with _progress(total, f"restore step {plan.ckpt_id.step}", as_json) as bar:
-                _copy_verified(plan, target, bar.update)
+                copy_verified(plan, target, bar.update)
         except BaseException:
             if plan.ckpt_id not in already:
                 target.delete(plan.ckpt_id)  # the uncommitted part copy
@@ -224,35 +224,6 @@ def _restore_into(root: str, step: int | None, target: LocalDiskTier, already: s
     out = {"step": plan.ckpt_id.step, "generation": plan.ckpt_id.generation,
            "from": sorted({s.sources[0].name for s in plan.shards}), "to": str(target.root), "skipped": skipped}
     _emit(as_json, out, f"restored step {out['step']} from {', '.join(out['from'])} into {out['to']}")
-
-
-def _copy_verified(plan: RestorePlan, target: LocalDiskTier, progress) -> None:
-    """Copy every shard from its first sound source, check the copy against the source
-    manifest's checksums, then commit: each byte crosses the network once, and nothing
-    unverified is committed."""
-    ckpt_id = plan.ckpt_id
-    refs = [first_sound(s, ckpt_id, lambda tier, s=s: _copy_shard(tier, target, ckpt_id, s.rank, progress))
-            for s in plan.shards]
-    target.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, plan.world_size, refs))
-
-
-def _copy_shard(source: TierReader, target: LocalDiskTier, ckpt_id: CheckpointId, rank: int, progress) -> ShardRef:
-    from .format.verify import verify_shard
-
-    reader = open_shard(source, ckpt_id, rank)
-    try:
-        if not reader.manifest.has_checksums:
-            raise DamagedCheckpoint(ckpt_id.step, source.location, "checksums not computed yet", source.name)
-        ref = target.write_shard(ckpt_id, reader)
-    finally:
-        reader.close()
-    progress(ref.data_bytes)
-    copy = target.open_shard(ckpt_id, ref)
-    try:
-        verify_shard(copy, step=ckpt_id.step, tier=source.name, progress=progress)
-    finally:
-        copy.close()
-    return ref
 
 
 def _must_exist(root: str) -> None:
