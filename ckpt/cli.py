@@ -10,19 +10,23 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterator
 
 import click
 from tqdm import tqdm
 
+from telemetry.cli_group import role_group
+
 from .errors import CheckpointError, DamagedCheckpoint
-from .format.manifest import Manifest, ShardRef
-from .restore.execute import DAMAGE, LOCAL, first_sound, open_shard, restore_agreed
+from .restore.copy_into import copy_verified
+from .restore.execute import DAMAGE, LOCAL, restore_agreed
 from .restore.listing import merge_listing, optimizer_layouts, shm_usage
 from .restore.plan import Inventory, RestorePlan, ShardNeed
+from .restore.verdicts import apply_verdicts, read_verdicts, record_verdicts
 from .simulate_cli import simulate_cmd
-from .tiers.base import CheckpointId, TierReader, complete_shards
+from .tiers.base import CheckpointId, complete_shards
+from .tiers.fsutil import made_for
 from .tiers.local import LocalDiskTier
 from .tiers.locations import durable_tier_for, is_url, tiers_for
 from .tiers.memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
@@ -33,7 +37,17 @@ _memdir = click.option("--memory-dir", default=DEFAULT_SHM_DIR, show_default=Tru
 _json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(role_group("train")):
+    """Errors as every command reports them (``error: …``); a refusal of the engine is one of them."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except CheckpointError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Inspect and recover ckpt-guard checkpoints."""
 
@@ -75,7 +89,7 @@ def ls_cmd(root: str | None, run: str | None, memory_dir: str, memory: bool, as_
         return
     _must_exist(root)
     tiers = tiers_for(root, run=run, memory_dir=memory_dir)
-    rows = merge_listing(tiers)
+    rows = merge_listing(tiers) if is_url(root) else apply_verdicts(merge_listing(tiers), read_verdicts(root))
     for r in rows:
         if r["status"] == "complete":
             r["optimizers"] = optimizer_layouts(tiers, r)  # "by position": restores only when asked (match_by_position)
@@ -144,6 +158,9 @@ def verify_cmd(root: str, step: int | None, run: str | None, memory_dir: str, as
                     row.update(status="damaged", file=tier.location, reason=str(e))
             results.append(row)
     damaged = [r for r in results if r["status"] == "damaged"]
+    if results and not is_url(root):
+        with suppress(OSError):  # a read-only root: the verdict is printed, not kept for ls
+            record_verdicts(root, results)
     lines = [f"step {r['step']} ({r['tier']}): {r['status']}"
              + (f": {r['file']}: {r['reason']}" if r["status"] == "damaged" else "")
              for r in sorted(results, key=lambda r: (r["generation"], r["step"]))]
@@ -174,14 +191,19 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
         if target.root.is_dir() else []
     if linked:  # writing a step there would write wherever it points
         raise CheckpointError(f"{linked[0]} is a symlink; refusing to restore through it (remove it first)")
-    target.root.mkdir(parents=True, exist_ok=True)
+    with made_for(dest):  # a restore that fails leaves no folder it made
+        _restore_into(root, step, target, already, run, memory_dir, as_json)
 
+
+def _restore_into(root: str, step: int | None, target: LocalDiskTier, already: set, run: str | None,
+                  memory_dir: str, as_json: bool) -> None:
+    """The restore itself, into a DEST that exists: split out so that a failure removes a DEST made for it."""
     def copy(plan: RestorePlan) -> None:
         total = 2 * sum(r.data_bytes for s in plan.shards for r in s.sources[0].read_manifest(plan.ckpt_id).shards
                         if r.rank == s.rank)  # copied, then verified
         try:
             with _progress(total, f"restore step {plan.ckpt_id.step}", as_json) as bar:
-                _copy_verified(plan, target, bar.update)
+                copy_verified(plan, target, bar.update)
         except BaseException:
             if plan.ckpt_id not in already:
                 target.delete(plan.ckpt_id)  # the uncommitted part copy
@@ -197,40 +219,11 @@ def restore_cmd(root: str, step: int | None, dest: str, force: bool, run: str | 
                            lambda world: [ShardNeed(r) for r in range(world)], copy, step=step, on_skip=skip)
     if found is None:
         what = "" if step is None else f" for step {step}"
-        _fail(as_json, f"no checkpoint{what} in {root}", 1)
+        raise click.ClickException(f"no checkpoint{what} in {root}")
     plan = found[0]
     out = {"step": plan.ckpt_id.step, "generation": plan.ckpt_id.generation,
            "from": sorted({s.sources[0].name for s in plan.shards}), "to": str(target.root), "skipped": skipped}
     _emit(as_json, out, f"restored step {out['step']} from {', '.join(out['from'])} into {out['to']}")
-
-
-def _copy_verified(plan: RestorePlan, target: LocalDiskTier, progress) -> None:
-    """Copy every shard from its first sound source, check the copy against the source
-    manifest's checksums, then commit: each byte crosses the network once, and nothing
-    unverified is committed."""
-    ckpt_id = plan.ckpt_id
-    refs = [first_sound(s, ckpt_id, lambda tier, s=s: _copy_shard(tier, target, ckpt_id, s.rank, progress))
-            for s in plan.shards]
-    target.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, plan.world_size, refs))
-
-
-def _copy_shard(source: TierReader, target: LocalDiskTier, ckpt_id: CheckpointId, rank: int, progress) -> ShardRef:
-    from .format.verify import verify_shard
-
-    reader = open_shard(source, ckpt_id, rank)
-    try:
-        if not reader.manifest.has_checksums:
-            raise DamagedCheckpoint(ckpt_id.step, source.location, "checksums not computed yet", source.name)
-        ref = target.write_shard(ckpt_id, reader)
-    finally:
-        reader.close()
-    progress(ref.data_bytes)
-    copy = target.open_shard(ckpt_id, ref)
-    try:
-        verify_shard(copy, step=ckpt_id.step, tier=source.name, progress=progress)
-    finally:
-        copy.close()
-    return ref
 
 
 def _must_exist(root: str) -> None:
@@ -381,29 +374,9 @@ def _gc_orphans(memory_dir: str, force: bool, as_json: bool) -> None:
 cli.add_command(simulate_cmd)
 
 
-def _fail(as_json: bool, message: str, code: int) -> None:
-    """An error as the command's output is: with --json, ``{"error", "exit_code"}`` on stdout."""
-    if as_json:
-        click.echo(json.dumps({"error": message, "exit_code": code}))
-    else:
-        click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
 def main() -> None:
-    """Errors exit 1 (2: usage); with --json they are JSON, as the output a script parses."""
-    as_json = "--json" in sys.argv[1:]
-    try:
-        code = cli.main(standalone_mode=not as_json)  # standalone: click prints usage errors and exits
-    except click.ClickException as e:  # --json only
-        _fail(True, e.format_message(), e.exit_code)
-    except click.Abort:
-        _fail(True, "aborted", 1)
-    except CheckpointError as e:
-        _fail(as_json, str(e), 1)
-    except ModuleNotFoundError as e:  # a base install: the engine's own imports need torch
-        _fail(as_json, f"{e}: this command needs the checkpoint engine: pip install 'ckpt-guard[train]'", 1)
-    sys.exit(code if isinstance(code, int) else 0)
+    """Errors exit 1 (2: usage), one line ``error: …``; with --json they are JSON, as the output a script parses."""
+    cli()
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def test_a_malformed_answer_is_one_line_from_the_cli(fake_prometheus, tmp_path):
     res = run_cli("predictor.cli", "score", "--prometheus", prom.url, "--start", "2023-11-14T22:00:00Z",
                   "--end", "2023-11-14T22:20:00Z", "--out", str(tmp_path / "s.parquet"), check=False)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
-    assert res.stderr.strip().splitlines()[-1] == ("Error: the chunk ending 2023-11-14T22:20:00Z: series "
+    assert res.stderr.strip().splitlines()[-1] == ("error: the chunk ending 2023-11-14T22:20:00Z: series "
                                                    "DCGM_FI_DEV_GPU_TEMP: value 'warm' is not a number")
 
 

@@ -6,6 +6,7 @@ helpers do both so that a power cut leaves either the old state or the new one.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,3 +72,19 @@ def newest_mtime(path: Path) -> float:
 
 def age_s(path: Path) -> float:
     return time.time() - newest_mtime(path)
+
+
+@contextmanager
+def made_for(path: str | os.PathLike) -> Iterator[Path]:
+    """Create ``path`` (and missing parents) for work that fills it; if the work fails, remove
+    what was created here, so a failed restore leaves no empty folder behind. A folder that
+    existed before is never removed."""
+    path = Path(path).absolute()
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        if missing:
+            shutil.rmtree(missing[-1], ignore_errors=True)  # the topmost folder made here, and what is under it
+        raise

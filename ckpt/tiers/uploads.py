@@ -25,6 +25,7 @@ from fsspec.core import split_protocol, url_to_fs
 from fsspec.exceptions import FSTimeoutError
 
 from .retry import UNSUPPORTED_ERRNO, RetryPolicy
+from .store_access import check_s3_credentials, missing_driver
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +49,20 @@ def open_store(url: str, storage_options: dict | None, concurrency: int) -> tupl
     unless ``storage_options`` set it.
     """
     opts = dict(storage_options or {})
-    s3 = split_protocol(url)[0] in S3_PROTOCOLS
+    protocol = split_protocol(url)[0]
+    s3 = protocol in S3_PROTOCOLS
     if s3:
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("max_pool_connections", max(10, 2 * concurrency))
         config.setdefault("request_checksum_calculation", "when_required")
         config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
         opts.update(config_kwargs=config, skip_instance_cache=True, use_listings_cache=False)  # other nodes write too
-    fs, root = url_to_fs(url, **opts)
+    try:
+        fs, root = url_to_fs(url, **opts)
+    except ImportError as e:  # fsspec: "Install s3fs to access S3"
+        raise missing_driver(url, protocol, e) from None
     if s3:
+        check_s3_credentials(url, opts)
         fs.retries = 1
     return fs, root
 

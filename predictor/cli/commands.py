@@ -260,12 +260,12 @@ def serve(model_path: str | None, host: str, port: int, tokens_path: str | None,
     if no_auth and not _is_loopback(host):
         raise click.UsageError(f"--no-auth serves anyone who can reach {host}: use it with a loopback --host only")
     from predictor.ingest import auth
-    from predictor.serve import server
-    from predictor.serve.jobs import JobLimits
-    try:
+    try:  # before the server's imports (seconds: the model's libraries), so a missing token is said at once
         tokens = None if no_auth else auth.load_tokens(tokens_path)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
+    from predictor.serve import server
+    from predictor.serve.jobs import JobLimits
     try:
         server.run(_load_model(model_path), host=host, port=port, tokens=tokens, max_body=max_body,
                    alertmanager_url=alertmanager_url, webhook_url=webhook_url, max_ahead_s=max_ahead_s,
