@@ -9,13 +9,15 @@ with local disks each node commits the shards it holds; on one machine, a shared
 filesystem or an object store there is one commit, as before. For one step in one
 tier::
 
-    every rank r      store[<tier>/<id>/shard/<r>] = its ShardRef, its replica report (announce)
-    each leader       wait until all world_size ranks announced
+    every rank r      store[<tier>/<id>/shard/<r>] = its ShardRef, its replica report (announce);
+                      add 1 to <id>/announced
+    each leader       wait until <id>/announced counts world_size (one key polled, not N)
+                      read every rank's announcement (one multi_get: the verdict needs all)
                       tier.commit(id, Manifest(the refs of its volume's ranks, health=verdict))
                       retention on its volume
                       store[<tier>/<id>/commit/<leader>] = the verdict
     every rank        wait for its leader's commit key, then count itself done;
-                      the last one deletes the step's keys
+                      the last one deletes the step's keys (N shard keys, the leaders' keys)
 
 So "committed" in any volume means durable in that tier on every rank, and retention,
 which counts committed steps only, can never delete the last step that all ranks hold.
@@ -65,6 +67,7 @@ class Committer:
         self._store, self._timeout = store, timedelta(seconds=timeout_s)
         self._keep, self._default_keep = dict(keep_last), default_keep
         self._volumes: dict[str, list[int]] = {}  # tier name -> the ranks sharing this rank's volume
+        self._leaders: dict[str, list[int]] = {}  # tier name -> every volume's leader
         self._pins: dict[str, set[CheckpointId]] = defaultdict(set)
         self._lock = threading.Lock()
         self.abandoned = threading.Event()  # set: waits for other ranks end (the job goes on without them)
@@ -75,6 +78,7 @@ class Committer:
         """``volumes``: every rank's ``tier.volume``, by rank (one all-gather at start-up)."""
         mine = volumes[self.rank]
         self._volumes[tier.name] = [r for r, v in enumerate(volumes) if v == mine]
+        self._leaders[tier.name] = sorted({v: r for r, v in reversed(list(enumerate(volumes)))}.values())
 
     def leads(self, tier: DurableTier) -> bool:
         """Whether this rank commits (and prunes) ``tier`` for its volume."""
@@ -124,31 +128,34 @@ class Committer:
         ranks = self._volumes[tier.name]
         leader = ranks[0]
         store.set(f"{key}/shard/{self.rank}", json.dumps([ref.rank, ref.manifest_crc32c, ref.data_bytes, report]))
+        store.add(f"{key}/announced", 1)  # one counter, not world_size keys, for every leader to poll
         if self.rank == leader:
-            self._wait(store, [f"{key}/shard/{r}" for r in range(self.world_size)],
+            self._wait(store, lambda: store.add(f"{key}/announced", 0) >= self.world_size,
                        f"every rank's shard of step {ckpt_id.step} in {tier.name}")
-            announced = {r: json.loads(store.get(f"{key}/shard/{r}")) for r in range(self.world_size)}
+            shards = store.multi_get([f"{key}/shard/{r}" for r in range(self.world_size)])
+            announced = {r: json.loads(v) for r, v in enumerate(shards)}
             health = verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
             refs = [ShardRef(*announced[r][:3]) for r in ranks]
             tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, refs, health=health))
             self.apply_retention(tier)
             store.set(f"{key}/commit/{leader}", json.dumps(health))
         else:
-            self._wait(store, [f"{key}/commit/{leader}"], f"rank {leader} to commit step {ckpt_id.step} in {tier.name}")
+            self._wait(store, lambda: store.check([f"{key}/commit/{leader}"]),
+                       f"rank {leader} to commit step {ckpt_id.step} in {tier.name}")
             health = json.loads(store.get(f"{key}/commit/{leader}"))
         if store.add(f"{key}/done", 1) == self.world_size:  # everyone has seen its commit: tidy the store
-            for k in [*(f"{key}/shard/{r}" for r in range(self.world_size)), f"{key}/done",
-                      *(f"{key}/commit/{r}" for r in range(self.world_size))]:
+            for k in [*(f"{key}/shard/{r}" for r in range(self.world_size)), f"{key}/announced", f"{key}/done",
+                      *(f"{key}/commit/{r}" for r in self._leaders[tier.name])]:
                 store.delete_key(k)
         return health
 
-    def _wait(self, store: object, keys: list[str], what: str) -> None:
+    def _wait(self, store: object, ready: Callable[[], bool], what: str) -> None:
         """Poll (a few µs a check) rather than block in the store, so ``abandon()`` ends the
         wait at once when a peer is gone and the job continues without it (``ckpt.inprocess``)."""
         deadline = time.monotonic() + self._timeout.total_seconds()
         pause = 0.001
         try:
-            while not store.check(keys):
+            while not ready():
                 if self.abandoned.is_set():
                     raise CheckpointError(f"abandoned waiting for {what}: the job's membership changed")
                 if time.monotonic() >= deadline:
