@@ -2,7 +2,8 @@
 
     python benchmarks/scale_bench.py [--max-ranks 16384] [--json OUT] [--plot cost.png]
 
-Each (component, N) runs in a fresh process (its peak RSS is its own) against one real TCPStore
+Each component runs in a fresh process, its sizes in ascending order (peak RSS: the largest N so far),
+against one real TCPStore
 server on loopback. Stand-in ranks share a pool of real store clients (``--clients``, served in
 turn by one thread) behind a proxy that counts every store operation and the keys it names;
 the workers a node launcher "starts" are stand-ins for processes (always running), so what is
@@ -209,9 +210,9 @@ def _commit(n: int, pool) -> None:
         raise errors[0]
 
 
-def exponent(rows: list[dict], component: str, field: str) -> float | None:
-    """The log-log slope of ``field`` against N from 1,024 up (None with fewer than two sizes)."""
-    pts = [(r["ranks"], r[field]) for r in rows if r["component"] == component and r["ranks"] >= 1024 and r[field] > 0]
+def exponent(rows: list[dict], component: str, field: str, low: int = 1024) -> float | None:
+    """The log-log slope of ``field`` against N from ``low`` up (None with fewer than two sizes)."""
+    pts = [(r["ranks"], r[field]) for r in rows if r["component"] == component and r["ranks"] >= low and r[field] > 0]
     if len(pts) < 2:
         return None
     xs, ys = [math.log(x) for x, _ in pts], [math.log(y) for _, y in pts]
@@ -244,41 +245,45 @@ def main() -> None:
     ap.add_argument("--components", default=",".join(COMPONENTS))
     ap.add_argument("--commit-max", type=int, default=4096, help="largest N for `commit` (one thread per rank)")
     ap.add_argument("--clients", type=int, default=64, help="real store clients the stand-in ranks share")
-    ap.add_argument("--timeout-s", type=float, default=600.0, help="per (component, N); a row past it is skipped")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="per component; the sizes not reached are listed")
     ap.add_argument("--plot", metavar="PNG")
     ap.add_argument("--one", nargs=2, metavar=("COMPONENT", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one[0], int(args.one[1]), args.clients)))
+        for n in map(int, args.one[1].split(",")):  # ascending: the peak RSS so far is the largest N's
+            print(json.dumps(run_one(args.one[0], n, args.clients)), flush=True)
         return
     meta = run_meta(clients=args.clients, per_node=PER_NODE)
     rows, skipped = [], []
-    for c in args.components.split(","):
-        for n in [s for s in SIZES if s <= (args.commit_max if c == "commit" else args.max_ranks)]:
-            try:
-                out = subprocess.run([sys.executable, __file__, "--one", c, str(n), "--clients", str(args.clients)],
-                                     capture_output=True, text=True, timeout=args.timeout_s,
-                                     env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-            except subprocess.TimeoutExpired:
-                skipped.append(f"{c} at N={n}: over {args.timeout_s:.0f} s")
-                print(f"{c:18s} N={n:6d}  skipped (over {args.timeout_s:.0f} s)", flush=True)
-                break
-            if out.returncode:
-                skipped.append(f"{c} at N={n}: {out.stderr.strip().splitlines()[-1:]}")
-                print(f"{c:18s} N={n:6d}  failed: {out.stderr.strip()[-300:]}", flush=True)
-                break
-            row = json.loads(out.stdout.strip().splitlines()[-1])
+    for c in args.components.split(","):  # one process per component (torch's import is slow on a busy machine)
+        sizes = [s for s in SIZES if s <= (args.commit_max if c == "commit" else args.max_ranks)]
+        proc = subprocess.Popen([sys.executable, __file__, "--one", c, ",".join(map(str, sizes)), "--clients",
+                                 str(args.clients)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        deadline = time.monotonic() + args.timeout_s
+        timer = threading.Timer(args.timeout_s, proc.kill)
+        timer.start()
+        for line in proc.stdout:
+            row = json.loads(line)
             rows.append(row)
-            print(f"{c:18s} N={n:6d}  {row['seconds']:9.3f} s  {row['store_ops']:9d} ops  {row['store_keys']:10d} keys"
-                  f"  {row['ops_per_rank']:7.2f} ops/rank  {row['peak_rss_mb']:6.0f} MB", flush=True)
+            print(f"{c:18s} N={row['ranks']:6d}  {row['seconds']:9.3f} s  {row['store_ops']:9d} ops  "
+                  f"{row['store_keys']:10d} keys  {row['ops_per_rank']:7.2f} ops/rank  {row['peak_rss_mb']:6.0f} MB",
+                  flush=True)
+        timer.cancel()
+        done = {r["ranks"] for r in rows if r["component"] == c}
+        if proc.wait() or len(done) < len(sizes):
+            why = f"over {args.timeout_s:.0f} s" if time.monotonic() >= deadline else f"exit {proc.returncode}"
+            skipped += [f"{c} at N={n}: {why}" for n in sizes if n not in done]
+            print(f"{c:18s} not reached: N={[n for n in sizes if n not in done]} ({why})", flush=True)
     fits = {c: {f: exponent(rows, c, f) for f in ("seconds", "store_ops", "store_keys")}
             for c in sorted({r["component"] for r in rows})}
+    fits_256 = {c: {f: exponent(rows, c, f, 256) for f in ("seconds", "store_ops", "store_keys")} for c in fits}
     for c, f in fits.items():
         print(f"{c:18s} exponent from N=1024: " + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -"
                                                              for k, v in f.items()))
     if args.plot:
         plot(rows, args.plot)
-    write_json(args.json, meta, rows, exponents=fits, skipped=skipped,
+    write_json(args.json, meta, rows, exponents=fits, exponents_from_256=fits_256, skipped=skipped,
                largest_n={c: max(r["ranks"] for r in rows if r["component"] == c) for c in fits})
 
 
