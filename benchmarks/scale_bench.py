@@ -1,0 +1,291 @@
+"""Cost as the job grows: our real control-plane code against stand-in ranks (no training).
+
+    python benchmarks/scale_bench.py [--max-ranks 16384] [--json OUT] [--plot cost.png]
+
+Each component runs in a fresh process, its sizes in ascending order (peak RSS: the largest N so far),
+against one real TCPStore
+server on loopback. Stand-in ranks share a pool of real store clients (``--clients``, served in
+turn by one thread) behind a proxy that counts every store operation and the keys it names;
+the workers a node launcher "starts" are stand-ins for processes (always running), so what is
+measured is the launchers', the workers' and the commit protocol's own store traffic:
+
+- `steady_step`: one step (``BEAT_S``): each worker's beat and step-key traffic, ``BEAT_S / POLL_S``
+  ticks of every node launcher (``NodeLauncher.poll``) and of the job launcher (``Job.tick``);
+- `launch`: round 0: ``Job(...)`` publishes it, every node launcher starts its stand-in workers;
+- `membership_round`: a member exits: its node reports it, the job launcher publishes the next
+  round, every node launcher follows it;
+- `commit`: every rank's ``Committer.commit`` of one step (one volume per node of 8, a tier that
+  keeps nothing: the protocol's own cost), clean-up included; one thread per rank.
+
+Seconds are wall seconds of the whole component in one process on this machine (all store round
+trips serial through loopback), so they are an upper bound of the control plane's serial work,
+not of a real job's latency; ``store_ops`` and ``store_keys`` are the shapes the targets are in.
+The fitted exponent of each (log-log slope between 1,024 and the largest N) is printed and saved.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository first
+from benchmarks.harness import run_meta, write_json  # noqa: E402
+
+COMPONENTS = ("steady_step", "launch", "membership_round", "commit")
+SIZES = (64, 256, 1024, 4096, 16384)
+PER_NODE = 8
+
+
+class Counting:
+    """A store client that counts what passes through it (operations and the keys they name)."""
+
+    ops = 0
+    keys = 0
+    _lock = threading.Lock()
+
+    def __init__(self, store) -> None:
+        self._s, self.port = store, store.port
+
+    def _n(self, keys: int) -> None:
+        with Counting._lock:
+            Counting.ops += 1
+            Counting.keys += keys
+
+    def set(self, k, v):
+        self._n(1)
+        return self._s.set(k, v)
+
+    def get(self, k):
+        self._n(1)
+        return self._s.get(k)
+
+    def add(self, k, v):
+        self._n(1)
+        return self._s.add(k, v)
+
+    def check(self, keys):
+        self._n(len(keys))
+        return self._s.check(keys)
+
+    def delete_key(self, k):
+        self._n(1)
+        return self._s.delete_key(k)
+
+    def multi_get(self, keys):
+        self._n(len(keys))
+        return self._s.multi_get(keys)
+
+    def multi_set(self, keys, values):
+        self._n(len(keys))
+        return self._s.multi_set(keys, values)
+
+
+class StandIn:
+    """A worker process that never exits unless told to (``code``)."""
+
+    def __init__(self, *_a, **_k) -> None:
+        self.pid, self.code = os.getpid(), None
+
+    def poll(self):
+        return self.code
+
+    def kill(self) -> None:
+        self.code = -9
+
+    def wait(self):
+        return self.code
+
+
+def _pool(n: int, clients: int):
+    import torch.distributed as dist
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    pool = [Counting(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=300)))
+            for _ in range(min(n, clients))]
+    return server, pool
+
+
+def _job(n: int, pool):
+    """Round 0 of a job of ``n`` ranks on n/8 nodes: the job launcher and every node launcher."""
+    from ckpt.inprocess import launch, node
+    node.subprocess.Popen = StandIn  # the workers are stand-ins: nothing is started
+    args = argparse.Namespace(nproc=PER_NODE, spares=0, nodes=max(1, n // PER_NODE), min_world=1, hang_s=60.0,
+                              progress_s=None, master_addr="127.0.0.1", command=["stand-in"])
+    job = launch.Job(args, 0, pool[0], set())
+    nodes = [job.local] + [node.NodeLauncher(pool[k % len(pool)], k, master=("127.0.0.1", pool[0].port),
+                                             command=["stand-in"], attempt=0, hang_s=60.0, progress_s=None)
+                           for k in range(1, args.nodes)]
+    return job, nodes
+
+
+def run_one(component: str, n: int, clients: int) -> dict:
+    """One component at ``n`` ranks, in this process: its row."""
+    from ckpt.inprocess import membership, node
+    from ckpt.inprocess.runner import BEAT_S
+    server, pool = _pool(n, clients)
+    job = nodes = None
+    if component in ("steady_step", "membership_round"):
+        job, nodes = _job(n, pool)
+    Counting.ops = Counting.keys = 0
+    t0 = time.perf_counter()
+    if component == "launch":
+        job, nodes = _job(n, pool)
+    elif component == "steady_step":
+        for w in range(n):  # each worker: a beat (add, changed) and a step (changed before, step key after)
+            s = pool[w % len(pool)]
+            s.add(membership.beat_key(w), 1)
+            membership.changed(s, 0)
+            membership.changed(s, 0)
+            s.set(membership.step_key(w), "1")
+        for _ in range(round(BEAT_S / node.POLL_S)):
+            job.tick()
+            for nl in nodes[1:]:
+                nl.poll()
+    elif component == "membership_round":
+        victim = nodes[-1]
+        w = next(iter(victim.procs))
+        victim.procs[w].code = 1
+        victim.poll()  # its node reports the exit
+        while job.round == 0:
+            job.tick()  # the job launcher publishes the next round
+        for nl in nodes[1:]:
+            nl.poll()  # every node follows it
+    elif component == "commit":
+        _commit(n, pool)
+    seconds = time.perf_counter() - t0
+    if job is not None:
+        job.lifelines.close()
+    del server
+    return {"component": component, "ranks": n, "nodes": max(1, n // PER_NODE), "seconds": seconds,
+            "store_ops": Counting.ops, "store_keys": Counting.keys,
+            "ops_per_rank": Counting.ops / n, "server_s_per_op": seconds / max(1, Counting.ops),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "clients": len(pool)}
+
+
+class _Tier:
+    """A durable tier that keeps nothing: the commit protocol's own cost, not a disk's."""
+
+    name, volume = "bench", "local"
+
+    def commit(self, ckpt_id, manifest) -> None:
+        pass
+
+    def prune(self, keep, pinned):
+        return []
+
+    def list(self):
+        return []
+
+
+def _commit(n: int, pool) -> None:
+    from ckpt.format.manifest import ShardRef
+    from ckpt.save.commit import Committer
+    from ckpt.tiers.base import CheckpointId
+    tier, cid = _Tier(), CheckpointId(1, 0)
+    volumes = [f"node{r // PER_NODE}" for r in range(n)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        c = Committer(r, n, store=lambda: pool[r % len(pool)], keep_last={}, default_keep=1, timeout_s=600)
+        c.register(tier, volumes)
+        try:
+            c.commit(tier, cid, ShardRef(r, 0, 0))
+        except BaseException as e:  # noqa: BLE001 - reported after the join
+            errors.append(e)
+
+    threading.stack_size(256 << 10)
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def exponent(rows: list[dict], component: str, field: str, low: int = 1024) -> float | None:
+    """The log-log slope of ``field`` against N from ``low`` up (None with fewer than two sizes)."""
+    pts = [(r["ranks"], r[field]) for r in rows if r["component"] == component and r["ranks"] >= low and r[field] > 0]
+    if len(pts) < 2:
+        return None
+    xs, ys = [math.log(x) for x, _ in pts], [math.log(y) for _, y in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for c in sorted({r["component"] for r in rows}):
+        pts = sorted((r["ranks"], r["seconds"], r["store_ops"]) for r in rows if r["component"] == c)
+        axes[0].loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label=c)
+        axes[1].loglog([p[0] for p in pts], [p[2] for p in pts], "o-", label=c)
+    for ax, what in zip(axes, ("seconds (one process, serial)", "store operations")):
+        ax.set_xlabel("ranks N")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT")
+    ap.add_argument("--max-ranks", type=int, default=4096, help="largest N (default %(default)s; 16384: the full run)")
+    ap.add_argument("--components", default=",".join(COMPONENTS))
+    ap.add_argument("--commit-max", type=int, default=4096, help="largest N for `commit` (one thread per rank)")
+    ap.add_argument("--clients", type=int, default=64, help="real store clients the stand-in ranks share")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="per component; the sizes not reached are listed")
+    ap.add_argument("--plot", metavar="PNG")
+    ap.add_argument("--one", nargs=2, metavar=("COMPONENT", "N"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        for n in map(int, args.one[1].split(",")):  # ascending: the peak RSS so far is the largest N's
+            print(json.dumps(run_one(args.one[0], n, args.clients)), flush=True)
+        return
+    meta = run_meta(clients=args.clients, per_node=PER_NODE)
+    rows, skipped = [], []
+    for c in args.components.split(","):  # one process per component (torch's import is slow on a busy machine)
+        sizes = [s for s in SIZES if s <= (args.commit_max if c == "commit" else args.max_ranks)]
+        proc = subprocess.Popen([sys.executable, __file__, "--one", c, ",".join(map(str, sizes)), "--clients",
+                                 str(args.clients)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        deadline = time.monotonic() + args.timeout_s
+        timer = threading.Timer(args.timeout_s, proc.kill)
+        timer.start()
+        for line in proc.stdout:
+            row = json.loads(line)
+            rows.append(row)
+            print(f"{c:18s} N={row['ranks']:6d}  {row['seconds']:9.3f} s  {row['store_ops']:9d} ops  "
+                  f"{row['store_keys']:10d} keys  {row['ops_per_rank']:7.2f} ops/rank  {row['peak_rss_mb']:6.0f} MB",
+                  flush=True)
+        timer.cancel()
+        done = {r["ranks"] for r in rows if r["component"] == c}
+        if proc.wait() or len(done) < len(sizes):
+            why = f"over {args.timeout_s:.0f} s" if time.monotonic() >= deadline else f"exit {proc.returncode}"
+            skipped += [f"{c} at N={n}: {why}" for n in sizes if n not in done]
+            print(f"{c:18s} not reached: N={[n for n in sizes if n not in done]} ({why})", flush=True)
+    fits = {c: {f: exponent(rows, c, f) for f in ("seconds", "store_ops", "store_keys")}
+            for c in sorted({r["component"] for r in rows})}
+    fits_256 = {c: {f: exponent(rows, c, f, 256) for f in ("seconds", "store_ops", "store_keys")} for c in fits}
+    for c, f in fits.items():
+        print(f"{c:18s} exponent from N=1024: " + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -"
+                                                             for k, v in f.items()))
+    if args.plot:
+        plot(rows, args.plot)
+    write_json(args.json, meta, rows, exponents=fits, exponents_from_256=fits_256, skipped=skipped,
+               largest_n={c: max(r["ranks"] for r in rows if r["component"] == c) for c in fits})
+
+
+if __name__ == "__main__":
+    main()
