@@ -19,12 +19,16 @@ def save_steps(mgr: CheckpointManager, steps, salt: int = 0) -> None:
 # -- retention ----------------------------------------------------------------------------
 
 
-def test_keep_last_keeps_exactly_the_newest_complete_checkpoints(root: Path, shm_dir: str) -> None:
+def test_keep_last_keeps_the_newest_complete_checkpoints_and_the_newest_verified(root: Path, shm_dir: str) -> None:
+    """keep_last=2 keeps the two newest, and also the newest *verified* one (invariant 16: the
+    one to go back to when newer ones turn out unsound), which saving every step is two back."""
     with CheckpointManager(root, memory_dir=shm_dir, keep_last=2) as mgr:
         for step in range(1, 6):
             save_steps(mgr, [step])
-            eventually(lambda step=step: disk_steps(root) == [(0, s) for s in range(max(1, step - 1), step + 1)])
-        assert [(r["step"], r["tiers"]) for r in mgr.list()] == [(4, ["memory", "disk"]), (5, ["memory", "disk"])]
+            kept = sorted({*range(max(1, step - 1), step + 1), *([step - 2] if step > 2 else [])})
+            eventually(lambda kept=kept: disk_steps(root) == [(0, s) for s in kept])
+        assert [(r["step"], r["tiers"], r["health"]) for r in mgr.list()] == [
+            (3, ["disk"], "verified"), (4, ["memory", "disk"], "ok"), (5, ["memory", "disk"], "ok")]
 
 
 def test_keep_last_does_not_count_a_damaged_checkpoint_as_one_to_keep(root: Path, shm_dir: str) -> None:
