@@ -84,12 +84,11 @@ class CheckpointManager:
     ``drain_interval_s`` (with ``overlap``): a drain to the lower tiers starts at most
     this often; the snapshots saved meanwhile stay in memory only (superseded), so saving
     every step keeps the checksum, peer and disk work off the training's cores.
-    ``node_memory`` restores from every rank's memory slots on this node, not only this
-    rank's (``ckpt.inprocess``: the survivors of a lost rank read its sealed slots).
-    ``keep_memory`` keeps the slots at a normal end too (see ``close()``).
+    ``node_memory`` restores from every rank's memory slots on this node, not only this rank's
+    (``ckpt.inprocess``: a lost rank's sealed slots). ``keep_memory``: keep them at a normal end too.
     ``sweep``: remove what interrupted saves and this root's dead jobs left behind, the
     job's start-up (``ckpt.inprocess`` skips it when it rebuilds a manager after a fault).
-    ``rank_local``: keys (or dotted paths) not compared across replicas (docs/sound-state.md).
+    ``compare_replicas``: compare replicas' digests at each save, not ``rank_local`` keys (docs/sound-state.md).
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -101,7 +100,8 @@ class CheckpointManager:
                  node: str | None = None, peer_bytes_per_s: float | None = None,
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
                  keep_memory: bool = False, node_memory: bool = False, drain_interval_s: float = 0.0,
-                 sweep: bool = True, overlap_verify: bool = False, rank_local: Iterable[str] = ()) -> None:
+                 sweep: bool = True, overlap_verify: bool = False, rank_local: Iterable[str] = (),
+                 compare_replicas: bool = False) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         if drain_interval_s and not overlap:
@@ -146,7 +146,7 @@ class CheckpointManager:
         self.peering, self._saves = wire_saves(
             self, memory_dir=memory_dir, node=node, peers=peers, peer_bytes_per_s=peer_bytes_per_s,
             peer_timeout_s=peer_timeout_s, peer_avoid_at_risk=peer_avoid_at_risk, overlap_verify=overlap_verify,
-            drain_interval_s=drain_interval_s, rank_local=rank_local)
+            drain_interval_s=drain_interval_s, rank_local=rank_local, compare=compare_replicas)
         if self._offload is not None:
             self._lineage.current()  # list the store now: save() must not wait on it during an outage
         if state is not None:  # every rank refuses together when one node's /dev/shm is too small

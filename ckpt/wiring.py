@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def wire_saves(mgr: "CheckpointManager", *, memory_dir: str, node: str | None, peers: int,
                peer_bytes_per_s: float | None, peer_timeout_s: float, peer_avoid_at_risk: bool,
                overlap_verify: bool, drain_interval_s: float,
-               rank_local: Iterable[str]) -> "tuple[Peering | None, SavePath]":
+               rank_local: Iterable[str], compare: bool) -> "tuple[Peering | None, SavePath]":
     """The peer replicas (None without ``peers`` or alone) and the save path over ``mgr``'s
     tiers, committer, metrics and coordinator, which must exist already."""
     peering = None
@@ -41,7 +41,7 @@ def wire_saves(mgr: "CheckpointManager", *, memory_dir: str, node: str | None, p
                      threads=mgr.threads, chunk_bytes=mgr.chunk_bytes, replicated=mgr.replicated,
                      overlap=mgr.overlap, verify=overlap_verify, pace=Pace(drain_interval_s),
                      yielding=partial(at_low_priority, nice=replication_nice(), name="ckpt-drain-low"),
-                     rank_local=tuple(rank_local), node=node_name(node),
+                     rank_local=tuple(rank_local), compare=compare, node=node_name(node),
                      strike=partial(strike, record_path(records, mgr.run), node_name(node)),
                      canary=Canary(mgr.rank, mgr.world_size, canary_path(records, mgr.run), mgr.coord.any))
     return peering, saves

@@ -23,7 +23,7 @@ model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.L
 opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 state = {"model": model, "opt": opt, "rng": torch.get_rng_state(), "rank": rank}
 out: dict = {"rank": rank}
-with CheckpointManager(root, memory_dir=memory_dir, run="sound", keep_last=100) as mgr:
+with CheckpointManager(root, memory_dir=memory_dir, run="sound", keep_last=100, compare_replicas=True) as mgr:
     for step in range(1, steps + 1):
         g = torch.Generator().manual_seed(rank * 1000 + step)
         model(torch.randn(8, 16, generator=g)).square().mean().backward()

@@ -63,6 +63,7 @@ class SavePath:
     _staged: StagedSnapshot | None = None  # overlap: the snapshot being copied
     _hooks: StepHooks | None = None
     rank_local: tuple[str, ...] = ()  # keys (or dotted path prefixes) not compared across replicas
+    compare: bool = False  # compare the replicas' digests at all (CheckpointManager(compare_replicas=))
     strike: Callable[[str, int], None] | None = None  # (cause, step): this rank's node is a culprit
     unsound: tuple[CheckpointId, dict] | None = None  # the first unsound verdict since the last restore
     _scopes: dict[int, Scope] = dataclasses.field(default_factory=dict)  # by slot
@@ -161,7 +162,7 @@ class SavePath:
                                  self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
                                  param_names=param_names(state))
         slot, waited = self.memory.reserve(ckpt_id.step)
-        self._scopes[id(slot)] = scope_of(state, self.rank_local, self.replicated)
+        self._scopes[id(slot)] = scope_of(state, self.rank_local, self.replicated, compare=self.compare)
         self._refs[id(slot)] = self.canary.saved(ckpt_id.step) if self.canary is not None else None
         self.stall_s += waited
         if self.metrics is not None and waited:

@@ -50,8 +50,10 @@ class Scope:
 NOTHING = Scope(lambda path: False, lambda path: False)
 
 
-def scope_of(state: Mapping[str, Any], rank_local: Iterable[str], replicated: Iterable[str] = ()) -> Scope:
-    """The ``Scope`` of ``state``; ``rank_local`` paths are in neither part."""
+def scope_of(state: Mapping[str, Any], rank_local: Iterable[str], replicated: Iterable[str] = (), *,
+             compare: bool = True) -> Scope:
+    """The ``Scope`` of ``state``; ``rank_local`` paths are in neither part; without ``compare``
+    nothing is compared across replicas (only the NaN/Inf check runs)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -84,7 +86,7 @@ def scope_of(state: Mapping[str, Any], rank_local: Iterable[str], replicated: It
 
         return test
 
-    return Scope(within("all"), within("replica"))
+    return Scope(within("all"), within("replica") if compare else NOTHING.compared)
 
 
 def where(node: str) -> dict[str, str]:
