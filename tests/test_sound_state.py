@@ -53,7 +53,8 @@ def test_a_rank_gone_wrong_is_caught_named_and_gone_back_from(tmp_path: Path, sh
     bad = 4
     log = torchrun(Path(__file__).with_name("sound_child.py"), str(tmp_path / "root"), shm_dir, mode, str(culprit),
                    str(bad), "7", nproc=nproc)
-    outs = [json.loads(m) for m in re.findall(r"SOUND (\{.*\})", log)]
+    # ranks print on one stdout: two lines can run together, so decode each object where it starts
+    outs = [json.JSONDecoder().raw_decode(log, m.end())[0] for m in re.finditer(r"SOUND (?=\{)", log)]
     assert sorted(o["rank"] for o in outs) == list(range(nproc)), log[-3000:]
     for o in outs:
         assert o["raised_at"] == bad + 1, o  # the save after the bad step refuses to go on
