@@ -103,7 +103,7 @@ class Steps:
         """Steps ``done`` .. ``steps``: ``before()``, the step, ``after(done)``, ``first()`` once
         (a recovery ends with the first step it resumes), then a save every ``save_every`` steps
         (a step that returns its loss, or ``(loss, grad_norm)``, feeds ``mgr.record``: the canary)
-        and at the last; at the end ``mgr.finished``: its ``close()`` may free the memory slots."""
+        and at the last (the caller's normal ``close()`` then frees the memory slots once durable)."""
         while self.done < steps:
             before()
             if (loss := figures(step(objects, self.done))) is not None:  # a step returning its loss: the canary
@@ -115,7 +115,6 @@ class Steps:
                 first = None
             if self.done % save_every == 0 or self.done == steps:
                 mgr.save(self.done, state)
-        mgr.finished = True
 
 
 def record(recoveries: list[Recovery], on_recovery: Callable[[Recovery], None] | None,
