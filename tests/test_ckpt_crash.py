@@ -105,7 +105,7 @@ def test_killed_trainer_restores_from_memory_when_the_disk_drain_never_ran(
 
 def test_leftovers_of_a_killed_drain_are_removed_at_start_up(
         crash_server: CrashServer, root: Path, shm_dir: str) -> None:
-    crash_server.run(root=str(root), shm=shm_dir, steps=3)  # steps 1..3 durable
+    crash_server.run(root=str(root), shm=shm_dir, steps=3)  # steps 1..3 durable (1: verified, kept)
     report = crash_server.run(root=str(root), shm=shm_dir,
                               fault={"call": "pwrite", "match": ".bin.tmp", "when": "half"})
     assert report["killed_by"] == "self"
@@ -113,7 +113,7 @@ def test_leftovers_of_a_killed_drain_are_removed_at_start_up(
                                + str(report["pid"])]
     with CheckpointManager(root, memory_dir=shm_dir):
         assert leftovers(root) == []
-        assert disk_steps(root) == [(0, 2), (0, 3)]
+        assert disk_steps(root) == [(0, 1), (0, 2), (0, 3)]
 
 
 def test_second_manager_on_the_same_root_and_run_is_refused_while_the_first_lives(

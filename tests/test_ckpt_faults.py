@@ -111,8 +111,9 @@ def test_permission_denied_raises_at_wait_and_keeps_the_newest_complete_checkpoi
         assert_restores_from_disk(root, tmp_path, newest=1, older=[])
         mgr.save(5, step_state(5))  # writable again: saving resumes
         mgr.wait()
-    assert disk_steps(root) == [(0, 5)]
-    assert_restores_from_disk(root, tmp_path, newest=5, older=[])
+    # keep_last=1 and the newest verified one (invariant 16): step 1, ok with step 5 newer
+    assert disk_steps(root) == [(0, 1), (0, 5)]
+    assert_restores_from_disk(root, tmp_path, newest=5, older=[1])
 
 
 def test_a_failure_reported_by_wait_is_not_raised_again_by_the_next_save(shm_dir: str, tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def dcgm_source_names(tmp_path: Path) -> set[str]:
     loses a GPU, one URL that answers nothing (so every dcgm series has samples)."""
     page = FakeExporter(render("dgx-a", [gpu(0), gpu(1)]))
     src = DcgmExporterSource([page.url, f"http://127.0.0.1:{free_port()}/metrics"], timeout_s=2.0)
-    exporter = Exporter(AgentStats(), None, src.model_name, shm_dir=None, source_metrics=src.metrics)
+    exporter = Exporter(AgentStats(), None, src.model_name, shm=None, source_metrics=src.metrics)
     try:
         exporter.observe(src.read(), [])
         page.page = render("dgx-a", [gpu(0)])

@@ -151,8 +151,9 @@ def test_retention_deletes_only_whole_old_checkpoints(tmp_path, s3_server, s3_bu
     with manager(tmp_path, s3_tier(s3_server, s3_bucket), keep_last={"disk": 2, "object": 3}) as mgr:
         for step in range(1, 7):
             mgr.save(step, make_state(step)).wait()
-    # retention runs after each copy is durable; close() has waited for it
-    assert [i.id.step for i in LocalDiskTier(tmp_path / "disk").list()] == [5, 6]
+    # retention runs after each copy is durable; close() has waited for it. Disk keeps its two
+    # newest and the newest verified one (invariant 16: an ok step two or more steps older)
+    assert [i.id.step for i in LocalDiskTier(tmp_path / "disk").list()] == [4, 5, 6]
     tier = s3_tier(s3_server, s3_bucket)
     assert verify_all(tier) == [4, 5, 6]
     left = sorted(p.rsplit("/", 2)[-2] for p in tier.fs.find(tier.root) if not p.endswith(RUN_MARKER))

@@ -32,15 +32,19 @@ DISTRIBUTIONS = {"numpy": "numpy", "click": "click", "tqdm": "tqdm", "pyarrow": 
                  "aiohttp": "aiohttp", "ijson": "ijson", "matplotlib": "matplotlib", "cryptography": "cryptography",
                  "torch": "torch", "fsspec": "fsspec", "crc32c": "crc32c", "safetensors": "safetensors",
                  "lightning": "lightning", "transformers": "transformers",
-                 "nvidia_resiliency_ext": "nvidia-resiliency-ext"}
+                 "nvidia_resiliency_ext": "nvidia-resiliency-ext", "botocore": "botocore"}
 FIRST_PARTY = {"agents", "predictor", "telemetry"}
 #: role -> (its packages, its CLI)
 ROLES = {"agent": (("agents", "telemetry"), "agents"), "predictor": (("predictor", "telemetry"), "predictor")}
 #: the extra a module of the checkpoint engine needs, where it is not [train]
 ENGINE_EXTRAS = {"integrations/lightning.py": "lightning", "integrations/huggingface.py": "hf",
-                 "integrations/nvrx.py": "nvrx", "goodput/spares.py": "hazard"}  # spares: its --plot
+                 "integrations/nvrx.py": "nvrx", "goodput/spares.py": "hazard",
+                 "tiers/store_access.py": "s3"}  # store_access: botocore's credential chain, s3:// only  # spares: its --plot
 #: a role's modules that need more than the role's extra (plots: [hazard])
 ROLE_EXTRAS = {"predictor/hazard/paper.py": "hazard"}
+#: a role's modules allowed to import the engine's torch-free modules (the node agent reads the
+#: shared-memory owner records the way `ckpt gc --orphans` does, one code for both)
+ENGINE_READERS = {"agents/shm.py": {"ckpt.tiers.memory.owners"}}
 
 
 def _imports(*paths: Path) -> set[str]:
@@ -53,6 +57,29 @@ def _imports(*paths: Path) -> set[str]:
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
     return names - set(sys.stdlib_module_names) - FIRST_PARTY - {"__future__"}
+
+
+def _modules(path: Path) -> set[str]:
+    """The absolute module names a file imports from."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def _assert_torch_free(modules: list[str]) -> None:
+    """Importing ``modules`` (in a fresh interpreter) loads neither torch nor a third-party
+    module the base install lacks."""
+    code = ("import sys, importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
+            + "print(' '.join(sorted({n.split('.')[0] for n in sys.modules})))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                cwd=ROOT).stdout.split())
+    third = loaded - set(sys.stdlib_module_names) - {"ckpt", "__main__"} - {m for m in loaded if m.startswith("_")}
+    assert "torch" not in third, modules
+    _assert_declared(third, "agent")
 
 
 def _declared(extra: str) -> set[str]:
@@ -79,7 +106,12 @@ def _assert_declared(imported: set[str], extra: str) -> None:
 def test_a_role_imports_only_what_its_extra_installs(extra: str) -> None:
     paths = [path for package in ROLES[extra][0] for path in (ROOT / package).rglob("*.py")]
     imported = _imports(*(p for p in paths if p.relative_to(ROOT).as_posix() not in ROLE_EXTRAS))
-    assert not imported & {"torch", "ckpt"}, imported
+    assert "torch" not in imported, imported
+    for path in paths:
+        engine = {m for m in _modules(path) if m.split(".")[0] == "ckpt"}
+        assert engine <= ENGINE_READERS.get(path.relative_to(ROOT).as_posix(), set()), (path, engine)
+    _assert_torch_free(sorted(set().union(*ENGINE_READERS.values())))
+    imported.discard("ckpt")
     assert "torch" not in _declared(extra)
     _assert_declared(imported, extra)
     for path in paths:

@@ -48,9 +48,11 @@ def create_optimizer_state(state: Mapping[str, Any]) -> None:
     """Moments to read into, laid out like their parameters (DCP's own initialisation: one
     step of zero gradients at lr 0), for each optimizer of ``state`` that has not stepped:
     FSDP2's moments must be DTensors to read a shard into, not the plain tensors
-    ``load_state_dict`` would otherwise keep."""
+    ``load_state_dict`` would otherwise keep. LBFGS is left alone: its step needs a closure,
+    and its state is one history for all parameters, not moments laid out like each one."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     for value in state.values():
-        if isinstance(value, torch.optim.Optimizer) and not value.state:
+        if isinstance(value, torch.optim.Optimizer) and not isinstance(value, torch.optim.LBFGS) \
+                and not value.state:
             _init_optim_state(value)
