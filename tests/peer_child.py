@@ -37,8 +37,11 @@ torch.manual_seed(1000 + rank)
 model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 8))
 optim = torch.optim.Adam(model.parameters(), lr=1e-3)
 state = {"model": model, "optim": optim, "note": f"rank {rank}"}
+# keep_memory: the tests read the replicas each node holds after the job ended (the fixture
+# removes both shared-memory directories)
 mgr = CheckpointManager(root, memory_dir=memory_dir, keep_last=2, peers=1, state=state, chunk_bytes=64 << 10,
-                        peer_bytes_per_s=cap or None, object_store=os.environ.get("PEER_CHILD_OBJECT_STORE"))
+                        peer_bytes_per_s=cap or None, object_store=os.environ.get("PEER_CHILD_OBJECT_STORE"),
+                        keep_memory=True)
 start = mgr.restore(state) or 0
 logging.info("rank %d starts at step %d", rank, start)
 risky, _, risky_from = os.environ.get("PEER_CHILD_AT_RISK", "@0").partition("@")
