@@ -20,13 +20,13 @@ import torch.distributed as dist
 class Coordinator:
     """Rank, world size and the few collectives checkpointing needs; trivial when alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 120.0) -> None:
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
         # Its own gloo group with a bounded timeout: a dead peer fails a step-boundary
-        # agreement in seconds instead of hanging the survivors until the default 30 min.
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120)) if self.active else None
+        # agreement (or the group's own set-up) in ``timeout_s`` instead of the default 30 min.
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.active else None
 
     @property
     def is_coordinator(self) -> bool:

@@ -18,9 +18,10 @@ import logging
 import os
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -35,11 +36,13 @@ _pairs_lock = threading.Lock()  # the beat thread interrupts while the training 
 
 
 def join(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout_s: float,
-         backend: str = "gloo") -> None:
-    """The default group of membership round ``round_id``, on keys of its own. ``nccl`` is
-    left the same way (``leave`` shuts its communicators down on a daemon thread, which for
-    NCCL aborts them: scripts/gpu_inprocess_nccl.py measures it on a GPU)."""
+         backend: str = "gloo", *, arrival_s: float | None = None, check: Callable[[], None] = lambda: None) -> None:
+    """The default group of membership round ``round_id``, on keys of its own, once every
+    member has arrived (``arrive``: ``arrival_s``, ``check``). ``nccl`` is left the same way
+    (``leave`` shuts its communicators down on a daemon thread, which for NCCL aborts them:
+    scripts/gpu_inprocess_nccl.py measures it on a GPU)."""
     prefix = dist.PrefixStore(f"ckpt-guard/inprocess/pg/{round_id}", store)
+    arrive(prefix, round_id, rank, world_size, timeout_s if arrival_s is None else arrival_s, check)
     before = _sockets()
     dist.init_process_group(backend, store=prefix, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
@@ -48,6 +51,29 @@ def join(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout
         _pair_sockets.clear()
         _pair_sockets.update(_opened_since(before))
         _joined_round = round_id
+
+
+def arrive(store: "dist.Store", round_id: int, rank: int, world_size: int, timeout_s: float,
+           check: Callable[[], None]) -> None:
+    """Wait until every member of the round has said it is here, before torch's rendezvous,
+    whose store waits cannot be interrupted. A member still caught in an older round's set-up
+    (a store wait on a peer that died there, up to a collective timeout) then arrives late
+    instead of finding its peers gone; ``check`` raises once a newer round is out, which ends
+    the wait at once. Polled, backing off from 5 to 50 ms (one ``check`` a tenth of a second)."""
+    store.set(f"arrived/{rank}", b"1")
+    keys = [f"arrived/{r}" for r in range(world_size)]
+    start = last_check = time.monotonic()
+    pause = 0.005
+    while not store.check(keys):
+        now = time.monotonic()
+        if now - last_check >= 0.1:
+            check()
+            last_check = now
+        if now - start >= timeout_s:
+            missing = [r for r in range(world_size) if not store.check([keys[r]])]
+            raise TimeoutError(f"round {round_id}: rank(s) {missing} did not join within {timeout_s:.0f} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 @contextmanager

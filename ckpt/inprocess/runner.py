@@ -182,13 +182,19 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
         mgr: CheckpointManager | None = None
         progress = Steps()
         restoring = False
+        recovered_before = len(recoveries)
         try:
-            group.join(store.store, current.round, rank, len(current.members), collective_timeout_s)
+            # a live member may be held up to a collective timeout in an older round's set-up
+            # before it learns of this one (a second fault during a recovery): it is waited for
+            group.join(store.store, current.round, rank, len(current.members), collective_timeout_s,
+                       arrival_s=collective_timeout_s + membership_timeout_s,
+                       check=partial(_raise_if_changed, store, current.round))
             t_group = time.monotonic()
             objects = build(ctx)
             t_build = time.monotonic()
             with group.holding(current.round):  # the job's start-up swept the leftovers: a recovery does not
-                mgr = CheckpointManager(**{"node_memory": True, **checkpoint, "sweep": current.round == 0})
+                mgr = CheckpointManager(**{"node_memory": True, "control_timeout_s": collective_timeout_s,
+                                           **checkpoint, "sweep": current.round == 0})
             watched.round, watched.mgr = current.round, mgr
             state = state_of(objects)
             first = resume_step if current.round == 0 else None
@@ -237,9 +243,13 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                         nxt.reason)
             if nxt.rank_of(worker) is None:
                 raise FallBack(f"worker {worker} is not in round {nxt.round}") from e
-            pending = (t_fault, nxt.reason, progress.done,
-                       {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault, "abort_s": t_left - t_round,
-                        "abort_abandon_s": t_abandoned - t_round, "abort_leave_s": t_group_left - t_abandoned})
+            phases = {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault, "abort_s": t_left - t_round,
+                      "abort_abandon_s": t_abandoned - t_round, "abort_leave_s": t_group_left - t_abandoned}
+            if pending is not None and len(recoveries) == recovered_before:
+                # a fault during the recovery itself: one recovery, from the first fault and its step
+                pending = (pending[0], nxt.reason, pending[2], {**phases, "fault_time": pending[3]["fault_time"]})
+            else:
+                pending = (t_fault, nxt.reason, progress.done, phases)
             current = nxt
 
 
