@@ -38,8 +38,8 @@ FIRST_PARTY = {"agents", "predictor", "telemetry"}
 ROLES = {"agent": (("agents", "telemetry"), "agents"), "predictor": (("predictor", "telemetry"), "predictor")}
 #: the extra a module of the checkpoint engine needs, where it is not [train]
 ENGINE_EXTRAS = {"integrations/lightning.py": "lightning", "integrations/huggingface.py": "hf",
-                 "integrations/nvrx.py": "nvrx", "goodput/spares.py": "hazard",
-                 "tiers/store_access.py": "s3"}  # store_access: botocore's credential chain, s3:// only  # spares: its --plot
+                 "integrations/nvrx.py": "nvrx", "goodput/spares.py": "hazard",  # spares: its --plot
+                 "tiers/store_access.py": "s3"}  # store_access: botocore's credential chain, s3:// only
 #: a role's modules that need more than the role's extra (plots: [hazard])
 ROLE_EXTRAS = {"predictor/hazard/paper.py": "hazard"}
 #: a role's modules allowed to import the engine's torch-free modules (the node agent reads the
