@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 ENGINES := .venv-engines
 
-.PHONY: setup engines lint test test-tools demo bench clean
+.PHONY: setup engines lint test test-extended test-tools demo bench clean
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(PY) $(VENV)
@@ -32,6 +32,9 @@ lint: $(STAMP)
 # servers, pip); loadfile keeps a module on one worker, so its module-scoped fixtures run once
 test: $(STAMP) engines test-tools lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+
+test-extended: $(STAMP) engines test-tools  # the variants the default suite skips (marked extended)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m extended tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -88,7 +88,7 @@ class CheckpointManager:
     (``ckpt.inprocess``: a lost rank's sealed slots). ``keep_memory``: keep them at a normal end too.
     ``sweep``: remove what interrupted saves and this root's dead jobs left behind, the
     job's start-up (``ckpt.inprocess`` skips it when it rebuilds a manager after a fault).
-    ``compare_replicas``: compare replicas' digests at each save, not ``rank_local`` keys (docs/sound-state.md).
+    ``compare_replicas`` (on): compare replicas' digests at each save, not ``rank_local`` keys (docs/sound-state.md).
     ``control_timeout_s`` bounds the manager's own agreements (its gloo control group, set up
     collectively here): a dead peer fails one in that time (``ckpt.inprocess``: its collective timeout).
     """
@@ -103,7 +103,7 @@ class CheckpointManager:
                  peer_timeout_s: float = 300.0, peer_avoid_at_risk: bool = False, overlap: bool = False,
                  keep_memory: bool = False, node_memory: bool = False, drain_interval_s: float = 0.0,
                  sweep: bool = True, overlap_verify: bool = False, rank_local: Iterable[str] = (),
-                 compare_replicas: bool = False, control_timeout_s: float = 120.0) -> None:
+                 compare_replicas: bool = True, control_timeout_s: float = 120.0) -> None:
         if root is None and object_store is None:
             raise ValueError("nothing durable to save to: give a disk root, an object_store, or both")
         if drain_interval_s and not overlap:

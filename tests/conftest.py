@@ -20,6 +20,18 @@ from tests.objstore_fixtures import create_bucket, moto_server
 from tests.predictor_fixtures import LiveServer, run_cli, simulate
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``extended`` (another variant of a scenario the default suite already runs
+    end to end) run only when asked: ``-m extended`` (``make test-extended``) or
+    CKPT_TESTS=all; the default suite stays well inside its time (skipped, with the reason)."""
+    if "extended" in (config.getoption("markexpr") or "") or os.environ.get("CKPT_TESTS") == "all":
+        return
+    skip = pytest.mark.skip(reason="extended: another variant of a scenario the suite runs; -m extended runs it")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def leaves_no_shared_memory(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves checkpoint shared memory behind in /dev/shm (issue 54): a finished

@@ -49,7 +49,8 @@ def standing_by(port: int) -> bool:
 
 
 @pytest.mark.parametrize("addrs", [pytest.param(("127.0.0.1", "127.0.0.2", "127.0.0.3"), id="spare-sorts-last"),
-                                   pytest.param(("127.0.0.2", "127.0.0.3", "127.0.0.1"), id="spare-sorts-first")])
+                                   pytest.param(("127.0.0.2", "127.0.0.3", "127.0.0.1"), id="spare-sorts-first",
+                                                marks=pytest.mark.extended)])
 def test_a_hot_spare_takes_a_lost_nodes_place_and_the_job_ends_bitwise_equal(tmp_path: Path, shm: list[str],
                                                                               addrs: tuple[str, ...]) -> None:
     run_clean(tmp_path, shm, 1)

@@ -66,7 +66,7 @@ def digests(evs: list[dict]) -> set[str]:
     return {e["digest"] for e in evs if e["event"] == "done"}
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
+@pytest.mark.parametrize("fault", ["kill", pytest.param("stop", marks=pytest.mark.extended)])
 def test_nvrx_restarts_in_the_survivors_and_restores_from_our_memory_tier(tmp_path: Path, engines_python: str,
                                                                          fault: str) -> None:
     """``stop``: NVRx's monitor kills the hung rank after its hard timeout, and stops the survivors

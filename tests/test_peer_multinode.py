@@ -81,7 +81,7 @@ def run_clean(base: Path, shm: list[str], nproc: int) -> None:
         os.mkdir(d, 0o700)
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.extended)], ids=["2x1", "2x2"])
 def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Path, shm: list[str],
                                                                    nproc: int) -> None:
     run_clean(tmp_path, shm, nproc)
