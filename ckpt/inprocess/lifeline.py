@@ -23,7 +23,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from ..peers.server import TRANSIENT_ACCEPT_ERRORS
+from ..listening import TRANSIENT_ACCEPT_ERRORS
 from . import membership
 from .control import Control
 
