@@ -63,13 +63,13 @@ def test_two_hundred_idle_connections_do_not_keep_a_scrape_out(served: MetricsSe
     """200 idle connections from 5 loopback addresses: the scrape answers, and the server holds
     no more of them than its cap (the rest are pushed out, well before the request timeout)."""
     served.request_timeout_s = 120.0  # what closes them here is the cap, not the timeout
-    idle = [socket.create_connection(("127.0.0.1", served.port), timeout=60, source_address=(f"127.0.0.{1 + i % 5}", 0))
+    idle = [socket.create_connection(("127.0.0.1", served.server_address[1]), timeout=60, source_address=(f"127.0.0.{1 + i % 5}", 0))
             for i in range(200)]
     try:
-        assert b"# TYPE" in scrape(served.port)
+        assert b"# TYPE" in scrape(served.server_address[1])
         closed = wait_closed(idle, len(idle) - WAITING_TOTAL, guard_s=60)
         assert closed >= len(idle) - WAITING_TOTAL, f"{closed} of 200 idle connections closed"
-        assert served.dropped >= closed
+        assert getattr(served, "dropped", 0) >= closed
     finally:
         for s in idle:
             s.close()
@@ -77,7 +77,7 @@ def test_two_hundred_idle_connections_do_not_keep_a_scrape_out(served: MetricsSe
 
 def test_a_connection_that_drips_its_request_is_closed(served: MetricsServer) -> None:
     served.request_timeout_s = 1.0
-    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as drip:
+    with socket.create_connection(("127.0.0.1", served.server_address[1]), timeout=60) as drip:
         closed_at = None
         for byte in b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"x" * 200:
             try:
@@ -89,7 +89,7 @@ def test_a_connection_that_drips_its_request_is_closed(served: MetricsServer) ->
                 closed_at = byte
                 break
         assert closed_at is not None, "the server kept a connection that never finished its request"
-    assert b"# TYPE" in scrape(served.port)
+    assert b"# TYPE" in scrape(served.server_address[1])
 
 
 CHILD = """
@@ -98,9 +98,9 @@ import os, resource, sys
 server.request_timeout_s = 2.0
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 6, hard))
-print(server.port, flush=True)
+print(server.server_address[1], flush=True)
 sys.stdin.read()  # until the test is done
-print("accept_errors", server.accept_errors, flush=True)
+print("accept_errors", getattr(server, "accept_errors", None), flush=True)
 owner.close()
 """
 
