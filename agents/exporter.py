@@ -16,11 +16,10 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ckpt.listening import MetricsServer
-
 from agents.shm import ShmWatch
 from agents.spool import Spool
 from agents.stats import AgentStats
+from ckpt.listening import MetricsServer
 from telemetry import schema as S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

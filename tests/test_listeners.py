@@ -63,7 +63,8 @@ def test_two_hundred_idle_connections_do_not_keep_a_scrape_out(served: MetricsSe
     """200 idle connections from 5 loopback addresses: the scrape answers, and the server holds
     no more of them than its cap (the rest are pushed out, well before the request timeout)."""
     served.request_timeout_s = 120.0  # what closes them here is the cap, not the timeout
-    idle = [socket.create_connection(("127.0.0.1", served.server_address[1]), timeout=60, source_address=(f"127.0.0.{1 + i % 5}", 0))
+    port = served.server_address[1]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=60, source_address=(f"127.0.0.{1 + i % 5}", 0))
             for i in range(200)]
     try:
         assert b"# TYPE" in scrape(served.server_address[1])

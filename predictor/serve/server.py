@@ -264,8 +264,16 @@ class Service:
         return _json_response(job.public(), status=201)
 
     def _job(self, request: web.Request):
+        """The job named in the path, if this token may see it: a job token only the jobs it
+        registered, an operator token any (it cleans up after jobs that are gone). Another
+        token's job answers 404 as an absent one does, so job ids cannot be probed."""
         self._require(request, "jobs")
         job = self.jobs.jobs.get(request.match_info["job_id"])
+        if job is not None and self.tokens is not None:
+            auth = request.headers.get("Authorization")
+            if self.tokens.role_of(auth) != "operator" and job.owner != self.tokens.owner_of(auth):
+                self.metrics.refused("jobs", "not_owner")
+                job = None
         if job is None:
             raise _json_error(web.HTTPNotFound, "no such job")
         return job
