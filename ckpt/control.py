@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .. import secret
+from . import secret
 
 if TYPE_CHECKING:
     import torch.distributed as dist
