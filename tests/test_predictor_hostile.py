@@ -279,7 +279,7 @@ def test_answers_carry_no_bare_nan():
 
 
 def test_a_job_token_sees_only_its_own_jobs(shared_server):
-    """Issue 48: another job token's GET, events stream and DELETE of a job answer 404, exactly as
+    """Issue 48: another job token's GET, events stream, risk and DELETE of a job answer 404, exactly as
     for a job that does not exist (ids cannot be probed), and leave the job in place; an operator
     token reads and deletes any job."""
     srv = shared_server
@@ -288,8 +288,9 @@ def test_a_job_token_sees_only_its_own_jobs(shared_server):
     job = mine.json()["id"]
     other = {"Authorization": f"Bearer {OTHER_JOB_TOKEN}"}
     absent = requests.get(f"{srv.url}/v1/jobs/{'0' * 32}", headers=other, timeout=10)
-    for method, path in (("GET", ""), ("GET", "/events"), ("DELETE", "")):
-        r = requests.request(method, f"{srv.url}/v1/jobs/{job}{path}", headers=other, timeout=10)
+    for method, path in (("GET", f"/v1/jobs/{job}"), ("GET", f"/v1/jobs/{job}/events"),
+                         ("GET", f"/v1/risk?job={job}"), ("DELETE", f"/v1/jobs/{job}")):
+        r = requests.request(method, srv.url + path, headers=other, timeout=10)
         assert (r.status_code, r.json()) == (absent.status_code, absent.json()) == (404, {"error": "no such job"}), \
             (method, path, r.text)
     assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("job"), timeout=10).json()["id"] == job
@@ -297,4 +298,4 @@ def test_a_job_token_sees_only_its_own_jobs(shared_server):
     assert requests.delete(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("operator"), timeout=10).ok
     assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("job"), timeout=10).status_code == 404
     refused = requests.get(f"{srv.url}/metrics", timeout=10).text
-    assert 'predictor_requests_refused_total{route="jobs",why="not_owner"} 3.0' in refused
+    assert 'predictor_requests_refused_total{route="jobs",why="not_owner"} 4.0' in refused
