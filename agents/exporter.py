@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from agents.shm import ShmWatch
 from agents.spool import Spool
 from agents.stats import AgentStats
+from ckpt.listening import MetricsServer
 from telemetry import schema as S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -98,7 +98,7 @@ class Exporter:
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_AgentCollector(stats, spool, shm, source_metrics))
         ProcessCollector(registry=self._registry)
-        self._server: ThreadingHTTPServer | None = None
+        self.server: MetricsServer | None = None
 
     def observe(self, samples: list[dict], xids: list[dict]) -> None:
         now = time.monotonic()
@@ -132,32 +132,12 @@ class Exporter:
         return ("\n".join(lines) + "\n").encode() + generate_latest(self._registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve /metrics on a background thread; returns the bound port (0 picks one)."""
-        exporter = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                if self.path.split("?")[0] != "/metrics":
-                    body, code, ctype = b"see /metrics\n", 404, "text/plain"
-                else:
-                    body, code, ctype = exporter.render(), 200, CONTENT_TYPE
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self._server = ThreadingHTTPServer((addr, port), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 1.0}, name="agents-metrics",
-                         daemon=True).start()
-        return self._server.server_address[1]
+        """Serve /metrics on a background thread (``ckpt.listening``: idle or slow connections,
+        or running out of file descriptors, never stop a scrape); returns the bound port (0 picks one)."""
+        self.server = MetricsServer(addr, port, lambda: (self.render(), CONTENT_TYPE), name="agents-metrics").start()
+        return self.server.port
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None

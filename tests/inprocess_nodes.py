@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ckpt.control import Control, control_key
 from ckpt.inprocess import membership
-from ckpt.inprocess.control import Control, control_key
 from ckpt.secret import SECRET_ENV
 from tests.procs import free_port, running, stop_process, wait_for
 

@@ -20,6 +20,7 @@ from .procs import free_port, stop_process
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = {"agent": "agent-token-0123456789", "job": "job-token-0123456789ab",
           "operator": "operator-token-0123456789"}
+OTHER_JOB_TOKEN = "job-token-of-another-job-0123"  # a second job token: jobs are private to the token that made them
 
 
 def run_cli(module: str, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -48,7 +49,7 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         tokens = tmp / "tokens"
-        tokens.write_text("".join(f"{role} {tok}\n" for role, tok in TOKENS.items()))
+        tokens.write_text("".join(f"{role} {tok}\n" for role, tok in TOKENS.items()) + f"job {OTHER_JOB_TOKEN}\n")
         tokens.chmod(0o600)
         self.log = open(tmp / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen(

@@ -231,7 +231,7 @@ def test_a_lifeline_counts_only_with_the_proof_and_unproven_ones_are_capped():
     """The job launcher's lifeline listener on its own: a node launcher's proof is held (its
     end is news); an outsider's bare claim, a wrong proof, an endless line and a node already
     held are closed; unproven connections from one address never exceed the cap."""
-    from ckpt.inprocess.control import Control
+    from ckpt.control import Control
 
     base = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctl = Control(base, b"k" * 32, 0)

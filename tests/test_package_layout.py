@@ -29,7 +29,7 @@ class Package:
 
 PACKAGES = {p.name: p for p in (
     Package("ckpt", [
-        {"errors", "coordination", "secret"},
+        {"errors", "coordination", "secret", "listening", "control"},
         {"format"},
         {"tiers"},
         {"restore"},

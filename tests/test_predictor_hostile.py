@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from predictor.model.features import MAX_GPUS_PER_NODE, FleetState
-from tests.predictor_fixtures import ROOT, T0, TOKENS, LiveServer, arrow_body, node_rows, post
+from tests.predictor_fixtures import OTHER_JOB_TOKEN, ROOT, T0, TOKENS, LiveServer, arrow_body, node_rows, post
 from tests.procs import free_port
 
 ARROW = "application/vnd.apache.arrow.stream"
@@ -276,3 +276,26 @@ def test_answers_carry_no_bare_nan():
     assert strict_dumps({"hazard_ratio": float("inf"), "p": [0.5, float("nan")], "n": 3}) == \
         '{"hazard_ratio": null, "p": [0.5, null], "n": 3}'
     assert _strict_json(strict_dumps({"ok": 1.0})) == {"ok": 1.0}
+
+
+def test_a_job_token_sees_only_its_own_jobs(shared_server):
+    """Issue 48: another job token's GET, events stream, risk and DELETE of a job answer 404, exactly as
+    for a job that does not exist (ids cannot be probed), and leave the job in place; an operator
+    token reads and deletes any job."""
+    srv = shared_server
+    mine = requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["own-1"]}, headers=srv.headers("job"), timeout=10)
+    assert mine.status_code == 201, mine.text
+    job = mine.json()["id"]
+    other = {"Authorization": f"Bearer {OTHER_JOB_TOKEN}"}
+    absent = requests.get(f"{srv.url}/v1/jobs/{'0' * 32}", headers=other, timeout=10)
+    for method, path in (("GET", f"/v1/jobs/{job}"), ("GET", f"/v1/jobs/{job}/events"),
+                         ("GET", f"/v1/risk?job={job}"), ("DELETE", f"/v1/jobs/{job}")):
+        r = requests.request(method, srv.url + path, headers=other, timeout=10)
+        assert (r.status_code, r.json()) == (absent.status_code, absent.json()) == (404, {"error": "no such job"}), \
+            (method, path, r.text)
+    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("job"), timeout=10).json()["id"] == job
+    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("operator"), timeout=10).ok
+    assert requests.delete(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("operator"), timeout=10).ok
+    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("job"), timeout=10).status_code == 404
+    refused = requests.get(f"{srv.url}/metrics", timeout=10).text
+    assert 'predictor_requests_refused_total{route="jobs",why="not_owner"} 4.0' in refused

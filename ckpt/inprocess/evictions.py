@@ -12,8 +12,8 @@ import json
 import logging
 from typing import Callable
 
+from ..control import Control
 from . import membership
-from .control import Control
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .. import secret
+from ..control import control_key
 from . import membership
-from .control import control_key
 from .lifeline import Lifelines
 from .node import POLL_S, NodeLauncher, run_node
 from .runner import EXIT_FALLBACK

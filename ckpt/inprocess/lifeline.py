@@ -23,9 +23,9 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from ..peers.server import TRANSIENT_ACCEPT_ERRORS
+from ..control import Control
+from ..listening import TRANSIENT_ACCEPT_ERRORS
 from . import membership
-from .control import Control
 
 log = logging.getLogger(__name__)
 KEY = f"{membership.PREFIX}/lifeline"  # the listener's port, in the job's store

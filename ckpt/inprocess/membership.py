@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .control import Control, control_key
+from ..control import Control, control_key
 
 PREFIX = "ckpt-guard/inprocess"
 DONE_KEY = f"{PREFIX}/done"

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..control import Control, control_key
 from ..recovery.hang_policy import HangDetection
 from . import lifeline, membership
-from .control import Control, control_key
 from .runner import BEAT_S, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.node")

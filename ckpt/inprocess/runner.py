@@ -29,6 +29,7 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import torch.distributed.checkpoint.state_dict  # noqa: F401 - a shrink's restore needs it: imported then, 0.05 s
 
+from ..control import Control
 from ..errors import CheckpointError
 from ..integrations.risk import RiskListener
 from ..manager import CheckpointManager
@@ -36,7 +37,6 @@ from ..peers.placement import node_name
 from ..recovery.leaving import flush_logs
 from ..save.canary import figures
 from . import evictions, group, membership
-from .control import Control
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

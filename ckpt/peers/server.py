@@ -12,7 +12,6 @@ received at nice ``nice`` (``priority``: training on this node runs first), a ``
 restore waiting for it) at normal priority."""
 from __future__ import annotations
 
-import errno
 import logging
 import socket
 import threading
@@ -21,6 +20,7 @@ from typing import Sequence
 
 from ..errors import CheckpointError
 from ..format.manifest import ShardManifest
+from ..listening import TRANSIENT_ACCEPT_ERRORS
 from ..restore.execute import DAMAGE, open_shard
 from ..tiers.base import CheckpointId, ShardReader, TierReader
 from . import wire
@@ -29,9 +29,6 @@ from .replicas import ReplicaSlots
 
 log = logging.getLogger(__name__)
 
-# accept() failing with one of these is the machine short of something for a while (file
-# descriptors, memory) or one connection gone before it was taken: wait, then go on.
-TRANSIENT_ACCEPT_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
 HANDSHAKE_S = 5.0  # a connection that has not proven the secret by then is closed (a proof takes ms)
 PENDING_PER_ADDRESS, PENDING_TOTAL = 8, 32  # unproven connections held at once
 

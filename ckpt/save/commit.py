@@ -20,6 +20,12 @@ tier::
 So "committed" in any volume means durable in that tier on every rank, and retention,
 which counts committed steps only, can never delete the last step that all ranks hold.
 Alone (one process) the rank is its own leader and nothing is announced.
+
+With a job secret (``ckpt.secret``) the announcements and verdicts are signed values
+(``ckpt.control``, under a key of their own): one that fails its check (an outsider on the
+store forging a shard or a verdict) is ignored, counted in ``rejected`` and logged once, and the
+wait goes on for the real one. Without a secret they are plain, as before. The ``done`` counter
+only tidies the store: an outsider who bumps it costs a wait, never a wrong commit.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ from collections import defaultdict
 from datetime import timedelta
 from typing import Callable, Mapping
 
+from .. import secret
+from ..control import Control
 from ..errors import Abandoned, CheckpointError
 from ..format.health import classify, newest_verified
 from ..format.manifest import Manifest, ShardRef
@@ -50,18 +58,26 @@ def retention(keep_last: int | Mapping[str, int]) -> tuple[dict[str, int], int]:
     return by_tier, default
 
 
+def commit_key() -> bytes | None:
+    """The key signing the commit protocol's values, from the job's secret; None without one."""
+    job = secret.load()
+    return None if job is None else secret.derive(job, "checkpoint commit")
+
+
 class Committer:
     """Owns commit and retention for every durable tier of one rank.
 
     ``store``: returns the calling thread's client of the job's store (None when alone,
     see ``distributed.store_connector``). ``keep_last``: complete checkpoints kept per
-    tier name, ``default_keep`` for tiers not named."""
+    tier name, ``default_keep`` for tiers not named. ``key``: signs what is announced
+    (``commit_key()``; None: unsigned)."""
 
     def __init__(self, rank: int, world_size: int, *, store: Callable[[], object] | None,
-                 keep_last: Mapping[str, int], default_keep: int, timeout_s: float) -> None:
+                 keep_last: Mapping[str, int], default_keep: int, timeout_s: float, key: bytes | None = None) -> None:
         if world_size > 1 and store is None:
             raise ValueError("a job of several ranks needs a store to commit through")
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self._key = rank, world_size, key
+        self.rejected = 0  # announcements and verdicts that failed their check (forged), ignored
         self._store, self._timeout = store, timedelta(seconds=timeout_s)
         self._keep, self._default_keep = dict(keep_last), default_keep
         self._volumes: dict[str, list[int]] = {}  # tier name -> the ranks sharing this rank's volume
@@ -120,39 +136,61 @@ class Committer:
 
     def _commit_together(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef, report: dict | None) -> dict:
         store = self._store()
+        signed = Control(store, self._key, 0) if self._key is not None else None  # per step: nothing accumulates
         key = f"{tier.name}/{ckpt_id.generation}.{ckpt_id.step}"
         ranks = self._volumes[tier.name]
         leader = ranks[0]
-        store.set(f"{key}/shard/{self.rank}", json.dumps([ref.rank, ref.manifest_crc32c, ref.data_bytes, report]))
-        if self.rank == leader:
-            self._wait(store, [f"{key}/shard/{r}" for r in range(self.world_size)],
-                       f"every rank's shard of step {ckpt_id.step} in {tier.name}")
-            announced = {r: json.loads(store.get(f"{key}/shard/{r}")) for r in range(self.world_size)}
-            health = verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
-            refs = [ShardRef(*announced[r][:3]) for r in ranks]
-            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, refs, health=health))
-            self.apply_retention(tier)
-            store.set(f"{key}/commit/{leader}", json.dumps(health))
-        else:
-            self._wait(store, [f"{key}/commit/{leader}"], f"rank {leader} to commit step {ckpt_id.step} in {tier.name}")
-            health = json.loads(store.get(f"{key}/commit/{leader}"))
+        try:
+            self._put(store, signed, f"{key}/shard/{self.rank}",
+                      json.dumps([ref.rank, ref.manifest_crc32c, ref.data_bytes, report]))
+            if self.rank == leader:
+                shards = [f"{key}/shard/{r}" for r in range(self.world_size)]
+                values = self._wait(store, signed, shards, f"every rank's shard of step {ckpt_id.step} in {tier.name}")
+                announced = dict(enumerate(json.loads(v) for v in values))
+                health = verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
+                refs = [ShardRef(*announced[r][:3]) for r in ranks]
+                tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, refs, health=health))
+                self.apply_retention(tier)
+                self._put(store, signed, f"{key}/commit/{leader}", json.dumps(health))
+            else:
+                health = json.loads(self._wait(store, signed, [f"{key}/commit/{leader}"],
+                                               f"rank {leader} to commit step {ckpt_id.step} in {tier.name}")[0])
+        finally:
+            if signed is not None:
+                with self._lock:
+                    self.rejected += signed.rejected
         if store.add(f"{key}/done", 1) == self.world_size:  # everyone has seen its commit: tidy the store
             for k in [*(f"{key}/shard/{r}" for r in range(self.world_size)), f"{key}/done",
                       *(f"{key}/commit/{r}" for r in range(self.world_size))]:
                 store.delete_key(k)
         return health
 
-    def _wait(self, store: object, keys: list[str], what: str) -> None:
-        """Poll (a few µs a check) rather than block in the store, so ``abandon()`` ends the
-        wait at once when a peer is gone and the job continues without it (``ckpt.inprocess``)."""
+    @staticmethod
+    def _put(store: object, signed: Control | None, key: str, value: str) -> None:
+        if signed is None:
+            store.set(key, value)
+        else:
+            signed.put(key, value)
+
+    def _wait(self, store: object, signed: Control | None, keys: list[str], what: str) -> list[bytes]:
+        """The values of ``keys`` once all are there (and, signed, pass their check). Polls (a few
+        µs a check) rather than block in the store, so ``abandon()`` ends the wait at once when a
+        peer is gone and the job continues without it (``ckpt.inprocess``)."""
         deadline = time.monotonic() + self._timeout.total_seconds()
         pause = 0.001
         try:
-            while not store.check(keys):
+            while True:
+                if store.check(keys):
+                    values = store.multi_get(keys) if signed is None else signed.many(keys)
+                    if None not in values:
+                        return values
                 if self.abandoned.is_set():
                     raise Abandoned(f"abandoned waiting for {what}: the job's membership changed")
                 if time.monotonic() >= deadline:
-                    raise CheckpointError(f"timed out after {self._timeout.total_seconds():.0f} s waiting for {what}")
+                    forged = f" ({signed.rejected} values failed their check: does every rank hold the same job " \
+                             "secret?)" if signed is not None and signed.rejected else ""
+                    raise CheckpointError(f"timed out after {self._timeout.total_seconds():.0f} s waiting for "
+                                          f"{what}{forged}")
                 time.sleep(pause)
                 pause = min(2 * pause, 0.02)
         except CheckpointError:

@@ -9,11 +9,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Mapping
 
+from .. import secret
 from ..coordination import Coordinator, store_connector
+from ..errors import CheckpointError
 from ..tiers.base import DurableTier
 from ..tiers.local import LocalDiskTier
 from ..tiers.locations import object_store_tier
-from .commit import Committer, retention
+from .commit import Committer, commit_key, retention
 from .ownership import claim_for_job
 
 
@@ -44,9 +46,13 @@ def open_durable(coord: Coordinator, root: str | os.PathLike | None, object_stor
     claim_for_job(coord, tiers, run)  # before anything is swept or pruned
     # Alone, each tier is one volume: nothing is written to the root to find out.
     mine = [t.volume for t in tiers] if coord.world_size > 1 else ["local"] * len(tiers)
-    job, *volumes = zip(*coord.gather([uuid.uuid4().hex, *mine]))
+    key = commit_key()
+    job, keys, *volumes = zip(*coord.gather([uuid.uuid4().hex, key and secret.fingerprint(key), *mine]))
+    if len(set(keys)) > 1:  # every commit would time out on values the others cannot check
+        raise CheckpointError(f"the ranks hold different job secrets (or some none): give every rank the same "
+                              f"{secret.SECRET_FILE_ENV} or {secret.SECRET_ENV}")
     committer = Committer(coord.rank, coord.world_size, store=store_connector(f"{run}/{job[0]}", commit_timeout_s),
-                          keep_last=keep_by_tier, default_keep=default_keep, timeout_s=commit_timeout_s)
+                          keep_last=keep_by_tier, default_keep=default_keep, timeout_s=commit_timeout_s, key=key)
     for tier, by_rank in zip(tiers, volumes):
         committer.register(tier, list(by_rank))
     return DurableTiers(disk, obj, committer)

@@ -3,8 +3,9 @@
 checkpoints are cheap, keep up, and land in every tier."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..listening import MetricsServer
 from .drain import SaveHandle
 
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -33,9 +34,19 @@ class CheckpointMetrics:
                                 "unhealthy (NaN/Inf), per culprit rank, node and GPU",
                                 ["rank", "state", "culprit_rank", "culprit_node", "culprit_gpu"], registry=r)
         self.rank = str(rank)
+        self.server: MetricsServer | None = None
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on a daemon thread (``ckpt.listening``: idle or slow connections, or running
+        out of file descriptors, never stop a scrape); returns the bound port (0 picks one)."""
+        self.server = MetricsServer(addr, port, lambda: (generate_latest(self.registry), CONTENT_TYPE_LATEST),
+                                    name="ckpt-metrics").start()
+        return self.server.port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
     def saved(self, blocking_s: float, urgent: bool) -> None:
         self.blocking.observe(blocking_s)

@@ -15,7 +15,7 @@ import skops.io as sio
 
 from predictor.hazard.features import FEATURE_NAMES
 from predictor.hazard.models import LINEAR_TERMS, BoostedModel, CoxModel, Standardizer, WeibullAFT
-from predictor.ingest.untrusted_files import check_skops, loads_json
+from predictor.ingest.untrusted_files import load_skops, loads_json
 from predictor.model.model_io import BOOSTER_TYPES
 
 FORMAT_VERSION = 1
@@ -59,21 +59,7 @@ def load(path: str | Path) -> HazardModel:
     """Load a model file, refusing unknown types, versions or features, declared sizes the
     file does not hold, deep JSON and arrays of the wrong shape: one ValueError, never a
     MemoryError or RecursionError."""
-    size = Path(path).stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise ValueError(f"{path}: {size} bytes, over the {MAX_FILE_BYTES}-byte limit of a hazard model file")
-    data = Path(path).read_bytes()
-    check_skops(data, str(path), MAX_UNPACKED_BYTES)
-    try:
-        untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in TRUSTED_TYPES]
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
-        raise ValueError(f"{path}: not a readable hazard model: {e}") from None
-    if untrusted:
-        raise ValueError(f"{path}: refusing to load model with unexpected types {untrusted}")
-    try:
-        p = sio.loads(data, trusted=TRUSTED_TYPES)
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError, IndexError) as e:
-        raise ValueError(f"{path}: not a readable hazard model: {e}") from None
+    p = load_skops(path, "hazard model", TRUSTED_TYPES, MAX_FILE_BYTES, MAX_UNPACKED_BYTES)
     if not isinstance(p, dict) or p.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: not a hazard model of format {FORMAT_VERSION}")
     if list(p.get("feature_names", [])) != list(FEATURE_NAMES):

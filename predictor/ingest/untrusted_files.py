@@ -12,8 +12,10 @@ import json
 import math
 import re
 import zipfile
+from pathlib import Path
 
 import numpy as np
+import skops.io as sio
 
 #: DEFLATE expands at most ~1032x; a member that claims more is lying about its size.
 MAX_EXPANSION = 1100
@@ -66,6 +68,25 @@ def check_skops(data: bytes, what: str, max_unpacked: int, max_schema_depth: int
                 raise ValueError(f"{what}: schema.json is nested deeper than {max_schema_depth} levels")
     except (zipfile.BadZipFile, EOFError, UnicodeDecodeError, OSError) as e:
         raise ValueError(f"{what}: damaged model file: {e}") from None
+
+
+def load_skops(path: str | Path, what: str, trusted: list[str], max_file: int, max_unpacked: int) -> object:
+    """What a skops model file holds, after ``check_skops``; a type outside ``trusted`` is
+    refused (its code never runs), and whatever skops raises on a damaged file is one
+    ValueError naming ``what`` ("model", "hazard model")."""
+    size = Path(path).stat().st_size
+    if size > max_file:
+        raise ValueError(f"{path}: {size} bytes, over the {max_file}-byte limit of a {what} file")
+    data = Path(path).read_bytes()
+    check_skops(data, str(path), max_unpacked)
+    try:
+        untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in trusted]
+        if not untrusted:
+            return sio.loads(data, trusted=trusted)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError, IndexError) as e:
+        raise ValueError(f"{path}: not a readable {what}: {str(e)[:200]}") from None
+    raise ValueError(f"{path}: refusing to load {what} with unexpected types {untrusted[:5]}"
+                     + (f" and {len(untrusted) - 5} more" if len(untrusted) > 5 else ""))
 
 
 def _check_array(z: zipfile.ZipFile, m: zipfile.ZipInfo, what: str) -> None:

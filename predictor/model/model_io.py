@@ -16,10 +16,13 @@ from sklearn.calibration import CalibratedClassifierCV
 from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.frozen import FrozenEstimator
 
+from predictor.ingest.untrusted_files import load_skops, loads_json
 from predictor.model.features import FEATURE_NAMES
 
 FORMAT_VERSION = 1
 DEFAULT_MODEL = "default.skops"
+MAX_FILE_BYTES = 256 << 20  # the shipped model is 2.3 MB
+MAX_UNPACKED_BYTES = 1 << 30
 #: The types a fitted HistGradientBoosting model is made of (the hazard model's store uses them too).
 BOOSTER_TYPES = [
     "sklearn.ensemble._hist_gradient_boosting.binning._BinMapper",
@@ -96,19 +99,31 @@ def fit_estimator(x_train: np.ndarray, y_train: np.ndarray, x_cal: np.ndarray, y
 
 
 def load(path: str | Path | None = None) -> Model:
-    """Load a model file (None: the packaged default), refusing unknown types or versions."""
+    """Load a model file (None: the packaged default), refusing unknown types or versions,
+    declared sizes the file does not hold, deep JSON and fields of the wrong shape: one
+    ValueError, never a MemoryError, RecursionError or a failure at the first score."""
     if path is None:
         path = resources.files("predictor.model") / DEFAULT_MODEL
-    data = Path(str(path)).read_bytes()
-    untrusted = [t for t in sio.get_untrusted_types(data=data) if t not in TRUSTED_TYPES]
-    if untrusted:
-        raise ValueError(f"{path}: refusing to load model with unexpected types {untrusted}")
-    payload = sio.loads(data, trusted=TRUSTED_TYPES)
-    if payload.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: model format {payload.get('format_version')} is not {FORMAT_VERSION}")
-    if list(payload["feature_names"]) != list(FEATURE_NAMES):
+    p = load_skops(str(path), "model", TRUSTED_TYPES, MAX_FILE_BYTES, MAX_UNPACKED_BYTES)
+    if not isinstance(p, dict) or p.get("format_version") != FORMAT_VERSION:
+        version = p.get("format_version") if isinstance(p, dict) else None
+        raise ValueError(f"{path}: model format {version!r} is not {FORMAT_VERSION}")
+    if list(p.get("feature_names", [])) != list(FEATURE_NAMES):
         raise ValueError(f"{path}: model was trained on other features than this predictor computes")
-    return Model(estimator=payload["estimator"], sensitive=payload["sensitive"], strict=payload["strict"],
-                 feature_center=np.asarray(payload["feature_center"]),
-                 feature_scale=np.asarray(payload["feature_scale"]),
-                 info=json.loads(payload["info_json"]))
+    estimator = p.get("estimator")
+    if not isinstance(estimator, CalibratedClassifierCV) or \
+            getattr(estimator, "n_features_in_", None) != len(FEATURE_NAMES):
+        raise ValueError(f"{path}: the estimator is not a calibrated classifier of the "
+                         f"{len(FEATURE_NAMES)} features")
+    thresholds = [p.get("sensitive"), p.get("strict")]
+    if not all(isinstance(t, float) and 0.0 <= t <= 1.0 for t in thresholds):
+        raise ValueError(f"{path}: thresholds {thresholds!r} are not probabilities")
+    center, scale = (np.asarray(p.get(k)) for k in ("feature_center", "feature_scale"))
+    for name, a in (("feature_center", center), ("feature_scale", scale)):
+        if a.shape != (len(FEATURE_NAMES),) or a.dtype.kind != "f" or not np.isfinite(a).all():
+            raise ValueError(f"{path}: {name} must be {len(FEATURE_NAMES)} finite floats, not {a.dtype} {a.shape}")
+    if not isinstance(p.get("info_json"), str):
+        raise ValueError(f"{path}: info_json is not a string")
+    info = loads_json(p["info_json"], f"{path}: info_json")
+    return Model(estimator=estimator, sensitive=p["sensitive"], strict=p["strict"], feature_center=center,
+                 feature_scale=scale, info=info if isinstance(info, dict) else {})

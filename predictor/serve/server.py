@@ -230,11 +230,7 @@ class Service:
     async def risk(self, request: web.Request) -> web.Response:
         job_id = request.query.get("job")
         if job_id is not None:                  # a job's own risk: its job token may read it
-            self._require(request, "jobs")
-            job = self.jobs.jobs.get(job_id)
-            if job is None:
-                raise _json_error(web.HTTPNotFound, "no such job")
-            return _json_response(self.job_risks.of(job))
+            return _json_response(self.job_risks.of(self._job(request, job_id)))
         self._require(request, "risk")
         node = request.query.get("node")
         if not node:
@@ -263,9 +259,17 @@ class Service:
             raise _json_error(REFUSED[e.status], str(e), headers=retry) from None
         return _json_response(job.public(), status=201)
 
-    def _job(self, request: web.Request):
+    def _job(self, request: web.Request, job_id: str | None = None):
+        """The job ``job_id`` (default: named in the path), if this token may see it: a job token
+        only the jobs it registered, an operator token any (it cleans up after jobs that are
+        gone). Another token's job answers 404 as an absent one does: ids cannot be probed."""
         self._require(request, "jobs")
-        job = self.jobs.jobs.get(request.match_info["job_id"])
+        job = self.jobs.jobs.get(job_id or request.match_info["job_id"])
+        if job is not None and self.tokens is not None:
+            auth = request.headers.get("Authorization")
+            if self.tokens.role_of(auth) != "operator" and job.owner != self.tokens.owner_of(auth):
+                self.metrics.refused("jobs", "not_owner")
+                job = None
         if job is None:
             raise _json_error(web.HTTPNotFound, "no such job")
         return job

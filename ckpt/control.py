@@ -10,6 +10,9 @@ the payload. A value copied to another key, into another attempt, or written bac
 one (a replayed beat) fails; so does anything an outsider makes. A failing value is ignored
 (the reader keeps the newest good one it saw), counted in ``rejected`` and logged once per key.
 
+The checkpoint commit protocol (``save/commit.py``) signs its announcements and verdicts the
+same way when the job has a secret.
+
 What this does not give: availability. An outsider can still delete or overwrite a key (the
 job then waits, times out, or relaunches, as for a lost node); isolate the store's network for
 that (docs/security.md). torch's ``add`` counters cannot carry a MAC: none is used for a
@@ -25,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .. import secret
+from . import secret
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -64,6 +67,7 @@ class Control:
         self._sent: dict[str, int] = {}  # key -> the last sequence number written here
         self._good: dict[str, tuple[bytes, Signed]] = {}  # key -> (raw value, what it said): the newest good one
         self._warned: set[str] = set()
+        self._bad: dict[str, bytes] = {}  # key -> the last value that failed (not counted again)
         self.rejected = 0
 
     def mac(self, *fields: bytes | str | int) -> bytes:
@@ -110,7 +114,9 @@ class Control:
             return last[1]
         found = self._check(key, raw)
         if found is None or (last is not None and found.seq < last[1].seq):
-            self._reject(key, "fails its check" if found is None else "is older than one already read (a replay)")
+            if self._bad.get(key) != raw:  # counted once, however often a poll reads it again
+                self._bad[key] = raw
+                self._reject(key, "fails its check" if found is None else "is older than one already read (a replay)")
             return None if last is None else last[1]
         self._good[key] = (raw, found)
         return found
