@@ -89,8 +89,7 @@ class CheckpointManager:
     ``sweep``: remove what interrupted saves and this root's dead jobs left behind, the
     job's start-up (``ckpt.inprocess`` skips it when it rebuilds a manager after a fault).
     ``compare_replicas`` (on): compare replicas' digests at each save, not ``rank_local`` keys (docs/sound-state.md).
-    ``control_timeout_s`` bounds the manager's own agreements (its gloo control group, set up
-    collectively here): a dead peer fails one in that time (``ckpt.inprocess``: its collective timeout).
+    ``control_timeout_s``: a dead peer fails the manager's own agreements (its gloo group) in that time.
     """
 
     def __init__(self, root: str | os.PathLike | None, *, keep_last: int | Mapping[str, int] = 3,
@@ -139,11 +138,10 @@ class CheckpointManager:
                                                                    interval_s=object_interval_s)
         self._handles: list[SaveHandle] = []
         self._lineage = Lineage(self.coord, self.tiers)
-        self._prepared = False
-        self._closed = False
+        self._prepared = self._closed = False
         self.last_reshard: ReshardStats | None = None  # the last restore's, when it was at another world size
-        self.metrics = CheckpointMetrics(self.rank) if metrics_port is not None else None
-        if self.metrics is not None:
+        self.metrics = None if metrics_port is None else CheckpointMetrics(self.rank)
+        if self.metrics is not None:  # stopped by close(), as every server we start
             self.metrics.serve(metrics_port + int(os.environ.get("LOCAL_RANK", "0")), metrics_addr)
         self.peering, self._saves = wire_saves(
             self, memory_dir=memory_dir, node=node, peers=peers, peer_bytes_per_s=peer_bytes_per_s,
@@ -305,14 +303,12 @@ class CheckpointManager:
                             avoid=avoided(self._saves.canary.path) if step is None else None)
         if found is None:
             return None
-        plan, self.last_reshard = found
-        seconds = time.monotonic() - t0
+        (plan, self.last_reshard), seconds = found, time.monotonic() - t0
         log_restored(plan, seconds, self.rank, self.world_size)
         if self.metrics is not None:
             self.metrics.restored(plan.shards[0].sources[0].name, seconds)
-        # A shard that came from another node has one copy left: snapshot the restored state
-        # into memory now (before training changes it) and replicate it at once. A resharded
-        # step is not this rank's saved shard: the next save protects it.
+        # A shard from another node has one copy left: snapshot the restored state into memory now (before
+        # training changes it) and replicate it at once. A resharded step is not this rank's saved shard.
         if self.peering is not None and self.peering.restored(plan) and self.last_reshard is None:
             self._saves.protect(*self._snapshot(plan.ckpt_id, state), plan.ckpt_id)
         self._lineage.resumed(plan.ckpt_id)
@@ -392,6 +388,8 @@ class CheckpointManager:
             if self.peering is not None:
                 self.peering.close(abort=abandoned)
             self.memory.close(remove=remove_memory)
+            if self.metrics is not None:
+                self.metrics.close()
             if not abandoned:
                 self.coord.close()
 
