@@ -36,7 +36,7 @@ from typing import Any, Callable
 from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_FILE
 from ..base import CheckpointId
-from .namespace import is_trusted, owner_gone, rank_dirs, read_owner, seals
+from .namespace import is_trusted, owner_gone, rank_dirs, read_owner, remove_if_unheld, seals
 
 GRACE_ENV = "CKPT_GUARD_SHM_GRACE_S"
 DEFAULT_GRACE_S = 24 * 3600.0
@@ -235,9 +235,7 @@ def remove_holding(h: Holding, *, force: bool = False) -> bool:
             if not force and not again.durable:
                 return False
             shutil.rmtree(rank.path, ignore_errors=True)
-    with contextlib.suppress(OSError):  # a rank made meanwhile
-        h.path.rmdir()
-    return not h.path.exists()
+    return remove_if_unheld(h.path)
 
 
 def reclaim(shm_dir: str, *, uid: int | None = None, grace: float | None = None,
