@@ -17,6 +17,10 @@ tier::
     every rank        wait for its leader's commit key, then count itself done;
                       the last one deletes the step's keys
 
+A rank whose tier had no room for its shard announces ``{"full": why}`` instead: every leader
+then commits nothing and puts the reasons in its commit key, and every rank raises ``TierFull``
+(a tier's failure: the job goes on with its other tiers; ``save_path.py``).
+
 So "committed" in any volume means durable in that tier on every rank, and retention,
 which counts committed steps only, can never delete the last step that all ranks hold.
 Alone (one process) the rank is its own leader and nothing is announced.
