@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import paired_ratio, parser, run_meta, timed, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, paired_ratio, parser, run_meta, timed, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.peers.remote import Held, RemoteTier  # noqa: E402
 from ckpt.peers.replicas import ReplicaSlots  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
         src = MemoryTier(namespace_dir(str(Path(root).resolve()), "default", shm), 0)
         ckpt_id = src.list()[-1].id
         secret = new_secret()
-        ns = Path(shm) / "ckpt-guard-bench-replicas"
+        ns = Path(shm) / "bench-replicas"  # this benchmark's own pool, not a job's namespace
         replicas = ReplicaSlots(ns, {"root": root, "run": "bench"})  # checker threads as Peering has them
         stack.callback(replicas.close)
         server = PeerServer(replicas, [PeerTier(ns)], host="127.0.0.1", timeout_s=120, nice=args.nice)
@@ -157,6 +157,8 @@ def main() -> None:
                     times[name].append(t)
             print(f"round {i}: " + ", ".join(f"{k} {w:.3f} s" for k, (w, _) in got.items())
                   + ("" if i > 1 else " (warm-up, dropped)"), file=sys.stderr, flush=True)
+        mgr.close()
+        leaves_no_shm(shm)
     out: dict = {"bytes": nbytes, "repeats": args.repeats, "nice": args.nice}
     out |= {k: summary(v, nbytes) for k, v in times.items() if v}
     out["replicate_vs_copy"] = out["tcp_copy"]["median_s"] / out["replicate"]["median_s"]

@@ -46,7 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.harness import abba, paired_ratio, parser, run_meta, spread, write_json  # noqa: E402
+from benchmarks.harness import abba, leaves_no_shm, paired_ratio, parser, run_meta, spread, write_json  # noqa: E402
 from tests.procs import free_port, stop_process  # noqa: E402
 
 
@@ -136,6 +136,7 @@ def run_job(args: argparse.Namespace, out: Path) -> dict:
             time.sleep(0.5)
         if any(p.returncode != 0 for p in procs):
             raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
+        leaves_no_shm(shm)
         return json.loads(out.read_text())
     finally:
         for p in procs:

@@ -72,7 +72,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.engine_workers import add_torchft_args, torchft_settings  # noqa: E402
-from benchmarks.harness import median_of, parser, run_meta, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, median_of, parser, run_meta, write_json  # noqa: E402
 from benchmarks.harness.engines import engines_python  # noqa: E402
 from benchmarks.harness.procs import exit_on_sigterm  # noqa: E402
 from benchmarks.recovery_engines import rows as engine_rows  # noqa: E402
@@ -128,6 +128,7 @@ def _torchrun(scenario: str, workdir: Path, memory_dir: str, *extra: str) -> str
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"{scenario}: torchrun failed ({proc.returncode}):\n{log[-3000:]}")
+    leaves_no_shm(memory_dir)
     return log
 
 
@@ -220,6 +221,7 @@ def run_lost_node(workdir: Path, *, peer: bool, spare: bool = False) -> dict[str
         replaced = time.time()  # LOGLEVEL=INFO: the agent logs when its own start-up is done
         nodes[1] = nodes.pop() if spare else node(1, {**REPLACEABLE, "LOGLEVEL": "INFO"})
         log, replacement_log = finish_nodes(nodes, timeout=400)
+        leaves_no_shm(*shm)
     finally:
         for d in shm:
             shutil.rmtree(d, ignore_errors=True)

@@ -59,7 +59,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.engine_workers import FAULT_STEP, TorchftSettings, add_torchft_args, torchft_settings  # noqa: E402
-from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, parser, run_meta, write_json  # noqa: E402
 from benchmarks.harness.engines import engine_available, engine_versions, engines_python  # noqa: E402
 from benchmarks.harness.procs import exit_on_sigterm, finish, spawn  # noqa: E402
 from benchmarks.recovery_rows import median_row  # noqa: E402
@@ -211,6 +211,7 @@ def run_nvrx_tiers(python: str, case: str | None, workdir: Path) -> dict[str, An
         job("ref", 3, "--root", root, "--steps", str(restored))
         again = job("ref-after", got["world_after"], "--root", root, "--resume-step", str(restored))
         digest = got.pop("digest")
+        leaves_no_shm(shm)
         return {**got, "equal_to_clean": digest == again["digest"]}
     finally:
         shutil.rmtree(shm, ignore_errors=True)

@@ -36,6 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.harness import leaves_no_shm
 from tests.inprocess_nodes import lose_node_1, lost_shard_sources
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,6 +73,7 @@ def launch(workdir: Path, name: str, launcher: list[str], child: list[str]) -> l
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: the launcher failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    leaves_no_shm(under=workdir / name)  # the workers' memory tier: the default /dev/shm
     return [json.loads(line) for line in events.read_text().splitlines()]
 
 
@@ -110,6 +112,7 @@ def run_row(case: str, mode: str, workdir: Path, refs: References) -> dict:
             lost = lose_node_1(workdir / f"{case}-{mode}", Path(shm), NODE_MODES[mode],
                                [*MODEL, "--steps", str(STEPS), "--peers", "1"],
                                at_step=FAULT_AT, hang_s=NODE_HANG_S, silent=case == "vanished_node")
+            leaves_no_shm(shm)
         evs, fault = lost.events, {"t": lost.fault_t}
     else:
         evs = launch(workdir, f"{case}-{mode}", MODES[mode], ["--steps", str(STEPS), *CASES[case]])

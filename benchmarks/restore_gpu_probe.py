@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.ckpt_bench import build_state, tensors_of  # noqa: E402
-from benchmarks.harness import median_time, memcpy_floor, parser, run_meta, sync, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, median_time, memcpy_floor, parser, run_meta, sync, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.format.device_crc import RowCRC  # noqa: E402
 from ckpt.format.device_reads import HOST_CHECK_BELOW, DevicePiece, StagedDeviceReads  # noqa: E402
@@ -112,6 +112,7 @@ def main() -> None:
             out["dma_s"], out["floor_back_s"] = median_time(dma, 3), memcpy_floor(tensors, 3)[1]
         reader.close()
         mgr.close()
+        leaves_no_shm(shm)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import abba, paired_ratio, parser, run_meta, spread, write_json  # noqa: E402
+from benchmarks.harness import abba, leaves_no_shm, paired_ratio, parser, run_meta, spread, write_json  # noqa: E402
 from ckpt import CheckpointManager  # noqa: E402
 from ckpt.save import save_path, soundness  # noqa: E402
 
@@ -118,6 +118,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="ckpt-sound-"))
     try:
         rows = (overhead if args.mode == "overhead" else false_alarms)(args, shm, root)
+        leaves_no_shm(shm)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)

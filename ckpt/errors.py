@@ -5,6 +5,8 @@ enough for an operator to act (which step, which file).
 """
 from __future__ import annotations
 
+import errno
+
 
 class CheckpointError(Exception):
     """Base class: anything the checkpoint engine refuses or fails to do."""
@@ -30,6 +32,15 @@ class StateMismatch(CheckpointError):
 
 class BackgroundError(CheckpointError):
     """A background drain (disk, object store) failed; raised at the next save()/wait()."""
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the errnos of a tier without room (TierFull)
+
+
+class TierFull(CheckpointError):
+    """A durable tier has no room for a step (ENOSPC, EDQUOT, EFBIG on any rank): a failure of
+    that tier, not of a rank. The job trains on with its other tiers and tries it again at the
+    next save."""
 
 
 class Preempted(SystemExit):

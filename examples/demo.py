@@ -169,6 +169,7 @@ def scenario(args: argparse.Namespace, name: str, with_predictor: bool, fail_at_
     run.dir.mkdir(parents=True, exist_ok=True)
     nodes = ["node0", "node1", "node2"] if with_predictor else ["node-a"]
     memory = {n: Path(tempfile.mkdtemp(prefix=f"ckpt-demo-{name}-{n}-", dir="/dev/shm")) for n in nodes}
+    args.memory_dirs.extend(memory.values())
     lost = nodes[1] if with_predictor else nodes[0]
     try:
         run.events["start"] = time.time()
@@ -417,6 +418,18 @@ def report(runs: list[Run], args: argparse.Namespace) -> dict:
     return out
 
 
+def leaves_no_shm(args: argparse.Namespace) -> None:
+    """Exit 1 naming what the demo left in /dev/shm: a node's memory dir, or a checkpoint namespace
+    of one of its roots (``ckpt restore`` and the resumed jobs use the default memory dir's rules)."""
+    from ckpt.tiers.memory.owners import left_behind  # torch-free: the engine's own rule
+
+    left = sorted({str(d) for d in args.memory_dirs if d.exists()}
+                  | {str(p) for p in left_behind("/dev/shm", under=Path(args.workdir))})
+    if left:
+        raise SystemExit(f"the demo left {len(left)} shared-memory dir(s) in /dev/shm: {', '.join(left)}")
+    say("shared memory: nothing of the demo's left in /dev/shm")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default=None, help="where logs and checkpoints go (default: a new temp dir)")
@@ -439,6 +452,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the timelines as JSON here")
     args = ap.parse_args()
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="ckpt-guard-demo-", dir="/var/tmp")
+    args.memory_dirs = []
     store = (args.object_store or "file://" + args.workdir).rstrip("/")
     args.object_store_for = lambda run: f"{store}/{run.name}/objstore"
     say(f"work directory {args.workdir}")
@@ -450,6 +464,7 @@ def main() -> None:
         runs.append(scenario(args, "periodic-only", False, same_step))
         runs[-1].events["reread_s"] = store_rereads(runs[-1], args)
     out = report(runs, args)
+    leaves_no_shm(args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     if any(r.name == "with-predictor" and "urgent_durable" not in r.events for r in runs):

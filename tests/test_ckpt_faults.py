@@ -1,7 +1,8 @@
-"""Failures in the background path (disk full, permission denied) never kill training
-silently: the next save()/wait() raises BackgroundError naming the step and the cause,
-earlier checkpoints stay intact and restorable, and saving works again once the
-cause is gone.
+"""Failures in the background path never go unsaid: a full disk (the disk tier's failure, not
+the rank's) is one error line and the ``ckpt_tier_full`` metric while training goes on with
+memory; any other failure (permission denied) makes the next save()/wait() raise
+BackgroundError naming the step and the cause. Earlier checkpoints stay intact and
+restorable, and saving works again once the cause is gone.
 
 Disk full uses a real size-limited tmpfs (needs root to mount; skipped otherwise).
 Permission denied uses chmod 0500 as a normal user, and the immutable attribute
@@ -9,6 +10,7 @@ Permission denied uses chmod 0500 as a normal user, and the immutable attribute
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 
 from ckpt import BackgroundError, CheckpointError, CheckpointManager
 from tests.ckpt_helpers import assert_same, ckpt_dir, disk_steps, restored, small_tmpfs, step_state, writes_denied
+from tests.procs import free_port
 
 STATE_MIB = 2.2  # size of one step_state() checkpoint
 
@@ -49,39 +52,50 @@ def full_disk(tmp_path: Path):
         yield mnt / "ckpt"
 
 
-def test_disk_full_raises_at_wait_and_keeps_earlier_checkpoints(full_disk: Path, shm_dir: str,
-                                                                 tmp_path: Path) -> None:
-    with CheckpointManager(full_disk, memory_dir=shm_dir, keep_last=5) as mgr:
+def disk_full_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and "disk tier fail" in r.getMessage()]
+
+
+def test_a_full_disk_is_said_once_and_training_goes_on_with_memory(full_disk: Path, shm_dir: str, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 49: a full disk is the disk tier's failure, not the rank's: save() and wait() go on,
+    one error line and a metric say so, the earlier checkpoints stay, memory holds the newest."""
+    port = free_port()
+    with CheckpointManager(full_disk, memory_dir=shm_dir, keep_last=5, metrics_port=port) as mgr:
         for step in (1, 2):
             mgr.save(step, step_state(step))
             mgr.wait()
-        mgr.save(3, step_state(3))  # the copy into memory succeeds; the drain cannot fit it
-        with pytest.raises(BackgroundError, match=r"step 3.*No space left on device"):
+        for step in (3, 4):
+            mgr.save(step, step_state(step))  # the copy into memory succeeds; the drain cannot fit it
             mgr.wait()
         assert disk_steps(full_disk) == [(0, 1), (0, 2)]
         assert not list(full_disk.rglob("*.tmp*")), "a failed write must not leave its temp file filling the disk"
+        (line,) = disk_full_lines(caplog)
+        assert "No space left on device" in line and "training goes on with the memory tier" in line
+        assert mgr.metrics.registry.get_sample_value("ckpt_tier_full", {"rank": "0", "tier": "disk"}) == 1
     assert_restores_from_disk(full_disk, tmp_path, newest=2, older=[1])
-    # Step 3 never reached the disk, but the shared-memory slot still holds it.
+    # Steps 3 and 4 never reached the disk: close() kept the slots, which hold the newest.
     with CheckpointManager(full_disk, memory_dir=shm_dir) as mgr:
         step, state = restored(mgr)
-    assert step == 3
-    assert_same(state, step_state(3))
+    assert step == 4
+    assert_same(state, step_state(4))
 
 
-def test_disk_full_raises_at_the_next_save_and_saving_resumes_once_space_is_freed(
-        full_disk: Path, shm_dir: str, tmp_path: Path) -> None:
+def test_saving_to_disk_resumes_once_space_is_freed(full_disk: Path, shm_dir: str, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
     with CheckpointManager(full_disk, memory_dir=shm_dir, keep_last=5) as mgr:
         for step in (1, 2):
             mgr.save(step, step_state(step))
         mgr.wait()
         settle(mgr.save(3, step_state(3)))
-        with pytest.raises(BackgroundError, match="No space left on device"):
-            mgr.save(4, step_state(4))
+        settle(mgr.save(4, step_state(4)))  # no error: training goes on
         shutil.rmtree(ckpt_dir(full_disk, 1))  # the operator frees space
-        mgr.save(4, step_state(4))  # reported once: training goes on
+        mgr.save(5, step_state(5))
         mgr.wait()
-    assert disk_steps(full_disk) == [(0, 2), (0, 4)]
-    assert_restores_from_disk(full_disk, tmp_path, newest=4, older=[2])
+        assert len(disk_full_lines(caplog)) == 1
+        assert any("has room again: step 5" in r.getMessage() for r in caplog.records)
+    assert disk_steps(full_disk) == [(0, 2), (0, 5)]
+    assert_restores_from_disk(full_disk, tmp_path, newest=5, older=[2])
 
 
 def test_full_shared_memory_is_a_clear_error_at_save(tmp_path: Path) -> None:

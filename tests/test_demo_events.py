@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from examples.demo import Run, collect_alarm, collect_peer_restore, failure_gate, object_store_steps
+import pytest
+
+from examples.demo import Run, collect_alarm, collect_peer_restore, failure_gate, leaves_no_shm, object_store_steps
 
 
 def test_alarm_and_urgent_save_are_reported_once_as_they_appear(tmp_path: Path) -> None:
@@ -58,3 +60,13 @@ def test_the_node_fails_only_once_the_job_has_what_the_story_needs(tmp_path: Pat
 def test_an_object_store_not_written_yet_holds_no_steps(tmp_path: Path) -> None:
     args = argparse.Namespace(object_store_for=lambda run: f"file://{tmp_path}/{run.name}/objstore")
     assert object_store_steps(Run("periodic-only", tmp_path), args) == []
+
+
+def test_the_demo_ends_failing_loudly_on_shared_memory_it_left(tmp_path: Path) -> None:
+    node = tmp_path / "ckpt-demo-with-predictor-node0-x"
+    node.mkdir()
+    args = argparse.Namespace(workdir=str(tmp_path / "work"), memory_dirs=[node])
+    with pytest.raises(SystemExit, match="left 1 shared-memory dir.*node0"):
+        leaves_no_shm(args)
+    node.rmdir()
+    leaves_no_shm(args)  # nothing left: it says so and returns

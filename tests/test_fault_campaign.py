@@ -27,7 +27,8 @@ CHEAP = [pytest.param(["second_fault_in_recovery"], id="second-fault"),
          pytest.param(["killed_rank", "sdc_param_bit"], id="covered-elsewhere", marks=pytest.mark.extended)]
 # the faults the job must survive ending bitwise equal to the clean run
 SURVIVED = {"killed_rank", "hung_rank", "lost_node", "vanished_node", "xid79", "second_fault_in_recovery",
-            "launcher_killed", "memory_slot_damaged", "disk_shard_damaged", "straggler", "predictor_agent_down"}
+            "launcher_killed", "memory_slot_damaged", "disk_shard_damaged", "straggler", "predictor_agent_down",
+            "local_disk_full"}
 KEYS = {"fault", "mode", "detected", "detect_steps", "named", "restored_step", "steps_lost", "relaunched",
         "equal_to_clean"}
 
@@ -52,7 +53,8 @@ def check(rows: list[dict]) -> None:
         assert r["mode"] in ("in-process", "relaunch"), r
         if r["fault"] in SURVIVED:
             assert r["equal_to_clean"], r
-        if r["fault"] in ("straggler", "predictor_agent_down"):  # slow or unadvised is not dead: nothing redone
+        # slow, unadvised or without disk room is not dead: nothing redone
+        if r["fault"] in ("straggler", "predictor_agent_down", "local_disk_full"):
             assert r["restored_step"] is None and not r["relaunched"], r
         elif r["fault"] in SURVIVED:
             assert r["detected"] and r["restored_step"] is not None, r

@@ -16,6 +16,7 @@ import torch
 
 from ckpt import CheckpointManager, Preempted, SaveRequests
 from ckpt.integrations.loop import save_at_boundary
+from ckpt.recovery.restarts import EVENTS_FILE
 from ckpt.tiers.memory import memory_namespace
 from ckpt.tiers.memory.namespace import owner_gone
 from ckpt.tiers.memory.owners import reclaim, survey
@@ -53,6 +54,28 @@ def test_a_plain_loop_that_ends_normally_leaves_nothing(tmp_path: Path, shm_dir:
     mgr.wait()
     mgr.close()
     assert namespaces(shm_dir) == []
+
+
+def hang_detector_files(ns: Path) -> None:
+    """What ``ckpt.resumable``'s hang detector leaves in a job's namespace under torchrun: its
+    beats dir and the node's restart records (kept across incarnations)."""
+    (ns / "beats-0123abcd" / "node0").mkdir(parents=True)
+    (ns / "beats-0123abcd" / "node0" / "rank-0").write_text("7")
+    (ns / EVENTS_FILE).write_text('{"ev": "exit"}\n')
+
+
+def test_a_finished_job_leaves_no_namespace_for_its_hang_detectors_files(tmp_path: Path, shm_dir: str) -> None:
+    """The relaunch benchmark's job (torchrun, a rank killed once, then a normal end) left its
+    namespace with only the detector's files in it: the last rank's close removes them too, and
+    a dead job's are reclaimed with its slots."""
+    with CheckpointManager(tmp_path / "ended", memory_dir=shm_dir) as mgr:
+        mgr.save(1, step_state(1))
+        hang_detector_files(Path(mgr._ns))
+    assert namespaces(shm_dir) == []
+    dead = dead_job(tmp_path / "dead", shm_dir)
+    hang_detector_files(dead)
+    removed, _ = reclaim(shm_dir)
+    assert [h.path for h in removed] == [dead] and namespaces(shm_dir) == []
 
 
 def test_slots_stay_when_a_restart_is_expected_or_asked_for(tmp_path: Path, shm_dir: str) -> None:

@@ -17,6 +17,10 @@ tier::
     every rank        wait for its leader's commit key, then count itself done;
                       the last one deletes the step's keys
 
+A rank whose tier had no room for its shard announces ``{"full": why}`` instead: every leader
+then commits nothing and puts the reasons in its commit key, and every rank raises ``TierFull``
+(a tier's failure: the job goes on with its other tiers; ``save_path.py``).
+
 So "committed" in any volume means durable in that tier on every rank, and retention,
 which counts committed steps only, can never delete the last step that all ranks hold.
 Alone (one process) the rank is its own leader and nothing is announced.
@@ -39,7 +43,7 @@ from typing import Callable, Mapping
 
 from .. import secret
 from ..control import Control
-from ..errors import Abandoned, CheckpointError
+from ..errors import NO_ROOM, Abandoned, CheckpointError, TierFull
 from ..format.health import classify, newest_verified
 from ..format.manifest import Manifest, ShardRef
 from ..tiers.base import CheckpointId, DurableTier
@@ -120,37 +124,59 @@ class Committer:
 
     # -- the protocol ---------------------------------------------------------------
 
-    def commit(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef, report: dict | None = None) -> dict:
+    def commit(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef | TierFull,
+               report: dict | None = None) -> dict:
         """This rank's shard of ``ckpt_id`` is durable in ``tier``: returns once the step is
         committed in this rank's volume (so: durable in ``tier`` on every rank). ``report``: this
         rank's replica digest (``soundness.py``), announced with the shard; returns the step's
-        health, the verdict on every rank's report (the same on every rank)."""
+        health, the verdict on every rank's report (the same on every rank). ``ref`` a TierFull:
+        this rank could not write its shard; announced like a shard, so that no rank waits for
+        it, and raised on every rank (nothing is committed)."""
         if self.world_size == 1:
+            if isinstance(ref, TierFull):
+                raise ref
             health = verdict({0: report})
-            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref], health=health))
-            self.apply_retention(tier)
+            try:
+                tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref], health=health))
+                self.apply_retention(tier)
+            except OSError as e:
+                if e.errno not in NO_ROOM:
+                    raise
+                raise TierFull(f"step {ckpt_id.step} not saved in {tier.name}: {e}") from e
         else:
             health = self._commit_together(tier, ckpt_id, ref, report)
         self.on_commit(tier.name, ckpt_id)
         return health
 
-    def _commit_together(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef, report: dict | None) -> dict:
+    def _commit_together(self, tier: DurableTier, ckpt_id: CheckpointId, ref: ShardRef | TierFull,
+                         report: dict | None) -> dict:
         store = self._store()
         signed = Control(store, self._key, 0) if self._key is not None else None  # per step: nothing accumulates
         key = f"{tier.name}/{ckpt_id.generation}.{ckpt_id.step}"
         ranks = self._volumes[tier.name]
         leader = ranks[0]
+        shard = {"full": str(ref)} if isinstance(ref, TierFull) else [ref.rank, ref.manifest_crc32c, ref.data_bytes,
+                                                                        report]
         try:
-            self._put(store, signed, f"{key}/shard/{self.rank}",
-                      json.dumps([ref.rank, ref.manifest_crc32c, ref.data_bytes, report]))
+            self._put(store, signed, f"{key}/shard/{self.rank}", json.dumps(shard))
             if self.rank == leader:
                 shards = [f"{key}/shard/{r}" for r in range(self.world_size)]
                 values = self._wait(store, signed, shards, f"every rank's shard of step {ckpt_id.step} in {tier.name}")
                 announced = dict(enumerate(json.loads(v) for v in values))
-                health = verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
-                refs = [ShardRef(*announced[r][:3]) for r in ranks]
-                tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, refs, health=health))
-                self.apply_retention(tier)
+                full = {r: a["full"] for r, a in announced.items() if isinstance(a, dict)}
+                if not full:
+                    health = verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
+                    refs = [ShardRef(*announced[r][:3]) for r in ranks]
+                    try:
+                        tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, refs,
+                                                      health=health))
+                        self.apply_retention(tier)
+                    except OSError as e:  # no room for the commit itself: every rank hears it, none waits
+                        if e.errno not in NO_ROOM:
+                            raise
+                        full = {self.rank: str(e)}
+                if full:
+                    health = {"full": "; ".join(why for _, why in sorted(full.items()))}
                 self._put(store, signed, f"{key}/commit/{leader}", json.dumps(health))
             else:
                 health = json.loads(self._wait(store, signed, [f"{key}/commit/{leader}"],
@@ -163,6 +189,8 @@ class Committer:
             for k in [*(f"{key}/shard/{r}" for r in range(self.world_size)), f"{key}/done",
                       *(f"{key}/commit/{r}" for r in range(self.world_size))]:
                 store.delete_key(k)
+        if "full" in health:
+            raise TierFull(f"step {ckpt_id.step} not saved in {tier.name}: {health['full']}")
         return health
 
     @staticmethod

@@ -33,6 +33,8 @@ class CheckpointMetrics:
         self._unsound = Counter("ckpt_unsound_snapshots", "Committed steps found suspect (replicas disagree) or "
                                 "unhealthy (NaN/Inf), per culprit rank, node and GPU",
                                 ["rank", "state", "culprit_rank", "culprit_node", "culprit_gpu"], registry=r)
+        self._full = Gauge("ckpt_tier_full", "1 while a durable tier has no room for this rank's saves (the job "
+                           "trains on with its other tiers)", ["rank", "tier"], registry=r)
         self.rank = str(rank)
         self.server: MetricsServer | None = None
 
@@ -59,6 +61,9 @@ class CheckpointMetrics:
 
     def failed(self, handle: SaveHandle) -> None:
         self.failures.inc()
+
+    def tier_full(self, tier: str, full: bool) -> None:
+        self._full.labels(rank=self.rank, tier=tier).set(int(full))
 
     def restored(self, tier: str, seconds: float) -> None:
         self._restore.labels(rank=self.rank, tier=tier).observe(seconds)

@@ -10,12 +10,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..errors import UnsoundState
+from ..errors import NO_ROOM, TierFull, UnsoundState
 from ..format.manifest import ShardManifest
 from ..format.state import flatten
 from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
-from ..tiers.base import CheckpointId, ShardReader
+from ..tiers.base import CheckpointId, ShardReader, ShardRef
 from ..tiers.memory.copier import plan_layout
 from .canary import Canary
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
@@ -58,6 +58,7 @@ class SavePath:
     pace: Pace = dataclasses.field(default_factory=Pace)  # how often a skippable drain may start
     stall_s: float = 0.0  # total time a snapshot waited for a slot still draining
     staged_wait_s: float = 0.0  # total time the trainer waited for overlapped copies to end
+    disk_full: str | None = None  # why the last disk write found no room (None: the disk takes saves)
     _moot: list[tuple[Claim, SaveHandle, Lease]] = dataclasses.field(default_factory=list)  # skippable drains
     _newest: SaveHandle | None = None  # the last drain queued
     _staged: StagedSnapshot | None = None  # overlap: the snapshot being copied
@@ -266,16 +267,52 @@ class SavePath:
                 self.offload.submit(ckpt_id, lambda: self.memory.open_slot(slot, sealed), handle, urgent=urgent,
                                     on_exit=lease.release)
             if self.disk is not None:
-                ref = self.disk.write_shard(ckpt_id, reader)
-                self._judged(ckpt_id, self.committer.commit(self.disk, ckpt_id, ref,
-                                                            {**inspection.report(sealed, where(self.node)),
-                                                             "canary": self._refs.get(id(slot))}))
+                try:
+                    ref = self._write_disk(ckpt_id, reader)
+                    self._judged(ckpt_id, self.committer.commit(self.disk, ckpt_id, ref,
+                                                                {**inspection.report(sealed, where(self.node)),
+                                                                 "canary": self._refs.get(id(slot))}))
+                except TierFull as e:
+                    self._disk_full(e, handle)
+                    if upload and not urgent:  # the object store takes it straight from memory
+                        lease.hold()
+                        self.offload.submit(ckpt_id, lambda: self.memory.open_slot(slot, sealed), handle,
+                                            urgent=False, on_exit=lease.release)
+                    return
                 if upload and not urgent:
                     self.offload.submit(ckpt_id, lambda: self.disk.open_shard(ckpt_id, ref), handle, urgent=False,
                                         pin_in=self.disk.name)
+                self._disk_writable(ckpt_id)
                 handle.mark(self.disk.name)
         finally:
             reader.close()
+
+    def _write_disk(self, ckpt_id: CheckpointId, reader: ShardReader) -> ShardRef | TierFull:
+        """This rank's shard on disk, or why the disk has no room for it (committed, or not, with every rank)."""
+        try:
+            return self.disk.write_shard(ckpt_id, reader)
+        except OSError as e:
+            if e.errno not in NO_ROOM:
+                raise
+            return TierFull(f"rank {self.rank}: {e}")
+
+    def _disk_full(self, error: TierFull, handle: SaveHandle) -> None:
+        """A full disk is the disk tier's failure, not the rank's: the step stays in memory (and goes
+        to peers and the object store), the trainer is not stopped; said once, until it has room again."""
+        handle.give_up(self.disk.name)
+        if self.metrics is not None:
+            self.metrics.tier_full(self.disk.name, True)
+        if self.disk_full is None:
+            log.error("saves to the disk tier fail (%s): training goes on with the memory tier%s; every save tries "
+                      "the disk again", error, " and the object store" if self.offload is not None else "")
+        self.disk_full = str(error)
+
+    def _disk_writable(self, ckpt_id: CheckpointId) -> None:
+        if self.disk_full is not None:
+            log.warning("the disk tier has room again: step %d is durable there", ckpt_id.step)
+            self.disk_full = None
+            if self.metrics is not None:
+                self.metrics.tier_full(self.disk.name, False)
 
     def _judged(self, ckpt_id: CheckpointId, health: dict) -> None:
         """Act on a committed step's verdict (``format/health.py``): an unsound one is logged (by

@@ -127,6 +127,16 @@ def rank_dirs(ns: Path, uid: int | None = None) -> list[Path]:
     return [d for d in sorted(ns.glob("rank-*")) if is_trusted(d, directory=True, uid=uid)]
 
 
+def remove_if_unheld(ns: Path) -> bool:
+    """Remove the namespace ``ns`` once no rank directory is left in it: what else it holds (the
+    hang detector's beats, the node's restart records) served ranks that are all gone, and alone
+    would keep the namespace forever. Returns whether it is gone."""
+    with contextlib.suppress(OSError):  # a rank (re)made meanwhile, or removed by a sibling
+        if not any(ns.glob("rank-*")):
+            shutil.rmtree(ns)
+    return not ns.exists()
+
+
 def slot_file_bytes(ns: Path) -> int:
     """Shared memory the slot files under ``ns`` take (allocated in full when prepared)."""
     if not is_trusted(ns, directory=True):
@@ -199,6 +209,5 @@ def sweep_orphans(spaces: list[Path], durable: set[tuple[int, int, int]], *, old
                 if force or kept <= durable:
                     shutil.rmtree(rdir, ignore_errors=True)
                     removed.append(str(rdir))
-        with contextlib.suppress(OSError):  # not empty, or its last live rank removed it meanwhile
-            ns.rmdir()
+        remove_if_unheld(ns)
     return removed

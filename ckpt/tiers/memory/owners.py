@@ -36,7 +36,7 @@ from typing import Any, Callable
 from ...errors import CheckpointError
 from ...format.manifest import MANIFEST_FILE
 from ..base import CheckpointId
-from .namespace import is_trusted, owner_gone, rank_dirs, read_owner, seals
+from .namespace import is_trusted, owner_gone, rank_dirs, read_owner, remove_if_unheld, seals
 
 GRACE_ENV = "CKPT_GUARD_SHM_GRACE_S"
 DEFAULT_GRACE_S = 24 * 3600.0
@@ -183,6 +183,11 @@ def _live(lock: Path, locks: set[tuple[int, int, int]] | None) -> bool | None:
         return not gone
 
 
+def rank_alive(rdir: Path) -> bool:
+    """Whether a live process holds the rank directory's lock (read from /proc/locks where it can be)."""
+    return bool(_live(rdir / "lock", held_locks()))
+
+
 def inspect_rank(rdir: Path, uid: int, locks: set[tuple[int, int, int]] | None) -> RankHolding:
     owner = read_owner(rdir, uid) or {}
     newest = max((CheckpointId(m.generation, m.step) for m in seals(rdir, uid)), default=None)
@@ -235,9 +240,7 @@ def remove_holding(h: Holding, *, force: bool = False) -> bool:
             if not force and not again.durable:
                 return False
             shutil.rmtree(rank.path, ignore_errors=True)
-    with contextlib.suppress(OSError):  # a rank made meanwhile
-        h.path.rmdir()
-    return not h.path.exists()
+    return remove_if_unheld(h.path)
 
 
 def reclaim(shm_dir: str, *, uid: int | None = None, grace: float | None = None,
@@ -271,5 +274,5 @@ def left_behind(shm_dir: str, *, under: Path | None = None, pid: int | None = No
     return found
 
 
-__all__ = ["DEFAULT_GRACE_S", "GRACE_ENV", "Holding", "grace_s", "held_locks", "left_behind", "reclaim",
+__all__ = ["DEFAULT_GRACE_S", "GRACE_ENV", "Holding", "grace_s", "held_locks", "left_behind", "rank_alive", "reclaim",
            "remove_holding", "survey"]

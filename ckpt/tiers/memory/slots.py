@@ -36,7 +36,16 @@ from ...format.manifest import ManifestError, ShardManifest
 from ..base import CheckpointId
 from ..fsutil import atomic_write
 from .copier import PendingCopy, TensorCopier
-from .namespace import MAX_SEAL_BYTES, OWNER_FILE, free_bytes, make_private_dir, rank_dir, read_owner, read_private
+from .namespace import (
+    MAX_SEAL_BYTES,
+    OWNER_FILE,
+    free_bytes,
+    make_private_dir,
+    rank_dir,
+    read_owner,
+    read_private,
+    remove_if_unheld,
+)
 from .owners import committed_ids
 from .reader import epoch_path
 
@@ -82,6 +91,7 @@ class ShmSlot:
         self.idle.set()
         sealed = self.sealed() if self.meta_path.exists() else None
         self.holds: tuple[int, int] | None = (sealed.generation, sealed.step) if sealed else None  # (gen, step)
+        self.sealed_here = False  # this process sealed it (a predecessor's seal is not)
 
     def ensure(self, nbytes: int) -> None:
         """Allocate (or grow to) ``nbytes``, map and pre-fault; keeps existing contents."""
@@ -143,6 +153,7 @@ class ShmSlot:
     def seal(self, manifest: ShardManifest) -> None:
         atomic_write(self.meta_path, manifest.to_bytes(), durable=False, mode=0o600)
         self.holds = (manifest.generation, manifest.step)
+        self.sealed_here = True
 
     def release(self) -> None:
         with self._lock:
@@ -326,7 +337,6 @@ class SlotPool:
             s.release()
         if remove:  # still under the lock: no sibling or rerun is using these files
             shutil.rmtree(self.dir, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the job's namespace, once its last rank is gone
-                self.dir.parent.rmdir()
+            remove_if_unheld(self.dir.parent)  # the job's namespace, once its last rank is gone
         _LOCKS_HELD.discard(self._lock_fd)
         os.close(self._lock_fd)
