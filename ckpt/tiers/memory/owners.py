@@ -183,11 +183,6 @@ def _live(lock: Path, locks: set[tuple[int, int, int]] | None) -> bool | None:
         return not gone
 
 
-def rank_alive(rdir: Path) -> bool:
-    """Whether a live process holds the rank directory's lock (read from /proc/locks where it can be)."""
-    return bool(_live(rdir / "lock", held_locks()))
-
-
 def inspect_rank(rdir: Path, uid: int, locks: set[tuple[int, int, int]] | None) -> RankHolding:
     owner = read_owner(rdir, uid) or {}
     newest = max((CheckpointId(m.generation, m.step) for m in seals(rdir, uid)), default=None)
@@ -274,5 +269,5 @@ def left_behind(shm_dir: str, *, under: Path | None = None, pid: int | None = No
     return found
 
 
-__all__ = ["DEFAULT_GRACE_S", "GRACE_ENV", "Holding", "grace_s", "held_locks", "left_behind", "rank_alive", "reclaim",
+__all__ = ["DEFAULT_GRACE_S", "GRACE_ENV", "Holding", "grace_s", "held_locks", "left_behind", "reclaim",
            "remove_holding", "survey"]

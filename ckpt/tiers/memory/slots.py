@@ -91,7 +91,6 @@ class ShmSlot:
         self.idle.set()
         sealed = self.sealed() if self.meta_path.exists() else None
         self.holds: tuple[int, int] | None = (sealed.generation, sealed.step) if sealed else None  # (gen, step)
-        self.sealed_here = False  # this process sealed it (a predecessor's seal is not)
 
     def ensure(self, nbytes: int) -> None:
         """Allocate (or grow to) ``nbytes``, map and pre-fault; keeps existing contents."""
@@ -153,7 +152,6 @@ class ShmSlot:
     def seal(self, manifest: ShardManifest) -> None:
         atomic_write(self.meta_path, manifest.to_bytes(), durable=False, mode=0o600)
         self.holds = (manifest.generation, manifest.step)
-        self.sealed_here = True
 
     def release(self) -> None:
         with self._lock:

@@ -15,12 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-from ...errors import DamagedCheckpoint, ManifestError
+from ...errors import ManifestError
 from ...format.checksum import crc32c_of
 from ...format.manifest import Manifest, ShardManifest, ShardRef
 from ..base import CheckpointId, CheckpointInfo, ShardReader, TierReader
-from .namespace import MAX_SEAL_BYTES, is_trusted, rank_dir, read_owner, read_private
-from .owners import rank_alive
+from .namespace import MAX_SEAL_BYTES, is_trusted, rank_dir, read_private
 from .reader import SlotReader, slot_epoch
 
 if TYPE_CHECKING:  # the writing side needs torch; readers (the CLI) do not
@@ -167,25 +166,8 @@ class MemoryTier(TierReader):
                         [ShardRef(man.rank, crc32c_of(seal.raw), man.data_bytes)], created=seal.path.stat().st_mtime)
 
     def open_shard(self, ckpt_id: CheckpointId, ref: ShardRef) -> ShardReader:
-        """A reader of the step's slot. A slot sealed before its checksums were computed is read
-        only while the process that sealed it lives (its drain is computing them): once that
-        process is gone nothing can tell its bytes from damaged ones (issue 49), so it is a
-        damaged copy and the restore takes the next one (the same step on disk, or an older step)."""
         seal = self._find(ckpt_id)
-        own = next((s for s in self.pool.slots if s.meta_path == seal.path), None) if self.pool is not None else None
-        checkable = own.sealed_here if own is not None else self._sealed_by_live_owner(seal)
-        if not seal.manifest.has_checksums and not checkable:
-            raise DamagedCheckpoint(ckpt_id.step, str(seal.path), "sealed without checksums by a process that is gone: "
-                                    "its bytes cannot be checked", self.name)
-        live = own.buffer if own is not None else None
+        live = None
+        if self.pool is not None:
+            live = next((s.buffer for s in self.pool.slots if s.meta_path == seal.path and s.buffer is not None), None)
         return SlotReader(seal.path, seal.path.with_suffix(".bin"), seal.manifest, live, epoch=seal.epoch)
-
-    def _sealed_by_live_owner(self, seal: _Seal) -> bool:
-        """Whether the rank's live owner sealed ``seal`` (not a predecessor: sealed after it started)."""
-        started = (read_owner(self.dir) or {}).get("started")
-        try:
-            sealed_at = seal.path.stat().st_mtime
-        except OSError:
-            return False
-        # the file clock is coarser than time.time(): a seal a tick after the start may read as before it
-        return isinstance(started, (int, float)) and sealed_at >= started - 0.05 and rank_alive(self.dir)
