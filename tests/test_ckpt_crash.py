@@ -45,25 +45,18 @@ def check_recovery(root: Path, shm: str, report: dict, newest_before: int | None
     returned = steps_logged(report["events"], "saved")
     with CheckpointManager(root, memory_dir=shm) as mgr:
         assert leftovers(root, shm) == [], "start-up must remove what the killed save left"
-        # Every copy in every tier is complete and holds exactly what was saved for its step; a
-        # slot sealed before its checksums cannot be checked once its writer is gone (issue 49).
-        verifiable = []
+        # Every copy in every tier is complete and holds exactly what was saved for its step.
         for tier in mgr.tiers:
             for info in tier.list():
                 assert info.complete, f"a crash left a damaged commit: {info}"
-                if not info.checksummed:
-                    with pytest.raises(DamagedCheckpoint, match="sealed without checksums by a process that is gone"):
-                        read_shard(tier, info.id, 0)
-                    continue
-                verifiable.append(info.id.step)
                 assert_same(read_shard(tier, info.id, 0), step_state(info.id.step), f"{tier.name} step {info.id.step}")
         step, state = restored(mgr)
-    assert step is not None or (newest_before is None and not verifiable), "a saved step was lost"
+    assert step is not None or (newest_before is None and not returned), "a saved step was lost"
     if step is not None:
         assert_same(state, step_state(step))
-        # Never older than the newest step that can be checked (a returned save()'s slot has
-        # it once its drain re-sealed it with checksums), never newer than the last save() called.
-        assert step >= max(verifiable + [newest_before or 0]), (step, verifiable[-3:], returned[-3:], report)
+        # Never older than the last save() that returned (the memory tier has it), never
+        # newer than the last save() that was called.
+        assert step >= max(returned + [newest_before or 0]), (step, returned[-3:], report)
         assert step <= max(called + [newest_before or 0]), (step, called[-3:], report)
     return step
 
@@ -97,10 +90,8 @@ def test_sigkill_at_random_moments_never_yields_a_torn_checkpoint(
 
 
 def test_killed_trainer_restores_from_memory_when_the_disk_drain_never_ran(
-        crash_server: CrashServer, root: Path, shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    # The drain thread is parked at its first data write: nothing ever reaches the disk. Step 1's
-    # slot was re-sealed with its checksums first; step 2's drain never started, so its slot has
-    # none, and with its writer gone nothing can tell its bytes from damaged ones (issue 49).
+        crash_server: CrashServer, root: Path, shm_dir: str) -> None:
+    # The drain thread is parked at its first data write: nothing ever reaches the disk.
     report = crash_server.run(root=str(root), shm=shm_dir, steps=2, hang_at_end=True, kill_on_event="saved 2",
                               fault={"call": "pwrite", "match": ".bin.tmp", "when": "before", "action": "hang"})
     assert report["killed_by"] == "parent", report
@@ -108,10 +99,8 @@ def test_killed_trainer_restores_from_memory_when_the_disk_drain_never_ran(
     with CheckpointManager(root, memory_dir=shm_dir) as mgr:
         assert [(r["step"], r["tiers"]) for r in mgr.list()] == [(1, ["memory"]), (2, ["memory"])]
         step, state = restored(mgr)
-    assert step == 1
-    assert_same(state, step_state(1))
-    assert any("skipping step 2" in r.getMessage() and "sealed without checksums" in r.getMessage()
-               for r in caplog.records)
+    assert step == 2
+    assert_same(state, step_state(2))
 
 
 def test_leftovers_of_a_killed_drain_are_removed_at_start_up(
