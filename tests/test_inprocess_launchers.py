@@ -26,11 +26,8 @@ def test_the_same_script_under_torchrun_and_under_the_launcher_with_torchruns_fl
     evs = events(tmp_path / "t.jsonl")
     recs = [e for e in evs if e["event"] == "recovery"]
     assert {r["worker"] for r in recs} == {0, 1} and all(r["reason"].startswith("relaunched by torchrun") for r in recs)
-    # the killed rank's snapshot of KILL_AT may be sealed without its checksums (its drain had not
-    # run): with its writer gone it cannot be checked, so the step before is restored (issue 49)
-    (restored,) = {r["restored_step"] for r in recs}
-    assert KILL_AT - 1 <= restored <= KILL_AT, recs
-    assert f"restored step {restored} (shard 0 from memory" in log, log[-3000:]
+    assert {r["restored_step"] for r in recs} == {KILL_AT}, recs
+    assert f"restored step {KILL_AT} (shard 0 from memory" in log, log[-3000:]
     assert {w: e["steps"] for w, e in finals(evs).items()} == {0: STEPS, 1: STEPS}
 
     inproc = launch(tmp_path / "i", tmp_path / "i.jsonl", *TORCHRUN_STYLE, "--spares", "1",
