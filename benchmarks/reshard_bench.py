@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.harness import parser, run_meta, write_json  # noqa: E402
+from benchmarks.harness import leaves_no_shm, parser, run_meta, write_json  # noqa: E402
 
 
 def launch(nproc: int, *args: str) -> None:
@@ -135,6 +135,7 @@ def main() -> None:
             launch(nproc, "save", "--work", work, *common)
         launch(2, "restore", "--work", work, "--out", str(out), *common)
         result = json.loads(out.read_text())
+        leaves_no_shm(work)  # its jobs' memory dirs are under work: a leak would vanish with it
     write_json(args.json, meta, **result)
     if args.json != "-":
         med = result["median_s"]
