@@ -42,9 +42,10 @@ ENGINE_EXTRAS = {"integrations/lightning.py": "lightning", "integrations/hugging
                  "tiers/store_access.py": "s3"}  # store_access: botocore's credential chain, s3:// only
 #: a role's modules that need more than the role's extra (plots: [hazard])
 ROLE_EXTRAS = {"predictor/hazard/paper.py": "hazard"}
-#: a role's modules allowed to import the engine's torch-free modules (the node agent reads the
-#: shared-memory owner records the way `ckpt gc --orphans` does, one code for both)
-ENGINE_READERS = {"agents/shm.py": {"ckpt.tiers.memory.owners"}}
+#: a role's modules allowed to import the engine's torch-free modules, one code for both: the node
+#: agent reads the shared-memory owner records as `ckpt gc --orphans` does, and serves /metrics
+#: on the listener the checkpoint manager's metrics use
+ENGINE_READERS = {"agents/shm.py": {"ckpt.tiers.memory.owners"}, "agents/exporter.py": {"ckpt.listening"}}
 
 
 def _imports(*paths: Path) -> set[str]:
