@@ -4,6 +4,7 @@ does in the background."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import threading
@@ -23,15 +24,33 @@ def free_port() -> int:
 
 def free_ports(n: int) -> list[int]:
     """``n`` different loopback ports, free right now (never "a free port plus one": that one
-    may be a client's)."""
-    socks = [socket.socket() for _ in range(n)]
+    may be a client's). Drawn below the kernel's ephemeral range: a port the kernel hands out
+    (``bind(0)``) is also a source port of outgoing connections, so between this check and the
+    server's own bind (torchrun binds seconds later) a client could take it (EADDRINUSE seen
+    under load); a port below that range is only ever taken by a server that asks for it."""
+    low = _ephemeral_low()
+    chosen: list[int] = []
+    while len(chosen) < n:
+        port = random.randrange(max(1024, low - 12000), low)
+        if port not in chosen and _bindable(port):
+            chosen.append(port)
+    return chosen
+
+
+def _ephemeral_low() -> int:
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def stat_fields(pid: int) -> list[str]:
