@@ -16,6 +16,7 @@ from ckpt.tiers.memory.namespace import DEFAULT_SHM_DIR
 from ckpt.tiers.memory.owners import left_behind
 from tests.agents_fixtures import Receiver
 from tests.ckpt_helpers import SAVED_NEWEST, CrashServer, ckpt_dir, step_state
+from tests.clean_runs import CleanRuns
 from tests.objstore_fixtures import create_bucket, moto_server
 from tests.predictor_fixtures import LiveServer, run_cli, simulate
 
@@ -47,6 +48,14 @@ def leaves_no_shared_memory(request: pytest.FixtureRequest) -> Iterator[None]:
             shutil.rmtree(ns, ignore_errors=True)
         pytest.fail(f"the test left {len(left)} checkpoint namespace(s) in {DEFAULT_SHM_DIR}: "
                     f"{', '.join(map(str, left))} (removed now)")
+
+
+@pytest.fixture(scope="session")
+def clean_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> CleanRuns:
+    """Clean reference runs, each command run once a session (tests/clean_runs.py); under
+    pytest-xdist in the directory every worker of this session shares (its basetemp's parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return CleanRuns(base if worker_id == "master" else base.parent)
 
 
 @pytest.fixture

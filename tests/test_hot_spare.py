@@ -26,9 +26,10 @@ from pathlib import Path
 import pytest
 
 from ckpt.tiers.peer import PeerTier, replica_namespace
+from tests.clean_runs import CleanRuns
 from tests.integration_helpers import REPLACEABLE, finish_nodes, kill_node, rendezvous_state, start_node
 from tests.procs import free_port, wait_for
-from tests.test_peer_multinode import SCRIPT, digests, node_args, run_clean
+from tests.test_peer_multinode import SCRIPT, clean_digests, digests, node_args
 
 # a lost agent leaves the rendezvous after 3 missed heartbeats: 1 s apart here, not torch's 5 s
 RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -52,8 +53,8 @@ def standing_by(port: int) -> bool:
                                    pytest.param(("127.0.0.2", "127.0.0.3", "127.0.0.1"), id="spare-sorts-first",
                                                 marks=pytest.mark.extended)])
 def test_a_hot_spare_takes_a_lost_nodes_place_and_the_job_ends_bitwise_equal(tmp_path: Path, shm: list[str],
-                                                                              addrs: tuple[str, ...]) -> None:
-    run_clean(tmp_path, shm, 1)
+                                                                              addrs: tuple[str, ...],
+                                                                              clean_runs: CleanRuns) -> None:
     port = free_port()
     args = [node_args(tmp_path, "lost", shm, i, 0.3) for i in range(3)]
     spare_rank = 1 if addrs[2] > addrs[0] else 0
@@ -91,4 +92,4 @@ def test_a_hot_spare_takes_a_lost_nodes_place_and_the_job_ends_bitwise_equal(tmp
         found = re.search(r"rank 0 restored its shard of step (\d+) from rank 1's replica \(node node0\)", log2)
         assert found and int(found.group(1)) >= 15, log2[-4000:]
         assert re.search(rf"rank 1 restored step {found.group(1)} .*shard 1 from peer", log0), log0[-4000:]
-    assert digests(tmp_path, "lost", 2) == digests(tmp_path, "clean", 2), "the job diverged after losing node 1"
+    assert digests(tmp_path, "lost", 2) == clean_digests(clean_runs, 1), "the job diverged after losing node 1"

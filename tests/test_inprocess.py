@@ -14,6 +14,7 @@ import pytest
 
 from ckpt.tiers.memory import memory_namespace
 from tests.ckpt_helpers import REPO
+from tests.clean_runs import CleanRuns
 
 CHILD = REPO / "tests" / "inprocess_child.py"
 STEPS, KILL_AT = 10, 4
@@ -37,6 +38,26 @@ def finals(evs: list[dict]) -> dict[int, dict]:
     return {e["worker"]: e for e in evs if e["event"] == "done"}
 
 
+def clean_digests(clean_runs: CleanRuns, *launcher: str, child: tuple[str, ...]) -> set[str]:
+    """The digests the ranks of an uninterrupted run of this command end with (run once a session)."""
+    def run(workdir: Path) -> list[str]:
+        launch(workdir / "root", workdir / "events.jsonl", *launcher, child=child)
+        return [e["digest"] for e in finals(events(workdir / "events.jsonl")).values()]
+    return set(clean_runs.digests(["inprocess", *launcher, "--", *child], run))
+
+
+def shrunk_digests(clean_runs: CleanRuns, before: int, after: int, restored: int, *extra: str) -> set[str]:
+    """What a job shrunk from ``before`` to ``after`` ranks at ``restored`` must end with: a clean
+    ``before``-rank run to that step, relaunched at ``after`` ranks from it (run once a session);
+    ``extra``: the child's other arguments, in both runs."""
+    def run(workdir: Path) -> list[str]:
+        launch(workdir / "root", workdir / "a.jsonl", "--nproc", str(before), child=("--steps", str(restored), *extra))
+        launch(workdir / "root", workdir / "b.jsonl", "--nproc", str(after),
+               child=("--steps", str(STEPS), "--resume-step", str(restored), *extra))
+        return [e["digest"] for e in finals(events(workdir / "b.jsonl")).values()]
+    return set(clean_runs.digests(["shrunk", str(before), str(after), str(restored), str(STEPS), *extra], run))
+
+
 def check_survivors_kept(evs: list[dict], dead: int) -> list[dict]:
     """Every worker that finished is the process that started (pid unchanged); the recoveries seen."""
     started = {e["worker"]: e["pid"] for e in evs if e["event"] == "start"}
@@ -49,7 +70,7 @@ def check_survivors_kept(evs: list[dict], dead: int) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-def test_killed_rank_spare_takes_its_place(tmp_path):
+def test_killed_rank_spare_takes_its_place(tmp_path, clean_runs):
     """2 ranks + 1 warm spare: rank 1 dies at step 4; the spare takes rank 1 and the job ends
     bitwise equal to an uninterrupted 2-rank run, at most the step in flight lost."""
     log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "2", "--spares", "1",
@@ -60,13 +81,12 @@ def test_killed_rank_spare_takes_its_place(tmp_path):
     assert all(r["world_size"] == 2 for r in recs), recs
     assert all(r["failed_at_step"] - r["restored_step"] <= 1 for r in recs if r["worker"] == 0), recs
     assert {w: e["steps"] for w, e in finals(evs).items()} == {0: STEPS, 2: STEPS}
-    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
-    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS)))
     assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
 
 
 @pytest.mark.timeout(600)
-def test_killed_rank_without_spare_shrinks(tmp_path):
+def test_killed_rank_without_spare_shrinks(tmp_path, clean_runs):
     """3 ranks, no spare: rank 1 dies at step 4; ranks 0 and 2 go on at world size 2 and end
     bitwise equal to a relaunch at 2 ranks from the step they restored (itself taken from a
     clean 3-rank run)."""
@@ -80,16 +100,12 @@ def test_killed_rank_without_spare_shrinks(tmp_path):
     assert len(restored) == 1 and KILL_AT - 1 <= min(restored) <= KILL_AT, recs
     assert all(e["world"] == 2 for e in finals(evs).values())
     assert not memory_namespace(tmp_path / "a", None).exists()  # the finished job took the dead rank's slots along
-    ref = tmp_path / "ref"
-    launch(ref, tmp_path / "ref3.jsonl", "--nproc", "3", child=("--steps", str(min(restored))))
-    launch(ref, tmp_path / "ref2.jsonl", "--nproc", "2",
-           child=("--steps", str(STEPS), "--resume-step", str(min(restored))))
-    expected = {e["digest"] for e in finals(events(tmp_path / "ref2.jsonl")).values()}
+    expected = shrunk_digests(clean_runs, 3, 2, min(restored))
     assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
 
 
 @pytest.mark.timeout(600)
-def test_a_job_that_cannot_shrink_is_relaunched_whole(tmp_path):
+def test_a_job_that_cannot_shrink_is_relaunched_whole(tmp_path, clean_runs):
     """2 ranks, no spare, ``--min-world 2``: rank 1 dies at step 4 and the world may not shrink,
     so the launcher relaunches the job (new processes for both ranks, on keys of a second
     attempt); it restores the newest checkpoint and ends bitwise equal to an uninterrupted run."""
@@ -103,8 +119,7 @@ def test_a_job_that_cannot_shrink_is_relaunched_whole(tmp_path):
             starts.setdefault(e["worker"], []).append(e["pid"])
     assert {w: len(set(p)) for w, p in starts.items()} == {0: 2, 1: 2}, starts  # every rank a new process
     assert {w: e["steps"] for w, e in finals(evs).items()} == {0: STEPS, 1: STEPS}
-    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
-    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS)))
     assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
 
 
@@ -112,7 +127,7 @@ LOADER = ("--loader-workers", "2")
 
 
 @pytest.mark.timeout(600)
-def test_data_loader_workers_are_rebuilt_and_rewound_with_a_spare(tmp_path):
+def test_data_loader_workers_are_rebuilt_and_rewound_with_a_spare(tmp_path, clean_runs):
     """2 ranks + 1 warm spare; batches come from a ResumableDataLoader with 2 worker processes
     per rank, 4 steps an epoch; rank 1 dies at step 5, mid-epoch. Each rank's loader is built
     anew and resumes from the restored position (its workers prefetch from there), the old
@@ -123,13 +138,12 @@ def test_data_loader_workers_are_rebuilt_and_rewound_with_a_spare(tmp_path):
     evs = events(tmp_path / "a.jsonl")
     check_survivors_kept(evs, dead=1)
     assert {w: (e["steps"], e["children"]) for w, e in finals(evs).items()} == {0: (STEPS, 2), 2: (STEPS, 2)}
-    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS), *LOADER))
-    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS), *LOADER))
     assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
 
 
 @pytest.mark.timeout(600)
-def test_data_loader_shrinking_splits_the_rest_of_the_epoch_anew(tmp_path):
+def test_data_loader_shrinking_splits_the_rest_of_the_epoch_anew(tmp_path, clean_runs):
     """3 ranks, no spare, the same loaders: rank 1 dies at step 5; ranks 0 and 2 rebuild their
     loaders at world size 2 (6 samples a step each instead of 4) over what the epoch had left,
     and end bitwise equal to a relaunch at 2 ranks from the step they restored."""
@@ -139,11 +153,7 @@ def test_data_loader_shrinking_splits_the_rest_of_the_epoch_anew(tmp_path):
     recs = check_survivors_kept(evs, dead=1)
     restored = {r["restored_step"] for r in recs}
     assert len(restored) == 1 and {w: e["children"] for w, e in finals(evs).items()} == {0: 2, 2: 2}
-    ref = tmp_path / "ref"
-    launch(ref, tmp_path / "ref3.jsonl", "--nproc", "3", child=("--steps", str(min(restored)), *LOADER))
-    launch(ref, tmp_path / "ref2.jsonl", "--nproc", "2",
-           child=("--steps", str(STEPS), "--resume-step", str(min(restored)), *LOADER))
-    expected = {e["digest"] for e in finals(events(tmp_path / "ref2.jsonl")).values()}
+    expected = shrunk_digests(clean_runs, 3, 2, min(restored), *LOADER)
     assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
 
 

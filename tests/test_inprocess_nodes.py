@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.clean_runs import CleanRuns
 from tests.inprocess_nodes import lose_node_1, lost_shard_sources, run_nodes
-from tests.test_inprocess import STEPS, events, finals, launch
+from tests.test_inprocess import STEPS, clean_digests, finals, shrunk_digests
 
 LOST_AT = 4
 # half a second a step: the job is still training when node 1 is lost, however late a busy
@@ -43,7 +44,7 @@ def restored_from(tier: str, log: str, step: int, lost_ranks: list[int]) -> bool
     return all(tiers == {tier} for tiers in lost_shard_sources(log, step, lost_ranks).values())
 
 
-def shrinks_to_2(tmp_path: Path, *, silent: bool, tier: str) -> None:
+def shrinks_to_2(tmp_path: Path, clean_runs: CleanRuns, *, silent: bool, tier: str) -> None:
     """2 nodes x 2 ranks, no spare, with peer replicas (``tier`` "peer") or a shared object store
     ("object"): node 1 (ranks 2, 3) is lost past step 4; ranks 0 and 1 go on at world size 2, read
     ranks 2 and 3's shards from that tier (the object store: a step it committed, older than the
@@ -58,20 +59,17 @@ def shrinks_to_2(tmp_path: Path, *, silent: bool, tier: str) -> None:
     assert all(r["world_size"] == 2 for r in recs) and all(e["world"] == 2 for e in finals(lost.events).values())
     restored = recs[0]["restored_step"]
     assert restored_from(tier, lost.log, restored, [2, 3]), lost.log[-3000:]
-    ref = tmp_path / "ref"
-    launch(ref, tmp_path / "ref4.jsonl", "--nproc", "4", child=("--steps", str(restored)))
-    launch(ref, tmp_path / "ref2.jsonl", "--nproc", "2", child=("--steps", str(STEPS), "--resume-step", str(restored)))
-    expected = {e["digest"] for e in finals(events(tmp_path / "ref2.jsonl")).values()}
+    expected = shrunk_digests(clean_runs, 4, 2, restored)
     assert len(expected) == 1 and {e["digest"] for e in finals(lost.events).values()} == expected
 
 
 @pytest.mark.timeout(900)
-def test_lost_node_shrinks_restoring_from_the_object_store(tmp_path):
+def test_lost_node_shrinks_restoring_from_the_object_store(tmp_path, clean_runs):
     """Node 1's launcher killed: its lifeline closes, the node is lost at once."""
-    shrinks_to_2(tmp_path, silent=False, tier="object")
+    shrinks_to_2(tmp_path, clean_runs, silent=False, tier="object")
 
 
-def spare_takes_rank_1(tmp_path: Path, *, silent: bool) -> None:
+def spare_takes_rank_1(tmp_path: Path, clean_runs: CleanRuns, *, silent: bool) -> None:
     """2 nodes x (1 rank + 1 spare), peer replicas on: node 1 (rank 1 and its spare) is lost past
     step 4; node 0's spare takes rank 1 (node 1's spare leaves the pool), reads rank 1's shard from
     the replica node 0 holds, and the job ends bitwise equal to an uninterrupted 2-rank run."""
@@ -83,37 +81,36 @@ def spare_takes_rank_1(tmp_path: Path, *, silent: bool) -> None:
     assert "spare 1 takes rank 1" in lost.log, lost.log[-3000:]
     assert all(r["world_size"] == 2 for r in recs), recs
     assert restored_from("peer", lost.log, recs[0]["restored_step"], [1]), lost.log[-3000:]
-    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
-    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS)))
     assert len(clean) == 1 and {e["digest"] for e in finals(lost.events).values()} == clean
 
 
 @pytest.mark.timeout(900)
-def test_lost_node_a_spare_on_node_0_takes_its_rank(tmp_path):
+def test_lost_node_a_spare_on_node_0_takes_its_rank(tmp_path, clean_runs):
     """Node 1's launcher killed: its lifeline closes, the node is lost at once."""
-    spare_takes_rank_1(tmp_path, silent=False)
+    spare_takes_rank_1(tmp_path, clean_runs, silent=False)
 
 
 @pytest.mark.timeout(900)
-def test_a_node_that_goes_silent_is_lost_after_hang_s(tmp_path):
+def test_a_node_that_goes_silent_is_lost_after_hang_s(tmp_path, clean_runs):
     """Node 1's launcher and workers stopped, not killed (a host that vanished: its lifeline and
     its sockets stay open): the job launcher loses the node once its beats have been missing for
     ``--hang-s``; node 0's ranks, blocked in a collective with a stopped peer, are cut loose
     (``group.interrupt``) and go on at world size 2, the two lost ranks' shards read from the
     replicas node 0 holds (one step common to both)."""
-    shrinks_to_2(tmp_path, silent=True, tier="peer")
+    shrinks_to_2(tmp_path, clean_runs, silent=True, tier="peer")
 
 
 @pytest.mark.timeout(900)
-def test_a_silent_node_holding_replicas_holds_nothing_up(tmp_path):
+def test_a_silent_node_holding_replicas_holds_nothing_up(tmp_path, clean_runs):
     """Node 1 stopped, not killed: node 0's rank was sending its replica to node 1's stopped
     holder; leaving the round cuts that send off (``Replicator.abort``) instead of waiting out the
     peer timeout."""
-    spare_takes_rank_1(tmp_path, silent=True)
+    spare_takes_rank_1(tmp_path, clean_runs, silent=True)
 
 
 @pytest.mark.timeout(900)
-def test_a_job_that_cannot_shrink_is_relaunched_on_every_node(tmp_path):
+def test_a_job_that_cannot_shrink_is_relaunched_on_every_node(tmp_path, clean_runs):
     """2 nodes x 1 rank, no spare, ``--min-world 2``: rank 1 (node 1) dies at step 4 and the world
     may not shrink, so the job launcher relaunches the job and node 1's launcher takes part in the
     second attempt: both ranks restart in new processes, restore the newest step from their own
@@ -129,7 +126,6 @@ def test_a_job_that_cannot_shrink_is_relaunched_on_every_node(tmp_path):
             starts.setdefault(e["worker"], set()).add(e["pid"])
     assert {w: len(p) for w, p in starts.items()} == {0: 2, 1: 2}, starts
     assert {w: e["steps"] for w, e in finals(evs).items()} == {0: STEPS, 1: STEPS}
-    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
-    clean = {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
+    clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS)))
     assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ckpt.inprocess import lifeline, membership
 from tests.inprocess_nodes import start_node_launcher
 from tests.procs import free_port, stop_process, wait_for
-from tests.test_inprocess import events, finals, launch
+from tests.test_inprocess import clean_digests, events, finals
 
 STEPS = 8
 PACED = ["--steps", str(STEPS), "--step-s", "0.3"]
@@ -55,11 +55,6 @@ def listening(port: int) -> set[str]:
     return found
 
 
-def clean_digest(tmp_path: Path, steps: int = STEPS) -> set[str]:
-    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(steps)))
-    return {e["digest"] for e in finals(events(tmp_path / "clean.jsonl")).values()}
-
-
 def finish(procs: list, workdir: Path) -> str:
     for p in procs:
         p.wait(timeout=600)  # a hang guard only
@@ -69,7 +64,7 @@ def finish(procs: list, workdir: Path) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_forged_control_values_and_a_lifeline_claim_change_nothing(tmp_path):
+def test_forged_control_values_and_a_lifeline_claim_change_nothing(tmp_path, clean_runs):
     """2 nodes x 1 rank. Before node 1 starts, the outsider claims node 1's lifeline (it would
     close it later: "node 1 lost"); once training, it evicts worker 1, publishes round 1 without
     it, reports worker 1's exit, marks a relaunch and the job done, then closes its lifeline
@@ -108,7 +103,8 @@ def test_forged_control_values_and_a_lifeline_claim_change_nothing(tmp_path):
     for key in (membership.evict_key(1), membership.round_key(1), membership.exit_key(1), membership.DONE_KEY):
         assert f"ignored a value of {key} that fails its check" in logs, (key, logs[-4000:])
     assert "lifeline: closed a connection from 127.0.0.1" in logs, logs[-4000:]
-    assert {e["digest"] for e in done.values()} == clean_digest(tmp_path)
+    clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS)))
+    assert {e["digest"] for e in done.values()} == clean
 
 
 @pytest.mark.timeout(900)
@@ -168,7 +164,7 @@ def test_a_replayed_or_forged_beat_keeps_no_vanished_node_alive(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_flood_of_idle_lifeline_connections_leaves_the_launcher_alive(tmp_path):
+def test_a_flood_of_idle_lifeline_connections_leaves_the_launcher_alive(tmp_path, clean_runs):
     """1,100 idle connections to the job launcher's lifeline port, whose open-file limit is 256
     (the cheap stand-in for the common 1,024): none proves a node, so each is closed after the
     hello timeout or pushed out by newer ones, accept() running out of descriptors pauses
@@ -207,7 +203,7 @@ def test_a_flood_of_idle_lifeline_connections_leaves_the_launcher_alive(tmp_path
     assert "lifeline: closed a connection" in log, log[-4000:]
     done = finals(events(ev))
     assert {w: e["steps"] for w, e in done.items()} == {0: 30, 1: 30}, log[-4000:]
-    assert {e["digest"] for e in done.values()} == clean_digest(tmp_path, 30)
+    assert {e["digest"] for e in done.values()} == clean_digests(clean_runs, "--nproc", "2", child=("--steps", "30"))
 
 
 def test_several_nodes_without_a_secret_are_refused_in_one_line():

@@ -19,6 +19,7 @@ from typing import Callable
 import pytest
 
 from ckpt.tiers.peer import PeerTier, replica_namespace
+from tests.clean_runs import CleanRuns
 from tests.integration_helpers import REPLACEABLE, REPO, finish_nodes, kill_node, start_node, torchrun_nodes
 from tests.procs import free_port, wait_for
 
@@ -68,24 +69,25 @@ def lose_node1(base: Path, shm: list[str], *, restarts: int, replacement_restart
                                      env=env, local_addr="127.0.0.2"), held
 
 
-def run_clean(base: Path, shm: list[str], nproc: int) -> None:
-    """The uninterrupted run the interrupted ones must match; its memory is wiped after."""
-    port = free_port()
-    clean = [start_node(SCRIPT, i, 2, port, node_args(base, "clean", shm, i, 0.0), nproc=nproc, env=REPLACEABLE)
-             for i in range(2)]
-    for i, log in enumerate(finish_nodes(clean, timeout=240)):
-        for r in range(i * nproc, (i + 1) * nproc):
-            assert f"rank {r}: step {STEPS} durable in the peer tier" in log, log[-3000:]
-    for d in shm:
-        shutil.rmtree(d)
-        os.mkdir(d, 0o700)
+def clean_digests(clean_runs: CleanRuns, nproc: int) -> list[str]:
+    """Each rank's digest at the end of the uninterrupted run the interrupted ones must match
+    (run once a session, in memory dirs of its own)."""
+    def run(workdir: Path) -> list[str]:
+        with tempfile.TemporaryDirectory(prefix="ckpt-peer-clean0-", dir="/dev/shm") as shm0, \
+                tempfile.TemporaryDirectory(prefix="ckpt-peer-clean1-", dir="/dev/shm") as shm1:
+            port = free_port()
+            nodes = [start_node(SCRIPT, i, 2, port, node_args(workdir, "clean", [shm0, shm1], i, 0.0), nproc=nproc,
+                                env=REPLACEABLE) for i in range(2)]
+            for i, log in enumerate(finish_nodes(nodes, timeout=240)):
+                for r in range(i * nproc, (i + 1) * nproc):
+                    assert f"rank {r}: step {STEPS} durable in the peer tier" in log, log[-3000:]
+        return digests(workdir, "clean", 2 * nproc)
+    return clean_runs.digests(["peer_child", str(nproc), str(STEPS), str(EVERY)], run)
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.extended)], ids=["2x1", "2x2"])
 def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Path, shm: list[str],
-                                                                   nproc: int) -> None:
-    run_clean(tmp_path, shm, nproc)
-
+                                                                   nproc: int, clean_runs: CleanRuns) -> None:
     node0, replace, _ = lose_node1(tmp_path, shm, restarts=2, replacement_restarts=2, nproc=nproc)
     logs = finish_nodes([node0, replace()], timeout=300)
 
@@ -99,16 +101,15 @@ def test_a_lost_node_restores_from_its_peer_and_ends_bitwise_equal(tmp_path: Pat
         # re-replicated at once: the restored step itself, not the next save
         assert re.search(rf"rank {r} has a peer replica again \(step {found.group(1)}\): unprotected for", logs[1]), \
             logs[1][-4000:]
-    assert digests(tmp_path, "lost", 2 * nproc) == digests(tmp_path, "clean", 2 * nproc), \
+    assert digests(tmp_path, "lost", 2 * nproc) == clean_digests(clean_runs, nproc), \
         "the job diverged after losing node 1"
 
 
-def test_with_both_holders_of_a_shard_lost_it_comes_from_the_object_store_bitwise(tmp_path: Path,
-                                                                                  shm: list[str]) -> None:
+def test_with_both_holders_of_a_shard_lost_it_comes_from_the_object_store_bitwise(
+        tmp_path: Path, shm: list[str], clean_runs: CleanRuns) -> None:
     """Node 1 lost and node 0's replicas of it gone too, with an object store: rank 1's
     shard comes from the store (older than the replica was), is re-replicated at once,
     and the job still ends bitwise equal."""
-    run_clean(tmp_path, shm, 1)
     store = {"PEER_CHILD_OBJECT_STORE": f"file://{tmp_path}/objstore"}
     node0, replace, held = lose_node1(tmp_path, shm, restarts=2, replacement_restarts=2, env=store)
     shutil.rmtree(held.ns)
@@ -116,7 +117,7 @@ def test_with_both_holders_of_a_shard_lost_it_comes_from_the_object_store_bitwis
     found = re.search(r"rank 1 restored its shard of step (\d+) from the object store", logs[1])
     assert found, logs[1][-4000:]
     assert re.search(rf"rank 1 has a peer replica again \(step {found.group(1)}\)", logs[1]), logs[1][-4000:]
-    assert digests(tmp_path, "lost", 2) == digests(tmp_path, "clean", 2), "the job diverged after losing node 1"
+    assert digests(tmp_path, "lost", 2) == clean_digests(clean_runs, 1), "the job diverged after losing node 1"
 
 
 def test_with_every_copy_of_a_shard_lost_the_job_stops_naming_it(tmp_path: Path, shm: list[str]) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.procs import free_port, wait_for
 from tests.slurm_fixtures import SlurmCluster
-from tests.test_inprocess import CHILD, STEPS, finals, launch
+from tests.test_inprocess import CHILD, STEPS, clean_digests, finals
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "examples" / "slurm" / "inprocess.sbatch"
@@ -50,7 +50,7 @@ def events(work: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_a_killed_worker_and_a_killed_node_launcher_are_replaced_from_the_spare_node(slurm, tmp_path):
+def test_a_killed_worker_and_a_killed_node_launcher_are_replaced_from_the_spare_node(slurm, tmp_path, clean_runs):
     base = Path(slurm.dir) / "inprocess"
     worker = submit(slurm, base / "worker", "--kill-worker", "1", "--kill-at", str(FAULT_AT))
     node = submit(slurm, base / "node")
@@ -73,9 +73,7 @@ def test_a_killed_worker_and_a_killed_node_launcher_are_replaced_from_the_spare_
     # the lost task makes the step's (and so the job's) exit code non-zero: training went on
     assert "node 1 lost (its launcher's lifeline closed" in logs["node"], logs["node"][-4000:]
     assert "spare 2 takes rank 1" in logs["node"] and "attempt 1" not in logs["node"], logs["node"][-4000:]
-    launch(tmp_path / "clean", tmp_path / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
-    clean = {e["digest"] for e in finals([json.loads(x) for x in (tmp_path / "clean.jsonl").read_text().splitlines()])
-             .values()}
+    clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS)))
     for name in done:
         ended = finals(events(base / name))
         assert {w: e["steps"] for w, e in ended.items()} == {0: STEPS, 2: STEPS}, (name, logs[name][-3000:])
