@@ -42,7 +42,7 @@ import json
 import math
 import re
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ManifestError
@@ -190,12 +190,12 @@ class TensorEntry:
         return replace(self, checksums=tuple(checksums))
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        d["checksums"] = list(self.checksums) if self.checksums is not None else None
-        if self.layout is None:
-            del d["layout"]
-        else:
+        # built by hand: ``dataclasses.asdict`` deep-copies every field and was most of a seal's
+        # cost on the trainer thread (a manifest is serialised at every save)
+        d = {"id": self.id, "path": self.path, "dtype": self.dtype, "shape": list(self.shape),
+             "offset": self.offset, "nbytes": self.nbytes,
+             "checksums": list(self.checksums) if self.checksums is not None else None}
+        if self.layout is not None:
             d["layout"] = self.layout.to_json()
         return d
 
