@@ -29,9 +29,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # 2 pytest-xdist workers: one pytest keeps one core busy on average (it waits on torchrun,
-# servers, pip); loadfile keeps a module on one worker, so its module-scoped fixtures run once
+# servers, pip); loadfile keeps a module on one worker, so its module-scoped fixtures run once;
+# the 30 slowest tests are printed at the end, so every run (CI's too) says where the time went
 test: $(STAMP) engines test-tools lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 test-extended: $(STAMP) engines test-tools  # the variants the default suite skips (marked extended)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m extended tests
