@@ -23,10 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository first
 from benchmarks.fault_campaign_damage import damage_disk_shard, damage_memory_slots  # noqa: E402
 from benchmarks.fault_campaign_jobs import FAULT_AT, STEPS  # noqa: E402
+from benchmarks.fault_campaign_nodes import lost_node, peer_holder_killed, peer_replica_wrong, sdc_nodes  # noqa: E402
+from benchmarks.fault_campaign_objstore import objstore_unreachable  # noqa: E402
 from benchmarks.fault_campaign_rows import (  # noqa: E402
     Campaign,
     disk_full,
-    lost_node,
     predictor_down,
     process_fault,
     relaunched,
@@ -56,14 +57,13 @@ FAULTS = {
     "local_disk_full": partial(disk_full, fault="local_disk_full"),
     "predictor_agent_down": partial(predictor_down, fault="predictor_agent_down"),
     "straggler": partial(process_fault, fault="straggler", child=["--slow-worker", "1", "--slow-s", "0.5"]),
+    "peer_replica_wrong_at_save": partial(peer_replica_wrong, fault="peer_replica_wrong_at_save"),
+    "objstore_unreachable": partial(objstore_unreachable, fault="objstore_unreachable"),
+    "peer_holder_killed": partial(peer_holder_killed, fault="peer_holder_killed"),
+    "sdc_param_bit_2_nodes": partial(sdc_nodes, fault="sdc_param_bit_2_nodes", kind="param"),
+    "sdc_optim_bit_2_nodes": partial(sdc_nodes, fault="sdc_optim_bit_2_nodes", kind="optim"),
 }
-NOT_BUILT = {
-    "peer_replica_wrong_at_save": "not built yet: needs a hook that writes one peer replica's bytes wrong before "
-                                  "it is sealed (ckpt/peers)",
-    "objstore_unreachable": "not built yet: the throttle proxy (benchmarks/throttle_proxy.py) in front of a moto "
-                            "server, cut during a drain",
-    "peer_holder_killed": "not built yet: node 1 killed while it receives node 0's replica",
-}
+NOT_BUILT: dict[str, str] = {}
 COLUMNS = ("fault", "mode", "detected", "detect_steps", "named", "restored_step", "steps_lost", "relaunched",
            "equal_to_clean", "lmr_detected")
 

@@ -17,8 +17,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from tests.procs import stop_process, wait_for
 
@@ -48,14 +50,20 @@ class Job:
     def of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["event"] == kind]
 
+    def restarted(self) -> bool:
+        """A worker process was started again (a relaunch)."""
+        return len(self.of("start")) > len({e["worker"] for e in self.of("start")})
+
     def digests(self) -> set[str]:
         return {e["digest"] for e in self.of("done")}
 
 
 def launch(workdir: Path, name: str, launcher: list[str], child: list[str], *, memory_dir: Path,
-           kill_at: int | None = None, env: dict | None = None, timeout: float = 600) -> Job:
+           kill_at: int | None = None, env: dict | None = None, timeout: float = 600,
+           beside: Callable[[Path], None] | None = None) -> Job:
     """Run one job (its disk root ``workdir/name``, memory tier ``memory_dir``); with ``kill_at``
-    SIGKILL its launcher once worker 0 has done that many steps (its workers die with it)."""
+    SIGKILL its launcher once worker 0 has done that many steps (its workers die with it);
+    ``beside(events)`` runs on a thread while the job runs (a fault outside it)."""
     events, out = workdir / f"{name}.jsonl", workdir / f"{name}.log"
     memory_dir.mkdir(mode=0o700, exist_ok=True)
     cmd = [sys.executable, "-m", "ckpt.inprocess.launch", *launcher, str(CHILD), "--root", str(workdir / name),
@@ -63,13 +71,18 @@ def launch(workdir: Path, name: str, launcher: list[str], child: list[str], *, m
     with open(out, "ab") as log:
         proc = subprocess.Popen(cmd, env={**os.environ, **ENV, **(env or {})}, cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT)
+    thread = threading.Thread(target=beside, args=(events,), daemon=True) if beside else None
     try:
+        if thread:
+            thread.start()
         if kill_at is not None:
             if not wait_for(lambda: reached(events, kill_at) or proc.poll() is not None, timeout=timeout,
                             interval=0.02):
                 raise SystemExit(f"{name}: worker 0 never reached step {kill_at}")
             proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=timeout)
+        if thread:
+            thread.join(timeout=60)
     finally:
         stop_process(proc)
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []

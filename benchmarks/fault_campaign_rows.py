@@ -20,7 +20,6 @@ from pathlib import Path
 from benchmarks.fault_campaign_jobs import (
     DAMAGE_SEEN,
     FAULT_AT,
-    MODEL,
     REPO,
     SPARE,
     STEPS,
@@ -31,9 +30,6 @@ from benchmarks.fault_campaign_jobs import (
     sdc_lines,
     step_times,
 )
-from tests.inprocess_nodes import lose_node_1
-
-NODE_HANG_S = 2.0  # the recovery benchmark's (benchmarks/recovery_inprocess.py)
 
 
 @dataclass
@@ -72,7 +68,7 @@ def recovered(fault: str, job: Job, clean: set[str], culprit: str, fault_step: i
     """A process fault the in-process job recovered from: its first recovery as rank 0 saw it.
     ``culprit``: a pattern the recovery's cause must hold to count as naming the culprit."""
     survivors = [r for r in job.of("recovery") if r["failed_at_step"] is not None]
-    relaunched = len(job.of("start")) > len({e["worker"] for e in job.of("start")})
+    relaunched = job.restarted()
     if not survivors:
         return row(fault, "in-process", detected=False, detect_steps=None, named=None, restored_step=None,
                    steps_lost=None, relaunched=relaunched, equal_to_clean=job.digests() == clean)
@@ -88,19 +84,6 @@ def recovered(fault: str, job: Job, clean: set[str], culprit: str, fault_step: i
 def process_fault(c: Campaign, fault: str, child: list[str], launcher: list[str] = SPARE,
                   culprit: str = r"\b1\b") -> dict:
     return recovered(fault, c.job(fault, launcher, child), c.clean(), culprit)
-
-
-def lost_node(c: Campaign, fault: str, silent: bool) -> dict:
-    """Node 1 (1 rank + 1 spare per node, peer replicas) lost, or vanished (stopped): the
-    recovery benchmark's machinery (tests/inprocess_nodes.py)."""
-    shm = c.shm / fault
-    shm.mkdir()
-    lost = lose_node_1(c.workdir / fault, shm, ["--nproc", "1", "--spares", "1"],
-                       [*MODEL, "--steps", str(STEPS), "--peers", "1"], at_step=FAULT_AT, hang_s=NODE_HANG_S,
-                       silent=silent)
-    job = Job(lost.events, lost.log, 0)
-    out = recovered(fault, job, c.clean(), r"node ?1|\b1\b")
-    return {**out, "node1_workers_gone": lost.node1_workers_gone}
 
 
 def relaunched(c: Campaign, fault: str, damage=None) -> dict:
@@ -132,17 +115,25 @@ def sdc(c: Campaign, fault: str, kind: str) -> dict:
     lmr = ["--lmr"] if c.lmr_path else []
     kw = {"pythonpath": c.lmr_path} if c.lmr_path else {}
     job = c.job(fault, SPARE, ["--sdc", kind, "--sdc-worker", "1", "--kill-at", str(FAULT_AT), *lmr], **kw)
+    out = sdc_row(fault, job, c.clean())
+    return {**out, **lm_resiliency(job, c.clean_step_s)} if c.lmr_path else out
+
+
+def sdc_row(fault: str, job: Job, clean: set[str]) -> dict:
+    """An SDC row from its job: what the checks said (log lines, recoveries) beside the truth."""
     lines, recs = sdc_lines(job.log), [r for r in job.of("recovery") if r["failed_at_step"] is not None]
     steps = restored_steps(job.log)
     seen_at = [int(m.group(1)) for m in (re.search(r"step (\d+)", x) for x in lines) if m]
     detect = (recs[0]["failed_at_step"] if recs else min(seen_at, default=None))
     detected = bool(lines or recs)
-    out = row(fault, "in-process", detected=detected, detect_steps=None if detect is None else detect - FAULT_AT,
-              named=names_rank(lines, 1) if detected else None, restored_step=steps[0] if steps else None,
-              steps_lost=None if not steps else FAULT_AT + 1 - steps[0], relaunched=False,
-              equal_to_clean=job.digests() == c.clean(), replicas_equal_at_end=len(job.digests()) == 1,
-              finite_at_end=all(e.get("finite", True) for e in job.of("done")), check_lines=lines[:3])
-    return {**out, **lm_resiliency(job, c.clean_step_s)} if c.lmr_path else out
+    # an unsound verdict raised in every rank gets no new round: the runner falls back to a relaunch
+    again = "falling back to a relaunch" in job.log or job.restarted()
+    return row(fault, "relaunch" if again else "in-process", detected=detected,
+               detect_steps=None if detect is None else detect - FAULT_AT,
+               named=names_rank(lines, 1) if detected else None, restored_step=steps[0] if steps else None,
+               steps_lost=None if not steps else FAULT_AT + 1 - steps[0], relaunched=again,
+               equal_to_clean=job.digests() == clean, replicas_equal_at_end=len(job.digests()) == 1,
+               finite_at_end=all(e.get("finite", True) for e in job.of("done")), check_lines=lines[:3])
 
 
 def lm_resiliency(job: Job, clean_step_s: float | None) -> dict:
@@ -190,5 +181,5 @@ def disk_full(c: Campaign, fault: str, size: str = "6m") -> dict:
     steps = restored_steps(job.log)
     return row(fault, "in-process", detected=bool(said), detect_steps=None, named=None,
                restored_step=steps[0] if steps else None, steps_lost=None,
-               relaunched=len(job.of("start")) > len({e["worker"] for e in job.of("start")}),
+               relaunched=job.restarted(),
                equal_to_clean=job.digests() == c.clean(), outcome="the job finished", check_lines=said[:3])

@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import logging
 import os
 import signal
 import time
@@ -89,6 +90,13 @@ def main() -> None:
                     "optimizer state across the ranks (its SDC check; events 'lmr')")
     ap.add_argument("--listen", action="store_true",
                     help="start the predictor listener (nothing listens at its address: the predictor is down)")
+    ap.add_argument("--peer-fault", choices=("wrong_at_save", "stall_receive"), default=None,
+                    help="on node --peer-fault-node, the first peer replica of step >= --kill-at it receives is "
+                    "sealed with a byte flipped, or held as it is received (benchmarks/fault_campaign_hooks.py)")
+    ap.add_argument("--peer-fault-node", default="node0")
+    ap.add_argument("--own-copies", action="store_true",
+                    help="every rank saves its own copy of the model and optimizer (not replicated=: one a node)")
+    ap.add_argument("--log-info", action="store_true", help="log the library's INFO lines (uploads, retries)")
     ap.add_argument("--resume-step", type=int, default=None)
     ap.add_argument("--step-s", type=float, default=0.0, help="sleep per step (a slower model)")
     ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
@@ -103,6 +111,8 @@ def main() -> None:
     ap.add_argument("--peers", type=int, default=0, help="peer replicas on other nodes (CKPT_GUARD_NODE)")
     ap.add_argument("--object-store", default=None, help="the job's shared object store (file://DIR)")
     args = ap.parse_args()
+    if args.log_info:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     inprocess = "CKPT_INPROCESS_WORKER" in os.environ  # else under plain torchrun: the same script, relaunched
     worker = int(os.environ.get("CKPT_INPROCESS_WORKER", os.environ.get("RANK", "0")))
     attempt = os.environ.get(membership.ATTEMPT_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -113,6 +123,8 @@ def main() -> None:
             f.write(json.dumps({"worker": worker, "pid": os.getpid(), "t": time.time(), **event}) + "\n")
 
     emit(event="start")
+    if args.peer_fault and node_name() == args.peer_fault_node:
+        importlib.import_module("benchmarks.fault_campaign_hooks").install(args.peer_fault, args.kill_at, emit)
     evicted: list[int] = []
     listener = RiskListener("http://127.0.0.1:9", [node_name()], SaveRequests())  # fed by hand; started: down
     if args.listen:
@@ -241,7 +253,8 @@ def main() -> None:
         return {k: objects[k] for k in ("model", "optim", "loader") if k in objects}
 
     result = run(build, step, steps=args.steps, state_of=state_of,
-                 checkpoint={"root": args.root, "keep_last": 1000, "replicated": ["model", "optim"],
+                 checkpoint={"root": args.root, "keep_last": 1000,
+                             "replicated": [] if args.own_copies else ["model", "optim"],
                              "memory_dir": args.memory_dir, "peers": args.peers, "object_store": args.object_store,
                              **({"overlap": True} if args.overlap else {})},
                  resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -42,10 +43,35 @@ class LostNode:
     node1_workers_gone: bool  # no worker of node 1 outlived its launcher
 
 
-def job_store(port: int) -> Control:
+def job_store(port: int, timeout_s: float = 120.0) -> Control:
     """The job's store at ``port`` as its launchers see it (signed values, attempt 0)."""
-    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
     return membership.of_attempt(base, 0, control_key(ENV[SECRET_ENV].encode()))
+
+
+class Reconnecting:
+    """The job's store (node 0's launcher's) as the fault's driver polls it: a connection that
+    drops on a busy machine (``Failed to recv``) is made again; node 0's launcher ending
+    before the poll is answered is an error with its log (a verdict, not a lost connection)."""
+
+    def __init__(self, port: int, node0: subprocess.Popen, log: Path) -> None:
+        self.port, self.node0, self.log, self.store = port, node0, log, None
+
+    def until(self, ask: Callable[[Control], Any], what: str, timeout: float = 300.0) -> Any:
+        """``ask(store)`` until it is truthy (hang guard: ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.node0.poll() is not None:
+                raise AssertionError(f"{what}: node 0's launcher ended ({self.node0.returncode}) first:\n"
+                                     f"{self.log.read_text()[-3000:]}")
+            try:
+                self.store = self.store or job_store(self.port, timeout_s=60.0)
+                if found := ask(self.store):
+                    return found
+            except dist.DistError:  # dropped or refused: asked again on a new connection
+                self.store = None
+            time.sleep(0.01)
+        raise AssertionError(f"{what} in {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
 
 
 # the launcher imported, then started once the file argv[1] exists (a test's outsider acts first)
@@ -69,29 +95,32 @@ def start_node_launcher(k: int, nodes: int, port: int, workdir: Path, shm: Path,
 
 
 def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str], *, at_step: int,
-                hang_s: float, silent: bool = False) -> LostNode:
+                hang_s: float, silent: bool = False, also: Callable[[], bool] | None = None) -> LostNode:
     """Start node 0 (the job launcher) and node 1; once worker 0 has done ``at_step`` steps and
-    node 0's spares are ready, lose node 1; node 0's launcher must then end the job well."""
+    node 0's spares are ready (and ``also()`` holds, if given), lose node 1; node 0's launcher
+    must then end the job well."""
     port, events = free_port(), workdir / "events.jsonl"
     workdir.mkdir(parents=True, exist_ok=True)
     logs = [workdir / f"node{k}.log" for k in range(2)]
     procs = [start_node_launcher(k, 2, port, workdir, shm, ["--hang-s", str(hang_s), *launcher], child,
                         start_new_session=k == 1) for k in range(2)]
     try:
-        store = job_store(port)
-        first = membership.wait_round(store, 0, 300.0)
-        if first is None:
-            raise AssertionError(f"no first round:\n{logs[0].read_text()[-3000:]}")
-        hosts = {w: int(h) for w, h in zip(first.members + first.spares, store.many(
-            [membership.host_key(w) for w in first.members + first.spares]))}
+        store = Reconnecting(port, procs[0], logs[0])
+        first = store.until(lambda ctl: membership.wait_round(ctl, 0, 1.0), "no first round")
+        workers = first.members + first.spares
+
+        def hosts_of(ctl: Control) -> dict[int, int] | None:
+            found = ctl.many([membership.host_key(w) for w in workers])
+            return None if None in found else {w: int(h) for w, h in zip(workers, found)}
+
+        hosts = store.until(hosts_of, "no hosts")
         ready = [membership.ready_key(s) for s in first.spares if hosts[s] == 0]
 
-        def fault_point() -> bool:
-            return (int(store.get(membership.step_key(0)) or -1) >= at_step
-                    and all(store.has(k) for k in ready))
+        def fault_point(ctl: Control) -> bool:
+            return (int(ctl.get(membership.step_key(0)) or -1) >= at_step
+                    and all(ctl.has(k) for k in ready) and (also is None or also()))
 
-        if not wait_for(fault_point, timeout=300, interval=0.01):
-            raise AssertionError(f"worker 0 never reached step {at_step}:\n{logs[0].read_text()[-3000:]}")
+        store.until(fault_point, f"worker 0 never reached step {at_step}")
         fault_t = time.time()
         if silent:
             os.killpg(procs[1].pid, signal.SIGSTOP)  # the launcher and its workers: one session
