@@ -8,6 +8,7 @@ ends bitwise equal to the clean run.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -74,12 +75,13 @@ def objstore_unreachable(c: Campaign, fault: str) -> dict:
         finally:
             stop_process(proxy)
     retried = [x for x in job.log.splitlines() if "retrying in" in x]
+    uploaded = sorted({int(s) for s in re.findall(r"step (\d+) is durable off-node", job.log)})
     during = [e for e in job.of("step") if e["worker"] == 0 and cut.get("at", 0) < e["t"] < cut.get("mended", 0)]
     steps = restored_steps(fresh.log)
     from_store = [x for x in fresh.log.splitlines() if "restored step" in x and "from object" in x]
     return row(fault, "in-process", detected=bool(retried), detect_steps=None, named=None, restored_step=None,
                steps_lost=0, relaunched=False, equal_to_clean=job.digests() == c.clean(),
                steps_during_outage=len(during), outage_s=round(cut["mended"] - cut["at"], 2),
-               retries=len(retried), check_lines=retried[:2],
+               retries=len(retried), check_lines=retried[:2], uploaded_steps=uploaded,
                fresh_node_restored_step=steps[0] if steps else None, fresh_node_from_object_store=bool(from_store),
                fresh_node_equal_to_clean=fresh.digests() == c.clean())
