@@ -329,10 +329,9 @@ class CheckpointManager:
         return merge_listing(self.tiers)
 
     def flush(self) -> None:
-        """Every rank, at the same point (the end of training, preemption): finish every
-        drain, upload the newest step if it was skipped for a pending upload, and wait
-        until it is off-node. Then the newest committed step is in every tier (failures
-        surface at the next ``save()``/``wait()``)."""
+        """Every rank, at the same point (the end of training, preemption): finish every drain, upload
+        the newest step if it was skipped for a pending upload, and wait until it is off-node. Then the
+        newest committed step is in every tier (failures surface at the next ``save()``/``wait()``)."""
         self.wait_staged()
         self._saves.join()
         if self._offload is not None:
@@ -343,9 +342,9 @@ class CheckpointManager:
     def close(self) -> None:
         """``flush()``; with peers, send the last replica and wait until every rank has (no rank
         stops serving a replica still on its way); then release shared memory mappings. Once every
-        save is durable, this rank's slots (and the peer replicas it held) are removed, unless a
-        restart is expected (``restart_expected``: a preemption; a close while an exception is
-        raised: ``with manager`` left on an error) or ``keep_memory=True``. Idempotent."""
+        save is durable (a suspect or unhealthy one raises ``UnsoundState``, the slots kept), this
+        rank's slots (and its peer replicas) are removed, unless a restart is expected (a preemption;
+        ``with manager`` left on an error) or ``keep_memory=True``. Idempotent."""
         self._close(together=True)
 
     def _close(self, together: bool) -> None:
@@ -361,6 +360,7 @@ class CheckpointManager:
                 self.coord.barrier()  # no rank stops serving while another's last replica is on its way to it
             if together and not (self.keep_memory or self.restart_expected or sys.exc_info()[0]):
                 self.wait()  # a failed drain raises here, and the slots stay
+                self._saves.raise_unsound()  # a verdict after the last save: never end on wrong state
                 remove = self.memory.pool.all_durable()  # not a step restored from memory and never saved
         finally:
             self._release(remove_memory=remove)
