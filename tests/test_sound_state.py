@@ -119,3 +119,25 @@ def test_canary_passes_bitwise_fails_loudly_and_never_loops(tmp_path: Path, shm_
             assert again.value.stop
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_a_verdict_after_the_last_save_fails_the_close(tmp_path: Path, shm_dir: str) -> None:
+    """The last save's drain finds NaN after ``save()`` returned: no later save is there to raise,
+    so ``close()`` does (the fault campaign's two-node SDC rows ended 'done' on wrong state)."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.errors import UnsoundState
+
+    model = torch.nn.Linear(16, 8)
+    state = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    mgr = CheckpointManager(tmp_path, memory_dir=shm_dir, run="end", keep_last=5)
+    mgr.save(1, state)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    mgr.save(2, state)
+    with pytest.raises(UnsoundState, match="step 2 .* is unhealthy") as raised:
+        mgr.close()
+    assert raised.value.health["state"] == "unhealthy"
+    with CheckpointManager(tmp_path, memory_dir=shm_dir, run="end") as again:
+        assert again.restore(state) == 1  # the newest sound step
