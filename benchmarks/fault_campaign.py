@@ -6,7 +6,8 @@ The job (benchmarks/fault_campaign_jobs.py): 2 gloo ranks (+ a warm spare) under
 ``python -m ckpt.inprocess.launch``, the recovery benchmark's tiny GPT, an overlapped snapshot
 every step, the fault at step 4 of 8. Writes ``{"meta": {...}, "rows": [...]}``, a row per
 fault (schema: benchmarks/fault_campaign_rows.py), and prints a table as rows finish. A fault
-that does not apply, or is not built yet, is a row with ``skipped`` and the reason.
+that does not apply here is a row with ``skipped`` and the reason. The two-node rows:
+benchmarks/fault_campaign_nodes.py; the object store's: benchmarks/fault_campaign_objstore.py.
 ``--lmr-site DIR``: lm-resiliency 0.2.0 installed there (``pip install --no-deps --target DIR
 lm-resiliency==0.2.0``: not one of our dependencies) adds its SDC check to the SDC rows
 (``lmr_*`` columns); without it those columns are absent and ``meta.lmr`` says why.
@@ -63,7 +64,6 @@ FAULTS = {
     "sdc_param_bit_2_nodes": partial(sdc_nodes, fault="sdc_param_bit_2_nodes", kind="param"),
     "sdc_optim_bit_2_nodes": partial(sdc_nodes, fault="sdc_optim_bit_2_nodes", kind="optim"),
 }
-NOT_BUILT: dict[str, str] = {}
 COLUMNS = ("fault", "mode", "detected", "detect_steps", "named", "restored_step", "steps_lost", "relaunched",
            "equal_to_clean", "lmr_detected")
 
@@ -88,14 +88,13 @@ def lmr_site(path: str | None) -> tuple[str | None, str]:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--faults", default=",".join([*FAULTS, *NOT_BUILT]), help="comma-separated: "
-                    + ", ".join([*FAULTS, *NOT_BUILT]))
+    ap.add_argument("--faults", default=",".join(FAULTS), help="comma-separated: " + ", ".join(FAULTS))
     ap.add_argument("--lmr-site", default=None, help="a directory with lm-resiliency 0.2.0 installed (--target)")
     args = ap.parse_args()
     chosen = args.faults.split(",")
-    unknown = [f for f in chosen if f not in FAULTS and f not in NOT_BUILT]
+    unknown = [f for f in chosen if f not in FAULTS]
     if unknown:
-        raise SystemExit(f"unknown fault(s) {', '.join(unknown)}: one of {', '.join([*FAULTS, *NOT_BUILT])}")
+        raise SystemExit(f"unknown fault(s) {', '.join(unknown)}: one of {', '.join(FAULTS)}")
     exit_on_sigterm()
     site, why = lmr_site(args.lmr_site)
     meta = run_meta(steps=STEPS, fault_at=FAULT_AT, lmr=why)
@@ -107,15 +106,12 @@ def main() -> None:
         c = Campaign(Path(tmp), Path(shm), site)
         for i, fault in enumerate(chosen, 1):
             t0 = time.monotonic()
-            if fault in NOT_BUILT:
-                rows.append({"fault": fault, "skipped": NOT_BUILT[fault]})
-            else:
-                try:
-                    rows.append({**FAULTS[fault](c), "wall_s": round(time.monotonic() - t0, 1)})
-                except (SystemExit, Exception) as e:  # one broken row must not cost the others: it says why
-                    if isinstance(e, SystemExit) and not isinstance(e.code, str):
-                        raise  # SIGTERM (exit_on_sigterm), not a job's failure
-                    rows.append({"fault": fault, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
+            try:
+                rows.append({**FAULTS[fault](c), "wall_s": round(time.monotonic() - t0, 1)})
+            except (SystemExit, Exception) as e:  # one broken row must not cost the others: it says why
+                if isinstance(e, SystemExit) and not isinstance(e.code, str):
+                    raise  # SIGTERM (exit_on_sigterm), not a job's failure
+                rows.append({"fault": fault, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
             print(f"{table_line(rows[-1])}  [{i}/{len(chosen)}, {time.monotonic() - t0:.0f} s]", file=sys.stderr,
                   flush=True)
             if args.json not in (None, "-") and i < len(chosen):  # what ran so far survives an interrupted campaign

@@ -9,6 +9,7 @@ ends bitwise equal to the clean run.
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,6 @@ PROXY = [sys.executable, str(REPO / "benchmarks" / "throttle_proxy.py"), "--MBps
 
 def _proxy(upstream: str, port: int) -> subprocess.Popen:
     """The proxy on loopback ``port``, once it accepts connections."""
-    import socket
     proc = subprocess.Popen([*PROXY, "--upstream", upstream.removeprefix("http://"), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -42,6 +42,7 @@ def _proxy(upstream: str, port: int) -> subprocess.Popen:
 
 
 def objstore_unreachable(c: Campaign, fault: str) -> dict:
+    """The row (module docstring); skipped where moto or s3fs is not installed."""
     try:
         import moto.server  # noqa: F401  (the S3 server this row needs)
 
