@@ -2,7 +2,6 @@
 ``*_helpers``/``*_fixtures`` modules beside this file."""
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import tempfile
@@ -16,9 +15,9 @@ from ckpt.tiers.memory.namespace import DEFAULT_SHM_DIR
 from ckpt.tiers.memory.owners import left_behind
 from tests.agents_fixtures import Receiver
 from tests.ckpt_helpers import SAVED_NEWEST, CrashServer, ckpt_dir, step_state
-from tests.clean_runs import CleanRuns
 from tests.objstore_fixtures import create_bucket, moto_server
 from tests.predictor_fixtures import LiveServer, run_cli, simulate
+from tests.session_cache import CleanRuns, built_once
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -51,11 +50,9 @@ def leaves_no_shared_memory(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def clean_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> CleanRuns:
-    """Clean reference runs, each command run once a session (tests/clean_runs.py); under
-    pytest-xdist in the directory every worker of this session shares (its basetemp's parent)."""
-    base = tmp_path_factory.getbasetemp()
-    return CleanRuns(base if worker_id == "master" else base.parent)
+def clean_runs(tmp_path_factory: pytest.TempPathFactory) -> CleanRuns:
+    """Clean reference runs, each command run once a session (tests/session_cache.py)."""
+    return CleanRuns(tmp_path_factory)
 
 
 @pytest.fixture
@@ -94,23 +91,6 @@ def s3_server():
 def s3_bucket(s3_server):
     """A fresh, empty bucket; returns its name."""
     return create_bucket(s3_server)
-
-
-def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
-    """``build(dir)`` once per test session, shared by the xdist workers (a lock beside it
-    in the session's base directory; alone, in this process's own): each worker building its
-    own copy of a trained model doubles minutes of CPU on a 2-core machine."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    out = shared / f"once-{name}"
-    with open(shared / f"once-{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / ".built").exists():
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir()
-            build(out)
-            (out / ".built").touch()
-    return out
 
 
 @pytest.fixture(scope="session")

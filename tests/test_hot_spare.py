@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from ckpt.tiers.peer import PeerTier, replica_namespace
-from tests.clean_runs import CleanRuns
 from tests.integration_helpers import REPLACEABLE, finish_nodes, kill_node, rendezvous_state, start_node
 from tests.procs import free_port, wait_for
+from tests.session_cache import CleanRuns
 from tests.test_peer_multinode import SCRIPT, clean_digests, digests, node_args
 
 # a lost agent leaves the rendezvous after 3 missed heartbeats: 1 s apart here, not torch's 5 s

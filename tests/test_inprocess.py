@@ -14,7 +14,7 @@ import pytest
 
 from ckpt.tiers.memory import memory_namespace
 from tests.ckpt_helpers import REPO
-from tests.clean_runs import CleanRuns
+from tests.session_cache import CleanRuns
 
 CHILD = REPO / "tests" / "inprocess_child.py"
 STEPS, KILL_AT = 10, 4

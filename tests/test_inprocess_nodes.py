@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.clean_runs import CleanRuns
 from tests.inprocess_nodes import lose_node_1, lost_shard_sources, run_nodes
+from tests.session_cache import CleanRuns
 from tests.test_inprocess import STEPS, clean_digests, finals, shrunk_digests
 
 LOST_AT = 4

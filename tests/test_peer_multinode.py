@@ -19,9 +19,9 @@ from typing import Callable
 import pytest
 
 from ckpt.tiers.peer import PeerTier, replica_namespace
-from tests.clean_runs import CleanRuns
 from tests.integration_helpers import REPLACEABLE, REPO, finish_nodes, kill_node, start_node, torchrun_nodes
 from tests.procs import free_port, wait_for
+from tests.session_cache import CleanRuns
 
 SCRIPT = REPO / "tests" / "peer_child.py"
 STEPS, EVERY = 40, 5
