@@ -296,7 +296,7 @@ class CheckpointManager:
         tiers = readable_tiers(self.memory, self._ns, self._replica_holder, replicated=bool(self.replicated),
                                node_memory=self.node_memory, durable=self.tiers[1:])
         needs = partial(shard_needs, rank=self.rank, world=self.world_size, replicated=self.replicated,
-                        holder=self._replica_holder)
+                        holder=self._replica_holder, keys=frozenset(state))
         self.last_reshard = None
         found = restore_job(self.coord, tiers, needs, state, step, rank=self.rank, world_size=self.world_size,
                             threads=self.restore_threads, peering=self.peering,
@@ -306,7 +306,7 @@ class CheckpointManager:
         (plan, self.last_reshard), seconds = found, time.monotonic() - t0
         log_restored(plan, seconds, self.rank, self.world_size)
         if self.metrics is not None:
-            self.metrics.restored(plan.shards[0].sources[0].name, seconds)
+            self.metrics.restored(plan.shards[0].sources[0].name if plan.shards else "rank", seconds)
         # A shard from another node has one copy left: snapshot the restored state into memory now (before
         # training changes it) and replicate it at once. A resharded step is not this rank's saved shard.
         if self.peering is not None and self.peering.restored(plan) and self.last_reshard is None:

@@ -5,7 +5,9 @@ with its sources in preference order (local memory, local disk, a peer, the obje
 store), and, once a shard's manifest is open, the byte ranges to read from it and
 the tensors they land in (``format.read_items``). Same-world restore is the trivial plan:
 this rank's own shard, whole, plus the replicated keys from their holder. Peers and
-resharding only add sources and ranges.
+resharding only add sources and ranges. Replicated keys are the same in every holder's
+shard: when their holder's is in no tier this rank reads (a lost node's), another saved
+rank's copy stands in, and a rank whose own shard holds nothing else does without it.
 
 The planner looks only at listings (``Inventory``): which tier holds which saved
 ranks' shards of which id. ``execute.py`` executes plans and falls back.
@@ -13,7 +15,7 @@ ranks' shards of which id. ``execute.py`` executes plans and falls back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import StateMismatch
@@ -27,10 +29,16 @@ from ..tiers.base import CheckpointId, CheckpointInfo, TierReader
 @dataclass(frozen=True)
 class ShardNeed:
     """A saved rank's shard this rank reads; ``keys``: the top-level state keys taken
-    from it (None: all of them)."""
+    from it (None: all of them). ``alternatives``: other saved ranks whose shards may hold
+    the same keys (replicated ones), tried in order when ``rank``'s is in no tier or lacks
+    them; ``optional``: needed only where some tier lists it (it adds nothing the other
+    needs do not); ``sent``: when none is listed, the keys come from another rank instead."""
 
     rank: int
     keys: frozenset[str] | None = None
+    alternatives: tuple[int, ...] = ()
+    optional: bool = False
+    sent: bool = False  # none listed: another rank that restored these keys sends them (``share.py``)
 
 
 @dataclass
@@ -38,6 +46,7 @@ class ShardPlan:
     rank: int
     sources: list[TierReader]  # fastest first; the next is tried when one is damaged
     keys: frozenset[str] | None
+    alternatives: list["ShardPlan"] = field(default_factory=list)  # listed stand-ins, if this one lacks ``keys``
 
 
 @dataclass
@@ -45,20 +54,26 @@ class RestorePlan:
     ckpt_id: CheckpointId
     world_size: int  # of the job that saved it
     shards: list[ShardPlan]
+    receive: frozenset[str] = frozenset()  # keys no listed shard gives this rank: another rank sends them
+    sender: int | None = None  # the rank that sends them, the same on every rank (None: nobody receives)
 
 
 Needs = Callable[[int], "list[ShardNeed]"]  # saved world size -> shards to read
 
 
-def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozenset[str], holder: int) -> list[ShardNeed]:
+def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozenset[str], holder: int,
+                keys: frozenset[str] | None = None) -> list[ShardNeed]:
     """A rank's ``Needs``: its own shard, plus the ``replicated`` keys from the shard of their
-    ``holder`` (the first rank of its volume, which alone stores them); at another world size,
-    every saved shard (resharding reads the overlaps)."""
+    ``holder`` (the first rank of its volume, which alone stores them), else from any other
+    saved rank's; at another world size, every saved shard (resharding reads the overlaps).
+    ``keys``: the state's; when all are replicated, the own shard is read only if listed."""
     if saved_world != world:
         return [ShardNeed(r) for r in range(saved_world)]
-    if not replicated or holder == rank:
+    if not replicated:
         return [ShardNeed(rank)]
-    return [ShardNeed(rank), ShardNeed(holder, replicated)]
+    own = ShardNeed(rank, optional=keys is not None and keys <= replicated)
+    others = tuple(r for r in (rank, *range(saved_world)) if r != holder)
+    return [own, ShardNeed(holder, replicated, tuple(dict.fromkeys(others)), sent=world > 1)]
 
 
 class Inventory:
@@ -95,11 +110,22 @@ class Inventory:
 
 
 def plan(inventory: Inventory, ckpt_id: CheckpointId, needs: Needs) -> RestorePlan | None:
-    """The plan for ``ckpt_id``, or None when some needed shard has no source."""
+    """The plan for ``ckpt_id``, or None when some needed shard has no source. A keyed need
+    whose first choice is a shard read whole anyway (this rank's own, as their holder) is that read."""
     world = inventory.world_size(ckpt_id)
-    wanted = needs(world)
-    shards = [ShardPlan(n.rank, inventory.sources(ckpt_id, n.rank), n.keys) for n in wanted]
-    return RestorePlan(ckpt_id, world, shards) if all(s.sources for s in shards) else None
+    shards: list[ShardPlan] = []
+    receive: frozenset[str] = frozenset()
+    for need in needs(world):
+        found = [ShardPlan(r, sources, need.keys) for r in (need.rank, *need.alternatives)
+                 if (sources := inventory.sources(ckpt_id, r))]
+        if not found and need.sent and need.keys is not None:
+            receive |= need.keys
+        elif not found and not need.optional:
+            return None
+        if found and not (need.keys is not None and found[0].rank == need.rank and
+                          any(s.rank == need.rank and s.keys is None for s in shards)):
+            shards.append(ShardPlan(found[0].rank, found[0].sources, need.keys, found[1:]))
+    return RestorePlan(ckpt_id, world, shards, receive) if shards or receive else None
 
 
 def every_shard(inventory: Inventory | None, chosen: RestorePlan, why: str) -> RestorePlan:

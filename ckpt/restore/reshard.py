@@ -117,10 +117,11 @@ def _sources(plan: RestorePlan, state: dict, anchor: int, same: bool, opened: Op
     """The saved trees this rank takes values from, each normalised against the part of
     ``state`` it covers and checked (global shapes) before any byte is read."""
     wanted = plan.shards if same else [next(s for s in plan.shards if s.rank == anchor)]
-    elsewhere = set().union(*(s.keys for s in wanted if s.keys is not None))
+    elsewhere = set(plan.receive).union(*(s.keys for s in wanted if s.keys is not None))
     out = []
+    state = {k: v for k, v in state.items() if k not in plan.receive}  # another rank sends those
     for shard in wanted:
-        man = shard_manifest(shard, plan.ckpt_id, opened)
+        shard, man = _holding(plan, shard, state, opened)
         if not same:
             require_layouts({shard.rank: man}, plan.ckpt_id)
         if not isinstance(man.tree, dict):
@@ -131,6 +132,21 @@ def _sources(plan: RestorePlan, state: dict, anchor: int, same: bool, opened: Op
         check_restorable(part, tree, man.tensors, whole=True)
         out.append(_Source(shard, man, tree, part))
     return out
+
+
+def _holding(plan: RestorePlan, shard: ShardPlan, state: dict, opened: OpenShards) -> tuple[ShardPlan, ShardManifest]:
+    """``shard``, or for replicated keys whose saved tree lacks them (a rank that was not their
+    holder when it saved) the first stand-in whose tree holds them, put in its place in ``plan``."""
+    man = shard_manifest(shard, plan.ckpt_id, opened)
+    wanted = {k for k in state if shard.keys is not None and k in shard.keys}
+    for other in shard.alternatives:
+        if not isinstance(man.tree, dict) or wanted <= man.tree.keys():
+            break
+        other_man = shard_manifest(other, plan.ckpt_id, opened)
+        if isinstance(other_man.tree, dict) and wanted <= other_man.tree.keys():
+            plan.shards[plan.shards.index(shard)] = other
+            return other, other_man
+    return shard, man
 
 
 def plan_reads(sources: list[_Source], *, overlaps: bool = False) -> _Reads:
