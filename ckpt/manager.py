@@ -369,10 +369,10 @@ class CheckpointManager:
 
     def abandon(self) -> None:
         """Let go after a peer failed (``ckpt.inprocess``): background waits on other ranks
-        end at once, nothing more is committed, this rank's memory is released (its sealed
-        slots stay, for the next incarnation's restore). Unlike ``close()`` it never waits for
-        a rank that is gone (a replica in flight is cut off), nor destroys its control group
-        (``ckpt.inprocess`` lets go of the broken groups off the critical path)."""
+        end at once, nothing more is committed, queued drains are dropped (the one running
+        ends first), this rank's memory is released (its sealed slots stay, for the next
+        incarnation's restore). Unlike ``close()`` it never waits for a rank that is gone (a
+        replica in flight is cut off), nor destroys its control group (off the critical path)."""
         if self._closed:
             return
         self._closed = True
@@ -380,7 +380,7 @@ class CheckpointManager:
         self._release(abandoned=True)
 
     def _release(self, remove_memory: bool = False, abandoned: bool = False) -> None:
-        self._saves.close()
+        self._saves.close(discard=abandoned)
         try:
             if self._offload is not None:
                 self._offload.close()
