@@ -5,9 +5,9 @@ with its sources in preference order (local memory, local disk, a peer, the obje
 store), and, once a shard's manifest is open, the byte ranges to read from it and
 the tensors they land in (``format.read_items``). Same-world restore is the trivial plan:
 this rank's own shard, whole, plus the replicated keys from their holder. Peers and
-resharding only add sources and ranges. Replicated keys are the same in every holder's
-shard: when their holder's is in no tier this rank reads (a lost node's), another saved
-rank's copy stands in, and a rank whose own shard holds nothing else does without it.
+resharding only add sources and ranges. When the holder's shard is in no tier this rank
+reads (a lost node's), a rank that read them sends the replicated keys (``share.py``), and a
+rank whose own shard holds nothing else does without it.
 
 The planner looks only at listings (``Inventory``): which tier holds which saved
 ranks' shards of which id. ``execute.py`` executes plans and falls back.
@@ -15,7 +15,7 @@ ranks' shards of which id. ``execute.py`` executes plans and falls back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import StateMismatch
@@ -29,14 +29,12 @@ from ..tiers.base import CheckpointId, CheckpointInfo, TierReader
 @dataclass(frozen=True)
 class ShardNeed:
     """A saved rank's shard this rank reads; ``keys``: the top-level state keys taken
-    from it (None: all of them). ``alternatives``: other saved ranks whose shards may hold
-    the same keys (replicated ones), tried in order when ``rank``'s is in no tier or lacks
-    them; ``optional``: needed only where some tier lists it (it adds nothing the other
-    needs do not); ``sent``: when none is listed, the keys come from another rank instead."""
+    from it (None: all of them). ``optional``: needed only where some tier lists it (it adds
+    nothing the other needs do not); ``sent``: when none is listed, the keys come from another
+    rank instead (only their holder's shard is sure to hold replicated keys)."""
 
     rank: int
     keys: frozenset[str] | None = None
-    alternatives: tuple[int, ...] = ()
     optional: bool = False
     sent: bool = False  # none listed: another rank that restored these keys sends them (``share.py``)
 
@@ -46,7 +44,6 @@ class ShardPlan:
     rank: int
     sources: list[TierReader]  # fastest first; the next is tried when one is damaged
     keys: frozenset[str] | None
-    alternatives: list["ShardPlan"] = field(default_factory=list)  # listed stand-ins, if this one lacks ``keys``
 
 
 @dataclass
@@ -64,16 +61,15 @@ Needs = Callable[[int], "list[ShardNeed]"]  # saved world size -> shards to read
 def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozenset[str], holder: int,
                 keys: frozenset[str] | None = None) -> list[ShardNeed]:
     """A rank's ``Needs``: its own shard, plus the ``replicated`` keys from the shard of their
-    ``holder`` (the first rank of its volume, which alone stores them), else from any other
-    saved rank's; at another world size, every saved shard (resharding reads the overlaps).
+    ``holder`` (the first rank of its volume, which alone stores them), else sent by a rank
+    that read them; at another world size, every saved shard (resharding reads the overlaps).
     ``keys``: the state's; when all are replicated, the own shard is read only if listed."""
     if saved_world != world:
         return [ShardNeed(r) for r in range(saved_world)]
     if not replicated:
         return [ShardNeed(rank)]
-    own = ShardNeed(rank, optional=keys is not None and keys <= replicated)
-    others = tuple(r for r in (rank, *range(saved_world)) if r != holder)
-    return [own, ShardNeed(holder, replicated, tuple(dict.fromkeys(others)), sent=world > 1)]
+    return [ShardNeed(rank, optional=keys is not None and keys <= replicated),
+            ShardNeed(holder, replicated, sent=world > 1)]
 
 
 class Inventory:
@@ -116,15 +112,14 @@ def plan(inventory: Inventory, ckpt_id: CheckpointId, needs: Needs) -> RestorePl
     shards: list[ShardPlan] = []
     receive: frozenset[str] = frozenset()
     for need in needs(world):
-        found = [ShardPlan(r, sources, need.keys) for r in (need.rank, *need.alternatives)
-                 if (sources := inventory.sources(ckpt_id, r))]
-        if not found and need.sent and need.keys is not None:
+        sources = inventory.sources(ckpt_id, need.rank)
+        if not sources and need.sent and need.keys is not None:
             receive |= need.keys
-        elif not found and not need.optional:
+        elif not sources and not need.optional:
             return None
-        if found and not (need.keys is not None and found[0].rank == need.rank and
-                          any(s.rank == need.rank and s.keys is None for s in shards)):
-            shards.append(ShardPlan(found[0].rank, found[0].sources, need.keys, found[1:]))
+        elif sources and not (need.keys is not None and
+                              any(s.rank == need.rank and s.keys is None for s in shards)):
+            shards.append(ShardPlan(need.rank, sources, need.keys))
     return RestorePlan(ckpt_id, world, shards, receive) if shards or receive else None
 
 

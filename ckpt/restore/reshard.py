@@ -121,7 +121,7 @@ def _sources(plan: RestorePlan, state: dict, anchor: int, same: bool, opened: Op
     out = []
     state = {k: v for k, v in state.items() if k not in plan.receive}  # another rank sends those
     for shard in wanted:
-        shard, man = _holding(plan, shard, state, opened)
+        man = shard_manifest(shard, plan.ckpt_id, opened)
         if not same:
             require_layouts({shard.rank: man}, plan.ckpt_id)
         if not isinstance(man.tree, dict):
@@ -132,21 +132,6 @@ def _sources(plan: RestorePlan, state: dict, anchor: int, same: bool, opened: Op
         check_restorable(part, tree, man.tensors, whole=True)
         out.append(_Source(shard, man, tree, part))
     return out
-
-
-def _holding(plan: RestorePlan, shard: ShardPlan, state: dict, opened: OpenShards) -> tuple[ShardPlan, ShardManifest]:
-    """``shard``, or for replicated keys whose saved tree lacks them (a rank that was not their
-    holder when it saved) the first stand-in whose tree holds them, put in its place in ``plan``."""
-    man = shard_manifest(shard, plan.ckpt_id, opened)
-    wanted = {k for k in state if shard.keys is not None and k in shard.keys}
-    for other in shard.alternatives:
-        if not isinstance(man.tree, dict) or wanted <= man.tree.keys():
-            break
-        other_man = shard_manifest(other, plan.ckpt_id, opened)
-        if isinstance(other_man.tree, dict) and wanted <= other_man.tree.keys():
-            plan.shards[plan.shards.index(shard)] = other
-            return other, other_man
-    return shard, man
 
 
 def plan_reads(sources: list[_Source], *, overlaps: bool = False) -> _Reads:
