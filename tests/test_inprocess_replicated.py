@@ -14,15 +14,13 @@ import pytest
 
 from tests.inprocess_nodes import lose_node_1
 from tests.integration_helpers import torchrun
-from tests.test_inprocess import CHILD, KILL_AT, STEPS, events, finals, launch
+from tests.test_inprocess import CHILD, KILL_AT, STEPS, clean_digests, events, finals, launch
 
 
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    """The digest of an uninterrupted 2-rank run."""
-    base = tmp_path_factory.mktemp("clean")
-    launch(base / "root", base / "clean.jsonl", "--nproc", "2", child=("--steps", str(STEPS)))
-    digests = {e["digest"] for e in finals(events(base / "clean.jsonl")).values()}
+@pytest.fixture
+def clean(clean_runs) -> set[str]:
+    """The digest of an uninterrupted 2-rank run (run once a session)."""
+    digests = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS)))
     assert len(digests) == 1
     return digests
 
