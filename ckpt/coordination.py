@@ -57,6 +57,11 @@ class Coordinator:
         dist.all_gather_object(out, obj, group=self._group)
         return out
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """``tensor`` (on the CPU) from rank ``src`` into every other rank's, in place."""
+        if self.active:
+            dist.broadcast(tensor, src, group=self._group)
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier(group=self._group)

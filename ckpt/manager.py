@@ -296,7 +296,7 @@ class CheckpointManager:
         tiers = readable_tiers(self.memory, self._ns, self._replica_holder, replicated=bool(self.replicated),
                                node_memory=self.node_memory, durable=self.tiers[1:])
         needs = partial(shard_needs, rank=self.rank, world=self.world_size, replicated=self.replicated,
-                        holder=self._replica_holder)
+                        holder=self._replica_holder, keys=frozenset(state))
         self.last_reshard = None
         found = restore_job(self.coord, tiers, needs, state, step, rank=self.rank, world_size=self.world_size,
                             threads=self.restore_threads, peering=self.peering,
@@ -306,7 +306,7 @@ class CheckpointManager:
         (plan, self.last_reshard), seconds = found, time.monotonic() - t0
         log_restored(plan, seconds, self.rank, self.world_size)
         if self.metrics is not None:
-            self.metrics.restored(plan.shards[0].sources[0].name, seconds)
+            self.metrics.restored(plan.shards[0].sources[0].name if plan.shards else "rank", seconds)
         # A shard from another node has one copy left: snapshot the restored state into memory now (before
         # training changes it) and replicate it at once. A resharded step is not this rank's saved shard.
         if self.peering is not None and self.peering.restored(plan) and self.last_reshard is None:
@@ -369,10 +369,10 @@ class CheckpointManager:
 
     def abandon(self) -> None:
         """Let go after a peer failed (``ckpt.inprocess``): background waits on other ranks
-        end at once, nothing more is committed, this rank's memory is released (its sealed
-        slots stay, for the next incarnation's restore). Unlike ``close()`` it never waits for
-        a rank that is gone (a replica in flight is cut off), nor destroys its control group
-        (``ckpt.inprocess`` lets go of the broken groups off the critical path)."""
+        end at once, nothing more is committed, queued drains are dropped (the one running
+        ends first), this rank's memory is released (its sealed slots stay, for the next
+        incarnation's restore). Unlike ``close()`` it never waits for a rank that is gone (a
+        replica in flight is cut off), nor destroys its control group (off the critical path)."""
         if self._closed:
             return
         self._closed = True
@@ -380,7 +380,7 @@ class CheckpointManager:
         self._release(abandoned=True)
 
     def _release(self, remove_memory: bool = False, abandoned: bool = False) -> None:
-        self._saves.close()
+        self._saves.close(discard=abandoned)
         try:
             if self._offload is not None:
                 self._offload.close()

@@ -4,7 +4,7 @@ over however many ranks are left, a checkpoint every step.
 
     inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
         [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S
-        [--memory-dir D] [--peers 1 | --object-store URL] [--model gpt] [--overlap] [--loader-workers N]
+        [--memory-dir D] [--peers 1 | --object-store URL] [--model gpt] [--overlap] [--loader-workers N] [--own-dirs]
 
 Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
 """
@@ -16,6 +16,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 
@@ -110,11 +111,17 @@ def main() -> None:
     ap.add_argument("--memory-dir", default="/dev/shm", help="this node's memory tier")
     ap.add_argument("--peers", type=int, default=0, help="peer replicas on other nodes (CKPT_GUARD_NODE)")
     ap.add_argument("--object-store", default=None, help="the job's shared object store (file://DIR)")
+    ap.add_argument("--own-dirs", action="store_true",
+                    help="each worker its own disk root and memory dir (ROOT/wN, MEMORY_DIR/wN: a node of its own), "
+                    "which the killed worker wipes as it dies (its node lost with it)")
     args = ap.parse_args()
     if args.log_info:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     inprocess = "CKPT_INPROCESS_WORKER" in os.environ  # else under plain torchrun: the same script, relaunched
     worker = int(os.environ.get("CKPT_INPROCESS_WORKER", os.environ.get("RANK", "0")))
+    if args.own_dirs:
+        args.root, args.memory_dir = f"{args.root}/w{worker}", f"{args.memory_dir}/w{worker}"
+        os.makedirs(args.memory_dir, mode=0o700, exist_ok=True)
     attempt = os.environ.get(membership.ATTEMPT_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     recovery_model = importlib.import_module("benchmarks.recovery_model") if args.model == "gpt" else None
 
@@ -182,6 +189,9 @@ def main() -> None:
         if worker == args.kill_worker and i == args.kill_at and attempt == "0":
             spares_ready()
             emit(event="fault", step=i)
+            if args.own_dirs:  # its node's memory and disk go with it
+                shutil.rmtree(args.root, ignore_errors=True)
+                shutil.rmtree(args.memory_dir, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGSTOP if args.hang else signal.SIGKILL)
         if worker == 0 and args.evict_worker >= 0 and i == args.kill_at and not evicted:
             spares_ready()

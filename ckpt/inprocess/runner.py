@@ -239,8 +239,9 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             del mgr
             gc.collect()  # the abandoned manager's cycles hold a store connection each: free them now
             t_left = time.monotonic()
-            log.warning("rank %d: step %d failed (%s); round %d: %s", rank, progress.done, _short(e), nxt.round,
-                        nxt.reason)
+            # the cause is the launcher's line and the recovery's (the reason); a broken collective's text is detail
+            log.info("rank %d: step %d failed (%s); round %d: %s", rank, progress.done, _short(e), nxt.round,
+                     nxt.reason)
             if nxt.rank_of(worker) is None:
                 raise FallBack(f"worker {worker} is not in round {nxt.round}") from e
             phases = {"fault_time": nxt.fault_time, "membership_s": t_round - t_fault, "abort_s": t_left - t_round,
@@ -334,7 +335,8 @@ def _finish(pending: tuple, current: membership.Membership, ctx: Context, restor
     phases = {**phases, "process_group_s": t_group - t_join, "build_s": t_build - t_group,
               "restore_s": t_restore - t_build, "first_step_s": now - t_restore, "total_s": now - t_fault}
     rec = Recovery(current.round, reason, ctx.rank, ctx.world_size, restored, failed_at, time.time(), phases)
-    log.warning("ckpt-guard inprocess recovery %s", rec.to_json())
+    # one line per recovery, the new rank 0's, with cause and phases (every rank's is kept, at INFO)
+    log.log(logging.WARNING if ctx.rank == 0 else logging.INFO, "ckpt-guard inprocess recovery %s", rec.to_json())
     return rec
 
 

@@ -66,11 +66,10 @@ def restore_agreed(coord: Agreement, inventory: Inventory, needs: Needs,
     rejected: dict[CheckpointId, str] = {}
     while True:
         mine = plans(inventory, needs, step, skip=rejected)
-        common = set.intersection(*(set(ids) for ids in coord.gather([p.ckpt_id for p in mine])))
-        if not common:
+        chosen = _agree(coord, mine, received(needs, coord.world_size))
+        if chosen is None:
             _nothing_left(coord, step, rejected)
             return None
-        chosen = next(p for p in mine if p.ckpt_id == max(common))
         result: T | None = None
         error: str | None = None
         mismatch: StateMismatch | None = None
@@ -93,6 +92,36 @@ def restore_agreed(coord: Agreement, inventory: Inventory, needs: Needs,
         rejected[chosen.ckpt_id] = reason
 
 
+def received(needs: Needs, world: int) -> frozenset[str] | None:
+    """The keys this rank takes from another for a step that no tier it reads lists, when its
+    state is all replicated (every need optional or sent: a spare or a rank whose node was
+    lost); None when it must read something itself."""
+    wanted = needs(world)
+    if not wanted or not all(n.optional or n.sent for n in wanted):
+        return None
+    return frozenset().union(*(n.keys for n in wanted if n.sent and n.keys is not None)) or None
+
+
+def _agree(coord: Agreement, mine: list[RestorePlan], anything: frozenset[str] | None) -> RestorePlan | None:
+    """The newest id every rank can restore, with its sender when some rank receives keys:
+    each rank says which ids it can read and whether whole (a rank lacking replicated keys,
+    ``plan.receive``, gets them from one that read them; ``anything``: this rank can take any
+    step saved at this world size that way), and an id needs one rank that reads it whole."""
+    world = coord.world_size
+    seen = coord.gather(([(p.ckpt_id, not p.receive, p.world_size) for p in mine], anything is not None))
+    whole = {i: w for ids, _ in seen for i, complete, w in ids if complete}
+    takes = [{i for i, _, _ in ids} | ({i for i, w in whole.items() if w == world} if flexible else set())
+             for ids, flexible in seen]
+    common = set.intersection(*takes) & whole.keys()
+    if not common:
+        return None
+    best = max(common)
+    chosen = next((p for p in mine if p.ckpt_id == best), None) or RestorePlan(best, world, [], anything or frozenset())
+    if any((best, False, world) in ids or not any(i == best for i, _, _ in ids) for ids, _ in seen):
+        chosen.sender = next(r for r, (ids, _) in enumerate(seen) if any(i == best and c for i, c, _ in ids))
+    return chosen
+
+
 def _nothing_left(coord: Agreement, step: int | None, rejected: dict[CheckpointId, str]) -> None:
     """After the last candidate: raise (on every rank alike) if checkpoints were there."""
     if coord.any(bool(rejected))[0]:
@@ -111,7 +140,8 @@ def log_restored(plan: RestorePlan, seconds: float, rank: int, world_size: int) 
         first = plan.shards[0].sources[0]
         line = f"restored step {plan.ckpt_id.step} from {first.name} ({first.location}) in {seconds:.2f} s"
     else:
-        sources = ", ".join(f"shard {s.rank} from {s.sources[0].name}" for s in plan.shards)
+        sources = ", ".join([*(f"shard {s.rank} from {s.sources[0].name}" for s in plan.shards),
+                             *([f"{', '.join(sorted(plan.receive))} from rank {plan.sender}"] if plan.receive else [])])
         line = f"rank {rank} restored step {plan.ckpt_id.step} ({sources}) in {seconds:.2f} s"
     log.info("%s", line)
     if not log.hasHandlers():

@@ -74,6 +74,16 @@ class JobListing:
                     held.setdefault(ckpt_id, set()).update(listed.complete)
         return held
 
+    def unread(self, ckpt_id: CheckpointId) -> str:
+        """Which rank reads no copy of its own shard of ``ckpt_id`` (a node lost with it, and
+        no copy elsewhere); a shard another rank needs when none is named."""
+        own = [r for r, theirs in enumerate(self.by_rank)
+               if r not in ((theirs[ckpt_id].complete or ()) if ckpt_id in theirs else ())]
+        if not own:
+            return "some rank has no copy of a shard it needs"
+        return (f"rank(s) {', '.join(map(str, own))} read no copy of their own shard (lost with their node? keep "
+                "one elsewhere: peers=1 or an object store)")
+
     def durable(self) -> dict[CheckpointId, dict[int, tuple[str, str | None]]]:
         """Per checkpoint in some durable tier, each listing rank's (where, why unreadable)."""
         seen: dict[CheckpointId, dict[int, tuple[str, str | None]]] = {}
@@ -97,8 +107,7 @@ def refuse_if_present(listing: JobListing) -> None:
         by_rank = seen[ckpt_id]
         broken = next((f"unreadable in {where}: {error}" for where, error in by_rank.values() if error), None)
         lacking = ", ".join(str(r) for r in range(listing.world_size) if r not in by_rank)
-        why = broken or (f"rank(s) {lacking} have no copy of it" if lacking else
-                         "some rank has no copy of a shard it needs")
+        why = broken or (f"rank(s) {lacking} have no copy of it" if lacking else listing.unread(ckpt_id))
         lines.append(f"step {ckpt_id}: {why}")
     more = f"\n  ... and {len(seen) - 5} more" if len(seen) > 5 else ""
     raise CheckpointError("checkpoints exist, but none can be restored into this job; refusing to start over "

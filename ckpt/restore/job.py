@@ -17,6 +17,7 @@ from .execute import restore_agreed
 from .fresh_start import JobListing, refuse_if_present
 from .plan import Inventory, RestorePlan, ShardNeed
 from .reshard import ReshardStats, load_values
+from .share import send_missing
 from .state_load import load_into
 
 
@@ -54,5 +55,8 @@ def restore_job(coord: Coordinator, tiers: list[TierReader], needs: Callable[...
         refuse_if_present(listing)
         return None
     plan, (values, reshard) = found
-    load_into(state, values)
+    read = {k: v for k, v in state.items() if k not in plan.receive}  # the rest is sent by another rank
+    load_into(read, values)
+    state.update(read)
+    send_missing(coord, state, plan)  # replicated keys this rank (or another) could read no copy of
     return plan, reshard

@@ -5,7 +5,9 @@ with its sources in preference order (local memory, local disk, a peer, the obje
 store), and, once a shard's manifest is open, the byte ranges to read from it and
 the tensors they land in (``format.read_items``). Same-world restore is the trivial plan:
 this rank's own shard, whole, plus the replicated keys from their holder. Peers and
-resharding only add sources and ranges.
+resharding only add sources and ranges. When the holder's shard is in no tier this rank
+reads (a lost node's), a rank that read them sends the replicated keys (``share.py``), and a
+rank whose own shard holds nothing else does without it.
 
 The planner looks only at listings (``Inventory``): which tier holds which saved
 ranks' shards of which id. ``execute.py`` executes plans and falls back.
@@ -27,10 +29,14 @@ from ..tiers.base import CheckpointId, CheckpointInfo, TierReader
 @dataclass(frozen=True)
 class ShardNeed:
     """A saved rank's shard this rank reads; ``keys``: the top-level state keys taken
-    from it (None: all of them)."""
+    from it (None: all of them). ``optional``: needed only where some tier lists it (it adds
+    nothing the other needs do not); ``sent``: when none is listed, the keys come from another
+    rank instead (only their holder's shard is sure to hold replicated keys)."""
 
     rank: int
     keys: frozenset[str] | None = None
+    optional: bool = False
+    sent: bool = False  # none listed: another rank that restored these keys sends them (``share.py``)
 
 
 @dataclass
@@ -45,20 +51,25 @@ class RestorePlan:
     ckpt_id: CheckpointId
     world_size: int  # of the job that saved it
     shards: list[ShardPlan]
+    receive: frozenset[str] = frozenset()  # keys no listed shard gives this rank: another rank sends them
+    sender: int | None = None  # the rank that sends them, the same on every rank (None: nobody receives)
 
 
 Needs = Callable[[int], "list[ShardNeed]"]  # saved world size -> shards to read
 
 
-def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozenset[str], holder: int) -> list[ShardNeed]:
+def shard_needs(saved_world: int, *, rank: int, world: int, replicated: frozenset[str], holder: int,
+                keys: frozenset[str] | None = None) -> list[ShardNeed]:
     """A rank's ``Needs``: its own shard, plus the ``replicated`` keys from the shard of their
-    ``holder`` (the first rank of its volume, which alone stores them); at another world size,
-    every saved shard (resharding reads the overlaps)."""
+    ``holder`` (the first rank of its volume, which alone stores them), else sent by a rank
+    that read them; at another world size, every saved shard (resharding reads the overlaps).
+    ``keys``: the state's; when all are replicated, the own shard is read only if listed."""
     if saved_world != world:
         return [ShardNeed(r) for r in range(saved_world)]
-    if not replicated or holder == rank:
+    if not replicated:
         return [ShardNeed(rank)]
-    return [ShardNeed(rank), ShardNeed(holder, replicated)]
+    return [ShardNeed(rank, optional=keys is not None and keys <= replicated),
+            ShardNeed(holder, replicated, sent=world > 1)]
 
 
 class Inventory:
@@ -95,11 +106,21 @@ class Inventory:
 
 
 def plan(inventory: Inventory, ckpt_id: CheckpointId, needs: Needs) -> RestorePlan | None:
-    """The plan for ``ckpt_id``, or None when some needed shard has no source."""
+    """The plan for ``ckpt_id``, or None when some needed shard has no source. A keyed need
+    whose first choice is a shard read whole anyway (this rank's own, as their holder) is that read."""
     world = inventory.world_size(ckpt_id)
-    wanted = needs(world)
-    shards = [ShardPlan(n.rank, inventory.sources(ckpt_id, n.rank), n.keys) for n in wanted]
-    return RestorePlan(ckpt_id, world, shards) if all(s.sources for s in shards) else None
+    shards: list[ShardPlan] = []
+    receive: frozenset[str] = frozenset()
+    for need in needs(world):
+        sources = inventory.sources(ckpt_id, need.rank)
+        if not sources and need.sent and need.keys is not None:
+            receive |= need.keys
+        elif not sources and not need.optional:
+            return None
+        elif sources and not (need.keys is not None and
+                              any(s.rank == need.rank and s.keys is None for s in shards)):
+            shards.append(ShardPlan(need.rank, sources, need.keys))
+    return RestorePlan(ckpt_id, world, shards, receive) if shards or receive else None
 
 
 def every_shard(inventory: Inventory | None, chosen: RestorePlan, why: str) -> RestorePlan:

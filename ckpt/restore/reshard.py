@@ -117,8 +117,9 @@ def _sources(plan: RestorePlan, state: dict, anchor: int, same: bool, opened: Op
     """The saved trees this rank takes values from, each normalised against the part of
     ``state`` it covers and checked (global shapes) before any byte is read."""
     wanted = plan.shards if same else [next(s for s in plan.shards if s.rank == anchor)]
-    elsewhere = set().union(*(s.keys for s in wanted if s.keys is not None))
+    elsewhere = set(plan.receive).union(*(s.keys for s in wanted if s.keys is not None))
     out = []
+    state = {k: v for k, v in state.items() if k not in plan.receive}  # another rank sends those
     for shard in wanted:
         man = shard_manifest(shard, plan.ckpt_id, opened)
         if not same:

@@ -240,6 +240,22 @@ class Drainer:
     def join(self) -> None:
         self._queue.join()
 
-    def close(self) -> None:
+    def close(self, discard: bool = False) -> int:
+        """Stop once the queued jobs ran; ``discard``: once the running one ends, the others
+        are dropped instead (their handles fail as abandoned, their slots are released): an
+        in-process recovery waits for no checksum or disk write of a snapshot it keeps in
+        memory anyway. Returns how many were dropped."""
+        dropped = 0
+        while discard:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job.handle is not None:
+                job.handle.fail(Abandoned(f"step {job.handle.step} was not drained: the job let go of it"))
+                job.on_exit()
+                dropped += 1
+            self._queue.task_done()
         self._queue.put(_Job(2, next(self._seq), None, None, None))  # type: ignore[arg-type]
         self._thread.join()
+        return dropped

@@ -10,8 +10,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..errors import NO_ROOM, TierFull, UnsoundState
-from ..format.manifest import ShardManifest
+from ..errors import NO_ROOM, Abandoned, TierFull, UnsoundState
+from ..format.manifest import ShardManifest, TensorEntry
 from ..format.state import flatten
 from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
@@ -137,11 +137,13 @@ class SavePath:
         if self._staged is not None and self._staged.copied():
             self.wait_staged()
 
-    def close(self) -> None:
-        """Stop: the staging (below), then the drains, hurried past any pacing."""
+    def close(self, discard: bool = False) -> None:
+        """Stop: the staging (below), then the drains, hurried past any pacing; ``discard``:
+        only the one running is waited for (``Drainer.close``)."""
         self.close_staging()
         self.pace.hurry()
-        self.drainer.close()
+        if dropped := self.drainer.close(discard):
+            log.info("rank %d: %d queued drain(s) dropped (sealed in memory all the same)", self.rank, dropped)
 
     def close_staging(self) -> None:
         """Remove the step pre-hooks; let a copy still running end (before the slots are unmapped)."""
@@ -244,8 +246,13 @@ class SavePath:
         it to the peer replicator. Returns the open reader (the caller closes it).
         ``inspection`` sees the compared state's bytes in the same read (``soundness.py``)."""
         reader = self.memory.open_slot(slot, manifest)
+
+        def visit(entry: TensorEntry) -> Callable[[memoryview], None] | None:
+            self._go_on(manifest.step)  # tensor by tensor: an abandoned drain ends within one
+            return inspection.visit(entry) if inspection else None
+
         try:
-            reader.manifest = with_checksums(reader, self.threads, inspection.visit if inspection else None)
+            reader.manifest = with_checksums(reader, self.threads, visit)
             self.memory.seal(slot, reader.manifest)
             if self.peering is not None:
                 self.peering.replicate(slot, reader.manifest, handle, urgent=urgent)
@@ -267,6 +274,7 @@ class SavePath:
                 self.offload.submit(ckpt_id, lambda: self.memory.open_slot(slot, sealed), handle, urgent=urgent,
                                     on_exit=lease.release)
             if self.disk is not None:
+                self._go_on(ckpt_id.step)
                 try:
                     ref = self._write_disk(ckpt_id, reader)
                     self._judged(ckpt_id, self.committer.commit(self.disk, ckpt_id, ref,
@@ -286,6 +294,12 @@ class SavePath:
                 handle.mark(self.disk.name)
         finally:
             reader.close()
+
+    def _go_on(self, step: int) -> None:
+        """Raise Abandoned once the manager let go (an in-process recovery): the snapshot stays
+        sealed in memory, where the next round restores it; its checksums and disk copy can wait."""
+        if self.committer.abandoned.is_set():
+            raise Abandoned(f"step {step}: drain cut short, the job let go of it")
 
     def _write_disk(self, ckpt_id: CheckpointId, reader: ShardReader) -> ShardRef | TierFull:
         """This rank's shard on disk, or why the disk has no room for it (committed, or not, with every rank)."""

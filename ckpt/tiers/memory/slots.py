@@ -50,6 +50,7 @@ from .owners import committed_ids
 from .reader import epoch_path
 
 log = logging.getLogger(__name__)
+_SAID_WAITS = threading.Event()  # a save waited for a slot to drain: said once per process
 
 _MADV_POPULATE_WRITE = 23
 
@@ -186,7 +187,6 @@ class SlotPool:
             raise ValueError("at least two slots: a snapshot must never overwrite the last complete one")
         self.dir = rank_dir(ns, rank)
         self.rank = rank
-        self.waited = False  # a save has waited for a slot to drain (said once)
         self._lock_fd = self._take_lock()
         _LOCKS_HELD.add(self._lock_fd)
         for tmp in self.dir.glob("*.tmp*"):  # a seal or owner record a killed process was writing
@@ -286,10 +286,11 @@ class SlotPool:
         slot = min(candidates, key=lambda s: (not s.idle.is_set(), s.capacity == 0, s.holds or (-1, -1)))
         waited = 0.0
         if not slot.idle.is_set():
-            # once per pool: the advice (save less often, or a faster drain) does not change with each save
-            log.log(logging.DEBUG if self.waited else logging.WARNING, "save(%d) waits for the previous checkpoint "
-                    "to leave memory (the drain is slower than the save interval; said once)", step)
-            self.waited = True
+            # once per process: the advice (save less often, or a faster drain) does not change with each
+            # save, nor with each pool (an in-process recovery makes a new one)
+            log.log(logging.DEBUG if _SAID_WAITS.is_set() else logging.WARNING, "save(%d) waits for the previous "
+                    "checkpoint to leave memory (the drain is slower than the save interval; said once)", step)
+            _SAID_WAITS.set()
             t0 = time.monotonic()
             slot.idle.wait()
             waited = time.monotonic() - t0
