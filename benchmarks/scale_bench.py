@@ -17,6 +17,9 @@ measured is the launchers', the workers' and the commit protocol's own store tra
 - `commit`: every rank's ``Committer.commit`` of one step (one volume per node of 8, a tier that
   keeps nothing: the protocol's own cost), clean-up included; one thread per rank.
 
+Every value is signed under a job secret made for the benchmark (``ckpt.control``, as the
+launcher's jobs do).
+
 Seconds are wall seconds of the whole component in one process on this machine (all store round
 trips serial through loopback), so they are an upper bound of the control plane's serial work,
 not of a real job's latency; ``store_ops`` and ``store_keys`` are the shapes the targets are in.
@@ -112,42 +115,61 @@ def _pool(n: int, clients: int):
     return server, pool
 
 
+_SECRET = b"scale-bench job secret, not a real job's: 32+ bytes"
+
+
+def _ctl(store, attempt: int = 0):
+    """One process's signed view of the job's store (``ckpt.control``), as every launcher and worker has."""
+    from ckpt.control import Control, control_key
+    return Control(store, control_key(_SECRET), attempt)
+
+
 def _job(n: int, pool):
     """Round 0 of a job of ``n`` ranks on n/8 nodes: the job launcher and every node launcher."""
+    from ckpt import secret
     from ckpt.inprocess import launch, node
+    os.environ[secret.SECRET_ENV] = _SECRET.decode()  # the job launcher reads the job's secret from here
     node.subprocess.Popen = StandIn  # the workers are stand-ins: nothing is started
-    args = argparse.Namespace(nproc=PER_NODE, spares=0, nodes=max(1, n // PER_NODE), min_world=1, hang_s=60.0,
-                              progress_s=None, master_addr="127.0.0.1", command=["stand-in"])
+    args = argparse.Namespace(nproc=PER_NODE, spares=0, spare_nodes=0, nodes=max(1, n // PER_NODE), min_world=1,
+                              hang_s=60.0, progress_s=None, master_addr="127.0.0.1", command=["stand-in"])
     job = launch.Job(args, 0, pool[0], set())
-    nodes = [job.local] + [node.NodeLauncher(pool[k % len(pool)], k, master=("127.0.0.1", pool[0].port),
+    nodes = [job.local] + [node.NodeLauncher(_ctl(pool[k % len(pool)]), k, master=("127.0.0.1", pool[0].port),
                                              command=["stand-in"], attempt=0, hang_s=60.0, progress_s=None)
                            for k in range(1, args.nodes)]
     return job, nodes
 
 
-def run_one(component: str, n: int, clients: int) -> dict:
-    """One component at ``n`` ranks, in this process: its row."""
+def _steady_step(n: int, pool, job, nodes, workers) -> None:
+    """One ``BEAT_S`` of steady state: every worker's beat thread (a beat, a look for a newer round)
+    and one step (a look before it, its step key after), then the launchers' ticks of that time."""
     from ckpt.inprocess import membership, node
     from ckpt.inprocess.runner import BEAT_S
+    for w in range(n):
+        ctl = workers[w]
+        ctl.put(membership.beat_key(w), b"", round=0)
+        membership.changed(ctl, 0)
+        membership.changed(ctl, 0)
+        ctl.put(membership.step_key(w), "1")
+    for _ in range(round(BEAT_S / node.POLL_S)):
+        job.tick()
+        for nl in nodes[1:]:
+            nl.poll()
+
+
+def run_one(component: str, n: int, clients: int) -> dict:
+    """One component at ``n`` ranks, in this process: its row."""
+    from ckpt.inprocess import launch  # noqa: F401 - imported before the clock starts
     server, pool = _pool(n, clients)
     job = nodes = None
     if component in ("steady_step", "membership_round"):
         job, nodes = _job(n, pool)
+    workers = [_ctl(pool[w % len(pool)]) for w in range(n)] if component == "steady_step" else []
     Counting.ops = Counting.keys = 0
     t0 = time.perf_counter()
     if component == "launch":
         job, nodes = _job(n, pool)
     elif component == "steady_step":
-        for w in range(n):  # each worker: a beat (add, changed) and a step (changed before, step key after)
-            s = pool[w % len(pool)]
-            s.add(membership.beat_key(w), 1)
-            membership.changed(s, 0)
-            membership.changed(s, 0)
-            s.set(membership.step_key(w), "1")
-        for _ in range(round(BEAT_S / node.POLL_S)):
-            job.tick()
-            for nl in nodes[1:]:
-                nl.poll()
+        _steady_step(n, pool, job, nodes, workers)
     elif component == "membership_round":
         victim = nodes[-1]
         w = next(iter(victim.procs))
@@ -185,15 +207,18 @@ class _Tier:
 
 
 def _commit(n: int, pool) -> None:
+    from ckpt import secret
     from ckpt.format.manifest import ShardRef
     from ckpt.save.commit import Committer
     from ckpt.tiers.base import CheckpointId
     tier, cid = _Tier(), CheckpointId(1, 0)
     volumes = [f"node{r // PER_NODE}" for r in range(n)]
     errors: list[BaseException] = []
+    key = secret.derive(_SECRET, "checkpoint commit")  # signed, as under the launcher
 
     def rank(r: int) -> None:
-        c = Committer(r, n, store=lambda: pool[r % len(pool)], keep_last={}, default_keep=1, timeout_s=600)
+        c = Committer(r, n, store=lambda: pool[r % len(pool)], keep_last={}, default_keep=1, timeout_s=600,
+                      key=key)
         c.register(tier, volumes)
         try:
             c.commit(tier, cid, ShardRef(r, 0, 0))

@@ -68,6 +68,7 @@ class Job:
         self.min_world, self.round, self.hang_s, self.nproc = args.min_world, 0, args.hang_s, n
         self.working_nodes = args.nodes - args.spare_nodes
         self.finished: set[int] = set()
+        self.seen: set[int] = set()  # workers whose exit was read
         self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
         self.lost = set(lost)
         self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
@@ -82,30 +83,35 @@ class Job:
 
     def watch(self) -> tuple[bool, str]:
         """Until the members have finished (True) or the job must be relaunched (False, why)."""
-        seen: set[int] = set()
-        while True:
-            self.local.poll()
-            for w in [w for w in [*self.members, *self.spares] if w not in seen]:
-                if (raw := self.store.get(membership.exit_key(w))) is None:
-                    continue
-                seen.add(w)
-                ended = json.loads(raw)
-                if w in self.spares:
-                    self.spares.remove(w)
-                    log.warning("spare %d left (%s)", w, ended["cause"])
-                elif ended["code"] == 0:
-                    self.finished.add(w)
-                elif ended["code"] == EXIT_FALLBACK:
-                    reason = self.store.get(membership.fallback_key(w))
-                    said = f": {reason.decode()}" if reason is not None else ""
-                    return False, f"worker {w} asked for a relaunch{said}"
-                elif why := self._replace([w], f"worker {w} (rank {self.members.index(w)}) {ended['cause']}"):
-                    return False, why
-            if self.finished and self.finished >= set(self.members):
-                return True, "done"
-            if why := self._lost_nodes():
-                return False, why
+        while (outcome := self.tick()) is None:
             time.sleep(POLL_S)
+        return outcome
+
+    def tick(self) -> tuple[bool, str] | None:
+        """One launcher tick: the local node's, the exits reported, the nodes lost; the outcome
+        once the job is over (see ``watch``), else None."""
+        self.local.poll()
+        for w in [w for w in [*self.members, *self.spares] if w not in self.seen]:
+            if (raw := self.store.get(membership.exit_key(w))) is None:
+                continue
+            self.seen.add(w)
+            ended = json.loads(raw)
+            if w in self.spares:
+                self.spares.remove(w)
+                log.warning("spare %d left (%s)", w, ended["cause"])
+            elif ended["code"] == 0:
+                self.finished.add(w)
+            elif ended["code"] == EXIT_FALLBACK:
+                reason = self.store.get(membership.fallback_key(w))
+                said = f": {reason.decode()}" if reason is not None else ""
+                return False, f"worker {w} asked for a relaunch{said}"
+            elif why := self._replace([w], f"worker {w} (rank {self.members.index(w)}) {ended['cause']}"):
+                return False, why
+        if self.finished and self.finished >= set(self.members):
+            return True, "done"
+        if why := self._lost_nodes():
+            return False, why
+        return None
 
     def _lost_nodes(self) -> str | None:
         """A node launcher whose lifeline closed (``lifeline.py``: it died) or whose beat stopped
