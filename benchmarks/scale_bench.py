@@ -154,13 +154,34 @@ def _steady_step(n: int, pool, job, nodes, workers) -> None:
         job.tick()
         for nl in nodes[1:]:
             nl.poll()
+        _CLOCK.now += node.POLL_S
+
+
+class _Clock:
+    """The launchers' clock in `steady_step`: one tick a ``POLL_S``, however long a tick takes here,
+    so that the step measured is one ``BEAT_S`` of the launchers' work whatever the machine's speed."""
+
+    now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+_CLOCK = _Clock()
 
 
 def run_one(component: str, n: int, clients: int) -> dict:
     """One component at ``n`` ranks, in this process: its row."""
-    from ckpt.inprocess import launch  # noqa: F401 - imported before the clock starts
+    from ckpt.inprocess import launch  # imported before the clock starts
     server, pool = _pool(n, clients)
     job = nodes = None
+    if component == "steady_step":
+        from ckpt.inprocess import node
+        _CLOCK.now = time.monotonic()
+        node.time = launch.time = _CLOCK
     if component in ("steady_step", "membership_round"):
         job, nodes = _job(n, pool)
     workers = [_ctl(pool[w % len(pool)]) for w in range(n)] if component == "steady_step" else []

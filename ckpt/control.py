@@ -99,14 +99,30 @@ class Control:
         return self.signed(key) is not None
 
     def many(self, keys: list[str]) -> list[bytes | None]:
-        """``get`` of each key, in two store round trips (which exist, then their values)."""
-        present = [k for k in keys if self.store.check([k])]
+        """``get`` of each key (see ``many_signed``)."""
+        return [None if found is None else found.payload for found in self.many_signed(keys)]
+
+    def many_signed(self, keys: list[str]) -> list[Signed | None]:
+        """``signed`` of each key: once all are there, one ``check`` and one ``multi_get`` of
+        them all, each value's MAC checked here (a store's ``multi_get`` blocks on a missing
+        key, hence the check). While some are missing, those read before are checked together
+        and each one never read alone, so that a poll over keys that appear one by one (steps,
+        exits) costs a round trip per key still missing, not per key."""
+        if not keys:
+            return []
+        if self.store.check(keys):
+            present = keys
+        else:
+            seen = [k for k in keys if k in self._good]
+            present = seen if seen and self.store.check(seen) else [k for k in seen if self.store.check([k])]
+            present += [k for k in keys if k not in self._good and self.store.check([k])]
         raw = dict(zip(present, self.store.multi_get(present))) if present else {}
-        out = []
-        for k in keys:
-            found = self._open(k, raw[k]) if k in raw else self._good.get(k, (b"", None))[1]
-            out.append(None if found is None else found.payload)
-        return out
+        return [self._open(k, raw[k]) if k in raw else self._good.get(k, (b"", None))[1] for k in keys]
+
+    def opened(self, keys: list[str], values: list[bytes]) -> list[bytes | None]:
+        """The payloads of ``values`` read raw from ``keys`` (one ``multi_get`` of the caller's),
+        each checked as ``get`` does."""
+        return [None if found is None else found.payload for found in map(self._open, keys, values)]
 
     def _open(self, key: str, raw: bytes) -> Signed | None:
         last = self._good.get(key)

@@ -107,11 +107,10 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
     try:
         store = Reconnecting(port, procs[0], logs[0])
         first = store.until(lambda ctl: membership.wait_round(ctl, 0, 1.0), "no first round")
-        workers = first.members + first.spares
 
         def hosts_of(ctl: Control) -> dict[int, int] | None:
-            found = ctl.many([membership.host_key(w) for w in workers])
-            return None if None in found else {w: int(h) for w, h in zip(workers, found)}
+            found = ctl.many([membership.node_hosts_key(k) for k in range(2)])
+            return None if None in found else {w: k for k, listed in enumerate(found) for w in json.loads(listed)}
 
         hosts = store.until(hosts_of, "no hosts")
         ready = [membership.ready_key(s) for s in first.spares if hosts[s] == 0]

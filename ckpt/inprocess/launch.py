@@ -43,10 +43,10 @@ import torch.distributed as dist
 
 from .. import secret
 from ..control import control_key
-from . import membership
+from . import membership, progress
 from .lifeline import Lifelines
 from .node import POLL_S, NodeLauncher, run_node
-from .runner import EXIT_FALLBACK
+from .runner import BEAT_S, EXIT_FALLBACK
 
 log = logging.getLogger("ckpt.inprocess.launch")
 
@@ -69,11 +69,13 @@ class Job:
         self.working_nodes = args.nodes - args.spare_nodes
         self.finished: set[int] = set()
         self.seen: set[int] = set()  # workers whose exit was read
+        self.read_at = 0.0  # when the nodes' beats and the members' steps were last read
         self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
+        self.steps = progress.Steps()  # every member's, for the job's lowest and highest (``progress.py``)
         self.lost = set(lost)
         self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
-        for w, k in self.hosts.items():
-            self.store.put(membership.host_key(w), str(k))
+        for k in sorted(set(self.hosts.values())):
+            self._put_hosts(k)
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
                                                              "start", 0.0))
         log.info("attempt %d: workers %s, spares %s on %d node(s)", attempt, self.members, self.spares,
@@ -88,17 +90,32 @@ class Job:
         return outcome
 
     def tick(self) -> tuple[bool, str] | None:
-        """One launcher tick: the local node's, the exits reported, the nodes lost; the outcome
-        once the job is over (see ``watch``), else None."""
+        """One launcher tick: the local node's; once a ``BEAT_S`` (or when the exits counter moved)
+        every node's beat, which lists the exits it reported, and every member's step; the
+        outcome once the job is over (see ``watch``), else None."""
         self.local.poll()
-        for w in [w for w in [*self.members, *self.spares] if w not in self.seen]:
-            if (raw := self.store.get(membership.exit_key(w))) is None:
+        raw = self.store.store
+        exited = raw.check([membership.EXITS_KEY])  # one round trip a tick, not one a worker
+        if exited:
+            raw.delete_key(membership.EXITS_KEY)  # before the beats are read: a later exit sets it again
+        cut = set(self.lifelines.cut())
+        now = time.monotonic()
+        if not exited and not cut and now - self.read_at < BEAT_S:
+            return None
+        self.read_at = now
+        live = sorted(set(self.hosts.values()) - self.lost)
+        beats = dict(zip(live, self.store.many_signed([membership.node_key(k) for k in live])))
+        reported = {w for b in beats.values() if b is not None for w in json.loads(b.payload)} - self.seen
+        for w, raw in zip(sorted(reported), self.store.many([membership.exit_key(w) for w in sorted(reported)])):
+            if raw is None or w not in self.hosts:
                 continue
             self.seen.add(w)
             ended = json.loads(raw)
             if w in self.spares:
                 self.spares.remove(w)
                 log.warning("spare %d left (%s)", w, ended["cause"])
+            elif w not in self.members:
+                continue
             elif ended["code"] == 0:
                 self.finished.add(w)
             elif ended["code"] == EXIT_FALLBACK:
@@ -109,26 +126,27 @@ class Job:
                 return False, why
         if self.finished and self.finished >= set(self.members):
             return True, "done"
-        if why := self._lost_nodes():
+        if why := self._lost_nodes(beats, cut, now):
             return False, why
+        reached = self.steps.read(self.store, [w for w in self.members if w not in self.finished], now)
+        progress.publish(self.store, self.round, reached)
         return None
 
-    def _lost_nodes(self) -> str | None:
+    def _lost_nodes(self, beats: dict[int, object], cut: set[int], now: float) -> str | None:
         """A node launcher whose lifeline closed (``lifeline.py``: it died) or whose beat stopped
         for ``hang_s`` (its host went silent) is a lost node: its spares leave the pool and its
-        members go in one round. The reason to relaunch instead, if any."""
-        now = time.monotonic()
-        cut = set(self.lifelines.cut())
-        for k in sorted(set(self.hosts.values()) - self.lost):
-            beat = self.store.signed(membership.node_key(k))
-            beats = 0 if beat is None else beat.seq
+        members go in one round. ``beats``: each live node's last beat (``Signed``). The reason
+        to relaunch instead, if any."""
+        for k in sorted(beats):
+            beat = beats[k]
+            count = 0 if beat is None else beat.seq
             last, since = self.nodes.get(k, (-1, now))
             if k in cut:
                 how = "its launcher's lifeline closed"
-            elif beats != last:
-                self.nodes[k] = (beats, now)
+            elif count != last:
+                self.nodes[k] = (count, now)
                 continue
-            elif beats > 0 and now - since > self.hang_s:
+            elif count > 0 and now - since > self.hang_s:
                 how = f"no beat for {now - since:.1f} s"
             else:
                 continue
@@ -139,6 +157,11 @@ class Job:
             if gone and (why := self._replace(gone, f"node {k} lost ({how})")):
                 return why
         return None
+
+    def _put_hosts(self, node: int) -> None:
+        """``node``'s list of the workers it runs (``membership.node_hosts_key``)."""
+        self.store.put(membership.node_hosts_key(node), json.dumps(sorted(w for w, k in self.hosts.items()
+                                                                          if k == node)))
 
     def _replace(self, lost: list[int], cause: str) -> str | None:
         """Publish the next round without the ``lost`` members (a ready spare takes each one's rank
@@ -155,7 +178,7 @@ class Job:
                 called.append(spare)
                 new = max(self.hosts) + 1  # the pool is topped up: a new spare warms up on that node
                 self.hosts[new] = self.hosts[spare]
-                self.store.put(membership.host_key(new), str(self.hosts[new]))
+                self._put_hosts(self.hosts[new])
                 self.spares.append(new)
             else:
                 members.remove(worker)
@@ -164,6 +187,7 @@ class Job:
         if len(members) < self.min_world:
             return f"{cause}: {len(members)} ranks left, fewer than --min-world {self.min_world}"
         self.members, self.round = members, self.round + 1
+        self.steps.new_round()
         reason = f"{cause}: {', '.join(what)}"
         membership.publish(self.store, membership.Membership(self.round, tuple(members), tuple(self.spares),
                                                              reason, fault_time))

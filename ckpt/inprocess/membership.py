@@ -22,6 +22,10 @@ from ..control import Control, control_key
 PREFIX = "ckpt-guard/inprocess"
 DONE_KEY = f"{PREFIX}/done"
 RELAUNCH_KEY = f"{PREFIX}/relaunch"  # set before DONE_KEY when the job is launched again: every node takes part
+# set (unsigned) by a node launcher that reported an exit, deleted by the job launcher, which then reads every
+# node's beat (they list the exits) at once rather than within a BEAT_S: an outsider who sets it costs reads
+EXITS_KEY = f"{PREFIX}/exits"
+STEPS_KEY = f"{PREFIX}/steps"  # the job's lowest and highest step in the round (``progress.py``)
 ATTEMPT_ENV = "CKPT_INPROCESS_ATTEMPT"
 _POLL_S = 0.005
 
@@ -68,10 +72,10 @@ def evict_key(worker: int) -> str:
     return f"{PREFIX}/evict/{worker}"
 
 
-def host_key(worker: int) -> str:
-    """The node (``--node-rank``) whose node launcher runs ``worker``: set by the job launcher
-    before the round that first names the worker."""
-    return f"{PREFIX}/host/{worker}"
+def node_hosts_key(node: int) -> str:
+    """The workers (a JSON list) that ``node``'s launcher runs: set by the job launcher before
+    the round that first names one of them (one key a node reads, not one a worker)."""
+    return f"{PREFIX}/hosts/{node}"
 
 
 def exit_key(worker: int) -> str:
@@ -86,7 +90,8 @@ def fallback_key(worker: int) -> str:
 
 
 def node_key(node: int) -> str:
-    """Each node launcher writes it anew every ``BEAT_S``: a silent node is a lost node."""
+    """Each node launcher writes it anew every ``BEAT_S`` and at each exit of its workers (the
+    payload: the workers whose exit it reported, a JSON list): a silent node is a lost node."""
     return f"{PREFIX}/node/{node}"
 
 

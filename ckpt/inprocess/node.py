@@ -1,7 +1,7 @@
 """One node's part of an in-process-recovering job: run this node's workers, watch them, report.
 
 The job launcher (``launch.Job``) decides membership for every node through the store; a node
-launcher runs the workers the rounds assign to it (``membership.host_key``: the first round's,
+launcher runs the workers the rounds assign to it (``membership.node_hosts_key``: the first round's,
 then each spare that tops up the pool), reports each exit (``membership.exit_key``) instead of
 acting on it, holds a lifeline and beats (``lifeline.py``: its end, or silence for
 ``--hang-s`` on ``membership.node_key``, loses the node, all its members at once) and SIGKILLs
@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import deque
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from ..control import Control, control_key
 from ..recovery.hang_policy import HangDetection
-from . import lifeline, membership
+from . import lifeline, membership, progress
 from .runner import BEAT_S, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.node")
@@ -68,21 +67,20 @@ class NodeLauncher:
         # worker -> ((beat count, CPU ticks), when either last changed): a process starved of the
         # interpreter lock on a busy machine still uses CPU; a stopped one does not
         self.beats: dict[int, tuple[tuple[int, int], float]] = {}
-        # the watchdog's progress deadline (hang_policy), judged here: worker -> (step, when it last changed)
+        # the watchdog's progress deadline (hang_policy), judged here on this node's members' steps
+        # against the job's lowest and highest (``progress.py``)
         self.progress_policy = HangDetection(deadline_s=progress_s, interval_s=BEAT_S)
-        self.steps: dict[int, tuple[int, float]] = {}
-        self.stepped: set[int] = set()  # members whose step changed in this round (the others' is stale)
+        self.progress = progress.Steps()
         self.split_at: float | None = None  # since when the members' steps differ
-        self.step_times: deque[float] = deque(maxlen=64)
-        self.beat_at = 0.0
+        self.beat_at = self.watched_at = 0.0
         self._start_assigned()
         log.info("node %d: workers %s (pids %s)", node, sorted(self.procs), {w: p.pid for w, p in self.procs.items()})
 
     def _start_assigned(self) -> None:
         """Start the workers of the current round that are this node's and not started yet."""
-        new = [w for w in [*self.current.members, *self.current.spares] if w not in self.procs]
-        hosts = self.store.many([membership.host_key(w) for w in new])
-        for w in (w for w, host in zip(new, hosts) if host is not None and int(host) == self.node):
+        listed = self.store.get(membership.node_hosts_key(self.node))
+        here = set(json.loads(listed)) if listed is not None else set()
+        for w in (w for w in [*self.current.members, *self.current.spares] if w in here and w not in self.procs):
             rank = self.current.rank_of(w)
             self.procs[w] = subprocess.Popen([sys.executable, *self.command], env={
                 **self.env, WORKER_ENV: str(w), "RANK": str(-1 if rank is None else rank),
@@ -91,26 +89,31 @@ class NodeLauncher:
     def poll(self) -> bool:
         """Beat, follow the rounds, report exits, kill the members to kill; False once the job is over."""
         now = time.monotonic()
-        if now - self.beat_at >= BEAT_S:
-            self.store.put(membership.node_key(self.node), b"", round=self.current.round)
-            self.beat_at = now
         newer = membership.latest_after(self.store, self.current.round)
         if newer is not None:
             self.current = newer
-            self.steps.clear()  # survivors restore an earlier step: progress is judged afresh each round
-            self.stepped.clear()
+            self.progress.new_round()
             self._start_assigned()
+        exited = False
         for w, p in self.procs.items():
             code = p.poll()
             if code is None or w in self.reported:
                 continue
             self.reported.add(w)
+            exited = True
             if code == 0:
                 self.finished.add(w)
             self.store.put(membership.exit_key(w), json.dumps({"code": code,
                                                                "cause": self.causes.get(w, _exit_text(code))}),
                            round=self.current.round)
-        self._kill_frozen_and_evicted(now)
+        if exited or now - self.beat_at >= BEAT_S:  # the beat lists the exits reported: the job launcher reads them
+            self.store.put(membership.node_key(self.node), json.dumps(sorted(self.reported)), round=self.current.round)
+            self.beat_at = now
+        if exited:
+            self.store.store.set(membership.EXITS_KEY, b"1")  # the job launcher reads the beats now, not in a BEAT_S
+        if now - self.watched_at >= BEAT_S:  # beats and steps change once a BEAT_S: read them as often
+            self.watched_at = now
+            self._kill_frozen_and_evicted(now)
         return not self.store.has(membership.DONE_KEY)
 
     def _mine(self) -> list[int]:
@@ -122,11 +125,13 @@ class NodeLauncher:
         """A member whose beat stopped for ``hang_s`` (a blocked gloo collective cannot be
         aborted: it is killed, never waited out), or one evicted through the store, is
         SIGKILLed; its exit then starts the next round like any other death."""
-        for w in self._mine():
-            if (why := self.store.get(membership.evict_key(w))) is not None:
+        mine = self._mine()
+        evicts = self.store.many([membership.evict_key(w) for w in mine])
+        beats = self.store.many_signed([membership.beat_key(w) for w in mine])
+        for w, why, beat in zip(mine, evicts, beats):
+            if why is not None:
                 self._kill(w, f"evicted: {why.decode(errors='replace')[:200]}")
                 continue
-            beat = self.store.signed(membership.beat_key(w))
             progress = (0 if beat is None else beat.seq, _cpu_ticks(self.procs[w].pid))
             last, since = self.beats.get(w, ((-1, -1), now))
             if progress != last:
@@ -136,33 +141,25 @@ class NodeLauncher:
         self._kill_behind(now)
 
     def _kill_behind(self, now: float) -> None:
-        """The watchdog's progress deadline with its "behind" culprit rule: a member alive and
-        beating whose step stayed below the others' (on any node) for ``factor`` × the median step
-        (at least ``--progress-s`` when given) is SIGKILLed, if it is this node's. Only steps taken
-        in this round count (a survivor still joining the round's group is not behind). Ranks all at
-        one step (a hang inside a collective) name no culprit: the collective timeout, then a
-        relaunch, handles them."""
-        live = [w for w in self.current.members if w not in self.causes and w not in self.finished]
-        values = {w: v for w, v in zip(live, self.store.many([membership.step_key(w) for w in live])) if v is not None}
-        keys = list(values)
-        for w, v in values.items():
-            step, since = self.steps.get(w, (None, now))
-            if int(v) != step:
-                if step is not None:
-                    self.stepped.add(w)
-                    if int(v) == step + 1:
-                        self.step_times.append(now - since)
-                self.steps[w] = (int(v), now)
-        reached = {w: self.steps[w] for w in keys if w in self.stepped}
-        if len({s for s, _ in reached.values()}) < 2:
+        """The watchdog's progress deadline with its "behind" culprit rule: a member of this node,
+        alive and beating, whose step stayed at the job's lowest while others (on any node) are
+        further, for ``factor`` × the median step (at least ``--progress-s`` when given), is
+        SIGKILLed. The job's lowest and highest step come from the job launcher (``progress.py``).
+        Only steps taken in this round count (a survivor still joining the round's group is not
+        behind). Ranks all at one step (a hang inside a collective) name no culprit: the
+        collective timeout, then a relaunch, handles them."""
+        live = [w for w in self.current.members if w in self.procs and w not in self.causes and w not in self.finished]
+        reached = self.progress.read(self.store, live, now)
+        span = progress.job_range(self.store, self.current.round)
+        if span is None or span[0] == span[1]:
             self.split_at = None
             return
         self.split_at = self.split_at or now  # a member is behind only as long as the others are ahead
-        deadline = self.progress_policy.deadline(list(self.step_times))
-        low = min(s for s, _ in reached.values())
+        times = list(self.progress.times)
+        deadline = self.progress_policy.deadline(times)
         for w, (s, since) in reached.items():
-            if s == low and now - max(since, self.split_at) > deadline and w in self._mine():
-                median = statistics.median(self.step_times) if self.step_times else float("nan")
+            if s <= span[0] and now - max(since, self.split_at) > deadline and w in self._mine():
+                median = statistics.median(times) if times else float("nan")
                 self._kill(w, f"behind: at step {s} for {now - since:.1f} s while others are further "
                               f"(deadline {deadline:.1f} s, median step {median:.3f} s)")
 

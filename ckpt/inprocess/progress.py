@@ -1,0 +1,63 @@
+"""The watchdog's "behind" rule in two levels, so that no launcher reads every rank's step.
+
+The job launcher reads every member's step key once a ``BEAT_S`` and publishes the lowest and
+highest step taken in the round (``membership.STEPS_KEY``); each node launcher reads that one
+key and its own members' steps. A member of a node at the job's lowest step, while others are
+further, for longer than the progress deadline is left behind (``node.py``). The store then
+serves N + N/8 step reads a ``BEAT_S`` job-wide, not every node every step (N²/8).
+"""
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..control import Control
+from . import membership
+
+
+@dataclass
+class Steps:
+    """The steps seen of some members in one round: each one's step and when it last changed,
+    the members whose step changed in this round (a survivor's step before it is stale), and
+    how long a step took (one step apart, as seen)."""
+
+    steps: dict[int, tuple[int, float]] = field(default_factory=dict)
+    stepped: set[int] = field(default_factory=set)
+    times: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def new_round(self) -> None:
+        """Survivors restore an earlier step: progress is judged afresh each round."""
+        self.steps.clear()
+        self.stepped.clear()
+
+    def read(self, ctl: Control, members: list[int], now: float) -> dict[int, tuple[int, float]]:
+        """Read ``members``' step keys (one ``many``); the ones that stepped in this round, with
+        (step, since when)."""
+        for w, v in zip(members, ctl.many([membership.step_key(w) for w in members])):
+            if v is None:
+                continue
+            step, since = self.steps.get(w, (None, now))
+            if int(v) != step:
+                if step is not None:
+                    self.stepped.add(w)
+                    if int(v) == step + 1:
+                        self.times.append(now - since)
+                self.steps[w] = (int(v), now)
+        return {w: self.steps[w] for w in members if w in self.stepped}
+
+
+def publish(ctl: Control, round_id: int, reached: dict[int, tuple[int, float]]) -> None:
+    """The job launcher's part: the lowest and highest step taken in round ``round_id``."""
+    found = [s for s, _ in reached.values()]
+    ctl.put(membership.STEPS_KEY, json.dumps({"low": min(found), "high": max(found)} if found else {}),
+            round=round_id)
+
+
+def job_range(ctl: Control, round_id: int) -> tuple[int, int] | None:
+    """The job's (lowest, highest) step in round ``round_id`` as last published; None before any."""
+    found = ctl.signed(membership.STEPS_KEY)
+    if found is None or found.round != round_id:
+        return None
+    span = json.loads(found.payload)
+    return (span["low"], span["high"]) if span else None
