@@ -9,16 +9,23 @@ with local disks each node commits the shards it holds; on one machine, a shared
 filesystem or an object store there is one commit, as before. For one step in one
 tier::
 
-    every rank r      store[<tier>/<id>/shard/<r>] = its ShardRef, its replica report (announce)
-    each leader       wait until all world_size ranks announced
+    every rank r      store[<tier>/<id>/shard/<r>] = its ShardRef, its replica report (announce);
+                      add 1 to <tier>/<id>/announced
+    the first leader  wait until <id>/announced counts world_size (one key polled, not N), read
+                      every announcement (one multi_get): the job's verdict on every rank's
+                      report; store[<tier>/<id>/verdict] = it (with several volumes)
+    each leader       wait for the verdict (one key); read its volume's announcements
                       tier.commit(id, Manifest(the refs of its volume's ranks, health=verdict))
                       retention on its volume
                       store[<tier>/<id>/commit/<leader>] = the verdict
-    every rank        wait for its leader's commit key, then count itself done;
-                      the last one deletes the step's keys
+    every rank        wait for its leader's commit key, delete its own announcement (every
+                      reader has read it), count itself done; the last one deletes the
+                      counters, the verdict and the leaders' commit keys
+
+So the store serves O(N) keys a step, not N per leader: one leader reads every announcement.
 
 A rank whose tier had no room for its shard announces ``{"full": why}`` instead: every leader
-then commits nothing and puts the reasons in its commit key, and every rank raises ``TierFull``
+then commits nothing and puts the reasons (the verdict's) in its commit key, and every rank raises ``TierFull``
 (a tier's failure: the job goes on with its other tiers; ``save_path.py``).
 
 So "committed" in any volume means durable in that tier on every rank, and retention,
@@ -28,8 +35,10 @@ Alone (one process) the rank is its own leader and nothing is announced.
 With a job secret (``ckpt.secret``) the announcements and verdicts are signed values
 (``ckpt.control``, under a key of their own): one that fails its check (an outsider on the
 store forging a shard or a verdict) is ignored, counted in ``rejected`` and logged once, and the
-wait goes on for the real one. Without a secret they are plain, as before. The ``done`` counter
-only tidies the store: an outsider who bumps it costs a wait, never a wrong commit.
+wait goes on for the real one. Without a secret they are plain, as before. The ``announced`` and
+``done`` counters (torch's ``add``, no MAC) only say when to read and when to tidy: the first
+leader also checks the announcements themselves once a second, so an outsider who moves a
+counter costs a wait or a read, never a wrong commit.
 """
 from __future__ import annotations
 
@@ -85,6 +94,7 @@ class Committer:
         self._store, self._timeout = store, timedelta(seconds=timeout_s)
         self._keep, self._default_keep = dict(keep_last), default_keep
         self._volumes: dict[str, list[int]] = {}  # tier name -> the ranks sharing this rank's volume
+        self._leaders: dict[str, list[int]] = {}  # tier name -> every volume's leader, the first one's verdict
         self._pins: dict[str, set[CheckpointId]] = defaultdict(set)
         self._lock = threading.Lock()
         self.abandoned = threading.Event()  # set: waits for other ranks end (the job goes on without them)
@@ -95,6 +105,7 @@ class Committer:
         """``volumes``: every rank's ``tier.volume``, by rank (one all-gather at start-up)."""
         mine = volumes[self.rank]
         self._volumes[tier.name] = [r for r, v in enumerate(volumes) if v == mine]
+        self._leaders[tier.name] = sorted({v: r for r, v in reversed(list(enumerate(volumes)))}.values())
 
     def leads(self, tier: DurableTier) -> bool:
         """Whether this rank commits (and prunes) ``tier`` for its volume."""
@@ -153,44 +164,59 @@ class Committer:
         store = self._store()
         signed = Control(store, self._key, 0) if self._key is not None else None  # per step: nothing accumulates
         key = f"{tier.name}/{ckpt_id.generation}.{ckpt_id.step}"
-        ranks = self._volumes[tier.name]
-        leader = ranks[0]
+        ranks, leaders = self._volumes[tier.name], self._leaders[tier.name]
+        leader, step = ranks[0], f"step {ckpt_id.step} in {tier.name}"
         shard = {"full": str(ref)} if isinstance(ref, TierFull) else [ref.rank, ref.manifest_crc32c, ref.data_bytes,
                                                                         report]
         try:
             self._put(store, signed, f"{key}/shard/{self.rank}", json.dumps(shard))
-            if self.rank == leader:
-                shards = [f"{key}/shard/{r}" for r in range(self.world_size)]
-                values = self._wait(store, signed, shards, f"every rank's shard of step {ckpt_id.step} in {tier.name}")
+            store.add(f"{key}/announced", 1)  # one counter for the first leader to poll, not N keys
+            if self.rank == leaders[0]:
+                values = self._wait(store, signed, [f"{key}/shard/{r}" for r in range(self.world_size)],
+                                    f"every rank's shard of {step}", counter=f"{key}/announced")
                 announced = dict(enumerate(json.loads(v) for v in values))
-                full = {r: a["full"] for r, a in announced.items() if isinstance(a, dict)}
-                if not full:
-                    health = verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
-                    refs = [ShardRef(*announced[r][:3]) for r in ranks]
-                    try:
-                        tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size, refs,
-                                                      health=health))
-                        self.apply_retention(tier)
-                    except OSError as e:  # no room for the commit itself: every rank hears it, none waits
-                        if e.errno not in NO_ROOM:
-                            raise
-                        full = {self.rank: str(e)}
-                if full:
-                    health = {"full": "; ".join(why for _, why in sorted(full.items()))}
+                full = [a["full"] for _, a in sorted(announced.items()) if isinstance(a, dict)]
+                health = {"full": "; ".join(full)} if full else \
+                    verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
+                if len(leaders) > 1:
+                    self._put(store, signed, f"{key}/verdict", json.dumps(health))
+            elif self.rank == leader:
+                health = json.loads(self._wait(store, signed, [f"{key}/verdict"],
+                                               f"rank {leaders[0]}'s verdict on {step}")[0])
+                values = self._wait(store, signed, [f"{key}/shard/{r}" for r in ranks], f"the shards of {step}")
+                announced = {r: json.loads(v) for r, v in zip(ranks, values)}
+            if self.rank == leader:
+                health = self._commit_volume(tier, ckpt_id, health, [announced[r] for r in ranks])
                 self._put(store, signed, f"{key}/commit/{leader}", json.dumps(health))
             else:
                 health = json.loads(self._wait(store, signed, [f"{key}/commit/{leader}"],
-                                               f"rank {leader} to commit step {ckpt_id.step} in {tier.name}")[0])
+                                               f"rank {leader} to commit {step}")[0])
         finally:
             if signed is not None:
                 with self._lock:
                     self.rejected += signed.rejected
+        store.delete_key(f"{key}/shard/{self.rank}")  # read by the verdict and by its leader's commit, both done
         if store.add(f"{key}/done", 1) == self.world_size:  # everyone has seen its commit: tidy the store
-            for k in [*(f"{key}/shard/{r}" for r in range(self.world_size)), f"{key}/done",
-                      *(f"{key}/commit/{r}" for r in range(self.world_size))]:
+            for k in [f"{key}/announced", f"{key}/done", *([f"{key}/verdict"] if len(leaders) > 1 else []),
+                      *(f"{key}/commit/{r}" for r in leaders)]:
                 store.delete_key(k)
         if "full" in health:
             raise TierFull(f"step {ckpt_id.step} not saved in {tier.name}: {health['full']}")
+        return health
+
+    def _commit_volume(self, tier: DurableTier, ckpt_id: CheckpointId, health: dict, announced: list) -> dict:
+        """The leader's commit of its volume's shards (``announced``, its ranks' in order) under
+        the job's verdict; what its commit key then says (``{"full": why}``: nothing committed)."""
+        if "full" in health:
+            return health
+        try:
+            tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size,
+                                          [ShardRef(*a[:3]) for a in announced], health=health))
+            self.apply_retention(tier)
+        except OSError as e:  # no room for the commit itself: every rank of the volume hears it, none waits
+            if e.errno not in NO_ROOM:
+                raise
+            return {"full": str(e)}
         return health
 
     @staticmethod
@@ -200,18 +226,27 @@ class Committer:
         else:
             signed.put(key, value)
 
-    def _wait(self, store: object, signed: Control | None, keys: list[str], what: str) -> list[bytes]:
+    def _wait(self, store: object, signed: Control | None, keys: list[str], what: str,
+              counter: str | None = None) -> list[bytes]:
         """The values of ``keys`` once all are there (and, signed, pass their check). Polls (a few
         µs a check) rather than block in the store, so ``abandon()`` ends the wait at once when a
-        peer is gone and the job continues without it (``ckpt.inprocess``)."""
+        peer is gone and the job continues without it (``ckpt.inprocess``). ``counter``: a key
+        each writer of ``keys`` adds 1 to, polled instead of them; ``keys`` are checked once it
+        counts them all, and once a second whatever it says (it carries no MAC)."""
         deadline = time.monotonic() + self._timeout.total_seconds()
-        pause = 0.001
+        pause, look_at, counted = 0.001, 0.0, counter is not None
         try:
             while True:
-                if store.check(keys):
-                    values = store.multi_get(keys) if signed is None else signed.many(keys)
-                    if None not in values:
-                        return values
+                now = time.monotonic()
+                full = counted and store.add(counter, 0) >= len(keys)
+                if counter is None or full or now >= look_at:
+                    look_at = now + 1.0
+                    if store.check(keys):
+                        raw = store.multi_get(keys)
+                        values = raw if signed is None else signed.opened(keys, raw)
+                        if None not in values:
+                            return values
+                    counted = counted and not full  # it counted what is not there: read once a second from now
                 if self.abandoned.is_set():
                     raise Abandoned(f"abandoned waiting for {what}: the job's membership changed")
                 if time.monotonic() >= deadline:
