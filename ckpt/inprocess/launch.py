@@ -128,7 +128,7 @@ class Job:
             return True, "done"
         if why := self._lost_nodes(beats, cut, now):
             return False, why
-        reached = self.steps.read(self.store, [w for w in self.members if w not in self.finished], now)
+        reached = self.steps.read(self.store, [w for w in self.members if w not in self.finished], self.round, now)
         progress.publish(self.store, self.round, reached)
         return None
 

@@ -57,8 +57,9 @@ def beat_key(worker: int) -> str:
 
 
 def step_key(worker: int) -> str:
-    """The step index this worker reached last (set after each step): the launcher's progress
-    deadline names a member left behind by the others (alive and beating, not stepping)."""
+    """The step index this worker reached last (set after each step, signed with its round): the
+    launcher's progress deadline names a member left behind by the others (alive and beating,
+    not stepping)."""
     return f"{PREFIX}/step/{worker}"
 
 

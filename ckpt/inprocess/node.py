@@ -149,7 +149,7 @@ class NodeLauncher:
         behind). Ranks all at one step (a hang inside a collective) name no culprit: the
         collective timeout, then a relaunch, handles them."""
         live = [w for w in self.current.members if w in self.procs and w not in self.causes and w not in self.finished]
-        reached = self.progress.read(self.store, live, now)
+        reached = self.progress.read(self.store, live, self.current.round, now)
         span = progress.job_range(self.store, self.current.round)
         if span is None or span[0] == span[1]:
             self.split_at = None

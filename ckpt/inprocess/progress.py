@@ -18,33 +18,29 @@ from . import membership
 
 @dataclass
 class Steps:
-    """The steps seen of some members in one round: each one's step and when it last changed,
-    the members whose step changed in this round (a survivor's step before it is stale), and
-    how long a step took (one step apart, as seen)."""
+    """The steps seen of some members in one round: each one's step and when it last changed
+    (only steps written in the round count: a survivor's key from the round before, before it
+    steps again, is stale), and how long a step took (one step apart, as seen)."""
 
     steps: dict[int, tuple[int, float]] = field(default_factory=dict)
-    stepped: set[int] = field(default_factory=set)
     times: deque = field(default_factory=lambda: deque(maxlen=64))
 
     def new_round(self) -> None:
         """Survivors restore an earlier step: progress is judged afresh each round."""
         self.steps.clear()
-        self.stepped.clear()
 
-    def read(self, ctl: Control, members: list[int], now: float) -> dict[int, tuple[int, float]]:
-        """Read ``members``' step keys (one ``many``); the ones that stepped in this round, with
-        (step, since when)."""
-        for w, v in zip(members, ctl.many([membership.step_key(w) for w in members])):
-            if v is None:
+    def read(self, ctl: Control, members: list[int], round_id: int, now: float) -> dict[int, tuple[int, float]]:
+        """Read ``members``' step keys (one ``many``); those written in round ``round_id`` (the
+        worker signs its step with its round), as (step, since when)."""
+        for w, found in zip(members, ctl.many_signed([membership.step_key(w) for w in members])):
+            if found is None or found.round != round_id:
                 continue
             step, since = self.steps.get(w, (None, now))
-            if int(v) != step:
-                if step is not None:
-                    self.stepped.add(w)
-                    if int(v) == step + 1:
-                        self.times.append(now - since)
-                self.steps[w] = (int(v), now)
-        return {w: self.steps[w] for w in members if w in self.stepped}
+            if int(found.payload) != step:
+                if step is not None and int(found.payload) == step + 1:
+                    self.times.append(now - since)
+                self.steps[w] = (int(found.payload), now)
+        return {w: self.steps[w] for w in members if w in self.steps}
 
 
 def publish(ctl: Control, round_id: int, reached: dict[int, tuple[int, float]]) -> None:

@@ -207,7 +207,8 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
             recovered = None if pending is None else partial(_finish, pending, current, ctx, restored, marks)
             progress.train(objects, step, mgr, state, steps=steps, save_every=save_every,
                            before=partial(_raise_if_changed, store, current.round),
-                           after=lambda done: store.put(membership.step_key(worker), str(done)),
+                           after=lambda done, r=current.round: store.put(membership.step_key(worker), str(done),
+                                                                      round=r),
                            first=recovered and partial(record, recoveries, on_recovery, recovered))
             mgr.close()  # finished: this rank's memory slots go once every save is durable
             return Result(objects, progress.done, recoveries)
