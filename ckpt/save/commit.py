@@ -37,7 +37,7 @@ With a job secret (``ckpt.secret``) the announcements and verdicts are signed va
 store forging a shard or a verdict) is ignored, counted in ``rejected`` and logged once, and the
 wait goes on for the real one. Without a secret they are plain, as before. The ``announced`` and
 ``done`` counters (torch's ``add``, no MAC) only say when to read and when to tidy: the first
-leader also checks the announcements themselves once a second, so an outsider who moves a
+leader also checks the announcements themselves now and then, so an outsider who moves a
 counter costs a wait or a read, never a wrong commit.
 """
 from __future__ import annotations
@@ -232,21 +232,22 @@ class Committer:
         µs a check) rather than block in the store, so ``abandon()`` ends the wait at once when a
         peer is gone and the job continues without it (``ckpt.inprocess``). ``counter``: a key
         each writer of ``keys`` adds 1 to, polled instead of them; ``keys`` are checked once it
-        counts them all, and once a second whatever it says (it carries no MAC)."""
+        counts them all, and whatever it says (it carries no MAC) at once, after 1 s, 3 s, 7 s...
+        (every 30 s at most: O(N log T) keys a wait of T s, not N a second)."""
         deadline = time.monotonic() + self._timeout.total_seconds()
-        pause, look_at, counted = 0.001, 0.0, counter is not None
+        pause, look_at, every, counted = 0.001, 0.0, 1.0, counter is not None
         try:
             while True:
                 now = time.monotonic()
                 full = counted and store.add(counter, 0) >= len(keys)
                 if counter is None or full or now >= look_at:
-                    look_at = now + 1.0
+                    look_at, every = now + every, min(2 * every, 30.0)
                     if store.check(keys):
                         raw = store.multi_get(keys)
                         values = raw if signed is None else signed.opened(keys, raw)
                         if None not in values:
                             return values
-                    counted = counted and not full  # it counted what is not there: read once a second from now
+                    counted = counted and not full  # it counted what is not there: it is not asked again
                 if self.abandoned.is_set():
                     raise Abandoned(f"abandoned waiting for {what}: the job's membership changed")
                 if time.monotonic() >= deadline:
