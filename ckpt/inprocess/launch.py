@@ -74,8 +74,7 @@ class Job:
         self.steps = progress.Steps()  # every member's, for the job's lowest and highest (``progress.py``)
         self.lost = set(lost)
         self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
-        for k in sorted(set(self.hosts.values())):
-            self._put_hosts(k)
+        self._put_hosts(set(self.hosts.values()))
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
                                                              "start", 0.0))
         log.info("attempt %d: workers %s, spares %s on %d node(s)", attempt, self.members, self.spares,
@@ -158,10 +157,14 @@ class Job:
                 return why
         return None
 
-    def _put_hosts(self, node: int) -> None:
-        """``node``'s list of the workers it runs (``membership.node_hosts_key``)."""
-        self.store.put(membership.node_hosts_key(node), json.dumps(sorted(w for w, k in self.hosts.items()
-                                                                          if k == node)))
+    def _put_hosts(self, nodes: set[int]) -> None:
+        """Each of ``nodes``' list of the workers it runs (``membership.node_hosts_key``)."""
+        lists: dict[int, list[int]] = {k: [] for k in nodes}
+        for w, k in sorted(self.hosts.items()):
+            if k in lists:
+                lists[k].append(w)
+        for k, workers in sorted(lists.items()):
+            self.store.put(membership.node_hosts_key(k), json.dumps(workers))
 
     def _replace(self, lost: list[int], cause: str) -> str | None:
         """Publish the next round without the ``lost`` members (a ready spare takes each one's rank
@@ -178,7 +181,7 @@ class Job:
                 called.append(spare)
                 new = max(self.hosts) + 1  # the pool is topped up: a new spare warms up on that node
                 self.hosts[new] = self.hosts[spare]
-                self._put_hosts(self.hosts[new])
+                self._put_hosts({self.hosts[new]})
                 self.spares.append(new)
             else:
                 members.remove(worker)
