@@ -89,7 +89,7 @@ class Job:
         return outcome
 
     def tick(self) -> tuple[bool, str] | None:
-        """One launcher tick: the local node's; once a ``BEAT_S`` (or when the exits counter moved)
+        """One launcher tick: the local node's; once a ``BEAT_S`` (or at once when the exits flag is set)
         every node's beat, which lists the exits it reported, and every member's step; the
         outcome once the job is over (see ``watch``), else None."""
         self.local.poll()
@@ -105,11 +105,11 @@ class Job:
         live = sorted(set(self.hosts.values()) - self.lost)
         beats = dict(zip(live, self.store.many_signed([membership.node_key(k) for k in live])))
         reported = {w for b in beats.values() if b is not None for w in json.loads(b.payload)} - self.seen
-        for w, raw in zip(sorted(reported), self.store.many([membership.exit_key(w) for w in sorted(reported)])):
-            if raw is None or w not in self.hosts:
+        for w, text in zip(sorted(reported), self.store.many([membership.exit_key(w) for w in sorted(reported)])):
+            if text is None or w not in self.hosts:
                 continue
             self.seen.add(w)
-            ended = json.loads(raw)
+            ended = json.loads(text)
             if w in self.spares:
                 self.spares.remove(w)
                 log.warning("spare %d left (%s)", w, ended["cause"])
