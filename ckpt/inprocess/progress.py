@@ -20,7 +20,9 @@ from . import membership
 class Steps:
     """The steps seen of some members in one round: each one's step and when it last changed
     (only steps written in the round count: a survivor's key from the round before, before it
-    steps again, is stale), and how long a step took (one step apart, as seen)."""
+    steps again, is stale), and how long a step took (read once a ``BEAT_S``, a member may be
+    several steps further: each of them counts, at their mean). The deadline needs a few step
+    times to leave its warm-up (``hang_policy``): steps faster than the reads must count too."""
 
     steps: dict[int, tuple[int, float]] = field(default_factory=dict)
     times: deque = field(default_factory=lambda: deque(maxlen=64))
@@ -37,8 +39,9 @@ class Steps:
                 continue
             step, since = self.steps.get(w, (None, now))
             if int(found.payload) != step:
-                if step is not None and int(found.payload) == step + 1:
-                    self.times.append(now - since)
+                if step is not None and int(found.payload) > step:  # k steps since: each took 1/k of the time
+                    k = int(found.payload) - step
+                    self.times.extend([(now - since) / k] * min(k, self.times.maxlen))
                 self.steps[w] = (int(found.payload), now)
         return {w: self.steps[w] for w in members if w in self.steps}
 
