@@ -9,8 +9,9 @@ turn by one thread) behind a proxy that counts every store operation and the key
 the workers a node launcher "starts" are stand-ins for processes (always running), so what is
 measured is the launchers', the workers' and the commit protocol's own store traffic:
 
-- `steady_step`: one step (``BEAT_S``): each worker's beat and step-key traffic, ``BEAT_S / POLL_S``
-  ticks of every node launcher (``NodeLauncher.poll``) and of the job launcher (``Job.tick``);
+- `steady_step`: one step (``BEAT_S``) after three (the launchers' warm-up, not counted): each
+  worker's beat and step-key traffic, ``BEAT_S / POLL_S`` ticks of every node launcher
+  (``NodeLauncher.poll``) and of the job launcher (``Job.tick``);
 - `launch`: round 0: ``Job(...)`` publishes it, every node launcher starts its stand-in workers;
 - `membership_round`: a member exits: its node reports it, the job launcher publishes the next
   round, every node launcher follows it;
@@ -139,7 +140,7 @@ def _job(n: int, pool):
     return job, nodes
 
 
-def _steady_step(n: int, pool, job, nodes, workers) -> None:
+def _steady_step(n: int, pool, job, nodes, workers, step: int = 1) -> None:
     """One ``BEAT_S`` of steady state: every worker's beat thread (a beat, a look for a newer round)
     and one step (a look before it, its step key after), then the launchers' ticks of that time."""
     from ckpt.inprocess import membership, node
@@ -149,7 +150,7 @@ def _steady_step(n: int, pool, job, nodes, workers) -> None:
         ctl.put(membership.beat_key(w), b"", round=0)
         membership.changed(ctl, 0)
         membership.changed(ctl, 0)
-        ctl.put(membership.step_key(w), "1")
+        ctl.put(membership.step_key(w), str(step))
     for _ in range(round(BEAT_S / node.POLL_S)):
         job.tick()
         for nl in nodes[1:]:
@@ -185,12 +186,14 @@ def run_one(component: str, n: int, clients: int) -> dict:
     if component in ("steady_step", "membership_round"):
         job, nodes = _job(n, pool)
     workers = [_ctl(pool[w % len(pool)]) for w in range(n)] if component == "steady_step" else []
+    for step in range(1, 4) if component == "steady_step" else ():  # the launchers past their warm-up
+        _steady_step(n, pool, job, nodes, workers, step)
     Counting.ops = Counting.keys = 0
     t0 = time.perf_counter()
     if component == "launch":
         job, nodes = _job(n, pool)
     elif component == "steady_step":
-        _steady_step(n, pool, job, nodes, workers)
+        _steady_step(n, pool, job, nodes, workers, 4)
     elif component == "membership_round":
         victim = nodes[-1]
         w = next(iter(victim.procs))

@@ -114,12 +114,20 @@ class NodeLauncher:
         if now - self.watched_at >= BEAT_S:  # beats and steps change once a BEAT_S: read them as often
             self.watched_at = now
             self._kill_frozen_and_evicted(now)
+        elif len(self.progress.times) < self.progress_policy.warmup_steps:
+            # until the deadline has its warm-up's step times, its members' steps every tick: the first
+            # steps may be faster than a BEAT_S, and with none timed the deadline stays at its warm-up
+            self.progress.read(self.store, self._live(), self.current.round, now)
         return not self.store.has(membership.DONE_KEY)
 
     def _mine(self) -> list[int]:
         """This node's members of the current round, alive and not killed."""
         return [w for w in self.current.members
                 if w in self.procs and w not in self.causes and self.procs[w].poll() is None]
+
+    def _live(self) -> list[int]:
+        """This node's members of the current round not killed here nor finished."""
+        return [w for w in self.current.members if w in self.procs and w not in self.causes and w not in self.finished]
 
     def _kill_frozen_and_evicted(self, now: float) -> None:
         """A member whose beat stopped for ``hang_s`` (a blocked gloo collective cannot be
@@ -148,8 +156,7 @@ class NodeLauncher:
         Only steps taken in this round count (a survivor still joining the round's group is not
         behind). Ranks all at one step (a hang inside a collective) name no culprit: the
         collective timeout, then a relaunch, handles them."""
-        live = [w for w in self.current.members if w in self.procs and w not in self.causes and w not in self.finished]
-        reached = self.progress.read(self.store, live, self.current.round, now)
+        reached = self.progress.read(self.store, self._live(), self.current.round, now)
         span = progress.job_range(self.store, self.current.round)
         if span is None or span[0] == span[1]:
             self.split_at = None
