@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import requests
 
-from .procs import free_port, stop_process
+from .procs import HTTP_S, free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = {"agent": "agent-token-0123456789", "job": "job-token-0123456789ab",
@@ -105,4 +105,4 @@ def node_rows(node: str, t_ms: int, uuid_prefix: str = "GPU", gpus: int = 8) -> 
 def post(srv, kind: str, body: bytes, role: str = "agent", ctype: str = "application/vnd.apache.arrow.stream",
          batch_id: str | None = None, **headers) -> requests.Response:
     h = srv.headers(role, **{"Content-Type": ctype, "X-Batch-Id": batch_id or str(uuid.uuid4()), **headers})
-    return requests.post(f"{srv.url}/v1/{kind}", data=body, headers=h, timeout=10)
+    return requests.post(f"{srv.url}/v1/{kind}", data=body, headers=h, timeout=HTTP_S)

@@ -16,6 +16,10 @@ from typing import BinaryIO, Callable, TypeVar
 
 T = TypeVar("T")
 
+# a request to a server on loopback: a hang guard, not a speed limit (a loaded machine answered a
+# 1.5 MB telemetry post in over 10 s)
+HTTP_S = 120.0
+
 
 def free_port() -> int:
     """A loopback port free right now (servers bind 127.0.0.1 only)."""

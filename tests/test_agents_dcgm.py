@@ -19,7 +19,7 @@ from telemetry import dcgm as D
 from telemetry import schema as S
 from tests.dcgm_fixtures import MODEL, FakeExporter, gpu, render
 from tests.predictor_fixtures import ROOT, TOKENS
-from tests.procs import drip_to, stop_process, wait_for
+from tests.procs import HTTP_S, drip_to, stop_process, wait_for
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_bad_urls_are_usage_errors(tmp_path) -> None:
 
 
 def _risk(srv, node: str) -> dict | None:
-    r = requests.get(f"{srv.url}/v1/risk", params={"node": node}, headers=srv.headers("operator"), timeout=5)
+    r = requests.get(f"{srv.url}/v1/risk", params={"node": node}, headers=srv.headers("operator"), timeout=HTTP_S)
     return r.json() if r.status_code == 200 else None
 
 

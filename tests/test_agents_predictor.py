@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.agents_fixtures import TOKEN
-from tests.procs import free_port
+from tests.procs import HTTP_S, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +66,7 @@ def predictor(tmp_path_factory):
 
 def ingested(url: str) -> dict[str, float]:
     """Rows the predictor accepted, by endpoint (nothing until its first batch)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+    with urllib.request.urlopen(url + "/metrics", timeout=HTTP_S) as r:
         text = r.read().decode()
     for fam in text_string_to_metric_families(text):
         if fam.name == "predictor_ingested_rows":

@@ -22,7 +22,7 @@ from agents.spool import Spool
 from agents.stats import AgentStats
 from ckpt import CheckpointManager
 from tests.dcgm_fixtures import FakeExporter, gpu, render
-from tests.procs import free_port
+from tests.procs import HTTP_S, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "ckpt-guard.json"
@@ -34,7 +34,7 @@ _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count
 
 
 def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=HTTP_S) as r:
         return r.read().decode()
 
 
@@ -58,7 +58,7 @@ def exported(tmp_path: Path, shm_dir: str, live_server) -> set[str]:
         found = names(scrape(f"http://127.0.0.1:{port}/metrics"))
     srv = live_server()
     job = requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["node0042"], "name": "llama"},
-                        headers=srv.headers("job"), timeout=10)
+                        headers=srv.headers("job"), timeout=HTTP_S)
     assert job.status_code == 201, job.text
     found |= names(scrape(f"{srv.url}/metrics"))
     src = SimSource(FleetConfig(nodes=1, node_names=("node0042",), interval_s=10, seed=2, days=None))

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from tests.predictor_fixtures import ROOT
-from tests.procs import free_port, stop_process, wait_for
+from tests.procs import HTTP_S, free_port, stop_process, wait_for
 from tests.test_predictor_server import T0, arrow_body, node_rows, post
 
 DEPLOY = ROOT / "deploy" / "prometheus"
@@ -90,7 +90,7 @@ def webhook():
 
 
 def _our_alerts(am: str) -> list[dict]:
-    alerts = requests.get(am + "/api/v2/alerts", timeout=5).json()
+    alerts = requests.get(am + "/api/v2/alerts", timeout=HTTP_S).json()
     return [a for a in alerts if a["labels"].get("alertname") == "GPUFailurePredicted"]
 
 
@@ -113,6 +113,6 @@ def test_strict_risk_pages_alertmanager_and_resolves_on_replacement(live_server,
     assert wait_for(lambda: not _our_alerts(alertmanager), timeout=60), "the alert was not resolved"
     assert wait_for(lambda: [b for b in webhook.bodies if b["status"] == "resolved"])[0]["alerts"][0][
         "labels"]["gpu"] == "5"
-    metrics = requests.get(srv.url + "/metrics", timeout=5).text
+    metrics = requests.get(srv.url + "/metrics", timeout=HTTP_S).text
     assert 'predictor_alert_deliveries_total{outcome="ok",target="alertmanager"} 2.0' in metrics
     assert "predictor_alerts_firing 0.0" in metrics

@@ -18,7 +18,7 @@ import requests
 
 from predictor.model.features import MAX_GPUS_PER_NODE, FleetState
 from tests.predictor_fixtures import OTHER_JOB_TOKEN, ROOT, T0, TOKENS, LiveServer, arrow_body, node_rows, post
-from tests.procs import free_port
+from tests.procs import HTTP_S, free_port
 
 ARROW = "application/vnd.apache.arrow.stream"
 NDJSON = "application/x-ndjson"
@@ -85,7 +85,7 @@ def test_a_chunked_body_over_the_cap_is_refused_whole(shared_server):
     body = _ndjson("over", 200)                     # the shared server's cap is 20,000 bytes
     h = shared_server.headers("agent", **{"Content-Type": NDJSON, "X-Batch-Id": "over-1"})
     r = requests.post(f"{shared_server.url}/v1/telemetry", data=iter([body[:15_000], body[15_000:]]), headers=h,
-                      timeout=10)
+                      timeout=HTTP_S)
     assert r.status_code == 413 and "cap" in r.json()["error"]
 
 
@@ -103,7 +103,7 @@ def test_a_far_future_sample_is_refused_and_blinds_nothing(shared_server):
     xid = json.dumps({"timestamp": now + 1000, "node": "ff", "gpu": 3, "xid": 79}).encode()
     assert post(srv, "xid", xid, ctype=NDJSON).status_code == 202
     risk = requests.get(f"{srv.url}/v1/risk", params={"node": "ff"}, headers=srv.headers("operator"),
-                        timeout=5).json()
+                        timeout=HTTP_S).json()
     assert {g["gpu"]: g["risk"] for g in risk["gpus"]}[3] == 1.0 and risk["reason"] == "critical XID 79"
 
 
@@ -223,7 +223,7 @@ def test_distinct_nodes_are_bounded(live_server):
     r = post(srv, "xid", json.dumps({"timestamp": T0, "node": "e", "gpu": 1, "xid": 79}).encode(), ctype=NDJSON)
     assert r.status_code == 429
     assert post(srv, "telemetry", arrow_body(node_rows("a", T0 + 30_000))).status_code == 202  # known: welcome
-    metrics = requests.get(f"{srv.url}/metrics", headers=srv.headers("operator"), timeout=5).text
+    metrics = requests.get(f"{srv.url}/metrics", headers=srv.headers("operator"), timeout=HTTP_S).text
     assert 'predictor_batches_total{endpoint="telemetry",outcome="node_limit"} 1.0' in metrics
     assert 'predictor_batches_total{endpoint="xid",outcome="node_limit"} 1.0' in metrics
     assert "predictor_nodes 3.0" in metrics
@@ -240,7 +240,7 @@ def _strict_json(text: str) -> object:
 def test_min_interval_must_be_finite_and_in_range(shared_server, interval):
     """Issue 48.6: NaN passed `interval < 0`, disabled the rate limit and came back as bare NaN."""
     body = f'{{"nodes": ["nan-node"], "min_interval_s": {interval}}}'
-    r = requests.post(f"{shared_server.url}/v1/jobs", data=body, timeout=10,
+    r = requests.post(f"{shared_server.url}/v1/jobs", data=body, timeout=HTTP_S,
                       headers=shared_server.headers("job", **{"Content-Type": "application/json"}))
     assert r.status_code == 400, r.text
     assert "must be a finite number of seconds from 0 to 604800" in _strict_json(r.text)["error"]
@@ -252,7 +252,7 @@ def test_registered_jobs_are_capped(live_server):
     srv = live_server("--max-jobs-per-token", "2", "--max-nodes-per-job", "3", "--max-job-nodes", "5")
 
     def register(nodes: list[str], role: str = "job") -> requests.Response:
-        return requests.post(f"{srv.url}/v1/jobs", json={"nodes": nodes}, headers=srv.headers(role), timeout=10)
+        return requests.post(f"{srv.url}/v1/jobs", json={"nodes": nodes}, headers=srv.headers(role), timeout=HTTP_S)
 
     too_wide = register(["a", "b", "c", "d"])
     assert too_wide.status_code == 413 and "--max-nodes-per-job" in too_wide.json()["error"]
@@ -264,7 +264,7 @@ def test_registered_jobs_are_capped(live_server):
     assert register(["x"], "operator").status_code == 201       # another token has its own count
     past_total = register(["y", "z"], "operator")                # 2 + 1 + 1 + 2 > 5 entries
     assert past_total.status_code == 429 and "--max-job-nodes" in past_total.json()["error"], past_total.text
-    assert requests.delete(f"{srv.url}/v1/jobs/{first.json()['id']}", headers=srv.headers("job"), timeout=10).ok
+    assert requests.delete(f"{srv.url}/v1/jobs/{first.json()['id']}", headers=srv.headers("job"), timeout=HTTP_S).ok
     assert register(["d"]).status_code == 201
     long_name = register(["n" * 254])
     assert long_name.status_code == 400 and "1 to 253 characters" in long_name.json()["error"]
@@ -283,19 +283,19 @@ def test_a_job_token_sees_only_its_own_jobs(shared_server):
     for a job that does not exist (ids cannot be probed), and leave the job in place; an operator
     token reads and deletes any job."""
     srv = shared_server
-    mine = requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["own-1"]}, headers=srv.headers("job"), timeout=10)
+    mine = requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["own-1"]}, headers=srv.headers("job"), timeout=HTTP_S)
     assert mine.status_code == 201, mine.text
     job = mine.json()["id"]
     other = {"Authorization": f"Bearer {OTHER_JOB_TOKEN}"}
-    absent = requests.get(f"{srv.url}/v1/jobs/{'0' * 32}", headers=other, timeout=10)
+    absent = requests.get(f"{srv.url}/v1/jobs/{'0' * 32}", headers=other, timeout=HTTP_S)
     for method, path in (("GET", f"/v1/jobs/{job}"), ("GET", f"/v1/jobs/{job}/events"),
                          ("GET", f"/v1/risk?job={job}"), ("DELETE", f"/v1/jobs/{job}")):
-        r = requests.request(method, srv.url + path, headers=other, timeout=10)
+        r = requests.request(method, srv.url + path, headers=other, timeout=HTTP_S)
         assert (r.status_code, r.json()) == (absent.status_code, absent.json()) == (404, {"error": "no such job"}), \
             (method, path, r.text)
-    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("job"), timeout=10).json()["id"] == job
-    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("operator"), timeout=10).ok
-    assert requests.delete(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("operator"), timeout=10).ok
-    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("job"), timeout=10).status_code == 404
-    refused = requests.get(f"{srv.url}/metrics", timeout=10).text
+    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("job"), timeout=HTTP_S).json()["id"] == job
+    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("operator"), timeout=HTTP_S).ok
+    assert requests.delete(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("operator"), timeout=HTTP_S).ok
+    assert requests.get(f"{srv.url}/v1/jobs/{job}", headers=srv.headers("job"), timeout=HTTP_S).status_code == 404
+    refused = requests.get(f"{srv.url}/metrics", timeout=HTTP_S).text
     assert 'predictor_requests_refused_total{route="jobs",why="not_owner"} 4.0' in refused

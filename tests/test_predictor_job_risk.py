@@ -17,7 +17,7 @@ from ckpt.policy import IntervalPolicy, Predictor, daly_interval
 from predictor.model import job_risk
 from predictor.model.model_io import load
 from tests.predictor_fixtures import TOKENS, arrow_body, node_rows, post, run_cli
-from tests.procs import wait_for
+from tests.procs import HTTP_S, wait_for
 from tests.test_predictor_server import read_events
 
 CAL = job_risk.NodeCalibration(np.array([0.0, 0.5, 1.0]), np.array([0.001, 0.05, 0.6]), base_rate_per_s=1 / 86400)
@@ -117,12 +117,12 @@ def test_job_risk_on_the_endpoint_and_the_stream(live_server, calibrated_model):
     srv = live_server("--model", str(calibrated_model))
     cal = job_risk.NodeCalibration.of(load(calibrated_model))
     job = requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["ja", "jb"]}, headers=srv.headers("job"),
-                        timeout=5).json()
+                        timeout=HTTP_S).json()
     url = f"{srv.url}/v1/risk?job={job['id']}"
-    assert requests.get(url, timeout=5).status_code == 401
-    assert requests.get(url, headers=srv.headers("agent"), timeout=5).status_code == 403
-    assert requests.get(f"{srv.url}/v1/risk?job=nope", headers=srv.headers("job"), timeout=5).status_code == 404
-    unseen = requests.get(url, headers=srv.headers("job"), timeout=5).json()
+    assert requests.get(url, timeout=HTTP_S).status_code == 401
+    assert requests.get(url, headers=srv.headers("agent"), timeout=HTTP_S).status_code == 403
+    assert requests.get(f"{srv.url}/v1/risk?job=nope", headers=srv.headers("job"), timeout=HTTP_S).status_code == 404
+    unseen = requests.get(url, headers=srv.headers("job"), timeout=HTTP_S).json()
     assert unseen["calibrated"] and unseen["unseen_nodes"] == 2
     assert unseen["probability"] == pytest.approx(1 - (1 - cal.base_probability) ** 2, abs=1e-6)
     assert unseen["hazard_ratio"] == pytest.approx(1.0, rel=1e-3)
@@ -142,11 +142,11 @@ def test_job_risk_on_the_endpoint_and_the_stream(live_server, calibrated_model):
         assert hot["probability"] > calm["probability"] and hot["hazard_ratio"] > 1
         assert hot["top_nodes"][0]["node"] == "ja"
         assert hot["top_nodes"][0]["probability"] == pytest.approx(cal.probability(np.array([1.0]))[0], abs=1e-6)
-        now = requests.get(url, headers=srv.headers("operator"), timeout=5).json()
+        now = requests.get(url, headers=srv.headers("operator"), timeout=HTTP_S).json()
         assert now["probability"] == hot["probability"]
         # the same on /metrics, for dashboards and alert rules
         metrics = {(f.name, s.labels.get("job_id")): s.value for f in text_string_to_metric_families(
-            requests.get(f"{srv.url}/metrics", timeout=5).text) for s in f.samples}
+            requests.get(f"{srv.url}/metrics", timeout=HTTP_S).text) for s in f.samples}
         assert metrics[("predictor_job_failure_probability", job["id"])] == now["probability"]
         assert metrics[("predictor_job_hazard_ratio", job["id"])] == now["hazard_ratio"]
         assert metrics[("predictor_job_base_probability", job["id"])] == now["base_probability"]

@@ -16,18 +16,18 @@ from predictor.model import model_io
 from predictor.serve.scoring_queue import _concat
 from predictor.serve.server import Service, make_app
 from tests.predictor_fixtures import T0, arrow_body, node_rows, post
-from tests.procs import free_port, wait_for
+from tests.procs import HTTP_S, free_port, wait_for
 
 
 def test_tokens_and_roles(shared_server):
     srv = shared_server
     body = arrow_body(node_rows("n1", T0))
-    assert requests.post(f"{srv.url}/v1/telemetry", data=body, timeout=5).status_code == 401
+    assert requests.post(f"{srv.url}/v1/telemetry", data=body, timeout=HTTP_S).status_code == 401
     assert post(srv, "telemetry", body, role="job").status_code == 403
     assert requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["n1"]}, headers=srv.headers("agent"),
-                         timeout=5).status_code == 403
-    assert requests.get(f"{srv.url}/v1/risk?node=n1", headers=srv.headers("job"), timeout=5).status_code == 403
-    assert requests.get(f"{srv.url}/metrics", timeout=5).status_code == 200       # open, as Prometheus expects
+                         timeout=HTTP_S).status_code == 403
+    assert requests.get(f"{srv.url}/v1/risk?node=n1", headers=srv.headers("job"), timeout=HTTP_S).status_code == 403
+    assert requests.get(f"{srv.url}/metrics", timeout=HTTP_S).status_code == 200       # open, as Prometheus expects
 
 
 def test_ingest_formats_duplicates_and_refusals(shared_server):
@@ -54,7 +54,7 @@ def test_ingest_formats_duplicates_and_refusals(shared_server):
         r = post(srv, "telemetry", data, ctype=ctype)
         assert r.status_code == 400, name
         assert word in r.json()["error"], (name, r.json())
-    r = requests.post(f"{srv.url}/v1/telemetry", data=body, timeout=5,
+    r = requests.post(f"{srv.url}/v1/telemetry", data=body, timeout=HTTP_S,
                       headers=srv.headers("agent", **{"Content-Type": "application/vnd.apache.arrow.stream"}))
     assert r.status_code == 400 and "X-Batch-Id" in r.json()["error"]
     big = arrow_body([row for t in range(40) for row in node_rows("n3", T0 + t * 1000)])
@@ -71,19 +71,19 @@ def test_ingest_formats_duplicates_and_refusals(shared_server):
                     and all(g["at_ms"] != -1 for g in r["gpus"]) and r)
     assert risk, "the GPUs were never scored"
     assert all(g["at_ms"] == T0 for g in risk["gpus"])
-    metrics = requests.get(f"{srv.url}/metrics", timeout=5).text
+    metrics = requests.get(f"{srv.url}/metrics", timeout=HTTP_S).text
     assert 'predictor_batches_total{endpoint="telemetry",outcome="malformed"} 6.0' in metrics
     assert 'predictor_batches_total{endpoint="telemetry",outcome="duplicate"} 1.0' in metrics
     assert wait_for(lambda: "predictor_dropped_samples_total 8.0" in requests.get(f"{srv.url}/metrics").text)
 
 
 def _risk(srv, node: str):
-    r = requests.get(f"{srv.url}/v1/risk", params={"node": node}, headers=srv.headers("operator"), timeout=5)
+    r = requests.get(f"{srv.url}/v1/risk", params={"node": node}, headers=srv.headers("operator"), timeout=HTTP_S)
     return r.json() if r.status_code == 200 else None
 
 
 def _metric(srv, name: str) -> float:
-    text = requests.get(f"{srv.url}/metrics", timeout=5).text
+    text = requests.get(f"{srv.url}/metrics", timeout=HTTP_S).text
     return float(re.search(rf"^{name} ([0-9.e+]+)$", text, re.M).group(1))
 
 
@@ -108,7 +108,7 @@ def test_job_hears_checkpoint_now_once_per_interval(shared_server):
     for node in ("j1", "j2"):
         assert post(srv, "telemetry", arrow_body(node_rows(node, T0))).status_code == 202
     job = requests.post(f"{srv.url}/v1/jobs", json={"nodes": ["j1", "j9"], "name": "llm", "min_interval_s": 600},
-                        headers=srv.headers("job"), timeout=5)
+                        headers=srv.headers("job"), timeout=HTTP_S)
     assert job.status_code == 201
     job = job.json()
     stream = requests.get(srv.url + job["stream"], headers=srv.headers("job"), stream=True, timeout=15)
@@ -127,14 +127,14 @@ def test_job_hears_checkpoint_now_once_per_interval(shared_server):
     # a second GPU of the same node crossing inside the job's interval is rate-limited
     assert post(srv, "xid", xid("j1", 4, T0 + 3000), ctype="application/x-ndjson").status_code == 202
     info = wait_for(lambda: (j := requests.get(f"{srv.url}/v1/jobs/{job['id']}", headers=srv.headers("job"),
-                                               timeout=5).json())["checkpoints_suppressed"] and j)
+                                               timeout=HTTP_S).json())["checkpoints_suppressed"] and j)
     assert info, "the second crossing was never counted as suppressed"
     assert info["checkpoints_sent"] == 1
     risk = _risk(srv, "j1")
     assert risk["risk"] == 1.0 and risk["worst_gpu"] in (3, 4) and risk["reason"] == "critical XID 79"
-    assert requests.delete(f"{srv.url}/v1/jobs/{job['id']}", headers=srv.headers("job"), timeout=5).ok
+    assert requests.delete(f"{srv.url}/v1/jobs/{job['id']}", headers=srv.headers("job"), timeout=HTTP_S).ok
     stream.close()
-    metrics = requests.get(f"{srv.url}/metrics", timeout=5).text
+    metrics = requests.get(f"{srv.url}/metrics", timeout=HTTP_S).text
     for name in ('predictor_gpu_risk{gpu="3",node="j1"} 1.0', "predictor_checkpoint_events_total 1.0",
                  "predictor_scoring_latency_seconds_bucket", 'predictor_ingested_rows_total{endpoint="telemetry"}'):
         assert name in metrics, name
@@ -143,9 +143,9 @@ def test_job_hears_checkpoint_now_once_per_interval(shared_server):
 def test_job_registration_is_validated(shared_server):
     srv = shared_server
     for body in ({"nodes": []}, {"nodes": "n1"}, {"nodes": ["n1"], "min_interval_s": -1}, [1, 2]):
-        r = requests.post(f"{srv.url}/v1/jobs", json=body, headers=srv.headers("job"), timeout=5)
+        r = requests.post(f"{srv.url}/v1/jobs", json=body, headers=srv.headers("job"), timeout=HTTP_S)
         assert r.status_code == 400 and r.json()["error"], body
-    assert requests.get(f"{srv.url}/v1/jobs/nope/events", headers=srv.headers("job"), timeout=5).status_code == 404
+    assert requests.get(f"{srv.url}/v1/jobs/nope/events", headers=srv.headers("job"), timeout=HTTP_S).status_code == 404
 
 
 def test_concurrent_batches_are_scored_together_and_a_bad_one_is_refused_alone(shared_server):

@@ -14,7 +14,7 @@ from ckpt.integrations.risk import RiskListener
 from ckpt.integrations.urgency import SaveRequests
 
 from .predictor_fixtures import TOKENS
-from .procs import wait_for
+from .procs import HTTP_S, wait_for
 
 
 def test_critical_xid_on_a_job_node_requests_an_urgent_save(live_server) -> None:
@@ -25,7 +25,7 @@ def test_critical_xid_on_a_job_node_requests_an_urgent_save(live_server) -> None
         assert wait_for(lambda: listener.job_id is not None), "the job was never registered"
         time.sleep(0.5)  # the stream is open once registered; give it a moment to subscribe
         body = json.dumps({"timestamp": int(time.time() * 1000), "node": "train-node-8", "gpu": 3, "xid": 79}) + "\n"
-        r = requests.post(srv.url + "/v1/xid", data=body, timeout=10,
+        r = requests.post(srv.url + "/v1/xid", data=body, timeout=HTTP_S,
                           headers=srv.headers("agent", **{"Content-Type": "application/x-ndjson",
                                                           "X-Batch-Id": "risk-listener-test-1"}))
         assert r.status_code < 300, r.text

@@ -22,7 +22,7 @@ import requests
 
 from predictor.alerts.alertmanager import Alert
 from tests.predictor_fixtures import TOKENS
-from tests.procs import free_port, stop_process, wait_for
+from tests.procs import HTTP_S, free_port, stop_process, wait_for
 from tests.slurm_fixtures import NODESET, SlurmCluster
 from tests.test_predictor_alerts import alertmanager  # noqa: F401 - the real Alertmanager fixture
 
@@ -242,7 +242,7 @@ def test_predicted_failure_reaches_slurm_through_alertmanager(slurm: SlurmCluste
             assert wait_for(lambda: _up(am_url + "/-/ready"), timeout=30), "alertmanager did not become ready"
             alert = Alert(slurm.node, 5, None, 0.97, "model", datetime.now(timezone.utc))
             ends = datetime.now(timezone.utc) + timedelta(minutes=5)
-            assert requests.post(am_url + "/api/v2/alerts", json=[alert.payload(ends)], timeout=10).ok
+            assert requests.post(am_url + "/api/v2/alerts", json=[alert.payload(ends)], timeout=HTTP_S).ok
             drained = wait_for(lambda: "DRAIN" in slurm.node_state()["State"], timeout=60, interval=0.5)
             assert drained, (work / "alertmanager.log").read_text()[-2000:]
         finally:
