@@ -59,19 +59,21 @@ class Reconnecting:
 
     def until(self, ask: Callable[[Control], Any], what: str, timeout: float = 300.0) -> Any:
         """``ask(store)`` until it is truthy (hang guard: ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.node0.poll() is not None:
-                raise AssertionError(f"{what}: node 0's launcher ended ({self.node0.returncode}) first:\n"
-                                     f"{self.log.read_text()[-3000:]}")
-            try:
-                self.store = self.store or job_store(self.port, timeout_s=60.0)
-                if found := ask(self.store):
-                    return found
-            except dist.DistError:  # dropped or refused: asked again on a new connection
-                self.store = None
-            time.sleep(0.01)
-        raise AssertionError(f"{what} in {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
+        found = wait_for(lambda: self._ask(ask, what), timeout=timeout, interval=0.01)
+        if found is None:
+            raise AssertionError(f"{what} in {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
+        return found
+
+    def _ask(self, ask: Callable[[Control], Any], what: str) -> Any:
+        if self.node0.poll() is not None:
+            raise AssertionError(f"{what}: node 0's launcher ended ({self.node0.returncode}) first:\n"
+                                 f"{self.log.read_text()[-3000:]}")
+        try:
+            self.store = self.store or job_store(self.port, timeout_s=60.0)
+            return ask(self.store)
+        except dist.DistError:  # dropped or refused: asked again on a new connection
+            self.store = None
+            return None
 
 
 # the launcher imported, then started once the file argv[1] exists (a test's outsider acts first)
