@@ -180,6 +180,12 @@ def main() -> None:
         while not all(store.has(membership.ready_key(s)) for s in spares) and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def acted_on() -> None:
+        """An eviction asked for is seen by the launcher within a beat (``BEAT_S``); ms-long test
+        steps would end the job first, so the asker waits for the round it starts (a real step is
+        longer than a beat)."""
+        membership.wait_round(store, 1, 300.0)
+
     def step(objects: dict, i: int) -> None:
         every = args.kill_rank_every
         if every and objects["ctx"].rank == 1 and i % every == 0 and own_steps:
@@ -198,6 +204,7 @@ def main() -> None:
             evicted.append(i)
             emit(event="fault", step=i)
             membership.evict(store, args.evict_worker, "XID 79 on its GPU (simulated)")
+            acted_on()
         if worker == 0 and args.node_failed_gpu >= 0 and i == args.kill_at and not evicted:
             spares_ready()
             evicted.append(i)
@@ -205,6 +212,7 @@ def main() -> None:
             gpu = args.node_failed_gpu  # the event as `predictor serve` sends it (tests/test_node_failed.py)
             listener.on_node_failed({"event": "node_failed", "node": node_name(), "gpu": gpu, "xid": 79,
                                      "reason": f"critical XID 79 on GPU {gpu}"})
+            acted_on()
         ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
         sdc = args.sdc if worker == args.sdc_worker and i == args.kill_at and ctx.round == 0 and \
             os.environ[membership.ATTEMPT_ENV] == "0" else None
