@@ -126,7 +126,7 @@ def sdc_row(fault: str, job: Job, clean: set[str]) -> dict:
     seen_at = [int(m.group(1)) for m in (re.search(r"step (\d+)", x) for x in lines) if m]
     detect = (recs[0]["failed_at_step"] if recs else min(seen_at, default=None))
     detected = bool(lines or recs)
-    # an unsound verdict raised in every rank gets no new round: the runner falls back to a relaunch
+    # an unsound verdict gets a round of its own (every rank goes back in process); a relaunch is a fallback
     again = "falling back to a relaunch" in job.log or job.restarted()
     return row(fault, "relaunch" if again else "in-process", detected=detected,
                detect_steps=None if detect is None else detect - FAULT_AT,

@@ -1,5 +1,5 @@
 """The fault campaign (benchmarks/fault_campaign.py) as tests: by default the rows no other test
-covers (a second fault during a recovery, a peer replica sealed wrong); with ``-m extended``
+covers (a second fault during a recovery, NaN from a forward, a peer replica sealed wrong); with ``-m extended``
 also a killed rank, a flipped parameter bit (on one node and on two), a vanished node, a peer
 holder killed and an unreachable object store; the whole campaign with ``-m campaign``. Real
 launchers and gloo ranks, a moto server; bounds are hang guards only.
@@ -25,9 +25,9 @@ FAULT_AT = 4  # benchmarks/fault_campaign_jobs.py: the step in which every fault
 # disk_shard_damaged is left to -m campaign: its job's only sealed step on disk is the damaged one,
 # so the restore refuses it (loudly, nothing wrong restored) and the row ends as an error, not a recovery
 # killed_rank and sdc_param_bit are what tests/test_inprocess.py and tests/test_sound_state.py run:
-# the default suite keeps the rows none of them covers (a second fault during a recovery, a peer
-# replica sealed wrong), -m extended runs the others
-CHEAP = [pytest.param(["second_fault_in_recovery"], id="second-fault"),
+# the default suite keeps the rows none of them covers (a second fault during a recovery, NaN from
+# one rank's forward gone back from in process, a peer replica sealed wrong), -m extended the others
+CHEAP = [pytest.param(["second_fault_in_recovery", "sdc_nan_forward"], id="second-fault-and-nan"),
          pytest.param(["peer_replica_wrong_at_save"], id="peer-replica-wrong"),
          pytest.param(["killed_rank", "sdc_param_bit"], id="covered-elsewhere", marks=pytest.mark.extended),
          pytest.param(["vanished_node", "peer_holder_killed"], id="nodes", marks=pytest.mark.extended),
@@ -79,6 +79,8 @@ def check(rows: list[dict]) -> None:
             assert r["replicas_equal_at_end"], r  # averaged into every gradient: no replica to compare
         if r["fault"] == "sdc_nan_forward" and not r["detected"]:
             assert not r["finite_at_end"], r
+        if r["fault"].startswith("sdc_") and r["detected"]:  # every rank goes back in its process, together
+            assert r["mode"] == "in-process" and not r["relaunched"] and r["equal_to_clean"], r
 
 
 @pytest.mark.parametrize("rows", CHEAP)

@@ -18,7 +18,9 @@ others past the watchdog's progress deadline (``--progress-s``) is SIGKILLed fir
 launcher. A node launcher whose lifeline closes (it died) or that is silent for ``--hang-s``
 (its host vanished) is a lost node: all its members go in one round, its spares leave the
 pool. A spare called in is replaced by a new one on its node, so the pool stays at
-``--spares``. A worker that asks for it (``EXIT_FALLBACK``), or a job that cannot shrink
+``--spares``. A member that finds the newest snapshot unsound (``membership.rewind``: a
+suspect or non-finite snapshot, a failed canary) gets a round with the same members, in which
+every rank restores the newest sound step in its process (at most ``MAX_REWINDS`` a launch). A worker that asks for it (``EXIT_FALLBACK``), or a job that cannot shrink
 further, is relaunched whole, today's path, at most ``--relaunches`` times: every node
 launcher still there starts its workers again, on keys of the new attempt in the same store
 (a node lost meanwhile takes no part); every decision is logged with its reason.
@@ -49,6 +51,7 @@ from .node import POLL_S, NodeLauncher, run_node
 from .runner import BEAT_S, EXIT_FALLBACK
 
 log = logging.getLogger("ckpt.inprocess.launch")
+MAX_REWINDS = 3  # unsound snapshots a launch goes back from in process before it relaunches
 
 
 class Job:
@@ -73,6 +76,7 @@ class Job:
         self.nodes: dict[int, tuple[int, float]] = {}  # live node -> (beat count, when it last changed)
         self.steps = progress.Steps()  # every member's, for the job's lowest and highest (``progress.py``)
         self.lost = set(lost)
+        self.rewinds = 0  # rounds that went back to a sound step (``_rewind``)
         self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
         self._put_hosts(set(self.hosts.values()))
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
@@ -127,6 +131,9 @@ class Job:
             return True, "done"
         if why := self._lost_nodes(beats, cut, now):
             return False, why
+        if (unsound := self.store.get(membership.rewind_key(self.round))) is not None:
+            if why := self._rewind(unsound.decode()):
+                return False, why
         reached = self.steps.read(self.store, [w for w in self.members if w not in self.finished], self.round, now)
         progress.publish(self.store, self.round, reached)
         return None
@@ -194,6 +201,21 @@ class Job:
         reason = f"{cause}: {', '.join(what)}"
         membership.publish(self.store, membership.Membership(self.round, tuple(members), tuple(self.spares),
                                                              reason, fault_time))
+        log.warning("round %d: %s", self.round, reason)
+        return None
+
+    def _rewind(self, unsound: str) -> str | None:
+        """Publish the next round with the same members: every rank restores the newest sound
+        step in its process. A job that keeps finding unsound snapshots (a device that keeps
+        going wrong) is relaunched after ``MAX_REWINDS`` (the reason to, if so)."""
+        self.rewinds += 1
+        if self.rewinds > MAX_REWINDS:
+            return f"{unsound} (unsound {self.rewinds} times in this launch)"
+        self.round += 1
+        self.steps.new_round()
+        reason = f"{unsound}: every rank goes back to the newest sound step"
+        membership.publish(self.store, membership.Membership(self.round, tuple(self.members), tuple(self.spares),
+                                                             reason, time.time()))
         log.warning("round %d: %s", self.round, reason)
         return None
 

@@ -2,8 +2,10 @@
 
 The launcher sees every worker's exit first hand, so it is the one to decide membership:
 it publishes round ``r + 1`` (the members in rank order, the spares left, the reason) when a
-member dies or is killed. A survivor whose collective failed waits, bounded, for that round;
-a warm spare waits for a round that names it. No agreement protocol runs among the ranks.
+member dies or is killed, or the same members again when one found the newest snapshot
+unsound (``rewind``: every rank goes back to the newest sound step together). A survivor
+whose collective failed waits, bounded, for that round; a warm spare waits for a round that
+names it. No agreement protocol runs among the ranks.
 Every key here is read and written signed (``control.Control``): a round, an eviction or a
 done mark that is not the job's own is ignored.
 """
@@ -99,6 +101,21 @@ def node_key(node: int) -> str:
 def left_key(node: int) -> str:
     """Set by a node launcher once its workers are gone at the job's end."""
     return f"{PREFIX}/left/{node}"
+
+
+def rewind_key(round_id: int) -> str:
+    """Set by a member that found the newest snapshot unsound in round ``round_id``: the job
+    launcher starts the next round with the same members, and every rank restores the newest
+    sound step in its process (a key a round: a request of an older round is never acted on)."""
+    return f"{PREFIX}/rewind/{round_id}"
+
+
+def rewind(ctl: Control, reason: str, round_id: int) -> None:
+    """Ask the launcher for a round in which every member goes back to the newest sound step
+    (``UnsoundState``: a verdict every rank may meet at another step, so the ranks go back
+    together, not each on its own), and wake it at once."""
+    ctl.put(rewind_key(round_id), reason, round=round_id)
+    ctl.store.set(EXITS_KEY, b"1")
 
 
 def evict(ctl: Control, worker: int, reason: str, round_id: int = 0) -> None:

@@ -30,12 +30,12 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 import torch.distributed.checkpoint.state_dict  # noqa: F401 - a shrink's restore needs it: imported then, 0.05 s
 
 from ..control import Control
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsoundState
 from ..integrations.risk import RiskListener
 from ..manager import CheckpointManager
 from ..peers.placement import node_name
 from ..recovery.leaving import flush_logs
-from ..save.canary import figures
+from ..save.canary import CanaryFailed, figures
 from . import evictions, group, membership
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,8 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                           _short(e))
                 flush_logs()
                 os._exit(EXIT_LEAVE)
+            if _goes_back(e):  # every rank goes back together, in a round of its own
+                membership.rewind(store, str(e).splitlines()[0][:300], current.round)
             # a restore refused by the checkpoints (no copy of a shard: not a peer's death) gets
             # no new round: wait only briefly for one (a peer lost meanwhile) before saying why
             wait_s = min(membership_timeout_s, 2.0) if restoring and isinstance(e, CheckpointError) else \
@@ -353,6 +355,13 @@ def _raise_if_changed(store: Control, round_id: int) -> None:
 _STICKY = ("illegal memory access", "illegal instruction", "unspecified launch failure", "device-side assert",
            "hardware stack error", "misaligned address", "invalid address space", "invalid program counter",
            "uncorrectable ECC error", "fallen off the bus")
+
+
+def _goes_back(e: BaseException) -> bool:
+    """A suspect or unhealthy snapshot, or a failed canary (the first time: a second one stops
+    the job): the state is not sound, no rank died, and every rank must go back to the newest
+    sound step."""
+    return isinstance(e, UnsoundState) or (isinstance(e, CanaryFailed) and not e.stop)
 
 
 def _must_leave(e: BaseException) -> bool:
