@@ -20,8 +20,9 @@ launcher. A node launcher whose lifeline closes (it died) or that is silent for 
 pool. A spare called in is replaced by a new one on its node, so the pool stays at
 ``--spares``. A member that finds the newest snapshot unsound (``membership.rewind``: a
 suspect or non-finite snapshot, a failed canary) gets a round with the same members, in which
-every rank restores the newest sound step in its process (at most ``MAX_REWINDS`` a launch). A worker that asks for it (``EXIT_FALLBACK``), or a job that cannot shrink
-further, is relaunched whole, today's path, at most ``--relaunches`` times: every node
+every rank restores the newest sound step in its process (at most ``MAX_REWINDS`` a launch).
+A worker that asks for it (``EXIT_FALLBACK``), or a job that cannot shrink further, is
+relaunched whole, today's path, at most ``--relaunches`` times: every node
 launcher still there starts its workers again, on keys of the new attempt in the same store
 (a node lost meanwhile takes no part); every decision is logged with its reason.
 
