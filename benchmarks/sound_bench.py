@@ -5,7 +5,9 @@ saves every step, in paired blocks of ``--block`` steps (ABBA order), each block
 ``mgr.wait()`` so the drains' work is inside it: arm A without the checks (the drain's scope
 is empty: no finite check, no digest; no canary ``record``), arm B with them (finite check
 fused with the drain's CRCs, the digest, ``record``). Reports B/A of the block time: median,
-95 % CI, and the step time. One process has one replica: the digest is computed and announced
+95 % CI, and the step time; and B/A of the process's CPU time per block (every thread: the
+drain's checks run off the training thread), which other load on a shared machine moves far
+less than the wall time. One process has one replica: the digest is computed and announced
 but compared with none, which is the same work per rank as in a job.
 
 ``--mode false-alarms``: ``--steps`` steps saving every step, deterministic, and every
@@ -54,13 +56,14 @@ def overhead(args, shm: str, root: Path) -> list[dict]:
     state = {"model": model, "opt": opt}
     real_scope = save_path.scope_of
     times: list[list[float]] = [[], []]
+    cpu: list[list[float]] = [[], []]  # the process's CPU time, every thread's: what the checks cost the machine
     step = 0
     with CheckpointManager(root, memory_dir=shm, keep_last=2, state=state,
                            replicated=("model",)) as mgr:  # replicated: the model is compared as a replica
         for arms in [(0, 1)] + abba(args.pairs):  # the first pair warms up, then is dropped
             for arm in arms:
                 save_path.scope_of = real_scope if arm else (lambda *a, **k: soundness.NOTHING)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(args.block):
                     step += 1
                     loss = train_step(model, opt, step)
@@ -69,12 +72,14 @@ def overhead(args, shm: str, root: Path) -> list[dict]:
                     mgr.save(step, state)
                 mgr.wait()
                 times[arm].append(time.perf_counter() - t0)
+                cpu[arm].append(time.process_time() - c0)
         save_path.scope_of = real_scope
     a, b = times[0][1:], times[1][1:]
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # params + Adam's two moments
     return [{"what": "checks on / off, block time", "state_bytes": nbytes, "block_steps": args.block,
              "step_s_off": spread([x / args.block for x in a]), "step_s_on": spread([x / args.block for x in b]),
-             "ratio": paired_ratio(a, b)}]
+             "ratio": paired_ratio(a, b), "cpu_ratio": paired_ratio(cpu[0][1:], cpu[1][1:]),
+             "threads": torch.get_num_threads()}]
 
 
 def false_alarms(args, shm: str, root: Path) -> list[dict]:
