@@ -16,9 +16,11 @@ from click.testing import CliRunner
 
 from ckpt.cli import cli
 from ckpt.goodput import inputs
+from ckpt.goodput.command import MEASURED_INPROCESS
 from ckpt.goodput.inprocess import InProcessCosts
 from ckpt.goodput.model import KINDS, Lead, Recovery, Run, Skill, Strategy, _play, analytic, monte_carlo
 from ckpt.goodput.restart import RestartCosts
+from ckpt.goodput.scaling import SCALING, fitted
 from ckpt.policy import IntervalPolicy
 from tests.test_policy import daly_exact_wall
 
@@ -436,10 +438,37 @@ def test_in_process_inputs_are_checked() -> None:
 
 
 def test_in_process_data_names_a_source_per_value() -> None:
+    """Every (f) input is borrowed with its source, or measured by our benchmark at the run's size."""
     data = inputs.INPROCESS
     assert data["source"] and data["command"] and data["date"][:4].isdigit()
-    assert set(data["values"]) == {f.name for f in fields(InProcessCosts)} == set(data["sources"])
+    borrowed = set(data["values"])
+    assert borrowed == set(data["sources"]) and borrowed | set(MEASURED_INPROCESS) == {f.name for f in fields(
+        InProcessCosts)} and not borrowed & set(MEASURED_INPROCESS)
     assert "PROVISIONAL" in data["sources"]["snapshot_block_s"]
+
+
+def test_agree_is_our_measured_membership_round_at_the_runs_size() -> None:
+    """(f)'s agree phase: scale_bench's membership round, measured to 4,096 ranks, fitted from
+    1,024 up and extrapolated; marked measured in the report, given when an option sets it."""
+    rows = [r for r in SCALING["rows"] if r["component"] == "membership_round"]
+    at = {r["ranks"]: r["seconds"] for r in rows}
+    assert fitted("membership_round", 4096).seconds == at[4096]
+    big = fitted("membership_round", 16384)
+    assert big.seconds > at[4096] and "extrapolated from 4,096" in big.source() and 0 < big.exponent < 1.5
+    assert fitted("membership_round", 16384, [{"component": "membership_round", "ranks": n, "seconds": n / 1000}
+                                              for n in (1024, 2048, 4096)]).seconds == pytest.approx(16.384)
+    with pytest.raises(ValueError, match="fewer than two"):
+        fitted("membership_round", 16384, rows[:1])
+    code, out = run_cli("--json", "--gpus", "4096")
+    data = json.loads(out)
+    assert code == 0 and data["inprocess"]["agree_s"] == at[4096]
+    assert data["inprocess"]["inputs"]["agree_s"]["kind"] == "measured"
+    assert data["inprocess"]["inputs"]["new_group_s"]["kind"] == "borrowed"
+    code, out = run_cli("--json", "--inprocess-agree-s", "2")
+    data = json.loads(out)
+    assert data["inprocess"]["agree_s"] == 2.0 and data["inprocess"]["inputs"]["agree_s"]["kind"] == "given"
+    code, out = run_cli()
+    assert "| borrowed | borrowed | measured | borrowed | borrowed | |" in out and "agree_s: measured" in out
 
 
 def test_in_process_sensitivity_moves_the_right_way() -> None:

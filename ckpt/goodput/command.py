@@ -12,12 +12,14 @@ from collections.abc import Callable
 from dataclasses import asdict, fields
 
 import click
+from click.core import ParameterSource
 
 from . import inputs
 from .inprocess import InProcessCosts
 from .model import Run, analytic, monte_carlo
 from .report import inprocess_table, phases_table, reads_table, restart_phases, table
 from .restart import RestartCosts
+from .scaling import fitted
 from .sensitivity import best_over_a, grid_tables, grids, inprocess_grids, inprocess_tables
 from .trace_command import TRACE_KEYS, run_trace, trace_options
 
@@ -40,19 +42,39 @@ _RESTART_OPTIONS = [
     ("--replace-s", _seconds, "A spare node joining, for a node taken out of the job (GPU failure, host down)."),
     ("--relaunch-s", _seconds, "Process exit, relaunch, rendezvous, process-group init, setup."),
 ]
-# (f)'s in-process recovery (inprocess.InProcessCosts; sources in data/inprocess_nvrx.json)
+# (f)'s in-process recovery (inprocess.InProcessCosts; sources in data/inprocess_nvrx.json), and the
+# phases measured by our own benchmark at the run's size (inputs.inprocess_at), not borrowed
+MEASURED_INPROCESS = ("agree_s",)
 _INPROCESS_OPTIONS = [
     ("relaunch_share", click.FloatRange(0, 1), "(f): share of failures the in-process path cannot take "
      "(they relaunch as under (e))."),
     ("abort_s", _seconds, "(f): destroy the process group and wait for concurrent faults."),
     ("drain_s", _seconds, "(f): the pending CUDA kernels finish (about a step)."),
-    ("agree_s", _seconds, "(f): rank assignment and the store barrier over the new membership."),
+    ("agree_s", _seconds, "(f): rank assignment and the store barrier over the new membership [default: "
+     "measured, our membership round at --gpus ranks, benchmarks/scale_bench.py, extrapolated]."),
     ("new_group_s", _seconds, "(f): new NCCL communicators over the new membership."),
     ("first_step_s", _seconds, "(f): what the first step after recovery costs beyond a step."),
     ("step_s", click.FloatRange(min=0, min_open=True), "(f): a training step; snapshots come at most once a step."),
     ("snapshot_block_s", _seconds, "(f): what one snapshot blocks training (provisional default: see "
      "docs/goodput.md)."),
 ]
+
+
+def inprocess_inputs(gpus: int, given: dict[str, float | None]) -> dict[str, dict[str, str]]:
+    """Where each of (f)'s inputs comes from: ``measured`` by our benchmark, ``borrowed`` from a
+    named published figure (or an assumption, so named), or ``given`` on the command line."""
+    ctx = click.get_current_context(silent=True)
+    out = {}
+    for name in given:
+        flag = f"inprocess_{name}"
+        defaulted = ctx is None or ctx.get_parameter_source(flag) in (ParameterSource.DEFAULT, None)
+        if not defaulted:
+            out[name] = {"kind": "given", "source": "the command line"}
+        elif name in MEASURED_INPROCESS:
+            out[name] = {"kind": "measured", "source": fitted(inputs.AGREE_FROM, gpus).source()}
+        else:
+            out[name] = {"kind": "borrowed", "source": inputs.INPROCESS["sources"][name]}
+    return out
 
 
 def _restart_options(command: Callable) -> Callable:
@@ -67,8 +89,9 @@ def _restart_options(command: Callable) -> Callable:
                            "and waits for it only what is left of --replace-s after the alarm's lead.")(command)
     for name, kind, text in reversed(_INPROCESS_OPTIONS):
         flag = "--inprocess-" + name.replace("_", "-")
-        command = click.option(flag, f"inprocess_{name}", type=kind, show_default=True, help=text,
-                               default=getattr(inputs.DEFAULT_INPROCESS, name))(command)
+        measured = name in MEASURED_INPROCESS
+        command = click.option(flag, f"inprocess_{name}", type=kind, show_default=not measured, help=text,
+                               default=None if measured else getattr(inputs.DEFAULT_INPROCESS, name))(command)
     return click.option("--restart-s", "flat_s", type=_seconds, default=None,
                         help="What-if: every restart takes this long before its restore, whatever the failure "
                         "and the policy (the earlier model: 300; (f) then relaunches like the rest).")(command)
@@ -120,7 +143,9 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
     try:
         run = Run(gpus, days, failures, host_down_share, gpu_failure_share, precursor_share, gpus_per_node)
         restart = RestartCosts(**{f.name: restart_phases_s[f.name] for f in fields(RestartCosts)})
-        inprocess = InProcessCosts(**{f.name: restart_phases_s[f"inprocess_{f.name}"] for f in fields(InProcessCosts)})
+        given = {f.name: restart_phases_s[f"inprocess_{f.name}"] for f in fields(InProcessCosts)}
+        inprocess = inputs.inprocess_at(gpus, **{k: v for k, v in given.items() if v is not None})
+        inputs_of = inprocess_inputs(gpus, given)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     peer_gbps = peer_gbps or inputs.peer_gbps_default(run)
@@ -148,7 +173,7 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
     dominant = max(split[best.strategy], key=split[best.strategy].get)
     f_ettr = outcomes[-1].ettr
     payload = {"run": asdict(run), "restart": asdict(restart), "inprocess": asdict(inprocess)
-               | {"phases": inprocess.phases(), "total_s": inprocess.total_s},
+               | {"phases": inprocess.phases(), "total_s": inprocess.total_s, "inputs": inputs_of},
                "state_gb_per_gpu": state_gb_per_gpu,
                "objstore_gbps": objstore_gbps, "peer_gbps": peer_gbps,
                "sources": {k: src["source"] for k, src in zip(("bench", "objstore", "predictor"), sources)},
@@ -177,7 +202,7 @@ def simulate_cmd(gpus: int, days: float, failures: int, host_down_share: float, 
              "Failure to training again, seconds (detect + replace + relaunch + inprocess + restore), and each phase's "
              "share of the wall clock:", "", phases_table(run, strategies), "",
              f"(f)'s in-process recovery, seconds ({1 - inprocess.relaunch_share:.0%} of failures; the other "
-             f"{inprocess.relaunch_share:.0%} relaunch as under (e)):", "", inprocess_table(inprocess)]
+             f"{inprocess.relaunch_share:.0%} relaunch as under (e)):", "", inprocess_table(inprocess, inputs_of)]
     if sensitivity:
         lines += ["", "best / (a) waste; rows: the share of GPU failures that hang, then the wait for a spare (s); "
                   f"columns: the relaunch (s); bold where <= {BEST_TARGET}:", "",

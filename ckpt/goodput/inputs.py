@@ -21,6 +21,7 @@ from pathlib import Path
 from .inprocess import InProcessCosts
 from .model import KINDS, Lead, Recovery, Run, Skill, Strategy
 from .restart import RestartCosts
+from .scaling import fitted
 
 
 def _packaged(name: str) -> dict:
@@ -38,7 +39,16 @@ INPROCESS = _packaged("inprocess_nvrx.json")  # (f)'s phases and snapshot cost, 
 # Adam moments) over 16,384 GPUs.
 STATE_GB_PER_GPU = round(405e9 * 14 / 16384 / 1e9, 3)
 DEFAULT_RESTART = RestartCosts()  # the restart phases' defaults (docs/goodput.md, "Restart phases")
-DEFAULT_INPROCESS = InProcessCosts(**INPROCESS["values"])
+AGREE_FROM = "membership_round"  # scale_bench's component that (f)'s agree phase is measured by
+
+
+def inprocess_at(gpus: int, **given: float) -> InProcessCosts:
+    """(f)'s phases for a run of ``gpus`` ranks: agree measured (our membership round,
+    ``scaling.fitted``), the rest borrowed (``INPROCESS``), any of them replaced by ``given``."""
+    return InProcessCosts(**{**INPROCESS["values"], "agree_s": fitted(AGREE_FROM, gpus).seconds, **given})
+
+
+DEFAULT_INPROCESS = inprocess_at(Run().gpus)
 NIC_GBIT_PER_NODE = 100.0  # the front-end NIC replicas travel over (the GPUs' own fabric is the job's)
 
 

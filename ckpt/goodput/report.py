@@ -57,9 +57,14 @@ def phases_table(run: Run, strategies: list[Strategy]) -> str:
     return "\n".join(rows)
 
 
-def inprocess_table(costs: InProcessCosts) -> str:
+def inprocess_table(costs: InProcessCosts, inputs: dict[str, dict[str, str]] | None = None) -> str:
     """One in-process recovery's phases after detection, in seconds (the restore is the
-    strategy's, as on the relaunch path)."""
+    strategy's, as on the relaunch path); with ``inputs``, a row saying which each phase is:
+    measured by our benchmark, borrowed from a published figure, or given."""
     phases = costs.phases()
-    return "\n".join(["| " + " | ".join(phases) + " | total |", "|" + "---:|" * (len(phases) + 1),
-                      "| " + " | ".join(f"{v:g}" for v in phases.values()) + f" | {costs.total_s:g} |"])
+    rows = ["| " + " | ".join(phases) + " | total |", "|" + "---:|" * (len(phases) + 1),
+            "| " + " | ".join(f"{v:.3g}" for v in phases.values()) + f" | {costs.total_s:.3g} |"]
+    if inputs:
+        rows.append("| " + " | ".join(inputs[f"{p}_s"]["kind"] for p in phases) + " | |")
+        rows += ["", *(f"- {name}: {v['source']}" for name, v in inputs.items() if v["kind"] == "measured")]
+    return "\n".join(rows)
