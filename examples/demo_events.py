@@ -60,14 +60,18 @@ def wait_restore(run: Run, node: str, rank: int, job: subprocess.Popen, timeout:
         time.sleep(0.1)
 
 
-def failure_gate(run: Run, with_predictor: bool, store_steps: list[int], late: bool) -> str | None:
+def failure_gate(run: Run, with_predictor: bool, store_steps: list[int], late: bool, step: int,
+                 every: int) -> str | None:
     """What the story still needs before the node may fail, or None once it may fail.
 
     The failure is scheduled by the wall clock but checkpoints come by training steps: on a
-    slow machine the job may not have saved anything yet when the clock says "fail".
-    With the predictor the node fails once the urgent checkpoint is durable off-node (or,
-    ``late`` — the alarm never came — once any checkpoint is); periodic-only once a
-    periodic checkpoint is in the object store, else there would be nothing to restore."""
+    slow machine the job may not have saved anything yet when the clock says "fail". Both
+    runs fail at the same step, past the first periodic checkpoint (``every``: the relaunch
+    restores from it). With the predictor the node fails once the urgent checkpoint is durable
+    off-node (or, ``late`` — the alarm never came — once any checkpoint is); the relaunch once
+    a periodic checkpoint is in the object store, else there would be nothing to restore."""
+    if step <= every:
+        return f"a periodic checkpoint behind it (step {every}: the relaunch restores from one)"
     if with_predictor and "urgent_durable" not in run.events and not late:
         return "the urgent checkpoint to be durable off-node"
     if not store_steps and not (with_predictor and "urgent_durable" in run.events):
@@ -122,7 +126,7 @@ def wait_for_failure(run: Run, args: argparse.Namespace, job: subprocess.Popen, 
             continue
         if now - polled > 2:
             store_steps, polled = object_store_steps(run, args), now
-        need = failure_gate(run, with_predictor, store_steps, late=now > t_fail + args.alarm_grace)
+        need = failure_gate(run, with_predictor, store_steps, now > t_fail + args.alarm_grace, step, args.every)
         if need is None:
             break
         if need != waiting:

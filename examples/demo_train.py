@@ -81,7 +81,7 @@ def main() -> None:
         return float(loss.detach())
 
     def warm_up() -> None:  # a spare, while it waits: its first step's one-off costs, paid now
-        import torch.distributed._functional_collectives  # noqa: F401 - DDP's first construction imports it: 7 s here
+        import torch._dynamo  # noqa: F401 - DDP's first construction imports it (800 modules: 4-17 s on this box)
 
         model = GPT(cfg)
         model(torch.zeros(1, cfg.context, dtype=torch.long)).sum().backward()

@@ -73,15 +73,17 @@ def test_the_node_fails_only_once_the_job_has_what_the_story_needs(tmp_path: Pat
     """A slow start puts the scheduled failure before the first checkpoint: the demo waits
     for it rather than failing a node that has nothing to restore."""
     periodic = Run("relaunch", tmp_path)
-    assert failure_gate(periodic, False, [], late=False) == "a checkpoint in the object store"
-    assert failure_gate(periodic, False, [120], late=False) is None
+    for with_predictor in (True, False):  # both fail at one step, past the first periodic checkpoint
+        assert failure_gate(periodic, with_predictor, [], False, 120, 120).startswith("a periodic checkpoint behind")
+    assert failure_gate(periodic, False, [], False, 500, 120) == "a checkpoint in the object store"
+    assert failure_gate(periodic, False, [120], False, 500, 120) is None
     predicted = Run("in-process", tmp_path)
-    assert failure_gate(predicted, True, [120], late=False) == "the urgent checkpoint to be durable off-node"
+    assert failure_gate(predicted, True, [120], False, 500, 120) == "the urgent checkpoint to be durable off-node"
     predicted.events["urgent_durable"] = 1.0
-    assert failure_gate(predicted, True, [], late=False) is None  # durable off-node means in the object store too
+    assert failure_gate(predicted, True, [], False, 500, 120) is None  # durable off-node means in the object store too
     no_alarm = Run("in-process", tmp_path)  # the alarm never came: fail once a periodic checkpoint is there
-    assert failure_gate(no_alarm, True, [], late=True) == "a checkpoint in the object store"
-    assert failure_gate(no_alarm, True, [120], late=True) is None
+    assert failure_gate(no_alarm, True, [], True, 500, 120) == "a checkpoint in the object store"
+    assert failure_gate(no_alarm, True, [120], True, 500, 120) is None
 
 
 def test_an_object_store_not_written_yet_holds_no_steps(tmp_path: Path) -> None:
