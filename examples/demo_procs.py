@@ -94,9 +94,9 @@ def lose_node(run: Run, proc: subprocess.Popen, memory: Path, root: Path) -> lis
     """The GPU fails: the node's processes (``proc`` and all below it) die with it, then its
     memory and local disk are gone. Records the failure's time and rank 0's last step; returns
     rank 0's steps until then."""
+    run.events["failure"] = time.time()  # the SIGKILL: what the figures count from
     kill_tree(proc.pid)
     proc.wait()
-    run.events["failure"] = time.time()
     done = run.timeline()
     run.events["last_step"] = done[-1]["step"] if done else 0
     shutil.rmtree(memory, ignore_errors=True)
