@@ -3,7 +3,7 @@ MLP trained data-parallel on gloo (gradients all-reduced by hand), a fixed globa
 over however many ranks are left, a checkpoint every step.
 
     inprocess_child.py --root DIR --steps N --events FILE [--kill-worker W --kill-at S] [--resume-step S]
-        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S
+        [--evict-worker W | --node-failed-gpu G | --stall-worker W] --kill-at S [--alarm-at S --save-every N]
         [--memory-dir D] [--peers 1 | --object-store URL] [--model gpt] [--overlap] [--loader-workers N] [--own-dirs]
 
 Each worker appends JSON lines to ``--events``: start (pid), recovery (phases), done (weights digest).
@@ -89,6 +89,9 @@ def main() -> None:
                     help="this worker (a spare) SIGKILLs itself as it builds in round 1: a second fault in a recovery")
     ap.add_argument("--lmr", action="store_true", help="after each step, lm-resiliency's C3 compares parameters and "
                     "optimizer state across the ranks (its SDC check; events 'lmr')")
+    ap.add_argument("--alarm-at", type=int, default=-1,
+                    help="in step --alarm-at, worker 0's predictor listener hears \"checkpoint now\" (as on the alarm)")
+    ap.add_argument("--save-every", type=int, default=1)
     ap.add_argument("--listen", action="store_true",
                     help="start the predictor listener (nothing listens at its address: the predictor is down)")
     ap.add_argument("--peer-fault", choices=("wrong_at_save", "stall_receive"), default=None,
@@ -213,6 +216,8 @@ def main() -> None:
             listener.on_node_failed({"event": "node_failed", "node": node_name(), "gpu": gpu, "xid": 79,
                                      "reason": f"critical XID 79 on GPU {gpu}"})
             acted_on()
+        if worker == 0 and i == args.alarm_at:
+            listener.requests.request()  # what the listener does on the predictor's "checkpoint" event
         ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
         sdc = args.sdc if worker == args.sdc_worker and i == args.kill_at and ctx.round == 0 and \
             os.environ[membership.ATTEMPT_ENV] == "0" else None
@@ -275,8 +280,8 @@ def main() -> None:
                              "replicated": [] if args.own_copies else ["model", "optim"],
                              "memory_dir": args.memory_dir, "peers": args.peers, "object_store": args.object_store,
                              **({"overlap": True} if args.overlap else {})},
-                 resume_step=args.resume_step, collective_timeout_s=20.0, on_recovery=on_recovery,
-                 warm_up=warm_up, listener=listener)
+                 save_every=args.save_every, resume_step=args.resume_step, collective_timeout_s=20.0,
+                 on_recovery=on_recovery, warm_up=warm_up, listener=listener)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in result.objects["model"].parameters()))
     finite = all(bool(torch.isfinite(p).all()) for p in result.objects["model"].parameters())
     emit(event="done", steps=result.steps_done, digest=digest.hexdigest(), finite=finite,

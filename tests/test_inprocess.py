@@ -172,6 +172,18 @@ def test_predictor_node_failed_evicts_only_that_rank(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_a_predictor_alarm_makes_every_rank_save_urgently(tmp_path):
+    """2 ranks saving every 100 steps: in step 3 worker 0's listener hears the predictor's
+    "checkpoint now"; at the next boundary both ranks agree and save step 4 urgently (as
+    ``ckpt.resumable`` does), which becomes durable, and the run goes on to its end."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "2",
+                 child=("--steps", "8", "--save-every", "100", "--alarm-at", "3"))
+    assert log.count("urgent checkpoint at step 4") == 2, log[-3000:]  # one line per rank
+    assert "urgent checkpoint of step 4 durable in every tier" in log and "urgent checkpoint at step 5" not in log
+    assert {w: e["steps"] for w, e in finals(events(tmp_path / "a.jsonl")).items()} == {0: 8, 1: 8}
+
+
+@pytest.mark.timeout(600)
 def test_a_rank_left_behind_is_evicted_by_the_progress_deadline(tmp_path):
     """3 ranks: worker 1 stops stepping after step 4 (alive, beating: not frozen); the others
     wait for it in step 5's collective. Past ``--progress-s`` the launcher evicts it as the

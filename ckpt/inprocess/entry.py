@@ -33,24 +33,26 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
         checkpoint: Mapping[str, Any], state_of: Callable[[T], dict] = lambda objects: objects,
         save_every: int = 1, resume_step: int | None = None, collective_timeout_s: float = 30.0,
         membership_timeout_s: float = 30.0, on_recovery: Callable[[Recovery], None] | None = None,
-        warm_up: Callable[[], Any] | None = None, listener: RiskListener | None = None) -> Result[T]:
+        warm_up: Callable[[], Any] | None = None, listener: RiskListener | None = None,
+        elevated_every: int | None = None) -> Result[T]:
     """Train ``steps`` steps: in process under our launcher (``runner.run``, every argument
-    documented there), by relaunch under torchrun (``membership_timeout_s``, ``warm_up`` and
-    ``listener`` then have nothing to do)."""
+    documented there), by relaunch under torchrun (``membership_timeout_s`` and ``warm_up``
+    then have nothing to do; the ``listener``'s alarms still make urgent saves)."""
     if runner.WORKER_ENV in os.environ:
         return runner.run(build, step, steps=steps, checkpoint=checkpoint, state_of=state_of, save_every=save_every,
                           resume_step=resume_step, collective_timeout_s=collective_timeout_s,
                           membership_timeout_s=membership_timeout_s, on_recovery=on_recovery, warm_up=warm_up,
-                          listener=listener)
+                          listener=listener, elevated_every=elevated_every)
     return run_relaunched(build, step, steps=steps, checkpoint=checkpoint, state_of=state_of, save_every=save_every,
                           resume_step=resume_step, collective_timeout_s=collective_timeout_s,
-                          on_recovery=on_recovery)
+                          on_recovery=on_recovery, listener=listener, elevated_every=elevated_every)
 
 
 def run_relaunched(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int,
                    checkpoint: Mapping[str, Any], state_of: Callable[[T], dict], save_every: int,
                    resume_step: int | None, collective_timeout_s: float,
-                   on_recovery: Callable[[Recovery], None] | None) -> Result[T]:
+                   on_recovery: Callable[[Recovery], None] | None, listener: RiskListener | None = None,
+                   elevated_every: int | None = None) -> Result[T]:
     """One process's life under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``)
     or alone (world size 1): a fault raises out of here and ends it; torchrun's restart
     (``TORCHELASTIC_RESTART_COUNT``) is reported to ``on_recovery`` at its first resumed step."""
@@ -77,7 +79,8 @@ def run_relaunched(build: Callable[[Context], T], step: Callable[[T, int], Any],
     recoveries: list[Recovery] = []
     recovered = partial(_relaunch_recovery, restart, rank, world, restored, marks) if restart else None
     progress.train(objects, step, mgr, state, steps=steps, save_every=save_every,
-                   first=recovered and partial(record, recoveries, on_recovery, recovered))
+                   first=recovered and partial(record, recoveries, on_recovery, recovered), listener=listener,
+                   elevated_every=elevated_every)
     mgr.close()
     dist.destroy_process_group()
     return Result(objects, progress.done, recoveries)

@@ -31,6 +31,7 @@ import torch.distributed.checkpoint.state_dict  # noqa: F401 - a shrink's restor
 
 from ..control import Control
 from ..errors import CheckpointError, UnsoundState
+from ..integrations.loop import save_at_boundary
 from ..integrations.risk import RiskListener
 from ..manager import CheckpointManager
 from ..peers.placement import node_name
@@ -99,11 +100,15 @@ class Steps:
 
     def train(self, objects: T, step: Callable[[T, int], Any], mgr: CheckpointManager, state: dict, *, steps: int,
               save_every: int, before: Callable[[], None] = lambda: None,
-              after: Callable[[int], None] = lambda done: None, first: Callable[[], None] | None = None) -> None:
+              after: Callable[[int], None] = lambda done: None, first: Callable[[], None] | None = None,
+              listener: RiskListener | None = None, elevated_every: int | None = None) -> None:
         """Steps ``done`` .. ``steps``: ``before()``, the step, ``after(done)``, ``first()`` once
         (a recovery ends with the first step it resumes), then a save every ``save_every`` steps
         (a step that returns its loss, or ``(loss, grad_norm)``, feeds ``mgr.record``: the canary)
-        and at the last (the caller's normal ``close()`` then frees the memory slots once durable)."""
+        and at the last (the caller's normal ``close()`` then frees the memory slots once durable).
+        With the predictor's ``listener`` (on every rank), its alarms and ``elevated_every`` are
+        decided at each boundary as ``ckpt.resumable`` does (``save_at_boundary``: one agreement
+        a step, so an alarm heard on any rank makes every rank save that step urgently)."""
         while self.done < steps:
             before()
             if (loss := figures(step(objects, self.done))) is not None:  # a step returning its loss: the canary
@@ -113,7 +118,12 @@ class Steps:
             if first is not None:
                 first()
                 first = None
-            if self.done % save_every == 0 or self.done == steps:
+            if listener is not None:
+                saved = save_at_boundary(mgr, listener.requests, self.done, lambda: state, save_every,
+                                         listener=listener, elevated_every=elevated_every)
+                if not saved and self.done == steps:
+                    mgr.save(self.done, state)
+            elif self.done % save_every == 0 or self.done == steps:
                 mgr.save(self.done, state)
 
 
@@ -129,7 +139,8 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
         checkpoint: Mapping[str, Any], state_of: Callable[[T], dict] = lambda objects: objects,
         save_every: int = 1, resume_step: int | None = None, collective_timeout_s: float = 30.0,
         membership_timeout_s: float = 30.0, on_recovery: Callable[[Recovery], None] | None = None,
-        warm_up: Callable[[], Any] | None = None, listener: RiskListener | None = None) -> Result[T]:
+        warm_up: Callable[[], Any] | None = None, listener: RiskListener | None = None,
+        elevated_every: int | None = None) -> Result[T]:
     """Train ``steps`` steps under ``python -m ckpt.inprocess.launch``, recovering in process.
 
     ``checkpoint``: ``CheckpointManager`` keyword arguments (its ``root`` first); a step is saved
@@ -140,13 +151,15 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
     on which the launcher relaunches the job. ``warm_up`` runs in a warm spare while it waits
     (no process group yet): build a model and take a local step, so the first step after it is
     called in pays no lazy import or first-use cost. ``listener``: the predictor's
-    ``RiskListener`` (started by the caller); its "node_failed" events evict the workers on the
-    lost GPU (``evictions.on_node_failed``) instead of ending the job."""
+    ``RiskListener`` (started by the caller, one on every rank, or on none); its "checkpoint"
+    alarms make the next step save urgently on every rank (and ``elevated_every`` the interval
+    while a node is at risk), its "node_failed" events evict the workers on the lost GPU
+    (``evictions.on_node_failed``) instead of ending the job."""
     try:
         return _run(build, step, steps=steps, checkpoint=checkpoint, state_of=state_of, save_every=save_every,
                     resume_step=resume_step, collective_timeout_s=collective_timeout_s,
                     membership_timeout_s=membership_timeout_s, on_recovery=on_recovery, warm_up=warm_up,
-                    listener=listener)
+                    listener=listener, elevated_every=elevated_every)
     except FallBack as e:
         log.error("ckpt-guard inprocess: falling back to a relaunch: %s", e)
         _tell_launcher(str(e))
@@ -157,7 +170,8 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
 def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int, checkpoint: Mapping[str, Any],
          state_of: Callable[[T], dict], save_every: int, resume_step: int | None, collective_timeout_s: float,
          membership_timeout_s: float, on_recovery: Callable[[Recovery], None] | None,
-         warm_up: Callable[[], Any] | None, listener: RiskListener | None) -> Result[T]:
+         warm_up: Callable[[], Any] | None, listener: RiskListener | None,
+         elevated_every: int | None) -> Result[T]:
     # What exists now (torch and the user's imports) is never garbage: frozen, it is left out of
     # the full collection each recovery runs, which took 0.15 s of a 0.35 s recovery here
     gc.freeze()
@@ -209,7 +223,8 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                            before=partial(_raise_if_changed, store, current.round),
                            after=lambda done, r=current.round: store.put(membership.step_key(worker), str(done),
                                                                       round=r),
-                           first=recovered and partial(record, recoveries, on_recovery, recovered))
+                           first=recovered and partial(record, recoveries, on_recovery, recovered),
+                           listener=listener, elevated_every=elevated_every)
             mgr.close()  # finished: this rank's memory slots go once every save is durable
             return Result(objects, progress.done, recoveries)
         except Exception as e:
