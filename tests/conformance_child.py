@@ -163,7 +163,7 @@ def attempt(fn) -> str:
     try:
         return fn()
     except (Exception, CheckpointException) as e:  # a verdict, not a crash (DCP's is a BaseException)
-        line = (str(e).strip().splitlines() or [""])[0]
+        line = " / ".join(x.strip() for x in str(e).strip().splitlines()[:3])  # a refusal says why on its next lines
         if "--trace" in sys.argv:
             traceback.print_exc()
         return f"error: {type(e).__name__}: {line[:300]}"

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError, ManifestError
+from ..errors import CheckpointError, ManifestError, StateMismatch
 
 if TYPE_CHECKING:
     import torch
@@ -89,8 +89,11 @@ def layout_of(t: Any, path: str = "") -> Layout:
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     if layout.local_shape != tuple(t.to_local().shape) and not (outside_mesh(t) and t.to_local().numel() == 0):
-        raise CheckpointError(f"{path}: DTensor local shape {tuple(t.to_local().shape)} does not match its placements "
-                              f"{list(layout.placements)} ({layout.local_shape}); cannot record where it lies")
+        # the state contradicts itself, not the checkpoint: no older step would restore into it either
+        raise StateMismatch(f"{path}: DTensor local shape {tuple(t.to_local().shape)} does not match its placements "
+                            f"{list(layout.placements)} ({layout.local_shape}); cannot record where it lies (a "
+                            "DeviceMesh over ranks out of order with FSDP2 gives such shards: build the mesh in rank "
+                            "order, or use one rank)")
     return layout
 
 
