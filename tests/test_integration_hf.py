@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.integration_helpers import assert_crash_is_timed, assert_ddp_resumes_exactly, assert_resumes_exactly
+from tests.integration_helpers import assert_ddp_resumes_exactly, assert_resumes_exactly
 
 
 def test_interrupted_hf_run_resumes_exactly(tmp_path: Path, shm_dir: str) -> None:
@@ -17,9 +17,6 @@ def test_interrupted_hf_run_resumes_exactly(tmp_path: Path, shm_dir: str) -> Non
 
 
 def test_two_ddp_ranks_resume_exactly_and_save_together(tmp_path: Path, shm_dir: str) -> None:
+    """And a crash by an exception on one rank is timed for the restart, as in ``ckpt.resumable``
+    (the same launch: ``assert_ddp_resumes_exactly``)."""
     assert_ddp_resumes_exactly("examples.train_hf", tmp_path, shm_dir, restored=[4, 10, 12])
-
-
-def test_a_crash_is_timed_for_the_restart(tmp_path: Path, shm_dir: str) -> None:
-    """An exception on one rank is recorded as the fault, as in ``ckpt.resumable``."""
-    assert_crash_is_timed("examples.train_hf", tmp_path, shm_dir)

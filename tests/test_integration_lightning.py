@@ -14,7 +14,7 @@ import torch
 
 import ckpt
 from tests.ckpt_helpers import REPO
-from tests.integration_helpers import assert_crash_is_timed, assert_ddp_resumes_exactly, assert_resumes_exactly
+from tests.integration_helpers import assert_ddp_resumes_exactly, assert_resumes_exactly
 
 
 def test_interrupted_lightning_run_resumes_exactly(tmp_path: Path, shm_dir: str) -> None:
@@ -24,6 +24,8 @@ def test_interrupted_lightning_run_resumes_exactly(tmp_path: Path, shm_dir: str)
 
 
 def test_two_ddp_ranks_resume_exactly_and_save_together(tmp_path: Path, shm_dir: str) -> None:
+    """And a crash by an exception on one rank is timed for the restart, as in ``ckpt.resumable``
+    (the same launch: ``assert_ddp_resumes_exactly``)."""
     assert_ddp_resumes_exactly("examples.train_lightning", tmp_path, shm_dir, restored=[4, 11, 12])
 
 
@@ -176,8 +178,3 @@ def test_lightning_saves_and_restores_through_public_api_only(tmp_path: Path, sh
                                                    strict=True)), "the resumed run diverged"
     assert counter.batches == clean_counter.batches == 10  # 4 restored (it counts before the save) + 6
     assert data.loaders == 2 and clean_data.loaders == 1  # the crashed run's loader, restored, + its own
-
-
-def test_a_crash_is_timed_for_the_restart(tmp_path: Path, shm_dir: str) -> None:
-    """An exception on one rank is recorded as the fault, as in ``ckpt.resumable``."""
-    assert_crash_is_timed("examples.train_lightning", tmp_path, shm_dir)

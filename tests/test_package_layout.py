@@ -185,3 +185,12 @@ def test_predictor_entry_points_resolve():
     out = subprocess.run([sys.executable, "-m", "predictor.cli", "--help"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "python -m predictor.cli" in out.stdout, out.stderr
+
+
+def test_a_rank_that_holds_no_dtensor_does_not_import_its_module():
+    """torch.distributed.tensor costs half of ``import torch`` again in every rank (and every torchrun
+    rank of the suite): the engine tells a DTensor apart without importing it (``format.state.is_dtensor``)."""
+    code = ("import sys, ckpt.manager, ckpt.restore.reshard\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.tensor')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

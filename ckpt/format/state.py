@@ -13,6 +13,7 @@ never RecursionError.
 from __future__ import annotations
 
 import base64
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -23,10 +24,13 @@ from ..errors import CheckpointError
 from .layout import Layout, layout_of
 from .manifest import DTYPE_NAMES, DTYPES, MAX_JSON_DEPTH, ManifestError
 
-try:  # DTensor (FSDP2, tensor parallel): each rank keeps its local shard
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = ()  # type: ignore[assignment,misc]
+
+def is_dtensor(obj: Any) -> bool:
+    """Whether ``obj`` is a DTensor (FSDP2, tensor parallel: each rank keeps its local shard).
+    Its module is not imported for the question: it costs half of ``import torch`` again (about
+    1 s in every rank), and no object is a DTensor before something (FSDP2, the user) imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, getattr(module, "DTensor", ()))
 
 _TAGS = ("__tensor__", "__dtensor__", "__ndarray__", "__tuple__", "__bytes__", "__dict__", "__dtype__",
          "__device__", "__size__", "__npscalar__", "__complex__")
@@ -43,7 +47,7 @@ class FlatState:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The bytes this rank holds: a DTensor's local shard, any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def is_stateful(obj: Any) -> bool:
@@ -61,7 +65,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         if depth + _DEEPEST_TAG > MAX_JSON_DEPTH:
             raise CheckpointError(f"{path}: the state is nested too deeply to checkpoint "
                                   f"(readers accept {MAX_JSON_DEPTH} levels of JSON)")
-        if isinstance(obj, DTensor):
+        if is_dtensor(obj):
             layout, local = layout_of(obj, path), obj.to_local()
             if tuple(local.shape) != layout.local_shape:  # outside a sub-mesh: nothing, in the tensor's dims
                 local = local.new_empty(layout.local_shape)
@@ -202,7 +206,7 @@ def tensor_targets(state: Mapping[str, Any], tree: Any, *, any_kind: bool = Fals
             walk(target.state_dict(), node, depth + 1)
         elif isinstance(target, torch.Tensor) and isinstance(node, dict) and len(node) == 1:
             (tag, ref), = node.items()
-            kinds = ("__tensor__", "__dtensor__") if any_kind else ("__dtensor__" if isinstance(target, DTensor)
+            kinds = ("__tensor__", "__dtensor__") if any_kind else ("__dtensor__" if is_dtensor(target)
                                                                     else "__tensor__",)
             if tag in kinds and isinstance(ref, int):
                 targets[ref] = target.detach()

@@ -36,7 +36,7 @@ from ..errors import CheckpointError, ManifestError, StateMismatch
 from ..format.layout import Layout, full_layout, layout_of
 from ..format.manifest import ShardManifest, TensorEntry
 from ..format.read_items import ChunkRead
-from ..format.state import DTensor, decode_tree, local_tensor, tensor_targets, tree_holds, unflatten
+from ..format.state import decode_tree, is_dtensor, local_tensor, tensor_targets, tree_holds, unflatten
 from ..format.tensor_io import read_chunks, read_tensors
 from ..tiers.base import CheckpointId, TierReader
 from .execute import LOCAL, OpenShards, first_sound, load_plan, restore_agreed, shard_manifest
@@ -197,7 +197,7 @@ def _ids(tree: Any) -> list[int]:
 def _change(e: TensorEntry, t: torch.Tensor | None) -> str | None:
     """Why saved tensor ``e`` does not cover exactly the elements of its target ``t``; None
     where it does (or where neither is sharded: a plain tensor, or one with no target)."""
-    mine = layout_of(t, e.path) if isinstance(t, DTensor) else None
+    mine = layout_of(t, e.path) if is_dtensor(t) else None
     if e.layout is None and mine is None:
         return None
     if t is None:
@@ -269,7 +269,7 @@ def require_layouts(manifests: Mapping[int, ShardManifest], ckpt_id: CheckpointI
 
 
 def _layout(t: torch.Tensor, path: str) -> Layout:
-    return layout_of(t, path) if isinstance(t, DTensor) else full_layout(tuple(t.shape))
+    return layout_of(t, path) if is_dtensor(t) else full_layout(tuple(t.shape))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import StateMismatch
 from ..format.manifest import DTYPE_NAMES, MAX_JSON_DEPTH, ManifestError, TensorEntry
-from ..format.state import DTensor, decode_tree, is_stateful, local_tensor
+from ..format.state import decode_tree, is_dtensor, is_stateful, local_tensor
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _apply(target: Any, value: Any) -> Any:
         return target
     if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
         with torch.no_grad():  # a DTensor's local shard read apart from it (not contiguous): into the shard
-            (local_tensor(target) if not isinstance(value, DTensor) else target).copy_(value)
+            (local_tensor(target) if not is_dtensor(value) else target).copy_(value)
         return target
     if isinstance(target, np.ndarray) and isinstance(value, np.ndarray):
         target[...] = value
@@ -201,7 +201,7 @@ def _layout(x: Any) -> tuple[str, tuple[int, ...], str] | None:
         return kind, x.shape, DTYPE_NAMES.get(x.dtype, str(x.dtype))
     if isinstance(x, torch.Tensor):
         local = local_tensor(x)
-        return ("DTensor" if isinstance(x, DTensor) else "tensor", tuple(local.shape),
+        return ("DTensor" if is_dtensor(x) else "tensor", tuple(local.shape),
                 DTYPE_NAMES.get(x.dtype, str(x.dtype)))
     if isinstance(x, np.ndarray):
         return "numpy array", x.shape, _numpy_dtype_name(x.dtype)
