@@ -49,7 +49,7 @@ from ..control import control_key
 from . import membership, progress
 from .lifeline import Lifelines
 from .node import POLL_S, NodeLauncher, run_node
-from .runner import BEAT_S, EXIT_FALLBACK
+from .protocol import BEAT_S, EXIT_FALLBACK
 
 log = logging.getLogger("ckpt.inprocess.launch")
 MAX_REWINDS = 3  # unsound snapshots a launch goes back from in process before it relaunches

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..control import Control, control_key
 from ..recovery.hang_policy import HangDetection
 from . import lifeline, membership, progress
-from .runner import BEAT_S, LAUNCHER_ENV, WORKER_ENV
+from .protocol import BEAT_S, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.node")
 POLL_S = 0.01  # a launcher tick

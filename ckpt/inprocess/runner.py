@@ -38,15 +38,11 @@ from ..peers.placement import node_name
 from ..recovery.leaving import flush_logs
 from ..save.canary import CanaryFailed, figures
 from . import evictions, group, membership
+from .protocol import BEAT_S, EXIT_FALLBACK, EXIT_LEAVE, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-WORKER_ENV = "CKPT_INPROCESS_WORKER"
-LAUNCHER_ENV = "CKPT_INPROCESS_LAUNCHER_PID"
-BEAT_S = 0.2
-EXIT_FALLBACK = 75  # "relaunch the job": no round came, or this worker is in none
-EXIT_LEAVE = 76  # "go on without me": a sticky device error (XID 79 leaves one); never resumed in place
 
 
 class FallBack(RuntimeError):
