@@ -43,6 +43,7 @@ class FlatState:
     tensors: list[tuple[str, torch.Tensor]]  # (path in the tree, tensor); index == id
     tree: Any
     layouts: dict[int, Layout] = field(default_factory=dict)  # a DTensor's id -> where its local shard lies
+    kinds: list[tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=list)  # each tensor's dtype and shape
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +58,7 @@ def is_stateful(obj: Any) -> bool:
 def flatten(state: Mapping[str, Any]) -> FlatState:
     """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely."""
     tensors: list[tuple[str, torch.Tensor]] = []
+    kinds: list[tuple[torch.dtype, tuple[int, ...]]] = []  # read once here: a save's layout is keyed on them
     layouts: dict[int, Layout] = {}
     seen: dict[tuple, int] = {}  # tied weights (same memory, same view, same conj/neg bits) are stored once
 
@@ -78,10 +80,14 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             if obj.dtype not in DTYPE_NAMES:
                 raise CheckpointError(f"{path}: unsupported dtype {obj.dtype}")
             # a conj() or neg view shares the memory but not the values: its bit is part of the key
-            key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride(), obj.is_conj(), obj.is_neg())
+            conj, neg, shape = obj.is_conj(), obj.is_neg(), tuple(obj.shape)
+            key = (obj.device, obj.data_ptr(), obj.dtype, shape, obj.stride(), conj, neg)
             if obj.numel() and key in seen:
                 return {"__tensor__": seen[key]}
-            tensors.append((path, obj.detach().resolve_conj().resolve_neg()))
+            # detached only where it matters (a state_dict's tensors already are): a detach is most of a tensor's cost
+            tensors.append((path, obj.detach().resolve_conj().resolve_neg() if obj.requires_grad or conj or neg
+                            else obj))
+            kinds.append((obj.dtype, shape))
             seen[key] = len(tensors) - 1
             return {"__tensor__": len(tensors) - 1}
         if isinstance(obj, np.ndarray):
@@ -89,6 +95,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
                 raise CheckpointError(f"{path}: numpy arrays of dtype {obj.dtype} are not supported")
             # ascontiguousarray turns a 0-d array into shape (1,); keep the shape
             tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))))
+            kinds.append((tensors[-1][1].dtype, tuple(obj.shape)))
             return {"__ndarray__": len(tensors) - 1}
         if is_stateful(obj):
             return enc(obj.state_dict(), path, depth)
@@ -123,7 +130,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         raise CheckpointError(f"{path or '<root>'}: cannot checkpoint a value of type {type(obj).__name__}")
 
     tree = enc(dict(state), "", 1)  # the tree is a member of the shard manifest's top object
-    return FlatState(tensors, tree, layouts)
+    return FlatState(tensors, tree, layouts, kinds)
 
 
 def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:

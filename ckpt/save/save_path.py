@@ -16,9 +16,9 @@ from ..format.state import flatten
 from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader, ShardRef
-from ..tiers.memory.copier import plan_layout
 from .canary import Canary
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
+from .layout_cache import LayoutCache
 from .overlap import StagedSnapshot, StepHooks, deferrable, modules_in, optimizers_in, step_written
 from .soundness import NOTHING, Inspection, Scope, scope_of, where
 
@@ -71,6 +71,7 @@ class SavePath:
     node: str = "?"  # this rank's node, as culprits are named
     canary: Canary | None = None  # the reference each save carries for the one before (``canary.py``)
     _refs: dict[int, dict | None] = dataclasses.field(default_factory=dict)  # by slot
+    layouts: LayoutCache = dataclasses.field(default_factory=LayoutCache)  # the last save's, while it holds
 
     def __post_init__(self) -> None:
         # each committed step is recorded beside the slots, for whoever sweeps them (tiers/memory/owners.py)
@@ -159,8 +160,7 @@ class SavePath:
     def _reserve(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
                  state: Mapping[str, Any]) -> tuple[FlatState, ShmSlot, ShardManifest]:
         flat = flatten(part)
-        entries, nbytes = plan_layout(flat.tensors)
-        entries = [dataclasses.replace(e, layout=flat.layouts.get(e.id)) for e in entries]
+        entries, nbytes = self.layouts.plan(flat)
         manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
                                  self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
                                  param_names=param_names(state))

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from ...errors import CheckpointError
-from ...format.manifest import ManifestError, ShardManifest
+from ...format.manifest import ManifestError, ShardManifest, TensorEntry
 from ..base import CheckpointId
 from ..fsutil import atomic_write
 from .copier import PendingCopy, TensorCopier
@@ -90,6 +90,7 @@ class ShmSlot:
         self._lock = threading.Lock()  # the background preparer and the training thread both map and pin
         self.idle = threading.Event()  # set when no drain is reading this slot
         self.idle.set()
+        self._views: tuple[list, torch.Tensor, list] | None = None  # (entries, buffer, their views): ``views``
         sealed = self.sealed() if self.meta_path.exists() else None
         self.holds: tuple[int, int] | None = (sealed.generation, sealed.step) if sealed else None  # (gen, step)
 
@@ -154,6 +155,19 @@ class ShmSlot:
         atomic_write(self.meta_path, manifest.to_bytes(), durable=False, mode=0o600)
         self.holds = (manifest.generation, manifest.step)
 
+    def views(self, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
+        """Each entry's place in the mapping, typed and shaped (None: empty). Kept for the same
+        list of entries (``save/layout_cache.py`` hands the same one while the layout holds)
+        and the same mapping: making 3 views a tensor was a large part of a save's cost."""
+        cached = self._views
+        if cached is not None and cached[0] is entries and cached[1] is self.buffer:
+            return cached[2]
+        buf = self.buffer
+        views = [buf[e.offset : e.offset + e.nbytes].view(e.torch_dtype).view(e.shape) if e.nbytes else None
+                 for e in entries]
+        self._views = (entries, buf, views)
+        return views
+
     def release(self) -> None:
         with self._lock:
             self._unmap()
@@ -165,6 +179,7 @@ class ShmSlot:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self._pinned = False
         self.buffer = None
+        self._views = None
         if self._mmap is not None:
             self._mmap.close()
             self._mmap = None
@@ -324,12 +339,7 @@ class SlotPool:
             slot.ensure(manifest.data_bytes)  # a rank with nothing to store still maps one byte
         if any(t.is_cuda for t in tensors):
             slot.pin()
-        buf = slot.buffer
-        pairs = []
-        for e, t in zip(manifest.tensors, tensors):
-            if e.nbytes:
-                pairs.append((buf[e.offset : e.offset + e.nbytes].view(e.torch_dtype).view(e.shape), t))
-        return pairs
+        return [(v, t) for v, t in zip(slot.views(manifest.tensors), tensors) if v is not None]
 
     def close(self, remove: bool = False) -> None:
         for s in self.slots:

@@ -1,0 +1,164 @@
+"""A save reuses the last save's layout while the state keeps its structure
+(``ckpt/save/layout_cache.py``): what it saves is byte for byte what a freshly planned
+save of the same state saves, and every structural change (a key added or removed or
+renamed, a tensor of another shape or dtype, a DTensor placed otherwise) plans anew,
+while plain values are read anew at every save."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckpt import CheckpointManager
+from ckpt.format.state import flatten
+from ckpt.save.layout_cache import LayoutCache
+from ckpt.tiers.base import CheckpointId
+from ckpt.tiers.memory.copier import plan_layout
+from tests.ckpt_helpers import assert_same
+
+
+def build(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "opt": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+            "rng": torch.get_rng_state(), "table": np.arange(12, dtype=np.int32), "data": {"position": 0}}
+
+
+def train_step(state: dict[str, Any]) -> None:
+    loss = state["model"](torch.randn(16, 8)).square().mean()
+    loss.backward()
+    state["opt"].step()
+    state["opt"].zero_grad()
+    state["sched"].step()
+    state["data"]["position"] += 16
+    state["rng"] = torch.get_rng_state()
+
+
+def snapshot_of(state: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()})
+
+
+def shard_files(mgr: CheckpointManager, step: int) -> tuple[bytes, bytes]:
+    """The disk tier's shard manifest (with its checksums) and data file of ``step``."""
+    info = next(i for i in mgr.list() if i["step"] == step)
+    d = mgr.disk.root / CheckpointId(info["generation"], step).name
+    return (d / "rank-00000.json").read_bytes(), (d / "rank-00000.bin").read_bytes()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_reused_layout_saves_what_a_fresh_plan_saves_byte_for_byte(tmp_path: Path, shm_dir: str,
+                                                                      overlap: bool) -> None:
+    state = build()
+    with CheckpointManager(tmp_path / "cached", memory_dir=shm_dir, keep_last=10, overlap=overlap,
+                           state=state) as cached:
+        for step in range(1, 6):
+            train_step(state)
+            cached.save(step, state)
+        expected = snapshot_of(state)
+        cached.wait()
+        assert (cached._saves.layouts.built, cached._saves.layouts.reused) == (1, 4)
+        with CheckpointManager(tmp_path / "fresh", memory_dir=shm_dir, run="fresh", overlap=overlap,
+                               state=state) as fresh:
+            fresh.save(5, state)  # the same state, its layout planned for this save alone
+            fresh.wait()
+            assert (fresh._saves.layouts.built, fresh._saves.layouts.reused) == (1, 0)
+            assert shard_files(cached, 5) == shard_files(fresh, 5)
+        probe = build(seed=7)
+        assert cached.restore(probe, step=5) == 5
+        assert_same(snapshot_of(probe), expected)
+
+
+def test_a_changed_structure_is_planned_anew_and_each_step_restores_bitwise(tmp_path: Path, shm_dir: str) -> None:
+    """Saving every step (overlapped) through each kind of change, and back."""
+    state = build()
+    changes: dict[int, Callable[[dict[str, Any]], None]] = {
+        3: lambda s: s.update(extra=torch.arange(6, dtype=torch.float32)),  # a key added
+        4: lambda s: s.update(extra=torch.arange(600, dtype=torch.float32)),  # another shape (the slot grows)
+        5: lambda s: s.update(extra=torch.arange(600, dtype=torch.float64)),  # another dtype
+        6: lambda s: s.update(renamed=s.pop("extra")),  # the same tensor under another key
+        7: lambda s: s.pop("renamed"),  # a key removed
+    }
+    expected, planned = {}, {}
+    with CheckpointManager(tmp_path / "ckpt", memory_dir=shm_dir, keep_last=20, overlap=True, state=state) as mgr:
+        for step in range(1, 10):
+            train_step(state)
+            if step in changes:
+                changes[step](state)
+            expected[step] = snapshot_of(state)
+            mgr.save(step, state)
+            planned[step] = mgr._saves.layouts.built
+            mgr.wait()  # every step to disk, none skipped for a newer one
+        assert [planned[s] - planned[s - 1] for s in range(2, 10)] == [0, 1, 1, 1, 1, 1, 0, 0]
+        for step in range(1, 10):
+            probe = build(seed=100 + step)
+            assert mgr.restore(probe, step=step) == step
+            assert_same(snapshot_of(probe), expected[step], f"step {step}")
+
+
+def planned(cache: LayoutCache, state: dict[str, Any]) -> tuple[list, int]:
+    return cache.plan(flatten(state))
+
+
+def fresh_plan(state: dict[str, Any]) -> tuple[list, int]:
+    return LayoutCache().plan(flatten(state))
+
+
+CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "key added": lambda s: s.update(c=torch.zeros(3)),
+    "key removed": lambda s: s.pop("b"),
+    "key renamed": lambda s: s.update(c=s.pop("b")),
+    "another shape": lambda s: s.update(b=torch.zeros(2, 3)),
+    "another dtype": lambda s: s.update(b=torch.zeros(6, dtype=torch.int16)),
+    "an array of another shape": lambda s: s.update(n=np.zeros(5)),
+    "a nested tensor added": lambda s: s["d"].update(t=torch.ones(1)),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_each_structural_change_plans_the_layout_anew(change: str) -> None:
+    state = {"a": torch.ones(4), "b": torch.zeros(6), "n": np.zeros(4), "d": {"lr": 0.1}}
+    cache = LayoutCache()
+    first = planned(cache, state)
+    assert planned(cache, state) is first and (cache.built, cache.reused) == (1, 1)
+    CHANGES[change](state)
+    again = planned(cache, state)
+    assert cache.built == 2 and again is not first
+    assert again == fresh_plan(state) == plan_layout(flatten(state).tensors)
+
+
+def test_plain_values_and_storage_are_read_at_every_save() -> None:
+    """Neither is part of the layout: the entries are reused, the tree and the tensors are new."""
+    state = {"a": torch.ones(4), "d": {"lr": 0.1, "position": 3}}
+    cache = LayoutCache()
+    first = planned(cache, state)
+    state["d"]["lr"], state["a"] = 0.05, torch.full((4,), 2.0)  # a scheduler's step; a new tensor, same kind
+    flat = flatten(state)
+    assert cache.plan(flat) is first
+    assert flat.tree["d"]["lr"] == 0.05 and torch.equal(flat.tensors[0][1], torch.full((4,), 2.0))
+
+
+def test_a_dtensor_placed_otherwise_plans_anew(tmp_path: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(8.0).reshape(4, 2)
+        state = {"w": distribute_tensor(full, mesh, [Shard(0)])}
+        cache = LayoutCache()
+        first = planned(cache, state)
+        assert planned(cache, state) is first
+        state["w"] = distribute_tensor(full, mesh, [Replicate()])  # same local shape, dtype and path
+        again = planned(cache, state)
+        assert cache.built == 2 and again == fresh_plan(state)
+        assert first[0][0].layout.placements != again[0][0].layout.placements
+    finally:
+        dist.destroy_process_group()
