@@ -19,6 +19,7 @@ measured in the same run. Not a test: nothing here asserts a speed.
 
     PYTHONPATH=. python benchmarks/overlap_bench.py [--device cpu|cuda] [--rounds 6] [--json out.json | --json -]
     PYTHONPATH=. python benchmarks/overlap_bench.py --arms none,overlap,verified   # overlap_verify's cost
+    PYTHONPATH=. python benchmarks/overlap_bench.py --arms none,overlap --tensors 8,64,256   # save() by tensor count
 """
 from __future__ import annotations
 
@@ -105,9 +106,11 @@ class DcpSaver:
 
 def run_block(arm: str, steps: int, model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor,
               save: Callable[[int], Any], before_step: Callable[[], None], counter: list[int],
-              blocking: list[float], staging_wait: list[float]) -> tuple[float, float, float]:
+              blocking: list[float], staging_wait: list[float],
+              save_cpu: list[float] | None = None) -> tuple[float, float, float]:
     """Mean seconds per step over ``steps`` steps, each followed by a save (but for "none"):
-    wall-clock, the process's CPU (training, copy and drain threads) and the training thread's CPU."""
+    wall-clock, the process's CPU (training, copy and drain threads) and the training thread's CPU.
+    ``blocking`` gets each save's wall-clock seconds, ``save_cpu`` its training-thread CPU seconds."""
     sync(batch.device.type)
     t0, c0, th0 = time.perf_counter(), time.process_time(), time.thread_time()
     for _ in range(steps):
@@ -120,9 +123,11 @@ def run_block(arm: str, steps: int, model: nn.Module, opt: torch.optim.Optimizer
         opt.zero_grad(set_to_none=False)
         counter[0] += 1
         if arm != "none":
-            s0 = time.perf_counter()
+            s0, st0 = time.perf_counter(), time.thread_time()
             save(counter[0])
             blocking.append(time.perf_counter() - s0)
+            if save_cpu is not None:
+                save_cpu.append(time.thread_time() - st0)
     sync(batch.device.type)
     return ((time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps,
             (time.thread_time() - th0) / steps)
@@ -143,22 +148,8 @@ def one_thread_copy_s(state_tensors: list[torch.Tensor], repeats: int = 5) -> fl
     return best
 
 
-def main() -> None:
-    ap = parser(__doc__)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--block", type=int, default=8, help="steps per block")
-    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated subset of " + ",".join(ARMS))
-    ap.add_argument("--drain-interval-s", type=float, default=1.0,
-                    help="the paced arm: overlap=True with this drain_interval_s (blocks should last several)")
-    ap.add_argument("--dir", default=None, help="where the disk root and DCP's directory go")
-    args = ap.parse_args()
-    arms = [a for a in ARMS if a in args.arms.split(",")]
-    meta = run_meta(threads=torch.get_num_threads(),
-                    device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu")
+def measure(args: argparse.Namespace, arms: list[str]) -> dict[str, Any]:
+    """Every arm on one model (``args.layers`` layers), in rounds; the figures of one configuration."""
     model, opt = build(args)
     batch = torch.randn(args.batch, args.width, device=args.device)
     model(batch).square().mean().backward()
@@ -169,7 +160,7 @@ def main() -> None:
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     work = Path(tempfile.mkdtemp(prefix="overlap-bench-", dir=args.dir))
     shm = [tempfile.mkdtemp(prefix="overlap-bench-", dir="/dev/shm") for _ in range(4)]
-    counter, blocking = [0], {a: [] for a in arms}
+    counter, blocking, save_cpu = [0], {a: [] for a in arms}, {a: [] for a in arms}
     blocks: list[dict[str, Any]] = []
     try:
         paced = {"overlap": True, "drain_interval_s": args.drain_interval_s}
@@ -196,7 +187,7 @@ def main() -> None:
                 save, before_step, settle = savers[a]
                 waited = [-ours[a].staged_wait_s if a in ours else 0.0]  # the pre-hook's waits, or DCP's
                 mean, cpu, thread = run_block(a, args.block, model, opt, batch, save, before_step, counter,
-                                              blocking[a], waited)
+                                              blocking[a], waited, save_cpu[a])
                 waited[0] += ours[a].staged_wait_s if a in ours else 0.0
                 c0 = time.process_time()
                 settle()  # what a block left to do in the background counts in its CPU, not its steps
@@ -230,6 +221,7 @@ def main() -> None:
         "mean_step_s": {a: spread(xs) for a, xs in step.items()},
         "cpu_per_step_s": {a: spread(xs) for a, xs in cpu.items()},
         "save_call_s": {a: spread(xs) for a, xs in blocking.items() if xs},
+        "save_thread_cpu_s": {a: spread(xs) for a, xs in save_cpu.items() if xs},  # save()'s training-thread CPU
         "slot_wait_s": slot_stall,
         "trainer_stall_per_step_s": {a: spread([b["trainer_stall_per_step_s"] for b in blocks if b["arm"] == a])
                                      for a in arms if a != "none"},
@@ -260,10 +252,46 @@ def main() -> None:
         if "cpu_overhead" in out:
             line += f"  CPU {100 * out['cpu_overhead'][a]:+.1f} %"
         if a in out["save_call_s"]:
-            line += (f"  save() returns in {1e3 * out['save_call_s'][a]['median']:.2f} ms, the trainer waits "
-                     f"{1e3 * out['trainer_stall_per_step_s'][a]['median']:.2f} ms per step in all")
+            line += (f"  save() returns in {1e3 * out['save_call_s'][a]['median']:.2f} ms "
+                     f"({1e3 * out['save_thread_cpu_s'][a]['median']:.2f} ms of training-thread CPU), the trainer "
+                     f"waits {1e3 * out['trainer_stall_per_step_s'][a]['median']:.2f} ms per step in all")
         print(line)
-    write_json(args.json, meta, **out)
+    return out
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tensors", default=None,
+                    help="comma-separated tensor counts, one run each: 8 a layer (weight and bias, each with 2 moments "
+                         "and a step), so --tensors 8,64,256 runs 1, 8 and 32 layers (instead of --layers)")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--block", type=int, default=8, help="steps per block")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated subset of " + ",".join(ARMS))
+    ap.add_argument("--drain-interval-s", type=float, default=1.0,
+                    help="the paced arm: overlap=True with this drain_interval_s (blocks should last several)")
+    ap.add_argument("--dir", default=None, help="where the disk root and DCP's directory go")
+    args = ap.parse_args()
+    arms = [a for a in ARMS if a in args.arms.split(",")]
+    meta = run_meta(threads=torch.get_num_threads(),
+                    device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu")
+    if args.tensors is None:
+        write_json(args.json, meta, **measure(args, arms))
+        return
+    runs = []
+    for n in (int(x) for x in args.tensors.split(",")):
+        args.layers = max(1, n // 8)
+        print(f"-- {8 * args.layers} tensors ({args.layers} layers of {args.width})")
+        runs.append({"tensors": 8 * args.layers, **measure(args, arms)})
+    print("tensors  arm        save() training-thread CPU, median ms (min..max)")
+    for run in runs:
+        for a, xs in run["save_thread_cpu_s"].items():
+            lo, hi = 1e3 * xs["min"], 1e3 * xs["max"]
+            print(f"{run['tensors']:7d}  {a:9} {1e3 * xs['median']:8.2f}  ({lo:.2f}..{hi:.2f})")
+    write_json(args.json, meta, by_tensors=runs)
 
 
 if __name__ == "__main__":
