@@ -33,7 +33,8 @@ class LayoutCache:
 
     def plan(self, flat: FlatState) -> tuple[list[TensorEntry], int]:
         """The entries (never to be changed in place) and data bytes of ``flat``'s tensors."""
-        key = (tuple(path for path, _ in flat.tensors), tuple(flat.kinds), tuple(sorted(flat.layouts.items())))
+        key = (tuple(path for path, _ in flat.tensors), tuple((k[2], k[3]) for k in flat.keys),  # dtypes, shapes
+               tuple(sorted(flat.layouts.items())))
         if key == self._key:
             self.reused += 1
             return self._plan

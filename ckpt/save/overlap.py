@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 
 from ..errors import SnapshotChanged
-from ..format.state import local_tensor
+from ..format.state import local_tensor, tensor_key
 
 if TYPE_CHECKING:
     from ..format.manifest import ShardManifest
+    from ..format.state import FlatState
     from ..tiers.base import CheckpointId
     from ..tiers.memory.copier import PendingCopy
     from ..tiers.memory.slots import ShmSlot
@@ -74,10 +75,6 @@ def _found(state: Mapping[str, Any], kind: type, wrapped: tuple[str, ...]) -> li
     return found
 
 
-def _key(t: torch.Tensor) -> tuple:
-    return t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
-
-
 def step_written(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
     """What ``optimizer.step()`` writes: the parameters and the optimizer state (a
     DTensor's local shard, as ``flatten`` saves it)."""
@@ -85,16 +82,16 @@ def step_written(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                keys.add(_key(local_tensor(p)))
-                keys.update(_key(local_tensor(v)) for v in opt.state.get(p, {}).values()
+                keys.add(tensor_key(local_tensor(p)))
+                keys.update(tensor_key(local_tensor(v)) for v in opt.state.get(p, {}).values()
                             if isinstance(v, torch.Tensor))
     return keys
 
 
-def deferrable(tensors: list[tuple[str, torch.Tensor]], written: set[tuple]) -> list[bool]:
+def deferrable(flat: FlatState, written: set[tuple]) -> list[bool]:
     """For each tensor, whether its copy may wait until the next ``optimizer.step()``:
     only what that step alone writes, and whose in-place writes are counted."""
-    return [_key(t) in written and _versioned(t) for _, t in tensors]
+    return [key in written and _versioned(t) for key, (_, t) in zip(flat.keys, flat.tensors)]
 
 
 def _versioned(t: torch.Tensor) -> bool:

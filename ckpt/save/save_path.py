@@ -99,7 +99,7 @@ class SavePath:
         optimizers = optimizers_in(state)
         self._hooks.watch(optimizers, modules_in(state))
         flat, slot, manifest = self._reserve(ckpt_id, part, state)
-        later = deferrable(flat.tensors, step_written(optimizers))
+        later = deferrable(flat, step_written(optimizers))
         watched = [(path, t, t._version) for (path, t), defer in zip(flat.tensors, later) if defer]
         try:
             copying = self.memory.start_snapshot(slot, [t for _, t in flat.tensors], manifest, later)
