@@ -62,7 +62,10 @@ def model_cells(base: Path) -> list[dict]:
 
 
 def _short(verdict: str) -> str:
-    return verdict if verdict == "ok" else verdict.split(":")[0] + ": " + verdict.split(":", 1)[-1].strip()[:60]
+    if verdict == "ok" or ":" not in verdict:
+        return verdict
+    kind, rest = verdict.split(":", 1)
+    return f"{kind}: {rest.strip()[:60]}"
 
 
 def tensor_table(cells: list[dict]) -> str:
