@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 TENSOR_PATHS = ("ckpt", "ckpt-overlaps", "import", "dcp")
@@ -20,44 +21,45 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def _pairs(base: Path, kind: str) -> Iterator[tuple[list[dict], int, int, str, dict, dict]]:
+    """Each (cases of its launch, N, M, case id, its save's verdicts, its load's verdicts) that
+    the ``kind`` ("" for tensors, "model" for models) of run left under ``base``."""
+    spec_prefix, out_prefix, field = ("model-cases-", "models-", 2) if kind else ("cases-", "out-", 1)
+    tag = "models-" if kind else ""
+    for spec in sorted(base.glob(f"**/{spec_prefix}*.json")):
+        out = spec.with_name(spec.name.replace(spec_prefix, out_prefix).removesuffix(".json"))
+        saves = {int(p.name.split("-")[field]): _read(p) for p in out.glob(f"{tag}save-*-rank0.json")}
+        for load in sorted(out.glob(f"{tag}load-*-rank0.json")):
+            for key, verdicts in _read(load).items():
+                cid, n = key.rsplit("@", 1)
+                yield json.loads(spec.read_text()), int(n), int(load.name.split("-")[field]), cid, \
+                    saves.get(int(n), {}).get(cid, {}), verdicts
+
+
 def tensor_cells(base: Path) -> list[dict]:
     """One cell per tensor case, saved at N and restored at M: each path's verdict."""
     cells = []
-    for spec in sorted(base.glob("**/cases-*.json")):
-        out = spec.with_name(spec.name.replace("cases-", "out-").removesuffix(".json"))
-        saves = {int(p.name.split("-")[1]): _read(p) for p in out.glob("save-*-rank0.json")}
-        for load in sorted(out.glob("load-*-rank0.json")):
-            m = int(load.name.split("-")[1])
-            for key, verdicts in _read(load).items():
-                cid, n = key.rsplit("@", 1)
-                saved = saves.get(int(n), {}).get(cid, {})
-                cell = {"case": cid, "n": int(n), "m": m}
-                for path in TENSOR_PATHS:
-                    first = path.split("-")[0]
-                    cell[path] = saved[first] if saved.get(first, "ok") != "ok" else verdicts.get(path, "not run")
-                cells.append(cell)
+    for _, n, m, cid, saved, verdicts in _pairs(base, ""):
+        cell = {"case": cid, "n": n, "m": m}
+        for path in TENSOR_PATHS:
+            first = path.split("-")[0]
+            cell[path] = saved[first] if saved.get(first, "ok") != "ok" else verdicts.get(path, "not run")
+        cells.append(cell)
     return cells
 
 
 def model_cells(base: Path) -> list[dict]:
     """One cell per model case, saved at N and restored at M (``judge_models``' reading)."""
     cells = []
-    for spec in sorted(base.glob("**/model-cases-*.json")):
-        cases = {c["id"]: c for c in json.loads(spec.read_text())}
-        out = spec.with_name(spec.name.replace("model-cases-", "models-").removesuffix(".json"))
-        saves = {int(p.name.split("-")[2]): _read(p) for p in out.glob("models-save-*-rank0.json")}
-        for load in sorted(out.glob("models-load-*-rank0.json")):
-            m = int(load.name.split("-")[2])
-            for key, verdicts in _read(load).items():
-                cid, n = key.rsplit("@", 1)
-                saved, case = saves.get(int(n), {}).get(cid, {}), cases[cid]
-                options = [k for k in ("groups", "reorder", "extras", "stateful") if case.get(k)]
-                options += [] if case.get("dcp_saver") == "save" else [f"dcp {case['dcp_saver']}"]
-                cell = {"case": cid, "layouts": f"{case['save']} → {case['load']}", "options": ", ".join(options),
-                        "n": int(n), "m": m}
-                for path in MODEL_PATHS:
-                    cell[path] = verdicts.get(path) or saved.get(path.split("-")[0], "error: not saved")
-                cells.append(cell)
+    for specs, n, m, cid, saved, verdicts in _pairs(base, "model"):
+        case = next(c for c in specs if c["id"] == cid)
+        options = [k for k in ("groups", "reorder", "extras", "stateful") if case.get(k)]
+        options += [] if case.get("dcp_saver") == "save" else [f"dcp {case['dcp_saver']}"]
+        cell = {"case": cid, "layouts": f"{case['save']} → {case['load']}", "options": ", ".join(options),
+                "n": n, "m": m}
+        for path in MODEL_PATHS:
+            cell[path] = verdicts.get(path) or saved.get(path.split("-")[0], "error: not saved")
+        cells.append(cell)
     return sorted(cells, key=lambda c: (c["case"], c["n"], c["m"]))
 
 
