@@ -132,7 +132,8 @@ class Job:
             return True, "done"
         if why := self._lost_nodes(beats, cut, now):
             return False, why
-        if (unsound := self.store.get(membership.rewind_key(self.round))) is not None:
+        # a rewind is asked for with the exits flag (``membership.rewind``): looked for only then
+        if exited and (unsound := self.store.get(membership.rewind_key(self.round))) is not None:
             if why := self._rewind(unsound.decode()):
                 return False, why
         reached = self.steps.read(self.store, [w for w in self.members if w not in self.finished], self.round, now)
@@ -197,12 +198,8 @@ class Job:
         what += [f"continuing at world size {len(members)}"] if len(members) < len(self.members) else []
         if len(members) < self.min_world:
             return f"{cause}: {len(members)} ranks left, fewer than --min-world {self.min_world}"
-        self.members, self.round = members, self.round + 1
-        self.steps.new_round()
-        reason = f"{cause}: {', '.join(what)}"
-        membership.publish(self.store, membership.Membership(self.round, tuple(members), tuple(self.spares),
-                                                             reason, fault_time))
-        log.warning("round %d: %s", self.round, reason)
+        self.members = members
+        self._publish(f"{cause}: {', '.join(what)}", fault_time)
         return None
 
     def _rewind(self, unsound: str) -> str | None:
@@ -212,13 +209,16 @@ class Job:
         self.rewinds += 1
         if self.rewinds > MAX_REWINDS:
             return f"{unsound} (unsound {self.rewinds} times in this launch)"
+        self._publish(f"{unsound}: every rank goes back to the newest sound step", time.time())
+        return None
+
+    def _publish(self, reason: str, fault_time: float) -> None:
+        """The next round: the members and spares as they now are, and why."""
         self.round += 1
         self.steps.new_round()
-        reason = f"{unsound}: every rank goes back to the newest sound step"
         membership.publish(self.store, membership.Membership(self.round, tuple(self.members), tuple(self.spares),
-                                                             reason, time.time()))
+                                                             reason, fault_time))
         log.warning("round %d: %s", self.round, reason)
-        return None
 
     def can_relaunch(self) -> bool:
         """Whether the nodes left can run the job again (``--min-world`` members)."""

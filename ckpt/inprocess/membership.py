@@ -24,8 +24,9 @@ from ..control import Control, control_key
 PREFIX = "ckpt-guard/inprocess"
 DONE_KEY = f"{PREFIX}/done"
 RELAUNCH_KEY = f"{PREFIX}/relaunch"  # set before DONE_KEY when the job is launched again: every node takes part
-# set (unsigned) by a node launcher that reported an exit, deleted by the job launcher, which then reads every
-# node's beat (they list the exits) at once rather than within a BEAT_S: an outsider who sets it costs reads
+# set (unsigned) by a node launcher that reported an exit, or a worker that asked to rewind, deleted by the job
+# launcher, which then reads every node's beat (they list the exits) and the round's rewind key at once rather
+# than within a BEAT_S: an outsider who sets it costs reads
 EXITS_KEY = f"{PREFIX}/exits"
 STEPS_KEY = f"{PREFIX}/steps"  # the job's lowest and highest step in the round (``progress.py``)
 ATTEMPT_ENV = "CKPT_INPROCESS_ATTEMPT"

@@ -232,7 +232,7 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                 flush_logs()
                 os._exit(EXIT_LEAVE)
             if _goes_back(e):  # every rank goes back together, in a round of its own
-                membership.rewind(store, str(e).splitlines()[0][:300], current.round)
+                membership.rewind(store, _short(e), current.round)
             # a restore refused by the checkpoints (no copy of a shard: not a peer's death) gets
             # no new round: wait only briefly for one (a peer lost meanwhile) before saying why
             wait_s = min(membership_timeout_s, 2.0) if restoring and isinstance(e, CheckpointError) else \
