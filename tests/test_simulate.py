@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 from ckpt.cli import cli
 from ckpt.goodput import inputs
-from ckpt.goodput.command import MEASURED_INPROCESS
 from ckpt.goodput.inprocess import InProcessCosts
 from ckpt.goodput.model import KINDS, Lead, Recovery, Run, Skill, Strategy, _play, analytic, monte_carlo
 from ckpt.goodput.restart import RestartCosts
@@ -442,8 +441,8 @@ def test_in_process_data_names_a_source_per_value() -> None:
     data = inputs.INPROCESS
     assert data["source"] and data["command"] and data["date"][:4].isdigit()
     borrowed = set(data["values"])
-    assert borrowed == set(data["sources"]) and borrowed | set(MEASURED_INPROCESS) == {f.name for f in fields(
-        InProcessCosts)} and not borrowed & set(MEASURED_INPROCESS)
+    assert borrowed == set(data["sources"]) and borrowed | set(inputs.MEASURED_INPROCESS) == {f.name for f in fields(
+        InProcessCosts)} and not borrowed & set(inputs.MEASURED_INPROCESS)
     assert "PROVISIONAL" in data["sources"]["snapshot_block_s"]
 
 

@@ -42,9 +42,8 @@ _RESTART_OPTIONS = [
     ("--replace-s", _seconds, "A spare node joining, for a node taken out of the job (GPU failure, host down)."),
     ("--relaunch-s", _seconds, "Process exit, relaunch, rendezvous, process-group init, setup."),
 ]
-# (f)'s in-process recovery (inprocess.InProcessCosts; sources in data/inprocess_nvrx.json), and the
-# phases measured by our own benchmark at the run's size (inputs.inprocess_at), not borrowed
-MEASURED_INPROCESS = ("agree_s",)
+# (f)'s in-process recovery (inprocess.InProcessCosts; sources in data/inprocess_nvrx.json, or measured by our own
+# benchmark at the run's size: inputs.MEASURED_INPROCESS)
 _INPROCESS_OPTIONS = [
     ("relaunch_share", click.FloatRange(0, 1), "(f): share of failures the in-process path cannot take "
      "(they relaunch as under (e))."),
@@ -70,8 +69,8 @@ def inprocess_inputs(gpus: int, given: dict[str, float | None]) -> dict[str, dic
         defaulted = ctx is None or ctx.get_parameter_source(flag) in (ParameterSource.DEFAULT, None)
         if not defaulted:
             out[name] = {"kind": "given", "source": "the command line"}
-        elif name in MEASURED_INPROCESS:
-            out[name] = {"kind": "measured", "source": fitted(inputs.AGREE_FROM, gpus).source()}
+        elif name in inputs.MEASURED_INPROCESS:
+            out[name] = {"kind": "measured", "source": fitted(inputs.MEASURED_INPROCESS[name], gpus).source()}
         else:
             out[name] = {"kind": "borrowed", "source": inputs.INPROCESS["sources"][name]}
     return out
@@ -89,7 +88,7 @@ def _restart_options(command: Callable) -> Callable:
                            "and waits for it only what is left of --replace-s after the alarm's lead.")(command)
     for name, kind, text in reversed(_INPROCESS_OPTIONS):
         flag = "--inprocess-" + name.replace("_", "-")
-        measured = name in MEASURED_INPROCESS
+        measured = name in inputs.MEASURED_INPROCESS
         command = click.option(flag, f"inprocess_{name}", type=kind, show_default=not measured, help=text,
                                default=None if measured else getattr(inputs.DEFAULT_INPROCESS, name))(command)
     return click.option("--restart-s", "flat_s", type=_seconds, default=None,

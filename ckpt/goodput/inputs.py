@@ -39,13 +39,15 @@ INPROCESS = _packaged("inprocess_nvrx.json")  # (f)'s phases and snapshot cost, 
 # Adam moments) over 16,384 GPUs.
 STATE_GB_PER_GPU = round(405e9 * 14 / 16384 / 1e9, 3)
 DEFAULT_RESTART = RestartCosts()  # the restart phases' defaults (docs/goodput.md, "Restart phases")
-AGREE_FROM = "membership_round"  # scale_bench's component that (f)'s agree phase is measured by
+# (f)'s phases measured by our own benchmark, each by its scale_bench component, at the run's size
+MEASURED_INPROCESS = {"agree_s": "membership_round"}
 
 
 def inprocess_at(gpus: int, **given: float) -> InProcessCosts:
-    """(f)'s phases for a run of ``gpus`` ranks: agree measured (our membership round,
-    ``scaling.fitted``), the rest borrowed (``INPROCESS``), any of them replaced by ``given``."""
-    return InProcessCosts(**{**INPROCESS["values"], "agree_s": fitted(AGREE_FROM, gpus).seconds, **given})
+    """(f)'s phases for a run of ``gpus`` ranks: measured where ``MEASURED_INPROCESS`` says
+    (``scaling.fitted``), the rest borrowed (``INPROCESS``), any of them replaced by ``given``."""
+    measured = {phase: fitted(component, gpus).seconds for phase, component in MEASURED_INPROCESS.items()}
+    return InProcessCosts(**{**INPROCESS["values"], **measured, **given})
 
 
 DEFAULT_INPROCESS = inprocess_at(Run().gpus)
