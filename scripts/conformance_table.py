@@ -27,12 +27,13 @@ def _pairs(base: Path, kind: str) -> Iterator[tuple[list[dict], int, int, str, d
     spec_prefix, out_prefix, field = ("model-cases-", "models-", 2) if kind else ("cases-", "out-", 1)
     tag = "models-" if kind else ""
     for spec in sorted(base.glob(f"**/{spec_prefix}*.json")):
+        cases = json.loads(spec.read_text())
         out = spec.with_name(spec.name.replace(spec_prefix, out_prefix).removesuffix(".json"))
         saves = {int(p.name.split("-")[field]): _read(p) for p in out.glob(f"{tag}save-*-rank0.json")}
         for load in sorted(out.glob(f"{tag}load-*-rank0.json")):
             for key, verdicts in _read(load).items():
                 cid, n = key.rsplit("@", 1)
-                yield json.loads(spec.read_text()), int(n), int(load.name.split("-")[field]), cid, \
+                yield cases, int(n), int(load.name.split("-")[field]), cid, \
                     saves.get(int(n), {}).get(cid, {}), verdicts
 
 
