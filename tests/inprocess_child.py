@@ -83,6 +83,14 @@ def main() -> None:
                     "bit flipped in a parameter after its optimizer step, in its optimizer state, a NaN loss from "
                     "its forward, or a bit flipped in its local gradient before the all-reduce")
     ap.add_argument("--sdc-worker", type=int, default=1)
+    ap.add_argument("--sdc-rounds", type=int, default=1,
+                    help="the --sdc fault comes back in each of the first N rounds of the first launch (a device "
+                    "that keeps going wrong: the launcher's bound on going back in process)")
+    ap.add_argument("--canary", action="store_true", help="each step returns its loss: the runner records it (the "
+                    "canary's reference, and its check after a restore)")
+    ap.add_argument("--canary-fault", choices=("once", "always"), default=None,
+                    help="in the first step after a restore (once in this process, or after every one), every "
+                    "rank's parameters are not what was saved (0.1 added): the canary must fail (implies --canary)")
     ap.add_argument("--slow-worker", type=int, default=-1, help="this worker sleeps --slow-s per step (a straggler)")
     ap.add_argument("--slow-s", type=float, default=0.3)
     ap.add_argument("--kill-in-recovery", type=int, default=-1,
@@ -147,10 +155,11 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.model == "gpt":
             model, optim = recovery_model.model()
-            return {"model": model, "optim": optim, "ctx": ctx}
+            return {"model": model, "optim": optim, "ctx": ctx, "first": True}
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-        objects = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "ctx": ctx}
+        objects = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "ctx": ctx,
+                   "first": True}
         if args.loader_workers >= 0:  # 4 steps an epoch: the runs cross epochs
             g = torch.Generator().manual_seed(7)
             n = 4 * GLOBAL_BATCH
@@ -172,6 +181,7 @@ def main() -> None:
         raise RuntimeError("the loader is empty")
 
     own_steps: list[int] = []
+    perturbed: list[int] = []
 
     def spares_ready() -> None:
         """The fault waits for the job's spares to be warm (a busy machine may still be importing
@@ -189,7 +199,7 @@ def main() -> None:
         longer than a beat)."""
         membership.wait_round(store, 1, 300.0)
 
-    def step(objects: dict, i: int) -> None:
+    def step(objects: dict, i: int) -> torch.Tensor | None:
         every = args.kill_rank_every
         if every and objects["ctx"].rank == 1 and i % every == 0 and own_steps:
             emit(event="fault", step=i)
@@ -219,23 +229,30 @@ def main() -> None:
         if worker == 0 and i == args.alarm_at:
             listener.requests.request()  # what the listener does on the predictor's "checkpoint" event
         ctx, model, optim = objects["ctx"], objects["model"], objects["optim"]
-        sdc = args.sdc if worker == args.sdc_worker and i == args.kill_at and ctx.round == 0 and \
+        sdc = args.sdc if worker == args.sdc_worker and i == args.kill_at and ctx.round < args.sdc_rounds and \
             os.environ[membership.ATTEMPT_ENV] == "0" else None
         if sdc:
             emit(event="fault", step=i, sdc=sdc)
+        if objects.pop("first", False) and i > 0 and args.canary_fault and \
+                (args.canary_fault == "always" or not perturbed):  # the first step after a restore
+            perturbed.append(i)
+            emit(event="fault", step=i, canary=args.canary_fault)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.1)
         optim.zero_grad()
         if args.model == "gpt":
             loss = recovery_model.loss(model, *recovery_model.batch(i, ctx.rank, ctx.world_size))
-            (loss * float("nan") if sdc == "nan_forward" else loss).backward()
         elif "loader" in objects:
             x, y = next_batch(objects)
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            loss = torch.nn.functional.mse_loss(model(x), y)
         else:
             g = torch.Generator().manual_seed(1000 + i)
             x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
             share = GLOBAL_BATCH // ctx.world_size
             mine = slice(ctx.rank * share, (ctx.rank + 1) * share)
-            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
+        (loss * float("nan") if sdc == "nan_forward" else loss).backward()
         if sdc == "grad":
             flip_bit(next(model.parameters()).grad)
         for p in model.parameters():
@@ -253,6 +270,7 @@ def main() -> None:
             emit(event="fault", step=i)
             time.sleep(3600)  # the launcher's progress deadline must end it
         emit(event="step", step=i + 1, world=ctx.world_size)
+        return loss.detach() if args.canary or args.canary_fault else None
 
     def lmr_check(model: torch.nn.Module, optim: torch.optim.Optimizer, done: int) -> None:
         from lm_resiliency.detection.c3 import C3  # on the path only in the campaign's lm-resiliency rows

@@ -20,11 +20,12 @@ launcher. A node launcher whose lifeline closes (it died) or that is silent for 
 pool. A spare called in is replaced by a new one on its node, so the pool stays at
 ``--spares``. A member that finds the newest snapshot unsound (``membership.rewind``: a
 suspect or non-finite snapshot, a failed canary) gets a round with the same members, in which
-every rank restores the newest sound step in its process (at most ``MAX_REWINDS`` a launch).
+every rank restores the newest sound step in its process (at most ``MAX_REWINDS`` a launch,
+then a relaunch); a worker that stops the job (``EXIT_STOP``: a canary failed again) ends it.
 A worker that asks for it (``EXIT_FALLBACK``), or a job that cannot shrink further, is
-relaunched whole, today's path, at most ``--relaunches`` times: every node
-launcher still there starts its workers again, on keys of the new attempt in the same store
-(a node lost meanwhile takes no part); every decision is logged with its reason.
+relaunched whole, at most ``--relaunches`` times: every node launcher still there starts its
+workers again, on keys of the new attempt in the same store (a node lost meanwhile takes no
+part); every decision is logged with its reason.
 
 The job's secret (``ckpt.secret``: ``CKPT_JOB_SECRET_FILE`` or ``CKPT_JOB_SECRET``, never argv)
 signs every control value (``control.py``) and keys the lifelines and peer replicas: on one
@@ -49,7 +50,7 @@ from ..control import control_key
 from . import membership, progress
 from .lifeline import Lifelines
 from .node import POLL_S, NodeLauncher, run_node
-from .protocol import BEAT_S, EXIT_FALLBACK
+from .protocol import BEAT_S, EXIT_FALLBACK, EXIT_STOP
 
 log = logging.getLogger("ckpt.inprocess.launch")
 MAX_REWINDS = 3  # unsound snapshots a launch goes back from in process before it relaunches
@@ -78,6 +79,7 @@ class Job:
         self.steps = progress.Steps()  # every member's, for the job's lowest and highest (``progress.py``)
         self.lost = set(lost)
         self.rewinds = 0  # rounds that went back to a sound step (``_rewind``)
+        self.stopped = False  # a worker stopped the job (``EXIT_STOP``): it is not relaunched
         self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
         self._put_hosts(set(self.hosts.values()))
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
@@ -122,10 +124,10 @@ class Job:
                 continue
             elif ended["code"] == 0:
                 self.finished.add(w)
-            elif ended["code"] == EXIT_FALLBACK:
-                reason = self.store.get(membership.fallback_key(w))
-                said = f": {reason.decode()}" if reason is not None else ""
-                return False, f"worker {w} asked for a relaunch{said}"
+            elif ended["code"] in (EXIT_FALLBACK, EXIT_STOP):
+                said = "" if (reason := self.store.get(membership.fallback_key(w))) is None else f": {reason.decode()}"
+                self.stopped = ended["code"] == EXIT_STOP
+                return False, f"worker {w} {'stopped the job' if self.stopped else 'asked for a relaunch'}{said}"
             elif why := self._replace([w], f"worker {w} (rank {self.members.index(w)}) {ended['cause']}"):
                 return False, why
         if self.finished and self.finished >= set(self.members):
@@ -366,11 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     lost: set[int] = set()
     for attempt in range(args.relaunches + 1):
         job = Job(args, attempt, base, lost)
-        ok, why = False, "the launcher failed"
-        again = False
+        ok, why, again = False, "the launcher failed", False
         try:
             ok, why = job.watch()
-            again = not ok and attempt < args.relaunches and job.can_relaunch()
+            again = not ok and not job.stopped and attempt < args.relaunches and job.can_relaunch()
         finally:
             job.stop("done" if ok else why, again=again)
         if ok:

@@ -89,7 +89,8 @@ def exit_key(worker: int) -> str:
 
 
 def fallback_key(worker: int) -> str:
-    """Why ``worker`` asked for a relaunch (``EXIT_FALLBACK``): the launcher's last line says it."""
+    """Why ``worker`` asked for a relaunch (``EXIT_FALLBACK``) or stopped the job (``EXIT_STOP``):
+    the launcher's last line says it."""
     return f"{PREFIX}/fallback/{worker}"
 
 

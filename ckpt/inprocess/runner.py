@@ -38,7 +38,7 @@ from ..peers.placement import node_name
 from ..recovery.leaving import flush_logs
 from ..save.canary import CanaryFailed, figures
 from . import evictions, group, membership
-from .protocol import BEAT_S, EXIT_FALLBACK, EXIT_LEAVE, LAUNCHER_ENV, WORKER_ENV
+from .protocol import BEAT_S, EXIT_FALLBACK, EXIT_LEAVE, EXIT_STOP, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -161,6 +161,11 @@ def run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: 
         _tell_launcher(str(e))
         flush_logs()
         os._exit(EXIT_FALLBACK)
+    except CanaryFailed as e:  # a second failed canary (``_stops``): a relaunch would go back again
+        log.error("ckpt-guard inprocess: the job stops: %s", e)
+        _tell_launcher(str(e))
+        flush_logs()
+        os._exit(EXIT_STOP)
 
 
 def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps: int, checkpoint: Mapping[str, Any],
@@ -231,6 +236,8 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
                           _short(e))
                 flush_logs()
                 os._exit(EXIT_LEAVE)
+            if _stops(e):
+                raise
             if _goes_back(e):  # every rank goes back together, in a round of its own
                 membership.rewind(store, _short(e), current.round)
             # a restore refused by the checkpoints (no copy of a shard: not a peer's death) gets
@@ -269,8 +276,8 @@ def _run(build: Callable[[Context], T], step: Callable[[T, int], Any], *, steps:
 
 
 def _tell_launcher(reason: str) -> None:
-    """Leave the reason of a fallback where the launcher reads it (its last line names the
-    real cause, not only that a worker asked for a relaunch); best effort, the exit code says the rest."""
+    """Leave the reason of a fallback or a stop where the launcher reads it (its last line names
+    the real cause, not only that a worker asked for a relaunch); best effort, the exit code says the rest."""
     try:
         store = membership.worker_store(5.0)
         store.put(membership.fallback_key(int(os.environ[WORKER_ENV])), reason[:500])
@@ -373,6 +380,12 @@ def _goes_back(e: BaseException) -> bool:
     the job): the state is not sound, no rank died, and every rank must go back to the newest
     sound step."""
     return isinstance(e, UnsoundState) or (isinstance(e, CanaryFailed) and not e.stop)
+
+
+def _stops(e: BaseException) -> bool:
+    """A canary failed a second time in this run: going back again, in process or by a relaunch,
+    would only loop (Megatron-LM #5281), so every rank ends the job with the reason."""
+    return isinstance(e, CanaryFailed) and e.stop
 
 
 def _must_leave(e: BaseException) -> bool:

@@ -12,8 +12,8 @@ step). After a restore of s, the first record is checked against that reference:
   and ``torch.use_deterministic_algorithms(True)`` both times (the data order and RNG are
   restored by the loop helper: ``integrations/data.py``, ``integrations/rng.py``);
 * else within ``RTOL`` (relative) of the reference;
-* "no reference" (s was the newest step, or the next save was never committed) is a state,
-  not a failure.
+* "no reference" (s was the newest step, or the next save was never committed, or the world
+  size changed: each rank's share of the batch is another) is a state, not a failure.
 
 A failed canary (on any rank: the ranks agree) is written to ``<root>/canary-<run>.json``
 and raises ``CanaryFailed``: the job restarts and a plain restore skips that checkpoint and
@@ -150,7 +150,8 @@ class Canary:
         if self._pending is None:
             return None
         (ckpt_id, ref), self._pending = self._pending, None
-        why = "no reference" if ref is None else compare(got, ref)
+        # another world size splits the batch otherwise: this rank's loss is not the one recorded
+        why = "no reference" if ref is None or ref.get("world", self.world) != self.world else compare(got, ref)
         failed = why not in (None, "no reference")
         before = failures(self.path)  # read by every rank before any writes
         if not self._any(failed)[0]:
