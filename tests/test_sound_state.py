@@ -141,3 +141,16 @@ def test_a_verdict_after_the_last_save_fails_the_close(tmp_path: Path, shm_dir: 
     assert raised.value.health["state"] == "unhealthy"
     with CheckpointManager(tmp_path, memory_dir=shm_dir, run="end") as again:
         assert again.restore(state) == 1  # the newest sound step
+
+
+def test_a_reference_from_another_world_size_is_no_reference(tmp_path: Path) -> None:
+    """After an in-process shrink each rank's loss is over another share of the batch: the
+    recorded one is not comparable, so it is "no reference", not a failed canary."""
+    from ckpt.save.canary import Canary, CanaryFailed
+
+    canary = Canary(0, 2, tmp_path / "canary-run.json", lambda failed: [failed])
+    canary.restored(CheckpointId(0, 3), {"after": 3, "loss": 1.0, "world": 3, "threads": 1, "deterministic": False})
+    assert canary.record(2.0) == "no reference" and not (tmp_path / "canary-run.json").exists()
+    canary.restored(CheckpointId(0, 3), {"after": 3, "loss": 1.0, "world": 2, "threads": 1, "deterministic": False})
+    with pytest.raises(CanaryFailed, match="CANARY FAILED after restoring step 3"):
+        canary.record(2.0)
