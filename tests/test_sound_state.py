@@ -154,3 +154,53 @@ def test_a_reference_from_another_world_size_is_no_reference(tmp_path: Path) -> 
     canary.restored(CheckpointId(0, 3), {"after": 3, "loss": 1.0, "world": 2, "threads": 1, "deterministic": False})
     with pytest.raises(CanaryFailed, match="CANARY FAILED after restoring step 3"):
         canary.record(2.0)
+
+
+def test_the_finite_check_sees_nan_and_inf_in_every_checked_dtype(tmp_path: Path, shm_dir: str) -> None:
+    """float64/32/16 through numpy's ``isfinite``, bfloat16 through its exponent bits: each
+    non-finite parameter is named, and large finite values (bfloat16's near its max) are not."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.errors import UnsoundState
+
+    mods = {name: torch.nn.Linear(64, 64).to(dtype) for name, dtype in
+            [("f64", torch.float64), ("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16),
+             ("bf16_big", torch.bfloat16)]}
+    with torch.no_grad():
+        mods["f64"].weight[5, 7] = float("nan")
+        mods["f16"].weight[63, 63] = float("-inf")
+        mods["bf16"].weight[0, 1] = float("inf")
+        mods["bf16_big"].weight.fill_(3.0e38)
+    mgr = CheckpointManager(tmp_path, memory_dir=shm_dir, run="dtypes", keep_last=2)
+    mgr.save(1, dict(mods))
+    with pytest.raises(UnsoundState) as raised:
+        mgr.close()
+    reason = raised.value.health["reason"]
+    assert all(f"{name}.weight" in reason for name in ("f64", "f16", "bf16")), reason
+    assert "f32." not in reason and "bf16_big" not in reason, reason
+
+
+def test_the_cost_clock_times_each_check_and_puts_the_functions_back(tmp_path: Path, shm_dir: str) -> None:
+    """``benchmarks/sound_cost.py``: the checks' thread CPU per step, by check and thread (the
+    finite check on the checksum threads, the digest on the drain's, the canary on the
+    trainer's), and nothing left wrapped after it."""
+    import torch
+
+    from benchmarks.sound_cost import clocked
+    from ckpt import CheckpointManager
+    from ckpt.save import canary, soundness
+
+    before = (soundness.Inspection.visit, soundness.Inspection.report, canary.Canary.record)
+    model = torch.nn.Linear(16, 8)
+    state = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with CheckpointManager(tmp_path, memory_dir=shm_dir, run="cost", keep_last=2) as mgr, clocked() as clock:
+        for step in range(1, 4):
+            mgr.record(float(step))
+            mgr.save(step, state)
+        mgr.wait()
+    spent = clock.per_step(3)
+    checks = {name.split(" ")[0] for name in spent["by_check_ms"]}
+    assert {"finite", "report", "record", "scope_of"} <= checks, spent
+    assert spent["trainer_thread_ms"] <= spent["checks_ms"]
+    assert (soundness.Inspection.visit, soundness.Inspection.report, canary.Canary.record) == before

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import cache, partial
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -32,9 +33,10 @@ import numpy as np
 from ..format.checksum import crc32c_of
 from ..format.manifest import ShardManifest, TensorEntry
 
-# the exponent bits of each floating dtype: all set means Inf or NaN (float8 types are not checked)
-_EXPONENT = {"float64": (np.uint64, 0x7FF0000000000000), "float32": (np.uint32, 0x7F800000),
-             "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
+# numpy's own floating dtypes: ``isfinite`` reads each piece once, into a small bool array
+_NUMPY_FLOAT = {"float64": np.float64, "float32": np.float32, "float16": np.float16}
+# bfloat16, which numpy lacks: the exponent bits, all set for Inf or NaN (float8 types are not checked)
+_BF16_EXPONENT = np.uint16(0x7F80)
 _NAMED_MAX = 4  # non-finite tensors named per rank in a report
 
 
@@ -53,7 +55,16 @@ NOTHING = Scope(lambda path: False, lambda path: False)
 def scope_of(state: Mapping[str, Any], rank_local: Iterable[str], replicated: Iterable[str] = (), *,
              compare: bool = True) -> Scope:
     """The ``Scope`` of ``state``; ``rank_local`` paths are in neither part; without ``compare``
-    nothing is compared across replicas (only the NaN/Inf check runs)."""
+    nothing is compared across replicas (only the NaN/Inf check runs). The paths are found at
+    its first use, on the drain's thread: walking every module's parameters at each save took
+    0.13 ms of the trainer's thread for a 4-layer MLP (``sound_bench.py --mode cost``), and a
+    state's modules and optimizers keep their parameters while it trains."""
+    found = cache(partial(_scope_now, dict(state), tuple(rank_local), tuple(replicated), compare))
+    return Scope(lambda path: found().checked(path), lambda path: found().compared(path))
+
+
+def _scope_now(state: Mapping[str, Any], rank_local: tuple[str, ...], replicated: tuple[str, ...],
+               compare: bool) -> Scope:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -114,15 +125,19 @@ class Inspection:
         self.nonfinite: list[str] = []
 
     def visit(self, entry: TensorEntry) -> Callable[[memoryview], None] | None:
-        if entry.id not in self._checked or entry.dtype not in _EXPONENT:
+        if entry.id not in self._checked or (entry.dtype not in _NUMPY_FLOAT and entry.dtype != "bfloat16"):
             return None
-        kind, mask = _EXPONENT[entry.dtype]
-        mask = kind(mask)
+        kind = _NUMPY_FLOAT.get(entry.dtype)
+
+        def nonfinite(piece: memoryview) -> bool:
+            if kind is not None:  # 2-4x faster than the exponent mask's two temporary arrays (sound_bench)
+                return not np.isfinite(np.frombuffer(piece, dtype=kind)).all()
+            return bool(np.any(np.bitwise_and(np.frombuffer(piece, dtype=np.uint16), _BF16_EXPONENT)
+                               == _BF16_EXPONENT))
 
         def check(piece: memoryview) -> None:
-            if not self.nonfinite or self.nonfinite[-1] != entry.path:
-                if np.any(np.bitwise_and(np.frombuffer(piece, dtype=kind), mask) == mask):
-                    self.nonfinite.append(entry.path)
+            if (not self.nonfinite or self.nonfinite[-1] != entry.path) and nonfinite(piece):
+                self.nonfinite.append(entry.path)
 
         return check
 
