@@ -28,6 +28,7 @@ from benchmarks.fault_campaign_nodes import lost_node, peer_holder_killed, peer_
 from benchmarks.fault_campaign_objstore import objstore_unreachable  # noqa: E402
 from benchmarks.fault_campaign_rows import (  # noqa: E402
     Campaign,
+    canary_fail,
     disk_full,
     predictor_down,
     process_fault,
@@ -63,6 +64,7 @@ FAULTS = {
     "peer_holder_killed": partial(peer_holder_killed, fault="peer_holder_killed"),
     "sdc_param_bit_2_nodes": partial(sdc_nodes, fault="sdc_param_bit_2_nodes", kind="param"),
     "sdc_optim_bit_2_nodes": partial(sdc_nodes, fault="sdc_optim_bit_2_nodes", kind="optim"),
+    "canary_fail_inprocess": partial(canary_fail, fault="canary_fail_inprocess"),
 }
 COLUMNS = ("fault", "mode", "detected", "detect_steps", "named", "restored_step", "steps_lost", "relaunched",
            "equal_to_clean", "lmr_detected")

@@ -13,6 +13,7 @@ row saw.
 from __future__ import annotations
 
 import re
+import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,3 +184,30 @@ def disk_full(c: Campaign, fault: str, size: str = "6m") -> dict:
                restored_step=steps[0] if steps else None, steps_lost=None,
                relaunched=job.restarted(),
                equal_to_clean=job.digests() == c.clean(), outcome="the job finished", check_lines=said[:3])
+
+
+def canary_fail(c: Campaign, fault: str) -> dict:
+    """A canary that fails after an in-process restore: a first job trains ``FAULT_AT`` + 2 steps
+    recording its losses; a second, on a copy of its disk root, restores by name the newest step
+    whose canary reference was committed (an overlapped snapshot superseded before its drain
+    carries none), and in its first step every rank's parameters are not what was saved (once).
+    Every rank must go back in its process to the verified step before it and end equal to the
+    clean run."""
+    from ckpt.tiers.local import LocalDiskTier
+
+    first = c.workdir / f"{fault}-first"
+    c.job(first.name, SPARE, ["--steps", str(FAULT_AT + 2), "--canary"])
+    refs = [info.health["canary"]["after"] for info in LocalDiskTier(first).list()
+            if info.complete and isinstance((info.health or {}).get("canary"), dict)]
+    if not refs:
+        return {"fault": fault, "skipped": "the first job committed no canary reference (every drain superseded)"}
+    shutil.copytree(first, c.workdir / fault)
+    job = c.job(fault, SPARE, ["--resume-step", str(max(refs)), "--canary-fault", "once"])
+    lines = [line for line in job.log.splitlines() if "CANARY FAILED" in line]
+    steps = restored_steps(job.log)  # the step named, then the one gone back to
+    back = steps[1] if len(steps) > 1 else None
+    again = "falling back to a relaunch" in job.log or job.restarted()
+    return row(fault, "relaunch" if again else "in-process", detected=bool(lines), detect_steps=0 if lines else None,
+               named=None, restored_step=back, steps_lost=None if back is None else max(refs) - back,
+               relaunched=again, equal_to_clean=job.digests() == c.clean(), resumed_at=max(refs),
+               check_lines=lines[:2])

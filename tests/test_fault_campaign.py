@@ -32,7 +32,8 @@ CHEAP = [pytest.param(["second_fault_in_recovery", "sdc_nan_forward"], id="secon
          pytest.param(["killed_rank", "sdc_param_bit"], id="covered-elsewhere", marks=pytest.mark.extended),
          pytest.param(["vanished_node", "peer_holder_killed"], id="nodes", marks=pytest.mark.extended),
          pytest.param(["objstore_unreachable"], id="objstore", marks=pytest.mark.extended),
-         pytest.param(["sdc_param_bit_2_nodes"], id="sdc-2-nodes", marks=pytest.mark.extended)]
+         pytest.param(["sdc_param_bit_2_nodes"], id="sdc-2-nodes", marks=pytest.mark.extended),
+         pytest.param(["canary_fail_inprocess"], id="canary", marks=pytest.mark.extended)]
 # the faults the job must survive ending bitwise equal to the clean run
 SURVIVED = {"killed_rank", "hung_rank", "lost_node", "vanished_node", "xid79", "second_fault_in_recovery",
             "launcher_killed", "memory_slot_damaged", "disk_shard_damaged", "straggler", "predictor_agent_down",
@@ -79,7 +80,9 @@ def check(rows: list[dict]) -> None:
             assert r["replicas_equal_at_end"], r  # averaged into every gradient: no replica to compare
         if r["fault"] == "sdc_nan_forward" and not r["detected"]:
             assert not r["finite_at_end"], r
-        if r["fault"].startswith("sdc_") and r["detected"]:  # every rank goes back in its process, together
+        if r["fault"] == "canary_fail_inprocess":  # gone back in process before the step it failed from
+            assert r["detected"] and r["restored_step"] < r["resumed_at"], r
+        if (r["fault"].startswith("sdc_") and r["detected"]) or r["fault"] == "canary_fail_inprocess":
             assert r["mode"] == "in-process" and not r["relaunched"] and r["equal_to_clean"], r
 
 
