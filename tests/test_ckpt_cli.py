@@ -91,6 +91,24 @@ def test_verify_names_each_damaged_file_and_exits_1(root: Path, shm_dir: str, no
     assert [(c["step"], c["status"]) for c in json.loads(r.stdout)["checkpoints"]] == [(5, "ok")]
 
 
+def test_verify_manifests_only_finds_damage_to_manifests_and_sizes_not_to_bytes(root: Path, shm_dir: str,
+                                                                                  no_slots: Path) -> None:
+    with CheckpointManager(root, memory_dir=shm_dir, keep_last=5) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, step_state(step))
+        mgr.wait()
+    flip_byte(ckpt_dir(root, 1) / "rank-00000.bin", 12345)  # only a full verify reads the bytes
+    truncate(ckpt_dir(root, 2) / "rank-00000.bin", 100)
+    flip_byte(ckpt_dir(root, 3) / "rank-00000.json", 30)
+    r = ckpt("verify", root, "--manifests-only", "--memory-dir", no_slots, "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    status = {c["step"]: c["status"] for c in json.loads(r.stdout)["checkpoints"]}
+    assert status == {1: "manifests ok", 2: "damaged", 3: "damaged", 4: "manifests ok"}, r.stdout
+    listed = {row["step"]: row["status"] for row in json.loads(ckpt("ls", root, "--memory-dir", no_slots,
+                                                                    "--json").stdout)}
+    assert listed[4] == "complete" and listed[2] == "damaged", listed  # a look at manifests is not "checked"
+
+
 def test_verify_of_a_step_without_commit_exits_1(saved: Path, no_slots: Path) -> None:
     (ckpt_dir(saved, 3) / "manifest.json").unlink()
     r = ckpt("verify", saved, "--step", "3", "--memory-dir", no_slots)

@@ -36,7 +36,7 @@ from ..errors import DamagedCheckpoint, ManifestError
 from ..format.checksum import crc32c_of
 from ..format.manifest import Manifest, ShardManifest, ShardRef
 from ..format.shard_reader import ShardReader
-from ..format.verify import verify_shard
+from ..format.verify import run_parallel, verify_shard
 
 if TYPE_CHECKING:
     pass
@@ -116,6 +116,13 @@ class TierReader(ABC):
             finally:
                 reader.close()
         return True
+
+    def verify_manifests(self, ckpt_id: CheckpointId, *, threads: int = 8) -> None:
+        """Open every shard held here (its manifest checked against the commit's CRC, its data
+        file's size against the manifest) without reading data: what ``ckpt verify
+        --manifests-only`` looks at; raises if damaged."""
+        manifest = self.read_manifest(ckpt_id)
+        run_parallel(lambda ref: self.open_shard(ckpt_id, ref).close(), manifest.shards, threads)
 
     def close(self) -> None:
         """Release threads and connections the tier holds."""
