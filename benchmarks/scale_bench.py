@@ -16,7 +16,11 @@ measured is the launchers', the workers' and the commit protocol's own store tra
 - `membership_round`: a member exits: its node reports it, the job launcher publishes the next
   round, every node launcher follows it;
 - `commit`: every rank's ``Committer.commit`` of one step (one volume per node of 8, a tier that
-  keeps nothing: the protocol's own cost), clean-up included; one thread per rank.
+  keeps nothing: the protocol's own cost), clean-up included; one thread per rank;
+- `ckpt_ls_*`, `verify_manifests_*`: ``ckpt ls`` and ``ckpt verify --manifests-only`` of an
+  N-shard checkpoint (a 70B model's manifests) on disk and in the S3 test server
+  (``scale_listing.py``); `predictor_score`: the predictor scoring N/8 nodes x 8 GPUs
+  (``scale_predictor.py``).
 
 Every value is signed under a job secret made for the benchmark (``ckpt.control``, as the
 launcher's jobs do).
@@ -41,9 +45,13 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository first
+from benchmarks import scale_listing, scale_predictor  # noqa: E402
 from benchmarks.harness import run_meta, write_json  # noqa: E402
 
-COMPONENTS = ("steady_step", "launch", "membership_round", "commit")
+STORE_COMPONENTS = ("steady_step", "launch", "membership_round", "commit")
+# components without the job's store, in their own modules: N -> the row (peak RSS added here)
+OTHER = {**scale_listing.rows(), "predictor_score": scale_predictor.run_one}
+COMPONENTS = STORE_COMPONENTS + tuple(OTHER)
 SIZES = (64, 256, 1024, 4096, 16384)
 PER_NODE = 8
 
@@ -176,6 +184,9 @@ _CLOCK = _Clock()
 
 def run_one(component: str, n: int, clients: int) -> dict:
     """One component at ``n`` ranks, in this process: its row."""
+    if component in OTHER:
+        return {**OTHER[component](n), "nodes": max(1, n // PER_NODE),
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     from ckpt.inprocess import launch  # imported before the clock starts
     server, pool = _pool(n, clients)
     job = nodes = None
@@ -293,6 +304,7 @@ def main() -> None:
     ap.add_argument("--max-ranks", type=int, default=4096, help="largest N (default %(default)s; 16384: the full run)")
     ap.add_argument("--components", default=",".join(COMPONENTS))
     ap.add_argument("--commit-max", type=int, default=4096, help="largest N for `commit` (one thread per rank)")
+    ap.add_argument("--max-for", default="", metavar="C=N,...", help="largest N for these components")
     ap.add_argument("--clients", type=int, default=64, help="real store clients the stand-in ranks share")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per component; the sizes not reached are listed")
     ap.add_argument("--plot", metavar="PNG")
@@ -304,8 +316,10 @@ def main() -> None:
         return
     meta = run_meta(clients=args.clients, per_node=PER_NODE)
     rows, skipped = [], []
+    largest = {"commit": args.commit_max, **{c: int(n) for c, n in (kv.split("=") for kv in args.max_for.split(",")
+                                                                   if kv)}}
     for c in args.components.split(","):  # one process per component (torch's import is slow on a busy machine)
-        sizes = [s for s in SIZES if s <= (args.commit_max if c == "commit" else args.max_ranks)]
+        sizes = [s for s in SIZES if s <= min(largest.get(c, args.max_ranks), args.max_ranks)]
         proc = subprocess.Popen([sys.executable, __file__, "--one", c, ",".join(map(str, sizes)), "--clients",
                                  str(args.clients)], stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})

@@ -1,0 +1,49 @@
+"""scale_bench's components outside the job's store, each at a tiny N through the functions
+the benchmark runs (``--one`` calls the same): they run, count and clean up; no timing."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import scale_bench, scale_listing, scale_predictor
+from ckpt.format.manifest import ShardManifest
+from tests.ckpt_helpers import REPO
+
+
+def test_the_patched_manifests_are_what_the_real_class_writes_for_each_rank() -> None:
+    shards = scale_listing.Shards(16)
+    assert len(scale_listing.llama70b_shapes()) == 723
+    for rank in (0, 1, 9, 15):
+        assert ShardManifest.from_bytes(shards.raw(rank)) == scale_listing.shard_manifest(rank, 16)
+
+
+@pytest.mark.parametrize("component", [c for c in scale_listing.COMPONENTS if c.endswith("_disk")])
+def test_listing_components_on_disk(component: str) -> None:
+    row = scale_bench.run_one(component, 16, clients=1)
+    assert row["component"] == component and row["ranks"] == 16 and row["store_ops"] == 0
+    assert row["shard_manifest_bytes"] > 200_000 and row["peak_rss_mb"] > 0
+
+
+@pytest.mark.parametrize("component", [c for c in scale_listing.COMPONENTS if c.endswith("_s3")])
+def test_listing_components_in_the_s3_test_server_count_requests(component: str, s3_server) -> None:
+    row = scale_listing.run_one(component, 8, s3_server)
+    # ls: a listing, the commit record, rank 0's manifest; verify: every shard's manifest and data size
+    assert row["store_ops"] >= (3 if component.startswith("ckpt_ls") else 2 * 8), row
+    assert "AWS_ENDPOINT_URL_S3" not in os.environ
+
+
+def test_predictor_scores_every_gpu_of_n_over_8_nodes() -> None:
+    row = scale_predictor.run_one(16)
+    assert row["gpus"] == 16 and row["seconds"] > 0
+
+
+def test_one_path_prints_a_row_per_size() -> None:
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale_bench.py"), "--one", "predictor_score",
+                          "8,16"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["ranks"] for line in out.stdout.splitlines()] == [8, 16]
