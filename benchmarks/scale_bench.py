@@ -2,12 +2,12 @@
 
     python benchmarks/scale_bench.py [--max-ranks 16384] [--json OUT] [--plot cost.png]
 
-Each component runs in a fresh process, its sizes in ascending order (peak RSS: the largest N so far),
-against one real TCPStore
-server on loopback. Stand-in ranks share a pool of real store clients (``--clients``, served in
-turn by one thread) behind a proxy that counts every store operation and the keys it names;
-the workers a node launcher "starts" are stand-ins for processes (always running), so what is
-measured is the launchers', the workers' and the commit protocol's own store traffic:
+Each component runs in a fresh process, its sizes in ascending order (peak RSS: the largest N so
+far), against one real TCPStore server listening on 127.0.0.1 (``scale_standins.py``). Stand-in
+ranks share a pool of real store clients (``--clients``, served in turn by one thread) behind a
+proxy that counts every store operation and the keys it names; the workers a node launcher
+"starts" are stand-ins for processes (always running), so what is measured is the launchers',
+the workers' and the commit protocol's own store traffic:
 
 - `steady_step`: one step (``BEAT_S``) after three (the launchers' warm-up, not counted): each
   worker's beat and step-key traffic, ``BEAT_S / POLL_S`` ticks of every node launcher
@@ -20,7 +20,8 @@ measured is the launchers', the workers' and the commit protocol's own store tra
 - `ckpt_ls_*`, `verify_manifests_*`: ``ckpt ls`` and ``ckpt verify --manifests-only`` of an
   N-shard checkpoint (a 70B model's manifests) on disk and in the S3 test server
   (``scale_listing.py``); `predictor_score`: the predictor scoring N/8 nodes x 8 GPUs
-  (``scale_predictor.py``).
+  (``scale_predictor.py``); `steady_step_clients`: `steady_step` with a real store connection
+  per rank and per node launcher, in client processes (``scale_clients.py``).
 
 Every value is signed under a job secret made for the benchmark (``ckpt.control``, as the
 launcher's jobs do).
@@ -41,145 +42,34 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository first
-from benchmarks import scale_listing, scale_predictor  # noqa: E402
+from benchmarks import scale_clients, scale_listing, scale_predictor  # noqa: E402
 from benchmarks.harness import run_meta, write_json  # noqa: E402
+from benchmarks.scale_standins import CLOCK, PER_NODE, SECRET, Counting, ctl, job_of, worker_step  # noqa: E402
+from benchmarks.scale_standins import pool as store_pool  # noqa: E402
 
 STORE_COMPONENTS = ("steady_step", "launch", "membership_round", "commit")
 # components without the job's store, in their own modules: N -> the row (peak RSS added here)
-OTHER = {**scale_listing.rows(), "predictor_score": scale_predictor.run_one}
+OTHER = {**scale_listing.rows(), "predictor_score": scale_predictor.run_one,
+         "steady_step_clients": scale_clients.run_one}
 COMPONENTS = STORE_COMPONENTS + tuple(OTHER)
 SIZES = (64, 256, 1024, 4096, 16384)
-PER_NODE = 8
-
-
-class Counting:
-    """A store client that counts what passes through it (operations and the keys they name)."""
-
-    ops = 0
-    keys = 0
-    _lock = threading.Lock()
-
-    def __init__(self, store) -> None:
-        self._s, self.port = store, store.port
-
-    def _n(self, keys: int) -> None:
-        with Counting._lock:
-            Counting.ops += 1
-            Counting.keys += keys
-
-    def set(self, k, v):
-        self._n(1)
-        return self._s.set(k, v)
-
-    def get(self, k):
-        self._n(1)
-        return self._s.get(k)
-
-    def add(self, k, v):
-        self._n(1)
-        return self._s.add(k, v)
-
-    def check(self, keys):
-        self._n(len(keys))
-        return self._s.check(keys)
-
-    def delete_key(self, k):
-        self._n(1)
-        return self._s.delete_key(k)
-
-    def multi_get(self, keys):
-        self._n(len(keys))
-        return self._s.multi_get(keys)
-
-    def multi_set(self, keys, values):
-        self._n(len(keys))
-        return self._s.multi_set(keys, values)
-
-
-class StandIn:
-    """A worker process that never exits unless told to (``code``)."""
-
-    def __init__(self, *_a, **_k) -> None:
-        self.pid, self.code = os.getpid(), None
-
-    def poll(self):
-        return self.code
-
-    def kill(self) -> None:
-        self.code = -9
-
-    def wait(self):
-        return self.code
-
-
-def _pool(n: int, clients: int):
-    import torch.distributed as dist
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
-    pool = [Counting(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=300)))
-            for _ in range(min(n, clients))]
-    return server, pool
-
-
-_SECRET = b"scale-bench job secret, not a real job's: 32+ bytes"
-
-
-def _ctl(store, attempt: int = 0):
-    """One process's signed view of the job's store (``ckpt.control``), as every launcher and worker has."""
-    from ckpt.control import Control, control_key
-    return Control(store, control_key(_SECRET), attempt)
-
-
-def _job(n: int, pool):
-    """Round 0 of a job of ``n`` ranks on n/8 nodes: the job launcher and every node launcher."""
-    from ckpt import secret
-    from ckpt.inprocess import launch, node
-    os.environ[secret.SECRET_ENV] = _SECRET.decode()  # the job launcher reads the job's secret from here
-    node.subprocess.Popen = StandIn  # the workers are stand-ins: nothing is started
-    args = argparse.Namespace(nproc=PER_NODE, spares=0, spare_nodes=0, nodes=max(1, n // PER_NODE), min_world=1,
-                              hang_s=60.0, progress_s=None, master_addr="127.0.0.1", command=["stand-in"])
-    job = launch.Job(args, 0, pool[0], set())
-    nodes = [job.local] + [node.NodeLauncher(_ctl(pool[k % len(pool)]), k, master=("127.0.0.1", pool[0].port),
-                                             command=["stand-in"], attempt=0, hang_s=60.0, progress_s=None)
-                           for k in range(1, args.nodes)]
-    return job, nodes
 
 
 def _steady_step(n: int, pool, job, nodes, workers, step: int = 1) -> None:
     """One ``BEAT_S`` of steady state: every worker's beat thread (a beat, a look for a newer round)
     and one step (a look before it, its step key after), then the launchers' ticks of that time."""
-    from ckpt.inprocess import membership, node
+    from ckpt.inprocess import node
     from ckpt.inprocess.runner import BEAT_S
     for w in range(n):
-        ctl = workers[w]
-        ctl.put(membership.beat_key(w), b"", round=0)
-        membership.changed(ctl, 0)
-        membership.changed(ctl, 0)
-        ctl.put(membership.step_key(w), str(step))
+        worker_step(workers[w], w, step)
     for _ in range(round(BEAT_S / node.POLL_S)):
         job.tick()
         for nl in nodes[1:]:
             nl.poll()
-        _CLOCK.now += node.POLL_S
-
-
-class _Clock:
-    """The launchers' clock in `steady_step`: one tick a ``POLL_S``, however long a tick takes here,
-    so that the step measured is one ``BEAT_S`` of the launchers' work whatever the machine's speed."""
-
-    now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-
-_CLOCK = _Clock()
+        CLOCK.now += node.POLL_S
 
 
 def run_one(component: str, n: int, clients: int) -> dict:
@@ -188,21 +78,21 @@ def run_one(component: str, n: int, clients: int) -> dict:
         return {**OTHER[component](n), "nodes": max(1, n // PER_NODE),
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     from ckpt.inprocess import launch  # imported before the clock starts
-    server, pool = _pool(n, clients)
+    server, pool = store_pool(n, clients)
     job = nodes = None
     if component == "steady_step":
         from ckpt.inprocess import node
-        _CLOCK.now = time.monotonic()
-        node.time = launch.time = _CLOCK
+        CLOCK.now = time.monotonic()
+        node.time = launch.time = CLOCK
     if component in ("steady_step", "membership_round"):
-        job, nodes = _job(n, pool)
-    workers = [_ctl(pool[w % len(pool)]) for w in range(n)] if component == "steady_step" else []
+        job, nodes = job_of(n, pool)
+    workers = [ctl(pool[w % len(pool)]) for w in range(n)] if component == "steady_step" else []
     for step in range(1, 4) if component == "steady_step" else ():  # the launchers past their warm-up
         _steady_step(n, pool, job, nodes, workers, step)
     Counting.ops = Counting.keys = 0
     t0 = time.perf_counter()
     if component == "launch":
-        job, nodes = _job(n, pool)
+        job, nodes = job_of(n, pool)
     elif component == "steady_step":
         _steady_step(n, pool, job, nodes, workers, 4)
     elif component == "membership_round":
@@ -249,7 +139,7 @@ def _commit(n: int, pool) -> None:
     tier, cid = _Tier(), CheckpointId(1, 0)
     volumes = [f"node{r // PER_NODE}" for r in range(n)]
     errors: list[BaseException] = []
-    key = secret.derive(_SECRET, "checkpoint commit")  # signed, as under the launcher
+    key = secret.derive(SECRET, "checkpoint commit")  # signed, as under the launcher
 
     def rank(r: int) -> None:
         c = Committer(r, n, store=lambda: pool[r % len(pool)], keep_last={}, default_keep=1, timeout_s=600,

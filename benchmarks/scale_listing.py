@@ -105,11 +105,15 @@ class Requests:
 
     n = 0
     _lock = threading.Lock()
+    _installed = False
 
     @classmethod
     def install(cls) -> None:
+        """Once a process (every size after the first would count each request again)."""
         from aiobotocore.endpoint import AioEndpoint
-        send = AioEndpoint._send
+        if cls._installed:
+            return
+        cls._installed, send = True, AioEndpoint._send
 
         async def counted(self, request):
             with cls._lock:

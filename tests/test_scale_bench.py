@@ -41,9 +41,22 @@ def test_predictor_scores_every_gpu_of_n_over_8_nodes() -> None:
     assert row["gpus"] == 16 and row["seconds"] > 0
 
 
-def test_one_path_prints_a_row_per_size() -> None:
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale_bench.py"), "--one", "predictor_score",
-                          "8,16"], capture_output=True, text=True, timeout=300, cwd=REPO,
+def _one(component: str, sizes: str) -> list[dict]:
+    """``scale_bench.py --one``: in its own process, as the benchmark runs it (the store components
+    put stand-ins and a clock into ckpt.inprocess, which this process's other tests must not see)."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale_bench.py"), "--one", component, sizes],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
-    assert [json.loads(line)["ranks"] for line in out.stdout.splitlines()] == [8, 16]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_one_path_prints_a_row_per_size() -> None:
+    assert [row["ranks"] for row in _one("predictor_score", "8,16")] == [8, 16]
+
+
+def test_steady_step_with_a_connection_per_rank_counts_what_the_shared_clients_count() -> None:
+    real, = _one("steady_step_clients", "16")
+    shared, = _one("steady_step", "16")
+    assert real["clients"] == 16 + 1 + 1  # every worker, node 1's launcher, the job launcher's store
+    assert (real["store_ops"], real["store_keys"]) == (shared["store_ops"], shared["store_keys"])
