@@ -85,6 +85,9 @@ class NodeLauncher:
             self.procs[w] = subprocess.Popen([sys.executable, *self.command], env={
                 **self.env, WORKER_ENV: str(w), "RANK": str(-1 if rank is None else rank),
                 "LOCAL_RANK": str(len(self.procs))})
+        # this node's members, in rank order, found once a round: a tick then looks at its own
+        # workers, not at every member of the job (N/8 nodes x N a tick; scale.md)
+        self.here = [w for w in self.current.members if w in self.procs]
 
     def poll(self) -> bool:
         """Beat, follow the rounds, report exits, kill the members to kill; False once the job is over."""
@@ -122,12 +125,11 @@ class NodeLauncher:
 
     def _mine(self) -> list[int]:
         """This node's members of the current round, alive and not killed."""
-        return [w for w in self.current.members
-                if w in self.procs and w not in self.causes and self.procs[w].poll() is None]
+        return [w for w in self.here if w not in self.causes and self.procs[w].poll() is None]
 
     def _live(self) -> list[int]:
         """This node's members of the current round not killed here nor finished."""
-        return [w for w in self.current.members if w in self.procs and w not in self.causes and w not in self.finished]
+        return [w for w in self.here if w not in self.causes and w not in self.finished]
 
     def _kill_frozen_and_evicted(self, now: float) -> None:
         """A member whose beat stopped for ``hang_s`` (a blocked gloo collective cannot be
