@@ -67,9 +67,9 @@ class Job:
         self.hosts = {k * per_node + i: k for k in range(args.nodes) if k not in lost for i in range(per_node)}
         # the first nodes still there run the members; the last --spare-nodes only spares (a relaunch
         # after a lost node moves its members onto a spare node)
-        working = sorted(set(self.hosts.values()))[:args.nodes - args.spare_nodes]
+        working = set(sorted(set(self.hosts.values()))[:args.nodes - args.spare_nodes])
         self.members = [w for w in self.hosts if w % per_node < n and self.hosts[w] in working]
-        self.spares = [w for w in self.hosts if w not in self.members]
+        self.spares = sorted(self.hosts.keys() - set(self.members))  # ids ascend as self.hosts does
         self.min_world, self.round, self.hang_s, self.nproc = args.min_world, 0, args.hang_s, n
         self.working_nodes = args.nodes - args.spare_nodes
         self.finished: set[int] = set()

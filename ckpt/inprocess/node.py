@@ -80,14 +80,16 @@ class NodeLauncher:
         """Start the workers of the current round that are this node's and not started yet."""
         listed = self.store.get(membership.node_hosts_key(self.node))
         here = set(json.loads(listed)) if listed is not None else set()
-        for w in (w for w in [*self.current.members, *self.current.spares] if w in here and w not in self.procs):
-            rank = self.current.rank_of(w)
+        # this node's members in rank order, then its spares: found from its own few hosts, not by
+        # walking every member of the job (N/8 nodes x N a round; a tick then looks at these only)
+        members = here & set(self.current.members)
+        mine = sorted(members, key=self.current.members.index)
+        for w in (w for w in [*mine, *(s for s in self.current.spares if s in here)] if w not in self.procs):
+            rank = self.current.rank_of(w) if w in members else None
             self.procs[w] = subprocess.Popen([sys.executable, *self.command], env={
                 **self.env, WORKER_ENV: str(w), "RANK": str(-1 if rank is None else rank),
                 "LOCAL_RANK": str(len(self.procs))})
-        # this node's members, in rank order, found once a round: a tick then looks at its own
-        # workers, not at every member of the job (N/8 nodes x N a tick; scale.md)
-        self.here = [w for w in self.current.members if w in self.procs]
+        self.here = [w for w in mine if w in self.procs]
 
     def poll(self) -> bool:
         """Beat, follow the rounds, report exits, kill the members to kill; False once the job is over."""
