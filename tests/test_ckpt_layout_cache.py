@@ -162,3 +162,33 @@ def test_a_dtensor_placed_otherwise_plans_anew(tmp_path: Path) -> None:
         assert first[0][0].layout.placements != again[0][0].layout.placements
     finally:
         dist.destroy_process_group()
+
+
+# (the innermost dict, the most dicts around it accepted, the path its first refusal names): a value
+# ``d`` levels deep is kept while d + 3 <= MAX_JSON_DEPTH (the deepest tag opens 3 levels); the state
+# is the manifest's level 1, each "k" one more, a list's items one more, a ``__dict__``'s items three more
+DEPTHS = [({"x": 1, "y": "s"}, 123, "x"), ({"x": [1, 2.5, "s", None, True]}, 122, "x.0"),
+          ({"__x__": 1}, 121, "<key>")]
+
+
+@pytest.mark.parametrize("leaf, deepest, refused", DEPTHS)
+def test_plain_values_kept_without_a_call_meet_the_same_depth_limit(leaf: dict, deepest: int, refused: str) -> None:
+    """``flatten`` keeps a plain value of a dict or list as it is, without encoding it, only
+    where the depth check it skips would pass: the deepest state accepted, and the error of
+    the first one refused (naming the same path), are those of encoding every value."""
+    from ckpt.errors import CheckpointError
+    from ckpt.format.manifest import MAX_JSON_DEPTH
+
+    def nested(n: int) -> dict:
+        state = copy.deepcopy(leaf)
+        for _ in range(n):
+            state = {"k": state}
+        return state
+
+    assert MAX_JSON_DEPTH == 128
+    tree = flatten(nested(deepest)).tree
+    for _ in range(deepest):
+        tree = tree["k"]
+    assert tree == (leaf if "__x__" not in leaf else {"__dict__": [["__x__", 1]]})
+    with pytest.raises(CheckpointError, match=r"^" + r"k\." * deepest + "k." + refused + ": the state is nested"):
+        flatten(nested(deepest + 1))
