@@ -42,7 +42,8 @@ from ckpt import CheckpointManager  # noqa: E402
 PARTS = [("ckpt.save.save_path", n) for n in ("flatten", "deferrable", "step_written", "param_names", "scope_of",
                                                 "optimizers_in", "modules_in")] + [
     ("ckpt.save.save_path:SavePath", n) for n in ("stage", "_reserve", "submit", "skip_superseded")] + [
-    ("ckpt.save.layout_cache:LayoutCache", "plan"), ("ckpt.tiers.memory.slots:SlotPool", "reserve"),
+    ("ckpt.save.layout_cache:LayoutCache", "plan"), ("ckpt.save.layout_cache:ParamsCache", "of"),
+    ("ckpt.tiers.memory.slots:SlotPool", "reserve"),
     ("ckpt.tiers.memory.slots:SlotPool", "start_snapshot"), ("ckpt.tiers.memory.slots:SlotPool", "destinations"),
     ("ckpt.tiers.memory.slots:ShmSlot", "unseal"), ("ckpt.tiers.memory.copier:TensorCopier", "start")]
 

@@ -45,6 +45,9 @@ class FlatState:
     tree: Any
     layouts: dict[int, Layout] = field(default_factory=dict)  # a DTensor's id -> where its local shard lies
     keys: list[tuple] = field(default_factory=list)  # each tensor's ``tensor_key``, read once here
+    # the key of each tensor saved as itself, by its ``id()``: unique while this FlatState holds it, so a question
+    # about the same objects in the same save (``overlap.step_written``) reads no tensor again
+    by_id: dict[int, tuple] = field(default_factory=dict)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +70,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     keys: list[tuple] = []  # a save's layout is keyed on them (``save/layout_cache.py``), deferred copies too
     layouts: dict[int, Layout] = {}
     seen: dict[tuple, int] = {}  # tied weights (same memory, same view, same conj/neg bits) are stored once
+    by_id: dict[int, tuple] = {}
 
     def enc(obj: Any, path: str, depth: int) -> Any:
         """``depth``: the JSON nesting ``obj``'s encoding sits at in the shard manifest."""
@@ -143,6 +147,8 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         saved = obj.detach().resolve_conj().resolve_neg() if obj.requires_grad or conj or neg else obj
         tensors.append((path, saved))
         keys.append(tensor_key(saved) if conj or neg else where)  # a resolved view is a copy elsewhere
+        if saved is obj:
+            by_id[id(obj)] = where
         seen[key] = len(tensors) - 1
         return {"__tensor__": len(tensors) - 1}
 
@@ -163,7 +169,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         return {k: enc(v, f"{path}.{k}" if path else k, depth + 1) for k, v in obj.items()}
 
     tree = enc(dict(state), "", 1)  # the tree is a member of the shard manifest's top object
-    return FlatState(tensors, tree, layouts, keys)
+    return FlatState(tensors, tree, layouts, keys, by_id)
 
 
 def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:

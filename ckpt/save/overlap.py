@@ -75,16 +75,21 @@ def _found(state: Mapping[str, Any], kind: type, wrapped: tuple[str, ...]) -> li
     return found
 
 
-def step_written(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
+def step_written(optimizers: Iterable[torch.optim.Optimizer], known: Mapping[int, tuple] | None = None) -> set[tuple]:
     """What ``optimizer.step()`` writes: the parameters and the optimizer state (a
-    DTensor's local shard, as ``flatten`` saves it)."""
+    DTensor's local shard, as ``flatten`` saves it). ``known``: keys already read, by
+    ``id()`` of live tensors (``FlatState.by_id``: the optimizer state it flattened)."""
+    known = known or {}
+
+    def key(t: torch.Tensor) -> tuple:
+        return known.get(id(t)) or tensor_key(local_tensor(t))
+
     keys = set()
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                keys.add(tensor_key(local_tensor(p)))
-                keys.update(tensor_key(local_tensor(v)) for v in opt.state.get(p, {}).values()
-                            if isinstance(v, torch.Tensor))
+                keys.add(key(p))
+                keys.update(key(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
     return keys
 
 
