@@ -61,3 +61,28 @@ def test_a_failed_unseal_copies_nothing_and_is_raised_by_the_wait(copier: Tensor
     with pytest.raises(OSError, match="could not be removed"):
         copy.wait()
     assert all(not d.any() for d in dst)
+
+
+def test_the_seal_bytes_are_made_on_the_copy_thread_or_else_by_the_sealer(copier: TensorCopier) -> None:
+    """``StagedSnapshot.sealed_bytes``: the manifest's bytes made behind the copy, or made by
+    the thread that seals when the copy thread has not started them; the same bytes either way."""
+    from ckpt.format.manifest import ShardManifest
+    from ckpt.format.state import flatten
+    from ckpt.save.overlap import StagedSnapshot
+    from ckpt.tiers.base import CheckpointId
+    from ckpt.tiers.memory.copier import plan_layout
+
+    flat = flatten({"w": torch.randn(4, 3), "opt": {"lr": 0.1, "betas": (0.9, 0.99)}})
+    entries, nbytes = plan_layout(flat.tensors)
+    manifest = ShardManifest(0, 7, 0, nbytes, entries, flat.tree, 1 << 20)
+    dst, src = pairs_of()
+    go = threading.Event()
+    copy = copier.start(list(zip(dst, src)), first=lambda: go.wait(10))  # the copy thread held at the unseal
+    staged = StagedSnapshot(CheckpointId(0, 7), None, manifest, copy, [], encoded=copier.then(manifest.to_bytes))
+    assert staged.sealed_bytes() == manifest.to_bytes() and staged.encoded.cancelled()  # made here
+    go.set()
+    copy.wait()
+    made = copier.then(manifest.to_bytes)
+    made.result(10)
+    staged.encoded = made
+    assert staged.sealed_bytes() == manifest.to_bytes()  # made there

@@ -23,6 +23,7 @@ deferred byte).
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -119,6 +120,14 @@ class StagedSnapshot:
     watched: list[tuple[str, torch.Tensor, int]]  # (path, tensor, version at save)
     drain: tuple[SaveHandle, bool, bool] | None = None  # (handle, upload, urgent): queued once sealed
     verify: bool = False  # compare the staged bytes with the live tensors at the seal
+    encoded: Future[bytes] | None = None  # the manifest's bytes, made on the copy thread (``sealed_bytes``)
+
+    def sealed_bytes(self) -> bytes:
+        """The seal's bytes: made on the copy thread, or here if that thread has not started them
+        (an urgent save seals before returning; raised here as ``to_bytes`` would raise them)."""
+        if self.encoded is None or self.encoded.cancel():
+            return self.manifest.to_bytes()
+        return self.encoded.result()
 
     def copied(self) -> bool:
         """Whether the copy has ended (without waiting for it)."""

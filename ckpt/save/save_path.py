@@ -107,7 +107,8 @@ class SavePath:
         except BaseException:
             slot.idle.set()
             raise
-        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, verify=self.verify)
+        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, verify=self.verify,
+                                      encoded=self.memory.encode(manifest))
         return slot, manifest
 
     def wait_staged(self) -> None:
@@ -119,6 +120,7 @@ class SavePath:
         t0 = time.monotonic()
         try:
             staged.finish()
+            data = staged.sealed_bytes()
         except BaseException as e:
             staged.slot.idle.set()
             if staged.drain is not None:
@@ -126,7 +128,7 @@ class SavePath:
             raise
         finally:
             self.staged_wait_s += time.monotonic() - t0
-        self.memory.seal(staged.slot, staged.manifest)
+        self.memory.seal(staged.slot, staged.manifest, data)
         if staged.drain is None:  # save() failed before it asked for a drain: sealed in memory only
             staged.slot.idle.set()
             return

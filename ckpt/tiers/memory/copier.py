@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -13,6 +13,7 @@ import torch
 from ...format.manifest import DTYPE_NAMES, TensorEntry
 
 ALIGN = 64
+T = TypeVar("T")
 
 
 def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry], int]:
@@ -141,6 +142,13 @@ class TensorCopier:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
         pieces = _Pieces(cpu_later, first)
         return PendingCopy(pieces, self._worker.submit(pieces.work), event)
+
+    def then(self, fn: Callable[[], T]) -> "Future[T]":
+        """Run ``fn`` on the copy thread once what it was given before is done (the seal's
+        bytes: serialising a manifest is no work for the trainer's thread)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
+        return self._worker.submit(fn)
 
     def close(self) -> None:
         if self._worker is not None:

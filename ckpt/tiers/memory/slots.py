@@ -151,8 +151,9 @@ class ShmSlot:
         self.meta_path.unlink(missing_ok=True)
         atomic_write(epoch_path(self.meta_path), os.urandom(8).hex().encode(), durable=False, mode=0o600)
 
-    def seal(self, manifest: ShardManifest) -> None:
-        atomic_write(self.meta_path, manifest.to_bytes(), durable=False, mode=0o600)
+    def seal(self, manifest: ShardManifest, data: bytes | None = None) -> None:
+        """Write the seal: ``data`` is ``manifest.to_bytes()`` when the caller has it already."""
+        atomic_write(self.meta_path, manifest.to_bytes() if data is None else data, durable=False, mode=0o600)
         self.holds = (manifest.generation, manifest.step)
 
     def views(self, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
