@@ -162,3 +162,97 @@ def test_a_dtensor_placed_otherwise_plans_anew(tmp_path: Path) -> None:
         assert first[0][0].layout.placements != again[0][0].layout.placements
     finally:
         dist.destroy_process_group()
+
+
+# (the innermost dict, the most dicts around it accepted, the path its first refusal names): a value
+# ``d`` levels deep is kept while d + 3 <= MAX_JSON_DEPTH (the deepest tag opens 3 levels); the state
+# is the manifest's level 1, each "k" one more, a list's items one more, a ``__dict__``'s items three more
+DEPTHS = [({"x": 1, "y": "s"}, 123, "x"), ({"x": [1, 2.5, "s", None, True]}, 122, "x.0"),
+          ({"__x__": 1}, 121, "<key>")]
+
+
+@pytest.mark.parametrize("leaf, deepest, refused", DEPTHS)
+def test_plain_values_kept_without_a_call_meet_the_same_depth_limit(leaf: dict, deepest: int, refused: str) -> None:
+    """``flatten`` keeps a plain value of a dict or list as it is, without encoding it, only
+    where the depth check it skips would pass: the deepest state accepted, and the error of
+    the first one refused (naming the same path), are those of encoding every value."""
+    from ckpt.errors import CheckpointError
+    from ckpt.format.manifest import MAX_JSON_DEPTH
+
+    def nested(n: int) -> dict:
+        state = copy.deepcopy(leaf)
+        for _ in range(n):
+            state = {"k": state}
+        return state
+
+    assert MAX_JSON_DEPTH == 128
+    tree = flatten(nested(deepest)).tree
+    for _ in range(deepest):
+        tree = tree["k"]
+    assert tree == (leaf if "__x__" not in leaf else {"__dict__": [["__x__", 1]]})
+    with pytest.raises(CheckpointError, match=r"^" + r"k\." * deepest + "k." + refused + ": the state is nested"):
+        flatten(nested(deepest + 1))
+
+
+def test_the_keys_flatten_read_are_those_the_optimizer_step_writes_read_anew() -> None:
+    """``step_written`` takes the optimizer state's keys from ``FlatState.by_id`` (the same live
+    objects): the same set as reading every tensor again, and so the same deferred copies."""
+    from ckpt.save.overlap import deferrable, step_written
+
+    state = build()
+    train_step(state)
+    state["alias"] = state["opt"].state_dict()["state"][0]["exp_avg"][:3]  # a view: another key, copied at once
+    flat = flatten(state)
+    assert len(flat.by_id) >= 8  # the optimizer's moments and steps, saved as themselves
+    assert step_written([state["opt"]], flat.by_id) == step_written([state["opt"]])
+    later = deferrable(flat, step_written([state["opt"]], flat.by_id))
+    assert later == deferrable(flat, step_written([state["opt"]]))
+    assert [path for (path, _), defer in zip(flat.tensors, later) if not defer] == [
+        "model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked", "rng", "table", "alias"]
+
+
+def facts(state: dict[str, Any]) -> tuple[dict, list]:
+    """What a save records from the state's parameters: their names, and what its soundness scope checks."""
+    from ckpt.restore.optim_names import param_names
+    from ckpt.save.soundness import scope_of
+
+    scope = scope_of(state, (), ())
+    paths = [path for path, _ in flatten(state).tensors]
+    return param_names(state), [(p, scope.checked(p), scope.compared(p)) for p in paths]
+
+
+PARAM_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "a parameter replaced in place of its module": lambda s: setattr(s["model"][0], "weight",
+                                                                      nn.Parameter(s["model"][0].weight.detach())),
+    "a module added": lambda s: s["model"].append(nn.Linear(4, 4)),
+    "a module renamed": lambda s: s.update(net=s.pop("model")),
+    "a parameter group added": lambda s: s["opt"].add_param_group({"params": [nn.Parameter(torch.ones(2))]}),
+    "an optimizer with its names": lambda s: s["opt"].param_groups[0].update(param_names=["a"]),
+    "another optimizer": lambda s: s.update(opt=torch.optim.SGD(s["model"].parameters(), lr=0.1)),
+    "a module added beside it": lambda s: s.update(other=nn.Linear(2, 2)),
+}
+
+
+@pytest.mark.parametrize("change", PARAM_CHANGES)
+def test_what_a_save_derives_from_the_parameters_is_derived_anew_at_each_change(change: str) -> None:
+    from ckpt.save.layout_cache import ParamsCache
+
+    state = build()
+    cache = ParamsCache()
+    first = cache.of(state, lambda: facts(state))
+    assert cache.of(state, lambda: facts(state)) is first and (cache.built, cache.reused) == (1, 1)
+    PARAM_CHANGES[change](state)
+    again = cache.of(state, lambda: facts(state))
+    assert cache.built == 2 and again == facts(state)
+
+
+def test_the_same_ids_with_an_object_gone_are_not_taken_for_the_same_parameters() -> None:
+    """An ``id()`` is another object's once the first is gone: a dead reference derives anew."""
+    from ckpt.save.layout_cache import ParamsCache
+
+    state = {"model": nn.Linear(3, 3)}
+    cache = ParamsCache()
+    cache.of(state, lambda: facts(state))
+    cache._alive.append(lambda: None)  # the same ids as now, one of the objects they named gone
+    cache.of(state, lambda: facts(state))
+    assert (cache.built, cache.reused) == (2, 0)

@@ -45,6 +45,9 @@ class FlatState:
     tree: Any
     layouts: dict[int, Layout] = field(default_factory=dict)  # a DTensor's id -> where its local shard lies
     keys: list[tuple] = field(default_factory=list)  # each tensor's ``tensor_key``, read once here
+    # the key of each tensor saved as itself, by its ``id()``: unique while this FlatState holds it, so a question
+    # about the same objects in the same save (``overlap.step_written``) reads no tensor again
+    by_id: dict[int, tuple] = field(default_factory=dict)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -67,14 +70,24 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     keys: list[tuple] = []  # a save's layout is keyed on them (``save/layout_cache.py``), deferred copies too
     layouts: dict[int, Layout] = {}
     seen: dict[tuple, int] = {}  # tied weights (same memory, same view, same conj/neg bits) are stored once
+    by_id: dict[int, tuple] = {}
 
     def enc(obj: Any, path: str, depth: int) -> Any:
         """``depth``: the JSON nesting ``obj``'s encoding sits at in the shard manifest."""
         if depth + _DEEPEST_TAG > MAX_JSON_DEPTH:
             raise CheckpointError(f"{path}: the state is nested too deeply to checkpoint "
                                   f"(readers accept {MAX_JSON_DEPTH} levels of JSON)")
-        if type(obj) in _PLAIN:  # most of an optimizer's state_dict, first: ten type tests each were half its cost
+        kind = type(obj)
+        if kind in _PLAIN:  # most of an optimizer's state_dict, first: ten type tests each were half its cost
             return obj
+        # then the other exact types of a state_dict, each without the tests that cannot hold for it (neither a
+        # plain tensor nor a Parameter is a DTensor; a plain dict or list holds no state_dict)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            return tensor(obj, path)
+        if kind is dict:
+            return mapping(obj, path, depth)
+        if kind is list:
+            return sequence(obj, path, depth)
         if is_dtensor(obj):
             layout, local = layout_of(obj, path), obj.to_local()
             if tuple(local.shape) != layout.local_shape:  # outside a sub-mesh: nothing, in the tensor's dims
@@ -83,21 +96,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             layouts[index] = layout
             return {"__dtensor__": index}
         if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided or obj.is_quantized or obj.is_meta:
-                raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
-            if obj.dtype not in DTYPE_NAMES:
-                raise CheckpointError(f"{path}: unsupported dtype {obj.dtype}")
-            # a conj() or neg view shares the memory but not the values: its bit is part of the key
-            conj, neg, where = obj.is_conj(), obj.is_neg(), tensor_key(obj)
-            key = (*where, conj, neg)
-            if obj.numel() and key in seen:
-                return {"__tensor__": seen[key]}
-            # detached only where it matters (a state_dict's tensors already are): a detach is most of a tensor's cost
-            saved = obj.detach().resolve_conj().resolve_neg() if obj.requires_grad or conj or neg else obj
-            tensors.append((path, saved))
-            keys.append(tensor_key(saved) if conj or neg else where)  # a resolved view is a copy elsewhere
-            seen[key] = len(tensors) - 1
-            return {"__tensor__": len(tensors) - 1}
+            return tensor(obj, path)
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in _NP_KINDS:
                 raise CheckpointError(f"{path}: numpy arrays of dtype {obj.dtype} are not supported")
@@ -129,16 +128,48 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         if isinstance(obj, tuple):
             return {"__tuple__": [enc(v, f"{path}.{i}", depth + 2) for i, v in enumerate(obj)]}
         if isinstance(obj, list):
-            return [enc(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
+            return sequence(obj, path, depth)
         if isinstance(obj, Mapping):
-            if all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in obj):
-                return {k: enc(v, f"{path}.{k}" if path else k, depth + 1) for k, v in obj.items()}
-            return {"__dict__": [[enc(k, f"{path}.<key>", depth + 3), enc(v, f"{path}.{k}", depth + 3)]
-                                 for k, v in obj.items()]}
+            return mapping(obj, path, depth)
         raise CheckpointError(f"{path or '<root>'}: cannot checkpoint a value of type {type(obj).__name__}")
 
+    def tensor(obj: torch.Tensor, path: str) -> dict:
+        if obj.layout != torch.strided or obj.is_quantized or obj.is_meta:
+            raise CheckpointError(f"{path}: cannot checkpoint a {obj.layout} / quantized / meta tensor")
+        if obj.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"{path}: unsupported dtype {obj.dtype}")
+        # a conj() or neg view shares the memory but not the values: its bit is part of the key
+        conj, neg, where = obj.is_conj(), obj.is_neg(), tensor_key(obj)
+        key = (*where, conj, neg)
+        if obj.numel() and key in seen:
+            return {"__tensor__": seen[key]}
+        # detached only where it matters (a state_dict's tensors already are): a detach is most of a tensor's cost
+        saved = obj.detach().resolve_conj().resolve_neg() if obj.requires_grad or conj or neg else obj
+        tensors.append((path, saved))
+        keys.append(tensor_key(saved) if conj or neg else where)  # a resolved view is a copy elsewhere
+        if saved is obj:
+            by_id[id(obj)] = where
+        seen[key] = len(tensors) - 1
+        return {"__tensor__": len(tensors) - 1}
+
+    # A plain value is kept as it is without a call (and without its path) where the depth check
+    # it would pass is passed by every child; deeper, each child is encoded, and the first raises.
+    def sequence(obj: list, path: str, depth: int) -> list:
+        if depth + 1 + _DEEPEST_TAG <= MAX_JSON_DEPTH:
+            return [v if type(v) in _PLAIN else enc(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
+        return [enc(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
+
+    def mapping(obj: Mapping, path: str, depth: int) -> dict:
+        if not all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in obj):
+            return {"__dict__": [[enc(k, f"{path}.<key>", depth + 3), enc(v, f"{path}.{k}", depth + 3)]
+                                 for k, v in obj.items()]}
+        if depth + 1 + _DEEPEST_TAG <= MAX_JSON_DEPTH:
+            return {k: v if type(v) in _PLAIN else enc(v, f"{path}.{k}" if path else k, depth + 1)
+                    for k, v in obj.items()}
+        return {k: enc(v, f"{path}.{k}" if path else k, depth + 1) for k, v in obj.items()}
+
     tree = enc(dict(state), "", 1)  # the tree is a member of the shard manifest's top object
-    return FlatState(tensors, tree, layouts, keys)
+    return FlatState(tensors, tree, layouts, keys, by_id)
 
 
 def unflatten(tree: Any, tensor: Callable[[int], torch.Tensor]) -> Any:

@@ -10,17 +10,25 @@ plain values (learning rates, positions, RNG states), the tensors themselves (th
 bytes, their storage), which tensors an optimizer step writes (``overlap.deferrable``).
 A key added or removed, a tensor of another dtype or shape, a DTensor placed otherwise
 changes the key, and the layout is planned again: what is saved is the same either way.
+
+``ParamsCache`` does the same for what a save derives from the state's parameters (their
+names in the manifest, the soundness scope): both read only which modules and optimizers
+the state holds at its top level and their parameters, so they are kept while those are
+the same objects under the same names.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 from ..tiers.memory.copier import plan_layout
 
 if TYPE_CHECKING:
     from ..format.manifest import TensorEntry
     from ..format.state import FlatState
+
+T = TypeVar("T")
 
 
 class LayoutCache:
@@ -45,3 +53,40 @@ class LayoutCache:
         self._key, self._plan = key, (entries, nbytes)
         self.built += 1
         return self._plan
+
+
+class ParamsCache:
+    """What ``compute`` derived from the last state's parameters, while its key holds: for each
+    top-level module its type and the names and objects of ``named_parameters`` (duplicates
+    kept, in order), for each top-level optimizer its type and each group's parameters (and
+    ``param_names``). Objects are compared by ``id()`` and held by weak references: an id is
+    another object's only once the first is gone, and a dead reference plans anew."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._alive: list[weakref.ref] = []
+        self._value: Any = None
+        self.built = self.reused = 0
+
+    def of(self, state: Mapping[str, Any], compute: Callable[[], T]) -> T:
+        import torch
+
+        key: list[tuple] = []
+        held: list[Any] = []
+        for name, value in state.items():
+            if isinstance(value, torch.nn.Module):
+                named = list(value.named_parameters(remove_duplicate=False))
+                key.append((name, type(value), id(value), tuple(n for n, _ in named), tuple(id(p) for _, p in named)))
+                held += [value, *(p for _, p in named)]
+            elif isinstance(value, torch.optim.Optimizer):
+                groups = value.param_groups
+                key.append((name, type(value), id(value), tuple(tuple(map(id, g["params"])) for g in groups),
+                            tuple(tuple(g["param_names"]) if "param_names" in g else None for g in groups)))
+                held += [value, *(p for g in groups for p in g["params"])]
+        if tuple(key) == self._key and all(ref() is not None for ref in self._alive):
+            self.reused += 1
+            return self._value
+        self._value = compute()
+        self._key, self._alive = tuple(key), [weakref.ref(obj) for obj in held]
+        self.built += 1
+        return self._value

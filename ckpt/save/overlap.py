@@ -23,6 +23,7 @@ deferred byte).
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -75,16 +76,21 @@ def _found(state: Mapping[str, Any], kind: type, wrapped: tuple[str, ...]) -> li
     return found
 
 
-def step_written(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
+def step_written(optimizers: Iterable[torch.optim.Optimizer], known: Mapping[int, tuple] | None = None) -> set[tuple]:
     """What ``optimizer.step()`` writes: the parameters and the optimizer state (a
-    DTensor's local shard, as ``flatten`` saves it)."""
+    DTensor's local shard, as ``flatten`` saves it). ``known``: keys already read, by
+    ``id()`` of live tensors (``FlatState.by_id``: the optimizer state it flattened)."""
+    known = known or {}
+
+    def key(t: torch.Tensor) -> tuple:
+        return known.get(id(t)) or tensor_key(local_tensor(t))
+
     keys = set()
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                keys.add(tensor_key(local_tensor(p)))
-                keys.update(tensor_key(local_tensor(v)) for v in opt.state.get(p, {}).values()
-                            if isinstance(v, torch.Tensor))
+                keys.add(key(p))
+                keys.update(key(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
     return keys
 
 
@@ -114,6 +120,14 @@ class StagedSnapshot:
     watched: list[tuple[str, torch.Tensor, int]]  # (path, tensor, version at save)
     drain: tuple[SaveHandle, bool, bool] | None = None  # (handle, upload, urgent): queued once sealed
     verify: bool = False  # compare the staged bytes with the live tensors at the seal
+    encoded: Future[bytes] | None = None  # the manifest's bytes, made on the copy thread (``sealed_bytes``)
+
+    def sealed_bytes(self) -> bytes:
+        """The seal's bytes: made on the copy thread, or here if that thread has not started them
+        (an urgent save seals before returning; raised here as ``to_bytes`` would raise them)."""
+        if self.encoded is None or self.encoded.cancel():
+            return self.manifest.to_bytes()
+        return self.encoded.result()
 
     def copied(self) -> bool:
         """Whether the copy has ended (without waiting for it)."""

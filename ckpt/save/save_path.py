@@ -18,7 +18,7 @@ from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader, ShardRef
 from .canary import Canary
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
-from .layout_cache import LayoutCache
+from .layout_cache import LayoutCache, ParamsCache
 from .overlap import StagedSnapshot, StepHooks, deferrable, modules_in, optimizers_in, step_written
 from .soundness import NOTHING, Inspection, Scope, scope_of, where
 
@@ -72,6 +72,7 @@ class SavePath:
     canary: Canary | None = None  # the reference each save carries for the one before (``canary.py``)
     _refs: dict[int, dict | None] = dataclasses.field(default_factory=dict)  # by slot
     layouts: LayoutCache = dataclasses.field(default_factory=LayoutCache)  # the last save's, while it holds
+    params: ParamsCache = dataclasses.field(default_factory=ParamsCache)  # (param_names, Scope), while they hold
 
     def __post_init__(self) -> None:
         # each committed step is recorded beside the slots, for whoever sweeps them (tiers/memory/owners.py)
@@ -99,14 +100,15 @@ class SavePath:
         optimizers = optimizers_in(state)
         self._hooks.watch(optimizers, modules_in(state))
         flat, slot, manifest = self._reserve(ckpt_id, part, state)
-        later = deferrable(flat, step_written(optimizers))
+        later = deferrable(flat, step_written(optimizers, flat.by_id))
         watched = [(path, t, t._version) for (path, t), defer in zip(flat.tensors, later) if defer]
         try:
             copying = self.memory.start_snapshot(slot, [t for _, t in flat.tensors], manifest, later)
         except BaseException:
             slot.idle.set()
             raise
-        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, verify=self.verify)
+        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, verify=self.verify,
+                                      encoded=self.memory.encode(manifest))
         return slot, manifest
 
     def wait_staged(self) -> None:
@@ -118,6 +120,7 @@ class SavePath:
         t0 = time.monotonic()
         try:
             staged.finish()
+            data = staged.sealed_bytes()
         except BaseException as e:
             staged.slot.idle.set()
             if staged.drain is not None:
@@ -125,7 +128,7 @@ class SavePath:
             raise
         finally:
             self.staged_wait_s += time.monotonic() - t0
-        self.memory.seal(staged.slot, staged.manifest)
+        self.memory.seal(staged.slot, staged.manifest, data)
         if staged.drain is None:  # save() failed before it asked for a drain: sealed in memory only
             staged.slot.idle.set()
             return
@@ -161,11 +164,13 @@ class SavePath:
                  state: Mapping[str, Any]) -> tuple[FlatState, ShmSlot, ShardManifest]:
         flat = flatten(part)
         entries, nbytes = self.layouts.plan(flat)
+        names, scope = self.params.of(state, lambda: (param_names(state), scope_of(
+            state, self.rank_local, self.replicated, compare=self.compare)))
         manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
                                  self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
-                                 param_names=param_names(state))
+                                 param_names=names)
         slot, waited = self.memory.reserve(ckpt_id.step)
-        self._scopes[id(slot)] = scope_of(state, self.rank_local, self.replicated, compare=self.compare)
+        self._scopes[id(slot)] = scope
         self._refs[id(slot)] = self.canary.saved(ckpt_id.step) if self.canary is not None else None
         self.stall_s += waited
         if self.metrics is not None and waited:

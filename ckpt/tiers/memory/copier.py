@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -13,6 +13,7 @@ import torch
 from ...format.manifest import DTYPE_NAMES, TensorEntry
 
 ALIGN = 64
+T = TypeVar("T")
 
 
 def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry], int]:
@@ -34,35 +35,46 @@ PIECE_BYTES = 8 << 20  # what the waiter can take over from the worker
 class _Pieces:
     """A CPU copy cut into pieces: the worker copies them in order; a waiter takes the
     ones not started yet, so waiting is never slower than copying (a busy machine may
-    not have run the worker at all)."""
+    not have run the worker at all). A pair is cut (byte views; pieces of ``PIECE_BYTES``)
+    by whoever takes it, not by the trainer that hands it over: a reshape and a view of
+    each side were a third of ``save()``. ``first`` (unsealing the slot) runs once, before
+    any piece is taken; if it fails, nothing is copied."""
 
-    def __init__(self, pairs: Pairs) -> None:
-        self._pieces: Pairs = []
-        for d, s in pairs:  # (``is_cpu``, not ``device.type``: a torch.device is made anew at each read, 30x slower)
-            if s.is_contiguous() and s.is_cpu:
-                db, sb = d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)
-                if sb.numel() <= PIECE_BYTES:
-                    self._pieces.append((db, sb))
-                    continue
-                self._pieces += [(db[lo : lo + PIECE_BYTES], sb[lo : lo + PIECE_BYTES])
-                                 for lo in range(0, sb.numel(), PIECE_BYTES)]
-            else:
-                self._pieces.append((d, s))
+    def __init__(self, pairs: Pairs, first: Callable[[], None] | None = None) -> None:
+        self._pieces: Pairs = pairs  # the caller's own list: cut pieces take their pair's place
+        self._first = first
         self._next, self._lock = 0, threading.Lock()
 
-    def _take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """The next piece: (destination, source, whether both are contiguous CPU bytes)."""
         with self._lock:
+            if self._first is not None:
+                first, self._first = self._first, None
+                try:
+                    first()
+                except BaseException:
+                    self._next = len(self._pieces)  # the slot may still be sealed: no byte of it may change
+                    raise
             if self._next == len(self._pieces):
                 return None
+            d, s = self._pieces[self._next]
             self._next += 1
-            return self._pieces[self._next - 1]
+            # (``is_cpu``, not ``device.type``: a torch.device is made anew at each read, 30x slower)
+            if not (s.is_cpu and s.is_contiguous()):
+                return d, s, False
+            db, sb = d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)
+            if sb.numel() <= PIECE_BYTES:
+                return db, sb, True
+            cut = [(db[lo : lo + PIECE_BYTES], sb[lo : lo + PIECE_BYTES]) for lo in range(0, sb.numel(), PIECE_BYTES)]
+            self._pieces[self._next - 1 : self._next] = cut
+            return (*cut[0], True)
 
     def work(self) -> None:
         """The worker: one thread's memcpy (numpy's releases the GIL and, unlike torch's,
         starts no thread pool to compete with the training step's)."""
         while (piece := self._take()) is not None:
-            d, s = piece
-            if s.is_cpu and s.dtype == torch.uint8 and s.is_contiguous():  # a piece made above
+            d, s, raw = piece
+            if raw:
                 np.copyto(d.numpy(), s.numpy())
             else:
                 d.copy_(s)
@@ -109,22 +121,34 @@ class TensorCopier:
         """Copy now; returns when every byte is in the slot."""
         self.start([], pairs).wait()
 
-    def start(self, later: Pairs, now: Pairs = ()) -> PendingCopy:
+    def start(self, later: Pairs, now: Pairs = (), first: Callable[[], None] | None = None) -> PendingCopy:
         """Copy ``now`` before returning (as far as the work queued after it can tell: on
-        CUDA the current stream waits for it on the device), and start copying ``later``."""
+        CUDA the current stream waits for it on the device), and start copying ``later``.
+        ``first`` (unsealing the slot) runs before any byte is copied: on the copy thread
+        when every byte is copied there, else before anything is."""
+        cpu_later = [(d, s) for d, s in later if not s.is_cuda]
+        if first is not None and (now or not cpu_later or len(cpu_later) < len(later)):
+            first()
+            first = None
         for d, s in now:
             if not s.is_cuda:
                 d.copy_(s)
         cuda_now = [(d, s) for d, s in now if s.is_cuda]
         cuda_later = [(d, s) for d, s in later if s.is_cuda]
         event = self._start_cuda(cuda_now, cuda_later) if cuda_now or cuda_later else None
-        cpu_later = [(d, s) for d, s in later if not s.is_cuda]
         if not cpu_later:
             return PendingCopy(None, None, event)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
-        pieces = _Pieces(cpu_later)
+        pieces = _Pieces(cpu_later, first)
         return PendingCopy(pieces, self._worker.submit(pieces.work), event)
+
+    def then(self, fn: Callable[[], T]) -> "Future[T]":
+        """Run ``fn`` on the copy thread once what it was given before is done (the seal's
+        bytes: serialising a manifest is no work for the trainer's thread)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
+        return self._worker.submit(fn)
 
     def close(self) -> None:
         if self._worker is not None:

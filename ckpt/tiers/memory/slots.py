@@ -151,8 +151,9 @@ class ShmSlot:
         self.meta_path.unlink(missing_ok=True)
         atomic_write(epoch_path(self.meta_path), os.urandom(8).hex().encode(), durable=False, mode=0o600)
 
-    def seal(self, manifest: ShardManifest) -> None:
-        atomic_write(self.meta_path, manifest.to_bytes(), durable=False, mode=0o600)
+    def seal(self, manifest: ShardManifest, data: bytes | None = None) -> None:
+        """Write the seal: ``data`` is ``manifest.to_bytes()`` when the caller has it already."""
+        atomic_write(self.meta_path, manifest.to_bytes() if data is None else data, durable=False, mode=0o600)
         self.holds = (manifest.generation, manifest.step)
 
     def views(self, entries: list[TensorEntry]) -> list[torch.Tensor | None]:
@@ -322,15 +323,18 @@ class SlotPool:
                        copier: "TensorCopier", later: Sequence[bool]) -> "PendingCopy":
         """Copy the tensors not marked ``later`` now and start copying the others; the
         caller seals the slot once the returned copy is waited for."""
-        pairs = self.destinations(slot, tensors, manifest)
+        pairs = self.destinations(slot, tensors, manifest, unseal=False)
         defer = [d for e, d in zip(manifest.tensors, later) if e.nbytes]
-        return copier.start([p for p, d in zip(pairs, defer) if d], [p for p, d in zip(pairs, defer) if not d])
+        return copier.start([p for p, d in zip(pairs, defer) if d], [p for p, d in zip(pairs, defer) if not d],
+                            first=slot.unseal)  # on the copy thread when it copies every byte
 
-    def destinations(self, slot: ShmSlot, tensors: Sequence[torch.Tensor],
-                     manifest: ShardManifest) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Unseal ``slot`` (a crash from here on leaves it invalid, never torn), size it, and
-        pair each non-empty tensor with its place in the slot."""
-        slot.unseal()
+    def destinations(self, slot: ShmSlot, tensors: Sequence[torch.Tensor], manifest: ShardManifest, *,
+                     unseal: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Unseal ``slot`` (a crash from then on leaves it invalid, never torn; ``unseal``
+        False: the caller does, before a byte of it changes), size it, and pair each
+        non-empty tensor with its place in the slot."""
+        if unseal:
+            slot.unseal()
         if slot.buffer is None or slot.capacity < manifest.data_bytes:
             if manifest.data_bytes:
                 log.warning("allocating %.1f MiB of shared memory on the training thread (%s); pass state= or call "

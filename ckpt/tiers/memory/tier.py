@@ -23,6 +23,8 @@ from .namespace import MAX_SEAL_BYTES, is_trusted, rank_dir, read_private
 from .reader import SlotReader, slot_epoch
 
 if TYPE_CHECKING:  # the writing side needs torch; readers (the CLI) do not
+    from concurrent.futures import Future
+
     import torch
 
     from .copier import PendingCopy
@@ -92,9 +94,14 @@ class MemoryTier(TierReader):
         the slot stays put until the drain releases it)."""
         return SlotReader(slot.meta_path, slot.data_path, manifest, slot.buffer, epoch=None)
 
-    def seal(self, slot: ShmSlot, manifest: ShardManifest) -> None:
-        """Re-seal with the checksums computed off the critical path."""
-        slot.seal(manifest)
+    def seal(self, slot: ShmSlot, manifest: ShardManifest, data: bytes | None = None) -> None:
+        """Re-seal with the checksums computed off the critical path (or seal a staged
+        snapshot: ``data``, its manifest's bytes, as ``encode`` made them)."""
+        slot.seal(manifest, data)
+
+    def encode(self, manifest: ShardManifest) -> "Future[bytes]":
+        """``manifest.to_bytes()``, made on the copy thread after the copy started before it."""
+        return self._copier.then(manifest.to_bytes)
 
     def holds(self, step: int) -> bool:
         """Whether a sealed slot of this process holds ``step``."""
