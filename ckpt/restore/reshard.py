@@ -95,22 +95,33 @@ def load_values(plan: RestorePlan, state: dict, rank: int, world_size: int, *, t
     tensor is laid out otherwise at the same world size. ``overlaps``: every tensor with a
     target read from the overlaps of every saved shard, none whole (the differential
     conformance test: both plans must give the same bytes)."""
-    same = plan.world_size == world_size
     with OpenShards(plan.ckpt_id) as opened:
-        sources = _sources(plan, state, rank if same else 0, same, opened)
-        create_optimizer_state(state)  # after the checks: a mismatch leaves the optimizer as it was
-        for src in sources:
-            src.targets = tensor_targets(src.state, src.tree, any_kind=True)
-        reads = plan_reads(sources, overlaps=overlaps)
-        if reads.changes and same and len(plan.shards) < plan.world_size:
-            log.info("rank %d: step %d is laid out otherwise than the state (%s%s): resharding", rank,
-                     plan.ckpt_id.step, "; ".join(reads.changes[:3]), " ..." if len(reads.changes) > 3 else "")
-            plan = every_shard(inventory, plan, "; ".join(reads.changes[:3]))
-        if reads.changes:  # some tensor needs the overlaps: every saved shard's manifest, opened once
-            manifests = {s.rank: shard_manifest(s, plan.ckpt_id, opened) for s in plan.shards}
-            require_layouts(manifests, plan.ckpt_id)
-            reads.chunks = reshard_reads(manifests, reads.layouts, rank)
-        return _execute(plan, sources, reads, opened, rank, threads, resharded=not same or bool(reads.changes))
+        plan, sources, reads = plan_load(plan, state, rank, world_size, opened, inventory=inventory,
+                                         overlaps=overlaps)
+        return _execute(plan, sources, reads, opened, rank, threads,
+                        resharded=plan.world_size != world_size or bool(reads.changes))
+
+
+def plan_load(plan: RestorePlan, state: dict, rank: int, world_size: int, opened: OpenShards, *,
+              inventory: Inventory | None = None, overlaps: bool = False) -> tuple[RestorePlan, list[_Source], _Reads]:
+    """What ``load_values`` reads, decided from manifests alone (no tensor byte read): the plan
+    (every saved shard when the state is laid out otherwise at the same world size), the
+    normalised sources and the reads. ``scale_plan.py`` times it."""
+    same = plan.world_size == world_size
+    sources = _sources(plan, state, rank if same else 0, same, opened)
+    create_optimizer_state(state)  # after the checks: a mismatch leaves the optimizer as it was
+    for src in sources:
+        src.targets = tensor_targets(src.state, src.tree, any_kind=True)
+    reads = plan_reads(sources, overlaps=overlaps)
+    if reads.changes and same and len(plan.shards) < plan.world_size:
+        log.info("rank %d: step %d is laid out otherwise than the state (%s%s): resharding", rank,
+                 plan.ckpt_id.step, "; ".join(reads.changes[:3]), " ..." if len(reads.changes) > 3 else "")
+        plan = every_shard(inventory, plan, "; ".join(reads.changes[:3]))
+    if reads.changes:  # some tensor needs the overlaps: every saved shard's manifest, opened once
+        manifests = {s.rank: shard_manifest(s, plan.ckpt_id, opened) for s in plan.shards}
+        require_layouts(manifests, plan.ckpt_id)
+        reads.chunks = reshard_reads(manifests, reads.layouts, rank)
+    return plan, sources, reads
 
 
 def _sources(plan: RestorePlan, state: dict, anchor: int, same: bool, opened: OpenShards) -> list[_Source]:
