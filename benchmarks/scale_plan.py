@@ -19,7 +19,8 @@ byte). Rows:
 
 ``manifests_read`` and ``bytes_read`` count the files the disk tier read (shard manifests, and
 commit records, which list every shard); ``seconds`` is the wall time of the plan on this machine.
-No store is involved (``store_ops`` 0).
+No store is involved (``store_ops`` 0). ``scale_bench.py --components restore_plan_to_half,restore_plan_same``
+runs the same rows (a checkpoint written for each) and prints their fitted exponents.
 """
 from __future__ import annotations
 
@@ -223,7 +224,6 @@ def main() -> None:
         for row in _measure(args.one, list(COMPONENTS)):
             print(json.dumps(row), flush=True)
         return
-    from benchmarks.scale_bench import exponent
     rows, skipped = [], []
     for n in (s for s in SIZES if args.min_ranks <= s <= args.max_ranks):  # a fresh process a size: its own RSS
         try:
@@ -241,12 +241,7 @@ def main() -> None:
             print(f"{row['component']:22s} N={n:6d} -> {row['target_ranks']:6d}  {row['seconds']:8.3f} s  "
                   f"{row['manifests_read']:6d} manifests  {row['bytes_read'] / 1e6:9.1f} MB  "
                   f"{row['peak_rss_mb']:6.0f} MB RSS  (written in {row['write_s']:.0f} s)", flush=True)
-    fits = {c: {f: exponent(rows, c, f) for f in ("seconds", "manifests_read", "bytes_read")} for c in COMPONENTS}
-    for c, f in fits.items():
-        print(f"{c:22s} exponent from N=1024: " + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -"
-                                                             for k, v in f.items()))
-    write_json(args.json, run_meta(model="llama-70b-like", tensors=len(leaves())), rows, exponents=fits,
-               skipped=skipped)
+    write_json(args.json, run_meta(model="llama-70b-like", tensors=len(leaves())), rows, skipped=skipped)
 
 
 if __name__ == "__main__":
