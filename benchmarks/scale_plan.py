@@ -26,6 +26,7 @@ fitted exponents.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -196,6 +197,11 @@ def plan_one(root: Path, n: int, m: int, reads: Reads) -> dict:
             "commit_reads": reads.commits, "bytes_read": reads.bytes, "chunk_reads": len(planned.chunks),
             "store_ops": 0, "store_keys": 0, "ops_per_rank": 0.0, "server_s_per_op": 0.0,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def rows() -> dict:
+    """scale_bench's components of this module: name -> (N -> row)."""
+    return {c: functools.partial(run_one, c) for c in COMPONENTS}
 
 
 def run_one(component: str, n: int) -> dict:
