@@ -45,14 +45,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository first
-from benchmarks import scale_clients, scale_listing, scale_predictor  # noqa: E402
+from benchmarks import scale_clients, scale_listing, scale_plan, scale_predictor  # noqa: E402
 from benchmarks.harness import run_meta, write_json  # noqa: E402
 from benchmarks.scale_standins import CLOCK, PER_NODE, SECRET, Counting, ctl, job_of, worker_step  # noqa: E402
 from benchmarks.scale_standins import pool as store_pool  # noqa: E402
 
 STORE_COMPONENTS = ("steady_step", "launch", "membership_round", "commit")
 # components without the job's store, in their own modules: N -> the row (peak RSS added here)
-OTHER = {**scale_listing.rows(), "predictor_score": scale_predictor.run_one,
+OTHER = {**scale_listing.rows(), **scale_plan.rows(), "predictor_score": scale_predictor.run_one,
          "steady_step_clients": scale_clients.run_one}
 COMPONENTS = STORE_COMPONENTS + tuple(OTHER)
 SIZES = (64, 256, 1024, 4096, 16384)

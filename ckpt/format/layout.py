@@ -41,6 +41,7 @@ class Layout:
     placements: tuple[str, ...]  # "Shard(0)", "Replicate()", "_StridedShard(0,2)": one per mesh dim
     coordinate: tuple[int, ...]  # this shard's coordinate in the mesh
     runs: tuple[Runs, ...]  # per tensor dim
+    mesh_start: int | None = None  # the mesh's first rank, when its ranks run in order (``_mesh_start``)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -49,7 +50,8 @@ class Layout:
     def to_json(self) -> dict:
         return {"global_shape": list(self.global_shape), "mesh_shape": list(self.mesh_shape),
                 "mesh_dims": list(self.mesh_dims), "placements": list(self.placements),
-                "coordinate": list(self.coordinate), "runs": [[list(r) for r in d] for d in self.runs]}
+                "coordinate": list(self.coordinate), "runs": [[list(r) for r in d] for d in self.runs],
+                **({"mesh_start": self.mesh_start} if self.mesh_start is not None else {})}
 
     @classmethod
     def from_json(cls, d: Any, shape: tuple[int, ...], what: str) -> "Layout":
@@ -58,6 +60,9 @@ class Layout:
             g, mesh = _ints(d["global_shape"]), _ints(d["mesh_shape"])
             dims, places, coord = tuple(d["mesh_dims"]), tuple(d["placements"]), _ints(d["coordinate"])
             runs = tuple(tuple((int(a), int(n)) for a, n in dim) for dim in d["runs"])
+            start = d.get("mesh_start")
+            if start is not None and (type(start) is not int or not 0 <= start < 1 << 31):
+                raise ValueError(f"mesh start {start!r}")
             if not (len(mesh) == len(dims) == len(places) == len(coord)) or not len(g) == len(shape) == len(runs):
                 raise ValueError("lengths disagree")
             if not all(isinstance(x, str) and _MESH_DIM.match(x) for x in dims):
@@ -73,7 +78,7 @@ class Layout:
                     raise ValueError(f"runs do not add up to the local shape {shape}")
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{what}: bad DTensor layout: {e}") from None
-        return cls(g, mesh, dims, places, coord, runs)
+        return cls(g, mesh, dims, places, coord, runs, start)
 
 
 def _ints(v: Any) -> tuple[int, ...]:
@@ -105,35 +110,70 @@ def outside_mesh(t: Any) -> bool:
 @functools.lru_cache(maxsize=4096)  # a model's tensors share a few layouts; save() must stay cheap
 def _layout(global_shape: tuple[int, ...], mesh: Any, placements: tuple) -> Layout:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    coord = mesh.get_coordinate()
-    outside = coord is None  # a DTensor on a sub-mesh: this rank holds none of it
-    coord = coord or [0] * mesh.ndim
-    local = list(global_shape)
-    offsets: dict[int, "torch.Tensor"] = {}
     names = []
-    for mesh_dim, p in enumerate(placements):
+    for p in placements:
         if isinstance(p, _StridedShard):
             names.append(f"_StridedShard({p.dim},{p.split_factor})")
         elif isinstance(p, Shard):
             names.append(f"Shard({p.dim})")
         elif isinstance(p, Replicate):
             names.append("Replicate()")
-            continue
         else:
             raise CheckpointError(f"cannot checkpoint a DTensor with placement {p} (partial sums are not values "
                                   "yet: reduce it first, e.g. .redistribute(placements=[Replicate()]))")
+    coord = mesh.get_coordinate()
+    outside = coord is None  # a DTensor on a sub-mesh: this rank holds none of it
+    coord = tuple(coord or [0] * mesh.ndim)
+    runs = tuple(() for _ in global_shape) if outside else _placed(global_shape, tuple(mesh.shape), coord,
+                                                                    placements)
+    return Layout(global_shape, tuple(mesh.shape), tuple(n or "" for n in (mesh.mesh_dim_names or [""] * mesh.ndim)),
+                  tuple(names), coord, runs, _mesh_start(mesh))
+
+
+def _mesh_start(mesh: Any) -> int | None:
+    """The first rank of a mesh whose ranks run in order (``mesh.mesh`` is ``arange(start, start + n)``
+    in its shape), so that a reader knows every rank's coordinate from one shard's record; None otherwise."""
+    ranks = mesh.mesh.flatten().tolist()
+    return ranks[0] if ranks == list(range(ranks[0], ranks[0] + len(ranks))) else None
+
+
+def layout_at(like: Layout, coordinate: tuple[int, ...]) -> Layout:
+    """``like``'s tensor as the rank at ``coordinate`` of the same mesh holds it: what an SPMD
+    checkpoint's other shards record, computed as at save (torch's offsets), without a mesh."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def placement(name: str) -> Any:
+        args = [int(a) for a in re.findall(r"\d+", name)]
+        if name.startswith("_StridedShard"):
+            return _StridedShard(args[0], split_factor=args[1])
+        return Shard(args[0]) if name.startswith("Shard") else Replicate()
+
+    runs = _placed(like.global_shape, like.mesh_shape, coordinate, tuple(placement(p) for p in like.placements))
+    return Layout(like.global_shape, like.mesh_shape, like.mesh_dims, like.placements, tuple(coordinate), runs,
+                  like.mesh_start)
+
+
+def _placed(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+            placements: tuple) -> tuple[Runs, ...]:
+    """The runs of the local shard at ``coord``, from torch's own offset computation."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    local = list(global_shape)
+    offsets: dict[int, "torch.Tensor"] = {}
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, (Shard, _StridedShard)):  # Replicate()
+            continue
         d = p.dim
-        size, index = _get_shard_size_and_offsets(local[d], mesh.size(mesh_dim), coord[mesh_dim], p,
+        size, index = _get_shard_size_and_offsets(local[d], mesh_shape[mesh_dim], coord[mesh_dim], p,
                                                   offsets.get(d), global_shape[d], False)
         local[d] = size
         offsets[d] = index[:size]
-    runs = tuple(() if outside else _runs(offsets[d]) if d in offsets else (((0, n),) if n else ())
-                 for d, n in enumerate(global_shape))
-    return Layout(global_shape, tuple(mesh.shape), tuple(n or "" for n in (mesh.mesh_dim_names or [""] * mesh.ndim)),
-                  tuple(names), tuple(coord), runs)
+    return tuple(_runs(offsets[d]) if d in offsets else (((0, n),) if n else ()) for d, n in enumerate(global_shape))
 
 
 def _runs(index: "torch.Tensor") -> Runs:

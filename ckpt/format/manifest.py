@@ -60,6 +60,8 @@ FORMAT_NAME = "ckpt-guard"
 #      shard lies: ``layout.py``), and a shard lists its replicated keys and its optimizers'
 #      parameter names (``optim_names.py``): what restoring at another world size needs.
 #      1.1 manifests with DTensors restore at their own world size only.
+#      A layout may also carry ``mesh_start`` (the mesh's first rank when its ranks run in order:
+#      where the other shards lie, ``restore/narrow.py``); optional, ignored by readers without it.
 FORMAT_VERSION = "1.2"
 MANIFEST_FILE = "manifest.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")

@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any, Callable, Protocol, TypeVar
 
 from ..errors import CheckpointError, DamagedCheckpoint, ManifestError, StateMismatch
-from ..format.manifest import ShardManifest
+from ..format.manifest import Manifest, ShardManifest
 from ..format.verify import Progress
 from ..tiers.base import CheckpointId, ShardReader, TierReader
 from .plan import Inventory, Needs, RestorePlan, ShardPlan, plans
@@ -157,15 +157,21 @@ class OpenShards:
     def __init__(self, ckpt_id: CheckpointId) -> None:
         self.ckpt_id = ckpt_id
         self._open: dict[tuple[TierReader, int], ShardReader] = {}
+        self._commits: dict[TierReader, Manifest] = {}  # each tier's commit record, read once (it lists N shards)
 
     def manifest(self, tier: TierReader, rank: int) -> ShardManifest:
         if (tier, rank) not in self._open:
-            self._open[(tier, rank)] = open_shard(tier, self.ckpt_id, rank)
+            self._open[(tier, rank)] = self._shard(tier, rank)
         return self._open[(tier, rank)].manifest
 
     def take(self, tier: TierReader, rank: int) -> ShardReader:
         reader = self._open.pop((tier, rank), None)
-        return reader if reader is not None else open_shard(tier, self.ckpt_id, rank)
+        return reader if reader is not None else self._shard(tier, rank)
+
+    def _shard(self, tier: TierReader, rank: int) -> ShardReader:
+        if tier not in self._commits:
+            self._commits[tier] = tier.read_manifest(self.ckpt_id)
+        return open_shard(tier, self.ckpt_id, rank, self._commits[tier])
 
     def __enter__(self) -> "OpenShards":
         return self
@@ -194,8 +200,9 @@ def read_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, *, threads: i
     return values
 
 
-def open_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int) -> ShardReader:
-    ref = next((s for s in tier.read_manifest(ckpt_id).shards if s.rank == rank), None)
+def open_shard(tier: TierReader, ckpt_id: CheckpointId, rank: int, commit: Manifest | None = None) -> ShardReader:
+    """Saved rank ``rank``'s shard in ``tier``, as its commit record (``commit``, else read now) lists it."""
+    ref = next((s for s in (commit or tier.read_manifest(ckpt_id)).shards if s.rank == rank), None)
     if ref is None:
         raise FileNotFoundError(f"step {ckpt_id.step}: rank {rank}'s shard is not in {tier.location}")
     return tier.open_shard(ckpt_id, ref)

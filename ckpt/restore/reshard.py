@@ -40,6 +40,7 @@ from ..format.state import decode_tree, is_dtensor, local_tensor, tensor_targets
 from ..format.tensor_io import read_chunks, read_tensors
 from ..tiers.base import CheckpointId, TierReader
 from .execute import LOCAL, OpenShards, first_sound, load_plan, restore_agreed, shard_manifest
+from .narrow import agrees, overlapping
 from .normalise import create_optimizer_state, normalise
 from .optim_names import keyed_by_name
 from .plan import Inventory, RestorePlan, ShardNeed, ShardPlan, every_shard, reshard_reads
@@ -95,22 +96,53 @@ def load_values(plan: RestorePlan, state: dict, rank: int, world_size: int, *, t
     tensor is laid out otherwise at the same world size. ``overlaps``: every tensor with a
     target read from the overlaps of every saved shard, none whole (the differential
     conformance test: both plans must give the same bytes)."""
-    same = plan.world_size == world_size
     with OpenShards(plan.ckpt_id) as opened:
-        sources = _sources(plan, state, rank if same else 0, same, opened)
-        create_optimizer_state(state)  # after the checks: a mismatch leaves the optimizer as it was
-        for src in sources:
-            src.targets = tensor_targets(src.state, src.tree, any_kind=True)
-        reads = plan_reads(sources, overlaps=overlaps)
-        if reads.changes and same and len(plan.shards) < plan.world_size:
-            log.info("rank %d: step %d is laid out otherwise than the state (%s%s): resharding", rank,
-                     plan.ckpt_id.step, "; ".join(reads.changes[:3]), " ..." if len(reads.changes) > 3 else "")
-            plan = every_shard(inventory, plan, "; ".join(reads.changes[:3]))
-        if reads.changes:  # some tensor needs the overlaps: every saved shard's manifest, opened once
-            manifests = {s.rank: shard_manifest(s, plan.ckpt_id, opened) for s in plan.shards}
-            require_layouts(manifests, plan.ckpt_id)
-            reads.chunks = reshard_reads(manifests, reads.layouts, rank)
-        return _execute(plan, sources, reads, opened, rank, threads, resharded=not same or bool(reads.changes))
+        plan, sources, reads = plan_load(plan, state, rank, world_size, opened, inventory=inventory,
+                                         overlaps=overlaps)
+        return _execute(plan, sources, reads, opened, rank, threads,
+                        resharded=plan.world_size != world_size or bool(reads.changes))
+
+
+def plan_load(plan: RestorePlan, state: dict, rank: int, world_size: int, opened: OpenShards, *,
+              inventory: Inventory | None = None, overlaps: bool = False) -> tuple[RestorePlan, list[_Source], _Reads]:
+    """What ``load_values`` reads, decided from manifests alone (no tensor byte read): the plan
+    (every saved shard when the state is laid out otherwise at the same world size), the
+    normalised sources and the reads. ``scale_plan.py`` times it."""
+    same = plan.world_size == world_size
+    sources = _sources(plan, state, rank if same else 0, same, opened)
+    create_optimizer_state(state)  # after the checks: a mismatch leaves the optimizer as it was
+    for src in sources:
+        src.targets = tensor_targets(src.state, src.tree, any_kind=True)
+    reads = plan_reads(sources, overlaps=overlaps)
+    if reads.changes and same and len(plan.shards) < plan.world_size:
+        log.info("rank %d: step %d is laid out otherwise than the state (%s%s): resharding", rank,
+                 plan.ckpt_id.step, "; ".join(reads.changes[:3]), " ..." if len(reads.changes) > 3 else "")
+        plan = every_shard(inventory, plan, "; ".join(reads.changes[:3]))
+    if reads.changes:  # some tensor needs the overlaps
+        reads.chunks = _overlap_reads(plan, sources[0].manifest, reads.layouts, rank, opened)
+    return plan, sources, reads
+
+
+def _overlap_reads(plan: RestorePlan, anchor: ShardManifest, targets: dict[str, Layout], rank: int,
+                   opened: OpenShards) -> list[ChunkRead]:
+    """The saved chunks overlapping ``targets``, from the manifests of the saved shards that hold
+    them as ``anchor``'s layouts say (``narrow.py``), each opened once; from every saved shard's
+    when the anchor cannot say or the shards opened do not bear it out."""
+    shards = {s.rank: s for s in plan.shards}
+    wanted = overlapping(anchor, targets, plan.world_size, rank)
+    if wanted is not None and wanted <= shards.keys():
+        manifests = {r: shard_manifest(shards[r], plan.ckpt_id, opened) for r in sorted(wanted)}
+        try:
+            if agrees(manifests, anchor, targets):
+                return reshard_reads(manifests, targets, rank)
+            why = "the shards opened record other layouts than it predicts"
+        except StateMismatch as e:
+            why = str(e)
+        log.info("rank %d: step %d's shard %d does not say where the others lie (%s): opening every saved shard",
+                 rank, plan.ckpt_id.step, anchor.rank, why)
+    manifests = {s.rank: shard_manifest(s, plan.ckpt_id, opened) for s in plan.shards}
+    require_layouts(manifests, plan.ckpt_id)
+    return reshard_reads(manifests, targets, rank)
 
 
 def _sources(plan: RestorePlan, state: dict, anchor: int, same: bool, opened: OpenShards) -> list[_Source]:
