@@ -82,10 +82,10 @@ class NodeLauncher:
         here = set(json.loads(listed)) if listed is not None else set()
         # this node's members in rank order, then its spares: found from its own few hosts, not by
         # walking every member of the job (N/8 nodes x N a round; a tick then looks at these only)
-        members = here & set(self.current.members)
-        mine = sorted(members, key=self.current.members.index)
+        ranks = {w: self.current.members.index(w) for w in here & set(self.current.members)}
+        mine = sorted(ranks, key=ranks.__getitem__)
         for w in (w for w in [*mine, *(s for s in self.current.spares if s in here)] if w not in self.procs):
-            rank = self.current.rank_of(w) if w in members else None
+            rank = ranks.get(w)
             self.procs[w] = subprocess.Popen([sys.executable, *self.command], env={
                 **self.env, WORKER_ENV: str(w), "RANK": str(-1 if rank is None else rank),
                 "LOCAL_RANK": str(len(self.procs))})

@@ -138,17 +138,19 @@ class TensorCopier:
         event = self._start_cuda(cuda_now, cuda_later) if cuda_now or cuda_later else None
         if not cpu_later:
             return PendingCopy(None, None, event)
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
         pieces = _Pieces(cpu_later, first)
-        return PendingCopy(pieces, self._worker.submit(pieces.work), event)
+        return PendingCopy(pieces, self._thread().submit(pieces.work), event)
 
     def then(self, fn: Callable[[], T]) -> "Future[T]":
         """Run ``fn`` on the copy thread once what it was given before is done (the seal's
         bytes: serialising a manifest is no work for the trainer's thread)."""
+        return self._thread().submit(fn)
+
+    def _thread(self) -> ThreadPoolExecutor:
+        """The copy thread (one: copies and what follows them run in the order given), made at first use."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
-        return self._worker.submit(fn)
+        return self._worker
 
     def close(self) -> None:
         if self._worker is not None:
