@@ -28,7 +28,10 @@ launcher's jobs do).
 
 Seconds are wall seconds of the whole component in one process on this machine (all store round
 trips serial through loopback), so they are an upper bound of the control plane's serial work,
-not of a real job's latency; ``store_ops`` and ``store_keys`` are the shapes the targets are in.
+not of a real job's latency; ``cpu_s`` (the store components) is that process's CPU time, the
+launchers' and the store server thread's, which the other processes of a busy machine do not
+inflate as they do the wall seconds; ``store_ops`` and ``store_keys`` are the shapes the targets
+are in.
 The fitted exponent of each (log-log slope between 1,024 and the largest N) is printed and saved.
 """
 from __future__ import annotations
@@ -94,7 +97,7 @@ def run_one(component: str, n: int, clients: int) -> dict:
     for step in range(1, 4) if component == "steady_step" else ():  # the launchers past their warm-up
         _steady_step(n, pool, job, nodes, workers, step)
     Counting.ops = Counting.keys = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if component == "launch":
         job, nodes = job_of(n, pool)
     elif component == "steady_step":
@@ -110,11 +113,11 @@ def run_one(component: str, n: int, clients: int) -> dict:
             nl.poll()  # every node follows it
     elif component == "commit":
         _commit(n, pool)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     if job is not None:
         job.lifelines.close()
     del server
-    return {"component": component, "ranks": n, "nodes": max(1, n // PER_NODE), "seconds": seconds,
+    return {"component": component, "ranks": n, "nodes": max(1, n // PER_NODE), "seconds": seconds, "cpu_s": cpu_s,
             "store_ops": Counting.ops, "store_keys": Counting.keys,
             "ops_per_rank": Counting.ops / n, "server_s_per_op": seconds / max(1, Counting.ops),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "clients": len(pool)}
@@ -166,7 +169,8 @@ def _commit(n: int, pool) -> None:
 
 def exponent(rows: list[dict], component: str, field: str, low: int = 1024) -> float | None:
     """The log-log slope of ``field`` against N from ``low`` up (None with fewer than two sizes)."""
-    pts = [(r["ranks"], r[field]) for r in rows if r["component"] == component and r["ranks"] >= low and r[field] > 0]
+    pts = [(r["ranks"], r[field]) for r in rows
+           if r["component"] == component and r["ranks"] >= low and r.get(field, 0) > 0]
     if len(pts) < 2:
         return None
     xs, ys = [math.log(x) for x, _ in pts], [math.log(y) for _, y in pts]
@@ -224,7 +228,8 @@ def main() -> None:
         for line in proc.stdout:
             row = json.loads(line)
             rows.append(row)
-            print(f"{c:18s} N={row['ranks']:6d}  {row['seconds']:9.3f} s  {row['store_ops']:9d} ops  "
+            cpu = f"  {row['cpu_s']:8.3f} s CPU" if "cpu_s" in row else ""
+            print(f"{c:18s} N={row['ranks']:6d}  {row['seconds']:9.3f} s{cpu}  {row['store_ops']:9d} ops  "
                   f"{row['store_keys']:10d} keys  {row['ops_per_rank']:7.2f} ops/rank  {row['peak_rss_mb']:6.0f} MB",
                   flush=True)
         timer.cancel()
@@ -233,9 +238,9 @@ def main() -> None:
             why = f"over {args.timeout_s:.0f} s" if time.monotonic() >= deadline else f"exit {proc.returncode}"
             skipped += [f"{c} at N={n}: {why}" for n in sizes if n not in done]
             print(f"{c:18s} not reached: N={[n for n in sizes if n not in done]} ({why})", flush=True)
-    fits = {c: {f: exponent(rows, c, f) for f in ("seconds", "store_ops", "store_keys")}
-            for c in sorted({r["component"] for r in rows})}
-    fits_256 = {c: {f: exponent(rows, c, f, 256) for f in ("seconds", "store_ops", "store_keys")} for c in fits}
+    fields = ("seconds", "cpu_s", "store_ops", "store_keys")
+    fits = {c: {f: exponent(rows, c, f) for f in fields} for c in sorted({r["component"] for r in rows})}
+    fits_256 = {c: {f: exponent(rows, c, f, 256) for f in fields} for c in fits}
     for c, f in fits.items():
         print(f"{c:18s} exponent from N=1024: " + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -"
                                                              for k, v in f.items()))

@@ -108,14 +108,11 @@ def lose_node_1(workdir: Path, shm: Path, launcher: list[str], child: list[str],
                         start_new_session=k == 1) for k in range(2)]
     try:
         store = Reconnecting(port, procs[0], logs[0])
-        first = store.until(lambda ctl: membership.wait_round(ctl, 0, 1.0), "no first round")
-
-        def hosts_of(ctl: Control) -> dict[int, int] | None:
-            found = ctl.many([membership.node_hosts_key(k) for k in range(2)])
-            return None if None in found else {w: k for k, listed in enumerate(found) for w in json.loads(listed)}
-
-        hosts = store.until(hosts_of, "no hosts")
-        ready = [membership.ready_key(s) for s in first.spares if hosts[s] == 0]
+        # each node's part of the first round: the workers it runs
+        parts = [store.until(lambda ctl, k=k: membership.wait_round(ctl, 0, 1.0, k), f"no first round for node {k}")
+                 for k in range(2)]
+        hosts = {w: k for k, part in enumerate(parts) for w in [*dict(part.members), *part.spares]}
+        ready = [membership.ready_key(s) for s in parts[0].spares]
 
         def fault_point(ctl: Control) -> bool:
             return (int(ctl.get(membership.step_key(0)) or -1) >= at_step

@@ -239,6 +239,52 @@ def test_membership_rounds_through_the_store():
     assert membership.wait_round(store, 3, 60.0) is None
 
 
+def test_a_node_launcher_that_missed_rounds_acts_on_its_part_of_the_newest(monkeypatch):
+    """Each node's launcher reads its node's part of a round (its members' ranks, its spares),
+    not the whole round; one that missed rounds (slow, busy) reads the newest part, which is whole
+    in itself: the ranks it hands out are the newest round's. A part forged by an outsider, or
+    a part of another node or round replayed under this key, is never acted on."""
+    import torch.distributed as dist
+
+    from ckpt.inprocess import membership, node
+    from ckpt.inprocess.protocol import WORKER_ENV
+
+    started: dict[int, dict[str, str]] = {}
+
+    class Worker:  # a worker process that never exits: the environment it was started with
+        def __init__(self, _cmd, env):
+            self.pid, started[int(env[WORKER_ENV])] = os.getpid(), env
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(node.subprocess, "Popen", Worker)
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = membership.of_attempt(raw, 0, b"k" * 32)
+    hosts = {w: w // 3 for w in range(6)}  # 2 nodes: members 0, 1 and spare 2; members 3, 4 and spare 5
+    publish = lambda r, members, spares: membership.publish(  # noqa: E731
+        store, membership.Membership(r, members, spares, "test", 0.0), hosts, 2)
+    publish(0, (0, 1, 3, 4), (2, 5))
+    one = node.NodeLauncher(store, 1, master=("127.0.0.1", raw.port), command=["w"], attempt=0, hang_s=60.0,
+                            progress_s=None)
+    assert one.here == [3, 4] and {w: started[w]["RANK"] for w in (3, 4, 5)} == {3: "2", 4: "3", 5: "-1"}
+    assert started[3]["WORLD_SIZE"] == "4"
+    publish(1, (0, 2, 3, 4), (5,))  # worker 1 died: node 0's spare takes rank 1
+    publish(2, (0, 2, 4), (5,))  # then worker 3 died with no spare ready: the world shrinks
+    hosts[6] = 1  # the pool topped up on node 1
+    publish(3, (0, 2, 4), (5, 6))
+    assert membership.wait_round(store, 3, 0.0, 1) == membership.NodeRound(3, ((4, 2),), (5, 6), 3)
+    assert membership.wait_round(store, 3, 0.0, 0).members == ((0, 0), (2, 1))
+    one.poll()  # rounds 1 to 3 at once, from round 3's part alone
+    assert one.current.round == 3 and one.here == [4] and sorted(started) == [3, 4, 5, 6]
+    assert started[6]["RANK"] == "-1"
+    for replayed in (membership.node_round_key(3, 1), membership.node_round_key(3, 0)):  # another round's, node's
+        raw.set(membership.node_round_key(4, 1), raw.get(replayed))
+        assert membership.latest_after(store, 3, 1) is None
+    one.poll()
+    assert one.current.round == 3 and store.rejected == 2 and sorted(started) == [3, 4, 5, 6]
+
+
 def test_leaving_a_group_frees_it_and_a_new_round_joins():
     """``group.leave`` forgets the groups at once (no teardown wait) and shuts them down in the
     background; the next round's group forms on the same store."""

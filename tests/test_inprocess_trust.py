@@ -87,6 +87,7 @@ def test_forged_control_values_and_a_lifeline_claim_change_nothing(tmp_path, cle
             raw.set(membership.evict_key(1), "the outsider evicts worker 1")
             raw.set(membership.round_key(1), json.dumps({"members": [0], "spares": [], "reason": "forged",
                                                          "fault_time": time.time()}))
+            raw.set(membership.node_round_key(1, 1), json.dumps({"members": [], "spares": [], "world": 1}))
             raw.set(membership.exit_key(1), json.dumps({"code": 1, "cause": "forged"}))
             raw.set(membership.RELAUNCH_KEY, "1")
             raw.set(membership.DONE_KEY, "forged")
@@ -101,7 +102,7 @@ def test_forged_control_values_and_a_lifeline_claim_change_nothing(tmp_path, cle
     assert not [e for e in events(workdir / "events.jsonl") if e["event"] == "recovery"], logs[-4000:]
     assert "round 1" not in logs and "evicted" not in logs and "attempt 1" not in logs, logs[-4000:]
     # the forged exit is never read: the job launcher reads the exits a node's (signed) beat lists
-    for key in (membership.evict_key(1), membership.round_key(1), membership.DONE_KEY):
+    for key in (membership.evict_key(1), membership.round_key(1), membership.node_round_key(1, 1), membership.DONE_KEY):
         assert f"ignored a value of {key} that fails its check" in logs, (key, logs[-4000:])
     assert "lifeline: closed a connection from 127.0.0.1" in logs, logs[-4000:]
     clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS)))

@@ -81,9 +81,9 @@ class Job:
         self.rewinds = 0  # rounds that went back to a sound step (``_rewind``)
         self.stopped = False  # a worker stopped the job (``EXIT_STOP``): it is not relaunched
         self.lifelines = Lifelines(args.master_addr, self.store, set(self.hosts.values()) - {0})
-        self._put_hosts(set(self.hosts.values()))
+        self.node_count = args.nodes  # every node of the attempt gets its part of each round (``membership.publish``)
         membership.publish(self.store, membership.Membership(0, tuple(self.members), tuple(self.spares),
-                                                             "start", 0.0))
+                                                             "start", 0.0), self.hosts, self.node_count)
         log.info("attempt %d: workers %s, spares %s on %d node(s)", attempt, self.members, self.spares,
                  len(set(self.hosts.values())))
         self.local = NodeLauncher(self.store, 0, master=(args.master_addr, base.port), command=args.command,
@@ -168,15 +168,6 @@ class Job:
                 return why
         return None
 
-    def _put_hosts(self, nodes: set[int]) -> None:
-        """Each of ``nodes``' list of the workers it runs (``membership.node_hosts_key``)."""
-        lists: dict[int, list[int]] = {k: [] for k in nodes}
-        for w, k in sorted(self.hosts.items()):
-            if k in lists:
-                lists[k].append(w)
-        for k, workers in sorted(lists.items()):
-            self.store.put(membership.node_hosts_key(k), json.dumps(workers))
-
     def _replace(self, lost: list[int], cause: str) -> str | None:
         """Publish the next round without the ``lost`` members (a ready spare takes each one's rank
         while there is one); the reason to relaunch instead, if any."""
@@ -192,7 +183,6 @@ class Job:
                 called.append(spare)
                 new = max(self.hosts) + 1  # the pool is topped up: a new spare warms up on that node
                 self.hosts[new] = self.hosts[spare]
-                self._put_hosts({self.hosts[new]})
                 self.spares.append(new)
             else:
                 members.remove(worker)
@@ -219,7 +209,7 @@ class Job:
         self.round += 1
         self.steps.new_round()
         membership.publish(self.store, membership.Membership(self.round, tuple(self.members), tuple(self.spares),
-                                                             reason, fault_time))
+                                                             reason, fault_time), self.hosts, self.node_count)
         log.warning("round %d: %s", self.round, reason)
 
     def can_relaunch(self) -> bool:

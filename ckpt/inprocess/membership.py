@@ -2,7 +2,8 @@
 
 The launcher sees every worker's exit first hand, so it is the one to decide membership:
 it publishes round ``r + 1`` (the members in rank order, the spares left, the reason) when a
-member dies or is killed, or the same members again when one found the newest snapshot
+member dies or is killed (each node's launcher reads only its node's part of it: its members'
+ranks, its spares, the world size), or the same members again when one found the newest snapshot
 unsound (``rewind``: every rank goes back to the newest sound step together). A survivor
 whose collective failed waits, bounded, for that round; a warm spare waits for a round that
 names it. No agreement protocol runs among the ranks.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,7 +52,14 @@ def worker_store(timeout_s: float) -> Control:
 
 
 def round_key(round_id: int) -> str:
+    """The whole round (``Membership``), which the workers read."""
     return f"{PREFIX}/round/{round_id}"
+
+
+def node_round_key(round_id: int, node: int) -> str:
+    """``node``'s part of round ``round_id`` (``NodeRound``): its launcher reads this, a few ids,
+    not the whole round (N/8 node launchers reading N ids each, N^2/8 a round)."""
+    return f"{PREFIX}/round/{round_id}/node/{node}"
 
 
 def beat_key(worker: int) -> str:
@@ -74,12 +83,6 @@ def ready_key(worker: int) -> str:
 
 def evict_key(worker: int) -> str:
     return f"{PREFIX}/evict/{worker}"
-
-
-def node_hosts_key(node: int) -> str:
-    """The workers (a JSON list) that ``node``'s launcher runs: set by the job launcher before
-    the round that first names one of them (one key a node reads, not one a worker)."""
-    return f"{PREFIX}/hosts/{node}"
 
 
 def exit_key(worker: int) -> str:
@@ -149,14 +152,47 @@ class Membership:
         return cls(round_id, tuple(d["members"]), tuple(d["spares"]), d["reason"], d["fault_time"])
 
 
-def publish(ctl: Control, m: Membership) -> None:
+@dataclass(frozen=True)
+class NodeRound:
+    """One node's part of a round: its members as (worker, rank) in rank order, its spares, and
+    the world size. Each part is whole in itself: a node launcher that missed rounds reads the
+    newest one's part and has a consistent view, no chain of changes to replay."""
+
+    round: int
+    members: tuple[tuple[int, int], ...]
+    spares: tuple[int, ...]
+    world: int
+
+    @classmethod
+    def from_json(cls, round_id: int, text: bytes) -> "NodeRound":
+        d = json.loads(text)
+        return cls(round_id, tuple((w, r) for w, r in d["members"]), tuple(d["spares"]), d["world"])
+
+
+def publish(ctl: Control, m: Membership, hosts: Mapping[int, int] | None = None, nodes: int = 0) -> None:
+    """Publish round ``m``: first each of the ``nodes`` nodes' part of it (``hosts``: worker ->
+    node; a node that runs none of the round's workers gets an empty part), then the whole round.
+    Each part is one signed value, so a node launcher acts on all of its part or none of it."""
+    parts: dict[int, tuple[list[list[int]], list[int]]] = {k: ([], []) for k in range(nodes)}
+    if hosts is not None:
+        for rank, w in enumerate(m.members):
+            parts.setdefault(hosts[w], ([], []))[0].append([w, rank])
+        for s in m.spares:
+            parts.setdefault(hosts[s], ([], []))[1].append(s)
+    for k, (mine, spares) in sorted(parts.items()):
+        ctl.put(node_round_key(m.round, k), json.dumps({"members": mine, "spares": spares, "world": len(m.members)}),
+                round=m.round)
     ctl.put(round_key(m.round), m.to_json(), round=m.round)
 
 
-def _round(ctl: Control, round_id: int) -> Membership | None:
-    """Round ``round_id`` if the launcher published it (a value signed for that round)."""
-    found = ctl.signed(round_key(round_id))
-    return Membership.from_json(round_id, found.payload) if found is not None and found.round == round_id else None
+def _round(ctl: Control, round_id: int, node: int | None = None) -> Membership | NodeRound | None:
+    """Round ``round_id`` (or ``node``'s part of it) if the launcher published it (a value signed
+    for that round under that key)."""
+    found = ctl.signed(round_key(round_id) if node is None else node_round_key(round_id, node))
+    if found is None or found.round != round_id:
+        return None
+    return Membership.from_json(round_id, found.payload) if node is None else NodeRound.from_json(round_id,
+                                                                                                 found.payload)
 
 
 def changed(ctl: Control, round_id: int) -> bool:
@@ -165,21 +201,23 @@ def changed(ctl: Control, round_id: int) -> bool:
     return ctl.store.check([round_key(round_id + 1)]) and _round(ctl, round_id + 1) is not None
 
 
-def wait_round(ctl: Control, round_id: int, timeout_s: float) -> Membership | None:
-    """Round ``round_id`` once published, or None after ``timeout_s`` or when the job is over.
+def wait_round(ctl: Control, round_id: int, timeout_s: float, node: int | None = None) -> Membership | NodeRound | None:
+    """Round ``round_id`` (``node``'s part of it, when given) once published, or None after
+    ``timeout_s`` or when the job is over.
     Polls (a check is a few µs on the launcher's store; a blocking wait with a timeout logs a
     warning each time it expires)."""
     deadline = time.monotonic() + timeout_s
-    while (found := _round(ctl, round_id)) is None:
+    while (found := _round(ctl, round_id, node)) is None:
         if ctl.has(DONE_KEY) or time.monotonic() >= deadline:
             return None
         time.sleep(_POLL_S)
     return found
 
 
-def latest_after(ctl: Control, round_id: int) -> Membership | None:
-    """The newest published round after ``round_id`` (several faults may have passed), if any."""
+def latest_after(ctl: Control, round_id: int, node: int | None = None) -> Membership | NodeRound | None:
+    """The newest published round after ``round_id`` (``node``'s part of it, when given; several
+    faults may have passed), if any."""
     found = None
-    while (newer := _round(ctl, round_id + 1)) is not None:
+    while (newer := _round(ctl, round_id + 1, node)) is not None:
         found, round_id = newer, round_id + 1
     return found

@@ -1,12 +1,13 @@
 """One node's part of an in-process-recovering job: run this node's workers, watch them, report.
 
 The job launcher (``launch.Job``) decides membership for every node through the store; a node
-launcher runs the workers the rounds assign to it (``membership.node_hosts_key``: the first round's,
-then each spare that tops up the pool), reports each exit (``membership.exit_key``) instead of
-acting on it, holds a lifeline and beats (``lifeline.py``: its end, or silence for
-``--hang-s`` on ``membership.node_key``, loses the node, all its members at once) and SIGKILLs
-those of its members that are evicted, frozen or left behind: the frozen check reads /proc,
-which is local. It reads and writes every key signed (``control.py``).
+launcher runs the workers the rounds assign to it (its node's part of each round,
+``membership.NodeRound``: the first round's, then each spare that tops up the pool), reports
+each exit (``membership.exit_key``) instead of acting on it, holds a lifeline and beats
+(``lifeline.py``: its end, or silence for ``--hang-s`` on ``membership.node_key``, loses the
+node, all its members at once) and SIGKILLs those of its members that are evicted, frozen or
+left behind: the frozen check reads /proc, which is local. It reads and writes every key signed
+(``control.py``).
 """
 from __future__ import annotations
 
@@ -51,14 +52,14 @@ class NodeLauncher:
     def __init__(self, store: Control, node: int, *, master: tuple[str, int], command: list[str],
                  attempt: int, hang_s: float, progress_s: float | None) -> None:
         self.store, self.node, self.command, self.hang_s = store, node, command, hang_s
-        first = membership.wait_round(store, 0, 300.0)
+        first = membership.wait_round(store, 0, 300.0, node)
         if first is None:
             raise RuntimeError(f"node {node}: the job launcher published no first round")
         self.current = first
         # as torchrun: one OpenMP thread per worker unless the user says otherwise (several workers
         # share the node's cores; the same thread count also makes a run bitwise equal under either)
         self.env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
-                    "WORLD_SIZE": str(len(first.members)), membership.ATTEMPT_ENV: str(attempt),
+                    "WORLD_SIZE": str(first.world), membership.ATTEMPT_ENV: str(attempt),
                     LAUNCHER_ENV: str(os.getpid())}
         self.procs: dict[int, subprocess.Popen] = {}
         self.reported: set[int] = set()  # workers whose exit is in the store
@@ -77,24 +78,21 @@ class NodeLauncher:
         log.info("node %d: workers %s (pids %s)", node, sorted(self.procs), {w: p.pid for w, p in self.procs.items()})
 
     def _start_assigned(self) -> None:
-        """Start the workers of the current round that are this node's and not started yet."""
-        listed = self.store.get(membership.node_hosts_key(self.node))
-        here = set(json.loads(listed)) if listed is not None else set()
-        # this node's members in rank order, then its spares: found from its own few hosts, not by
-        # walking every member of the job (N/8 nodes x N a round; a tick then looks at these only)
-        ranks = {w: self.current.members.index(w) for w in here & set(self.current.members)}
-        mine = sorted(ranks, key=ranks.__getitem__)
-        for w in (w for w in [*mine, *(s for s in self.current.spares if s in here)] if w not in self.procs):
+        """Start this node's members of the current round (in rank order), then its spares, those
+        not started yet. Its part of the round names these alone: a node reads a few ids a round,
+        not every member of the job (N/8 nodes x N)."""
+        ranks = dict(self.current.members)
+        for w in (w for w in [*ranks, *self.current.spares] if w not in self.procs):
             rank = ranks.get(w)
             self.procs[w] = subprocess.Popen([sys.executable, *self.command], env={
                 **self.env, WORKER_ENV: str(w), "RANK": str(-1 if rank is None else rank),
                 "LOCAL_RANK": str(len(self.procs))})
-        self.here = [w for w in mine if w in self.procs]
+        self.here = list(ranks)
 
     def poll(self) -> bool:
         """Beat, follow the rounds, report exits, kill the members to kill; False once the job is over."""
         now = time.monotonic()
-        newer = membership.latest_after(self.store, self.current.round)
+        newer = membership.latest_after(self.store, self.current.round, self.node)
         if newer is not None:
             self.current = newer
             self.progress.new_round()
