@@ -10,7 +10,8 @@ mesh of N ranks, with its name, global shape, layout and checksum, as FSDP saves
 manifest bytes of a real shard (248 KB). The rank's own rows are recorded empty, so the data
 files are empty (16,384 ranks' data would be 140 GB): the components read no data anyway.
 Measured: the CLI's command itself (``ckpt.cli``, in this process, ``--json``), its wall
-seconds and, on S3, the HTTP requests it sends (counted at aiobotocore's endpoint).
+seconds, its CPU seconds (this process's: what a loaded machine does not inflate; moto's server runs
+in another process) and, on S3, the HTTP requests it sends (counted at aiobotocore's endpoint).
 """
 from __future__ import annotations
 
@@ -195,15 +196,15 @@ def run_one(component: str, n: int, server=None) -> dict:
         args = ("ls", root) if component.startswith("ckpt_ls") else ("verify", root, "--manifests-only")
         os.sync()  # the write-back of the N manifests just written is not the command's cost
         Requests.n = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = _cli(*args, "--memory-dir", no_slots)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     if component.startswith("ckpt_ls"):
         if '"status": "complete"' not in out or '"optimizers": null' in out:
             raise RuntimeError(f"ckpt ls did not list the checkpoint whole: {out[-500:]}")
     elif '"damaged": 0' not in out:
         raise RuntimeError(f"verify found damage: {out[-500:]}")
     ops = Requests.n if component.endswith("_s3") else 0
-    return {"component": component, "ranks": n, "seconds": seconds, "store_ops": ops, "store_keys": ops,
+    return {"component": component, "ranks": n, "seconds": seconds, "cpu_s": cpu, "store_ops": ops, "store_keys": ops,
             "ops_per_rank": ops / n, "server_s_per_op": seconds / max(1, ops), "shard_manifest_bytes": manifest_bytes,
             "store": "s3 (moto server, 127.0.0.1)" if component.endswith("_s3") else "local disk"}
