@@ -5,6 +5,10 @@ replicas (ckpt/peers/replicas.py), installed by its job's worker (tests/inproces
 ``wrong_at_save``: the first replica of step ``at`` or later that this node receives has one
 byte flipped after its chunks were checked and before it is sealed (memory that went bad
 in the holder): sealed, it looks sound, and only the restore's own check can refuse it.
+Every later replica of that rank is then refused (the holder's memory stays bad), so the
+damaged one stays the newest this node holds of it until the campaign kills the other node:
+a sound newer replica that arrived between the fault and the kill would be what the restore
+takes, and the damaged one would never be read.
 ``stall_receive``: the first such replica is held before its first byte is taken, so the
 holder is caught (and killed by the campaign) while it receives it.
 """
@@ -14,6 +18,7 @@ import threading
 import time
 from typing import Callable
 
+from ckpt.errors import CheckpointError
 from ckpt.peers import replicas
 
 KINDS = ("wrong_at_save", "stall_receive")
@@ -45,9 +50,11 @@ def install(kind: str, at: int, emit: Callable[..., None]) -> None:
             view[man.data_bytes // 2] ^= 0xFF
 
     def patched_receive(self: replicas.ReplicaSlots, manifest, recv, node=None) -> None:
+        if kind == "wrong_at_save" and said and manifest.step > said[0] and manifest.rank == said[1]:
+            raise CheckpointError(f"fault campaign: this holder took no replica after its damaged step {said[0]}")
         receive(self, manifest, recv, node)
         if kind == "wrong_at_save" and fired == [manifest.step] and not said:
-            said.append(manifest.step)  # sealed now, wrong byte and all
+            said.extend((manifest.step, manifest.rank))  # sealed now, wrong byte and all
             emit(event="fault", step=manifest.step, peer_fault=kind, replica_of=manifest.rank)
 
     replicas.ReplicaSlots._fill_checked = patched_fill

@@ -26,6 +26,9 @@ from benchmarks.fault_campaign_rows import Campaign, recovered, sdc_row
 from tests.inprocess_nodes import lose_node_1, run_nodes
 
 NODE_HANG_S = 2.0  # the recovery benchmark's (benchmarks/recovery_inprocess.py)
+# a row whose node is SIGKILLed is caught by its lifeline, not by missed beats: a longer hang
+# timeout keeps a loaded machine's late beats from losing node 1 before the fault
+KILLED_HANG_S = 10.0
 NODE = ["--nproc", "1", "--spares", "1"]
 
 
@@ -39,13 +42,13 @@ def _hook_fired(path: Path) -> bool:
 
 
 def lose(c: Campaign, fault: str, silent: bool = False, child: tuple[str, ...] = (),
-         hooked: bool = False) -> tuple[dict, Job]:
+         hooked: bool = False, hang_s: float = NODE_HANG_S) -> tuple[dict, Job]:
     """Node 1 lost (killed, or ``silent``: stopped) at ``FAULT_AT`` (and, ``hooked``, once the
     peer fault hook has acted); the row as node 0 saw the recovery, and node 0's job."""
     shm, work = c.shm / fault, c.workdir / fault
     shm.mkdir()
     lost = lose_node_1(work, shm, NODE, [*MODEL, "--steps", str(STEPS), "--peers", "1", *child], at_step=FAULT_AT,
-                       hang_s=NODE_HANG_S, silent=silent,
+                       hang_s=hang_s, silent=silent,
                        also=(lambda: _hook_fired(work / "events.jsonl")) if hooked else None)
     job = Job(lost.events, lost.log, 0)
     out = recovered(fault, job, c.clean(), r"node ?1|\b1\b")
@@ -64,7 +67,7 @@ def peer_replica_wrong(c: Campaign, fault: str) -> dict:
     """Node 0's replica of rank 1 sealed wrong, then node 1 lost: ``detected`` is the restore
     refusing that replica (a damaged-shard or skipped-step line naming its step)."""
     out, job = lose(c, fault, child=("--kill-at", str(FAULT_AT), "--peer-fault", "wrong_at_save",
-                                     "--peer-fault-node", "node0", "--own-copies"), hooked=True)
+                                     "--peer-fault-node", "node0", "--own-copies"), hooked=True, hang_s=KILLED_HANG_S)
     bad = out["hook"]["step"] if "hook" in out else None
     refused = [x for x in job.log.splitlines() if DAMAGE_SEEN.search(x) and f"step {bad}" in x]
     return {**out, "detected": bool(refused), "detect_steps": 0 if refused else None, "named": None,

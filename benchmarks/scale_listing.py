@@ -10,7 +10,8 @@ mesh of N ranks, with its name, global shape, layout and checksum, as FSDP saves
 manifest bytes of a real shard (248 KB). The rank's own rows are recorded empty, so the data
 files are empty (16,384 ranks' data would be 140 GB): the components read no data anyway.
 Measured: the CLI's command itself (``ckpt.cli``, in this process, ``--json``), its wall
-seconds and, on S3, the HTTP requests it sends (counted at aiobotocore's endpoint).
+seconds, its CPU seconds (this process's: what a loaded machine does not inflate; moto's server runs
+in another process) and, on S3, the HTTP requests it sends (counted at aiobotocore's endpoint).
 """
 from __future__ import annotations
 
@@ -74,13 +75,14 @@ class Shards:
 
 class _Empty:
     """A shard source with no data bytes, what ``write_shard`` copies from; its manifest gives
-    ``to_bytes`` from ``Shards`` (the fields ``write_shard`` reads, as a ``ShardManifest`` has them)."""
+    ``to_bytes`` from ``Shards`` (the fields ``write_shard`` reads, as a ``ShardManifest`` has them),
+    or, ``stub``, a few bytes that no reader would accept."""
 
-    def __init__(self, shards: Shards, rank: int) -> None:
+    def __init__(self, shards: Shards, rank: int, stub: bool = False) -> None:
         from ckpt.format.manifest import shard_data_file
         self.manifest, self.location = self, "scale-bench"
         self.rank, self.data_bytes, self.data_file, self.has_checksums = rank, 0, shard_data_file(rank), True
-        self.to_bytes = lambda: shards.raw(rank)
+        self.to_bytes = (lambda: b'{"stub": %d}' % rank) if stub else (lambda: shards.raw(rank))
 
     def view(self, offset: int, nbytes: int):
         return memoryview(b"")
@@ -89,13 +91,15 @@ class _Empty:
         raise AssertionError("an empty shard has no bytes to read")
 
 
-def write_checkpoint(tier, world: int, threads: int = 8) -> int:
-    """Every rank's shard through ``tier.write_shard``, then the commit record: the manifest bytes of rank 0."""
+def write_checkpoint(tier, world: int, threads: int = 8, stubs: bool = False) -> int:
+    """Every rank's shard through ``tier.write_shard``, then the commit record: the manifest bytes of rank 0.
+    ``stubs``: every rank but 0 with a stub for its manifest (``ckpt ls`` opens rank 0's only: the
+    same objects to list, without writing 248 KB a shard; one it opened would read as damaged)."""
     from ckpt.format.manifest import Manifest
     from ckpt.tiers.base import CheckpointId
     cid, shards = CheckpointId(0, STEP), Shards(world)
     with ThreadPoolExecutor(threads) as pool:
-        refs = list(pool.map(lambda r: tier.write_shard(cid, _Empty(shards, r)), range(world)))
+        refs = list(pool.map(lambda r: tier.write_shard(cid, _Empty(shards, r, stubs and r > 0)), range(world)))
     tier.commit(cid, Manifest(STEP, 0, world, refs))
     return len(shards.template)
 
@@ -156,13 +160,13 @@ def _s3(server=None):
 def _where(component: str, n: int, server=None):
     """The root the CLI is pointed at, holding an N-shard checkpoint: (root, manifest bytes, an
     empty memory directory)."""
-    empty = tempfile.mkdtemp(prefix="scale-no-slots-")
+    empty, stubs = tempfile.mkdtemp(prefix="scale-no-slots-"), component.startswith("ckpt_ls")
     try:
         if component.endswith("_disk"):
             from ckpt.tiers.local import LocalDiskTier
             root = tempfile.mkdtemp(prefix="scale-listing-")
             try:
-                yield root, write_checkpoint(LocalDiskTier(root), n), empty
+                yield root, write_checkpoint(LocalDiskTier(root), n, stubs=stubs), empty
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             return
@@ -170,7 +174,7 @@ def _where(component: str, n: int, server=None):
         with _s3(server) as (url, options):
             tier = ObjectStoreTier(url, options)
             try:
-                yield url, write_checkpoint(tier, n), empty
+                yield url, write_checkpoint(tier, n, stubs=stubs), empty
             finally:
                 tier.close()
     finally:
@@ -190,13 +194,17 @@ def run_one(component: str, n: int, server=None) -> dict:
         Requests.install()
     with _where(component, n, server) as (root, manifest_bytes, no_slots):
         args = ("ls", root) if component.startswith("ckpt_ls") else ("verify", root, "--manifests-only")
+        os.sync()  # the write-back of the N manifests just written is not the command's cost
         Requests.n = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = _cli(*args, "--memory-dir", no_slots)
-        seconds = time.perf_counter() - t0
-    if '"damaged": 0' not in out and not component.startswith("ckpt_ls"):
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if component.startswith("ckpt_ls"):
+        if '"status": "complete"' not in out or '"optimizers": null' in out:
+            raise RuntimeError(f"ckpt ls did not list the checkpoint whole: {out[-500:]}")
+    elif '"damaged": 0' not in out:
         raise RuntimeError(f"verify found damage: {out[-500:]}")
     ops = Requests.n if component.endswith("_s3") else 0
-    return {"component": component, "ranks": n, "seconds": seconds, "store_ops": ops, "store_keys": ops,
+    return {"component": component, "ranks": n, "seconds": seconds, "cpu_s": cpu, "store_ops": ops, "store_keys": ops,
             "ops_per_rank": ops / n, "server_s_per_op": seconds / max(1, ops), "shard_manifest_bytes": manifest_bytes,
             "store": "s3 (moto server, 127.0.0.1)" if component.endswith("_s3") else "local disk"}

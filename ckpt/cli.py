@@ -89,10 +89,13 @@ def ls_cmd(root: str | None, run: str | None, memory_dir: str, memory: bool, as_
         return
     _must_exist(root)
     tiers = tiers_for(root, run=run, memory_dir=memory_dir)
-    rows = merge_listing(tiers) if is_url(root) else apply_verdicts(merge_listing(tiers), read_verdicts(root))
+    listed = [tier.list() for tier in tiers]  # each commit record read once: the index of its shards
+    rows = merge_listing(tiers, listed)
+    rows = rows if is_url(root) else apply_verdicts(rows, read_verdicts(root))
     for r in rows:
         if r["status"] == "complete":
-            r["optimizers"] = optimizer_layouts(tiers, r)  # "by position": restores only when asked (match_by_position)
+            # "by position": restores only when asked (match_by_position)
+            r["optimizers"] = optimizer_layouts(tiers, r, listed)
     lines = [f"{'STEP':>10}  {'GEN':>3}  {'CREATED (UTC)':19}  {'SIZE':>10}  {'TIERS':16}  {'PEER':10}  "
              f"{'HEALTH':10}  STATUS"]
     for r in rows:

@@ -380,7 +380,8 @@ class Manifest:
             if not isinstance(s, dict):
                 raise ManifestError(f"{what}: shard entry is not an object")
             ref = ShardRef(_int(s, "rank"), _int(s, "manifest_crc32c"), _int(s, "data_bytes"))
-            if check_name(s.get("manifest")) != ref.manifest_file or check_name(s.get("data")) != ref.data_file:
+            if s.get("manifest") != ref.manifest_file or s.get("data") != ref.data_file:
+                check_name(s.get("manifest")), check_name(s.get("data"))  # a hostile name is refused as one
                 raise ManifestError(f"{what}: shard file names do not match rank {ref.rank}")
             shards.append(ref)
         ranks = [s.rank for s in shards]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..format.health import classify, merged_health
-from ..tiers.base import CheckpointId, TierReader
+from ..tiers.base import CheckpointId, CheckpointInfo, TierReader
 from ..tiers.memory import MemoryTier
 from ..tiers.memory.namespace import slot_file_bytes
 from ..tiers.peer import PeerTier
@@ -16,11 +16,12 @@ from .execute import DAMAGE
 from .optim_names import saved_layouts
 
 
-def merge_listing(tiers: Sequence[TierReader]) -> list[dict]:
+def merge_listing(tiers: Sequence[TierReader], listed: Sequence[list[CheckpointInfo]] | None = None) -> list[dict]:
     """Step, generation, time, size, the tiers holding it, its status and its ``health``
-    (``format/health.py``: verified, ok, unchecked, suspect, unhealthy, tainted); newest last."""
+    (``format/health.py``: verified, ok, unchecked, suspect, unhealthy, tainted); newest last.
+    ``listed``: each tier's ``list()``, when the caller has it already."""
     rows: dict[CheckpointId, dict] = {}
-    listed = [tier.list() for tier in tiers]
+    listed = [tier.list() for tier in tiers] if listed is None else listed
     for tier, infos in zip(tiers, listed):
         for info in infos:
             row = rows.setdefault(info.id, {"step": info.id.step, "generation": info.id.generation,
@@ -54,15 +55,18 @@ def shm_usage(tiers: Sequence[TierReader]) -> dict[str, int]:
             "peer": sum(slot_file_bytes(t.ns) for t in tiers if isinstance(t, PeerTier))}
 
 
-def optimizer_layouts(tiers: Sequence[TierReader], row: dict) -> dict[str, str] | None:
+def optimizer_layouts(tiers: Sequence[TierReader], row: dict,
+                      listed: Sequence[list[CheckpointInfo]] | None = None) -> dict[str, str] | None:
     """How each optimizer of a listed checkpoint is keyed ("by name" / "by position"), from
-    the first shard manifest of the first tier holding it; None when none can be read."""
+    the first shard manifest of the first tier holding it; None when none can be read.
+    ``listed``: each tier's ``list()``, whose first shard spares reading the commit record again."""
     ckpt_id = CheckpointId(row["generation"], row["step"])
-    for tier in tiers:
+    for k, tier in enumerate(tiers):
         if tier.name not in row["tiers"]:
             continue
+        known = next((i.first for i in (listed[k] if listed else ()) if i.id == ckpt_id and i.complete), None)
         try:
-            reader = tier.open_shard(ckpt_id, tier.read_manifest(ckpt_id).shards[0])
+            reader = tier.open_shard(ckpt_id, known or tier.read_manifest(ckpt_id).shards[0])
         except DAMAGE:
             continue
         try:

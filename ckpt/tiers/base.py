@@ -75,6 +75,7 @@ class CheckpointInfo:
     checksummed: bool = True  # False for a memory slot whose checksums are not computed yet
     ranks: frozenset[int] = field(default_factory=frozenset)  # the saved ranks whose shards this copy holds
     health: dict | None = None  # the commit record's verdict on the replicas (``format/health.py``)
+    first: ShardRef | None = None  # the commit record's lowest rank: what ``ckpt ls`` opens without reading it again
 
     @property
     def complete(self) -> bool:
@@ -193,7 +194,8 @@ def parse_commit(raw: bytes, ckpt_id: CheckpointId, where: str) -> Manifest:
 def committed_info(ckpt_id: CheckpointId, tier: str, manifest: Manifest) -> CheckpointInfo:
     """The listing row of a readable commit record."""
     return CheckpointInfo(ckpt_id, tier, manifest.created, manifest.total_bytes, manifest.world_size,
-                          ranks=frozenset(s.rank for s in manifest.shards), health=manifest.health)
+                          ranks=frozenset(s.rank for s in manifest.shards), health=manifest.health,
+                          first=manifest.shards[0])
 
 
 def check_shard(ckpt_id: CheckpointId, ref: ShardRef, raw: bytes | None, data_size: int | None,

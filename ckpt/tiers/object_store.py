@@ -74,9 +74,11 @@ class ObjectStoreTier(DurableTier):
 
     def list(self) -> list[CheckpointInfo]:
         self.fs.invalidate_cache(self.root)
-        paths = self.retry.call(lambda: self.fs.glob(posixpath.join(self.root, "step-*", MANIFEST_FILE)),
-                                f"list {self.url}")
-        ids = {p: CheckpointId.parse(posixpath.basename(posixpath.dirname(p))) for p in paths}
+        # the checkpoints' folders (one delimited listing: O(checkpoints) requests, not a walk of
+        # every shard's objects), then each one's commit record, missing where none is committed
+        folders = self._missing_as_none(lambda: self.fs.ls(self.root, detail=False), self.root) or []
+        ids = {posixpath.join(f, MANIFEST_FILE): CheckpointId.parse(posixpath.basename(f.rstrip("/")))
+               for f in folders}
         ids = {p: i for p, i in ids.items() if i is not None}
         if not ids:
             return []
