@@ -69,6 +69,9 @@ def check_survivors_kept(evs: list[dict], dead: int) -> list[dict]:
     return recs
 
 
+# extended: the same spare round, with data loaders, is test_data_loader_workers_are_rebuilt_and_rewound_with_a_spare
+# (every assertion of this one too); a spare of its own node, test_inprocess_replicated's spare test
+@pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_killed_rank_spare_takes_its_place(tmp_path, clean_runs):
     """2 ranks + 1 warm spare: rank 1 dies at step 4; the spare takes rank 1 and the job ends
@@ -85,6 +88,9 @@ def test_killed_rank_spare_takes_its_place(tmp_path, clean_runs):
     assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
 
 
+# extended: the same shrink, with data loaders, is test_data_loader_shrinking_splits_the_rest_of_the_epoch_anew
+# (every assertion of this one too)
+@pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_killed_rank_without_spare_shrinks(tmp_path, clean_runs):
     """3 ranks, no spare: rank 1 dies at step 4; ranks 0 and 2 go on at world size 2 and end
@@ -123,7 +129,7 @@ def test_a_job_that_cannot_shrink_is_relaunched_whole(tmp_path, clean_runs):
     assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
 
 
-LOADER = ("--loader-workers", "2")
+LOADER, LOADER_KILL_AT = ("--loader-workers", "2"), 5  # 4 steps an epoch: 5 is mid-epoch
 
 
 @pytest.mark.timeout(600)
@@ -132,11 +138,15 @@ def test_data_loader_workers_are_rebuilt_and_rewound_with_a_spare(tmp_path, clea
     per rank, 4 steps an epoch; rank 1 dies at step 5, mid-epoch. Each rank's loader is built
     anew and resumes from the restored position (its workers prefetch from there), the old
     workers are gone (each rank ends with its current 2), and the job ends bitwise equal to
-    an uninterrupted run with the same loaders."""
-    launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "2", "--spares", "1",
-           child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", "5", *LOADER))
+    an uninterrupted run with the same loaders. The spare round itself as in
+    test_killed_rank_spare_takes_its_place (-m extended): no relaunch, at most the step in flight lost."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "2", "--spares", "1",
+                 child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", str(LOADER_KILL_AT), *LOADER))
     evs = events(tmp_path / "a.jsonl")
-    check_survivors_kept(evs, dead=1)
+    recs = check_survivors_kept(evs, dead=1)
+    assert "attempt 1" not in log and "spare 2 takes rank 1" in log, log[-3000:]
+    assert all(r["world_size"] == 2 for r in recs), recs
+    assert all(r["failed_at_step"] - r["restored_step"] <= 1 for r in recs if r["worker"] == 0), recs
     assert {w: (e["steps"], e["children"]) for w, e in finals(evs).items()} == {0: (STEPS, 2), 2: (STEPS, 2)}
     clean = clean_digests(clean_runs, "--nproc", "2", child=("--steps", str(STEPS), *LOADER))
     assert len(clean) == 1 and {e["digest"] for e in finals(evs).values()} == clean
@@ -146,13 +156,20 @@ def test_data_loader_workers_are_rebuilt_and_rewound_with_a_spare(tmp_path, clea
 def test_data_loader_shrinking_splits_the_rest_of_the_epoch_anew(tmp_path, clean_runs):
     """3 ranks, no spare, the same loaders: rank 1 dies at step 5; ranks 0 and 2 rebuild their
     loaders at world size 2 (6 samples a step each instead of 4) over what the epoch had left,
-    and end bitwise equal to a relaunch at 2 ranks from the step they restored."""
-    launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "3",
-           child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", "5", *LOADER))
+    and end bitwise equal to a relaunch at 2 ranks from the step they restored. The shrink itself
+    as in test_killed_rank_without_spare_shrinks (-m extended): no relaunch, the step in flight or
+    the one before restored, the dead rank's slots gone with the finished job."""
+    log = launch(tmp_path / "a", tmp_path / "a.jsonl", "--nproc", "3",
+                 child=("--steps", str(STEPS), "--kill-worker", "1", "--kill-at", str(LOADER_KILL_AT), *LOADER))
     evs = events(tmp_path / "a.jsonl")
     recs = check_survivors_kept(evs, dead=1)
+    assert "attempt 1" not in log and "continuing at world size 2" in log, log[-3000:]
     restored = {r["restored_step"] for r in recs}
-    assert len(restored) == 1 and {w: e["children"] for w, e in finals(evs).items()} == {0: 2, 2: 2}
+    assert {r["failed_at_step"] for r in recs} == {LOADER_KILL_AT}, recs
+    assert len(restored) == 1 and LOADER_KILL_AT - 1 <= min(restored) <= LOADER_KILL_AT, recs
+    assert all(e["world"] == 2 for e in finals(evs).values())
+    assert not memory_namespace(tmp_path / "a", None).exists()  # the finished job took the dead rank's slots along
+    assert {w: e["children"] for w, e in finals(evs).items()} == {0: 2, 2: 2}
     expected = shrunk_digests(clean_runs, 3, 2, min(restored), *LOADER)
     assert len(expected) == 1 and {e["digest"] for e in finals(evs).values()} == expected
 

@@ -87,6 +87,9 @@ def spare_takes_rank_1(tmp_path: Path, clean_runs: CleanRuns, *, silent: bool) -
     assert len(clean) == 1 and {e["digest"] for e in finals(lost.events).values()} == clean
 
 
+# extended: the spare's part is test_a_silent_node_holding_replicas_holds_nothing_up's (the same
+# assertions), a killed launcher's lifeline test_lost_node_shrinks_restoring_from_the_object_store's
+@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_lost_node_a_spare_on_node_0_takes_its_rank(tmp_path, clean_runs):
     """Node 1's launcher killed: its lifeline closes, the node is lost at once."""

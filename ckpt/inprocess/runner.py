@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
-import torch.distributed.checkpoint.state_dict  # noqa: F401 - a shrink's restore needs it: imported then, 0.05 s
-
 from ..control import Control
 from ..errors import CheckpointError, UnsoundState
 from ..integrations.loop import save_at_boundary

@@ -50,9 +50,28 @@ def create_optimizer_state(state: Mapping[str, Any]) -> None:
     FSDP2's moments must be DTensors to read a shard into, not the plain tensors
     ``load_state_dict`` would otherwise keep. LBFGS is left alone: its step needs a closure,
     and its state is one history for all parameters, not moments laid out like each one."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
     for value in state.values():
         if isinstance(value, torch.optim.Optimizer) and not isinstance(value, torch.optim.LBFGS) \
                 and not value.state:
-            _init_optim_state(value)
+            _zero_step(value)
+
+
+def _zero_step(optim: torch.optim.Optimizer) -> None:
+    """torch.distributed.checkpoint.state_dict's ``_init_optim_state``, step for step: importing
+    that module pulls in DTensor and sympy (some 1.5 s of CPU) in every process that may restore
+    at another world size, a model with no DTensor included. An optimizer whose parameters
+    already have gradients is left alone, as there (a stateless one, such as SGD)."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    with_lr = [group for group in optim.param_groups if "lr" in group]
+    lrs = [group["lr"] for group in with_lr]
+    for group in with_lr:  # some optimizers move parameters whatever the gradient: lr 0 for this step
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    optim.step(closure=None)
+    for group, lr in zip(with_lr, lrs):
+        group["lr"] = lr
+    optim.zero_grad(set_to_none=True)
