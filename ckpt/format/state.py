@@ -48,6 +48,29 @@ class FlatState:
     # the key of each tensor saved as itself, by its ``id()``: unique while this FlatState holds it, so a question
     # about the same objects in the same save (``overlap.step_written``) reads no tensor again
     by_id: dict[int, tuple] = field(default_factory=dict)
+    # the previous save's FlatState when this one holds the very same tensors, paths, keys and layouts (its
+    # lists, shared): what a save derives from them alone stays (``save/flat_cache.py``); None: not known
+    same_as: FlatState | None = None
+
+
+@dataclass
+class Piece:
+    """A top-level value's share of a ``FlatState``, as ``flatten`` made it at tensor index ``start``:
+    spliced in unchanged by a later ``flatten`` whose ``reuse`` proved the value unchanged
+    (``save/flat_cache.py``). ``closed``: no tensor of it was a duplicate of one before it."""
+
+    start: int
+    tree: Any
+    tensors: list[tuple[str, torch.Tensor]]
+    keys: list[tuple]
+    seen: dict[tuple, int]
+    by_id: dict[int, tuple]
+    layouts: dict[int, Layout]
+    closed: bool
+
+
+# ``flatten``'s ``reuse(key, value)``: a Piece to splice in, True to walk the value and record its Piece, False to walk
+Reuse = Callable[[str, Any], "Piece | bool"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -64,13 +87,17 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def flatten(state: Mapping[str, Any]) -> FlatState:
-    """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely."""
+def flatten(state: Mapping[str, Any], reuse: Reuse | None = None, pieces: dict[str, Piece] | None = None) -> FlatState:
+    """Split ``state`` into tensors and a JSON tree; raises on types it cannot keep safely.
+    ``reuse``: a top-level value's Piece (``Reuse``) to take instead of walking it where it
+    would start at the same tensor index and duplicates none before it (the same result);
+    the walked values it asks for are recorded in ``pieces``."""
     tensors: list[tuple[str, torch.Tensor]] = []
     keys: list[tuple] = []  # a save's layout is keyed on them (``save/layout_cache.py``), deferred copies too
     layouts: dict[int, Layout] = {}
     seen: dict[tuple, int] = {}  # tied weights (same memory, same view, same conj/neg bits) are stored once
     by_id: dict[int, tuple] = {}
+    below = [0, False]  # the index the value being recorded starts at; whether one of its tensors duplicated one before
 
     def enc(obj: Any, path: str, depth: int) -> Any:
         """``depth``: the JSON nesting ``obj``'s encoding sits at in the shard manifest."""
@@ -142,6 +169,8 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         conj, neg, where = obj.is_conj(), obj.is_neg(), tensor_key(obj)
         key = (*where, conj, neg)
         if obj.numel() and key in seen:
+            if seen[key] < below[0]:
+                below[1] = True
             return {"__tensor__": seen[key]}
         # detached only where it matters (a state_dict's tensors already are): a detach is most of a tensor's cost
         saved = obj.detach().resolve_conj().resolve_neg() if obj.requires_grad or conj or neg else obj
@@ -168,7 +197,35 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
                     for k, v in obj.items()}
         return {k: enc(v, f"{path}.{k}" if path else k, depth + 1) for k, v in obj.items()}
 
-    tree = enc(dict(state), "", 1)  # the tree is a member of the shard manifest's top object
+    def top(state: dict) -> dict:
+        """``mapping(state, "", 1)``, taking the Pieces ``reuse`` gives where they hold."""
+        out = {}
+        for k, v in state.items():
+            piece = reuse(k, v)
+            if type(piece) is Piece and piece.start == len(tensors) and seen.keys().isdisjoint(piece.seen.keys()):
+                tensors.extend(piece.tensors)
+                keys.extend(piece.keys)
+                seen.update(piece.seen)
+                by_id.update(piece.by_id)
+                layouts.update(piece.layouts)
+                out[k] = piece.tree
+                continue
+            start = len(tensors)
+            below[:] = [start, False]
+            out[k] = v if type(v) in _PLAIN else enc(v, k, 2)
+            if piece is True and pieces is not None:
+                part = tensors[start:]
+                pieces[k] = Piece(start, out[k], part, keys[start:], {t: i for t, i in seen.items() if i >= start},
+                                  {id(t): by_id[id(t)] for _, t in part if id(t) in by_id},
+                                  {i: lay for i, lay in layouts.items() if i >= start}, not below[1])
+        return out
+
+    top_level = dict(state)  # the tree is a member of the shard manifest's top object
+    if reuse is not None and 2 + _DEEPEST_TAG <= MAX_JSON_DEPTH and all(
+            isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in top_level):
+        tree = top(top_level)
+    else:
+        tree = enc(top_level, "", 1)
     return FlatState(tensors, tree, layouts, keys, by_id)
 
 

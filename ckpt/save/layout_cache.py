@@ -37,10 +37,15 @@ class LayoutCache:
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._plan: tuple[list[TensorEntry], int] = ([], 0)
+        self._flat: FlatState | None = None  # the last planned (``FlatState.same_as``: one with its very tensors)
         self.built = self.reused = 0
 
     def plan(self, flat: FlatState) -> tuple[list[TensorEntry], int]:
         """The entries (never to be changed in place) and data bytes of ``flat``'s tensors."""
+        last, self._flat = self._flat, flat
+        if flat.same_as is not None and flat.same_as is last:
+            self.reused += 1
+            return self._plan
         key = (tuple(path for path, _ in flat.tensors), tuple((k[2], k[3]) for k in flat.keys),  # dtypes, shapes
                tuple(sorted(flat.layouts.items())))
         if key == self._key:
@@ -68,13 +73,21 @@ class ParamsCache:
         self._value: Any = None
         self.built = self.reused = 0
 
-    def of(self, state: Mapping[str, Any], compute: Callable[[], T]) -> T:
+    def of(self, state: Mapping[str, Any], compute: Callable[[], T], proven: Mapping[int, int] | None = None) -> T:
+        """``proven``: the modules and optimizers a ``FlatCache`` proved unchanged in this save, by ``id()``: each
+        keyed on its proof (the same while it holds its named parameters, or its groups' parameters), not read."""
         import torch
 
         key: list[tuple] = []
         held: list[Any] = []
+        proven = proven or {}
         for name, value in state.items():
-            if isinstance(value, torch.nn.Module):
+            if id(value) in proven:
+                names = (tuple(tuple(g["param_names"]) if "param_names" in g else None for g in value.param_groups)
+                         if isinstance(value, torch.optim.Optimizer) else None)
+                key.append((name, "proven", id(value), proven[id(value)], names))
+                held.append(value)
+            elif isinstance(value, torch.nn.Module):
                 named = list(value.named_parameters(remove_duplicate=False))
                 key.append((name, type(value), id(value), tuple(n for n, _ in named), tuple(id(p) for _, p in named)))
                 held += [value, *(p for _, p in named)]

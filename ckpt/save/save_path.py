@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import NO_ROOM, Abandoned, TierFull, UnsoundState
 from ..format.manifest import ShardManifest, TensorEntry
-from ..format.state import flatten
 from ..format.tensor_io import with_checksums
 from ..restore.optim_names import param_names
 from ..tiers.base import CheckpointId, ShardReader, ShardRef
 from .canary import Canary
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
+from .flat_cache import FlatCache
 from .layout_cache import LayoutCache, ParamsCache
 from .overlap import StagedSnapshot, StepHooks, deferrable, modules_in, optimizers_in, step_written
 from .soundness import NOTHING, Inspection, Scope, scope_of, where
@@ -73,6 +73,7 @@ class SavePath:
     _refs: dict[int, dict | None] = dataclasses.field(default_factory=dict)  # by slot
     layouts: LayoutCache = dataclasses.field(default_factory=LayoutCache)  # the last save's, while it holds
     params: ParamsCache = dataclasses.field(default_factory=ParamsCache)  # (param_names, Scope), while they hold
+    flat: FlatCache = dataclasses.field(default_factory=FlatCache)  # modules' and optimizers' flat shares, proven
 
     def __post_init__(self) -> None:
         # each committed step is recorded beside the slots, for whoever sweeps them (tiers/memory/owners.py)
@@ -100,7 +101,7 @@ class SavePath:
         optimizers = optimizers_in(state)
         self._hooks.watch(optimizers, modules_in(state))
         flat, slot, manifest = self._reserve(ckpt_id, part, state)
-        later = deferrable(flat, step_written(optimizers, flat.by_id))
+        later = self.flat.deferrable(flat, optimizers, lambda: deferrable(flat, step_written(optimizers, flat.by_id)))
         watched = [(path, t, t._version) for (path, t), defer in zip(flat.tensors, later) if defer]
         try:
             copying = self.memory.start_snapshot(slot, [t for _, t in flat.tensors], manifest, later)
@@ -162,10 +163,10 @@ class SavePath:
 
     def _reserve(self, ckpt_id: CheckpointId, part: Mapping[str, Any],
                  state: Mapping[str, Any]) -> tuple[FlatState, ShmSlot, ShardManifest]:
-        flat = flatten(part)
+        flat = self.flat.flatten(part)
         entries, nbytes = self.layouts.plan(flat)
         names, scope = self.params.of(state, lambda: (param_names(state), scope_of(
-            state, self.rank_local, self.replicated, compare=self.compare)))
+            state, self.rank_local, self.replicated, compare=self.compare)), self.flat.proven)
         manifest = ShardManifest(self.rank, ckpt_id.step, ckpt_id.generation, nbytes, entries, flat.tree,
                                  self.chunk_bytes, self.world_size, replicated=tuple(sorted(self.replicated)),
                                  param_names=names)

@@ -1,0 +1,228 @@
+"""Flattening a state whose structure has not changed since the last save, without walking it.
+
+``flatten`` of a module calls ``state_dict()`` (0.2 ms for ten Linear layers) and reads every
+tensor's key; of an optimizer, it walks every parameter's state. Saving every step, the
+answer is the same each time but for what a step changes without changing the structure:
+the tensors' bytes (copied at every save all the same) and plain values (learning rates and
+other ``param_groups`` values, the data position, RNG states). So each top-level module and
+optimizer of the state keeps the share of the last save's ``FlatState`` it produced (a
+``format.state.Piece``), taken again while a proof holds that ``state_dict()`` would give
+the same tree and the same tensors:
+
+- a module: each submodule (in ``state_dict``'s order) the same object, of the same type, with
+  no state-dict hooks, the same ``_parameters``, ``_buffers`` and ``_modules`` (names and
+  objects) and non-persistent buffer names; its class keeps ``nn.Module``'s ``state_dict``,
+  ``_save_to_state_dict`` and ``get_extra_state`` (checked when the piece is made);
+- an optimizer: of a type keeping ``Optimizer.state_dict``, no state-dict hooks, the same
+  groups (their keys and parameters), the same ``state`` dict holding the same per-parameter
+  dicts (keys and tensor objects); every value of its groups is read again at each save (a
+  plain value, or a tuple or list of them; anything else walks it);
+- the tensors of both (parameters, buffers, optimizer state): the same storage and view (data
+  pointer, dtype, shape, strides), so ``param.data = ...`` or a resized buffer walks it again.
+
+Anything else at the top level (a sampler, ``RNGState``, a scheduler, tensors) is walked at
+every save, as are modules with a DTensor, complex or subclassed tensor and optimizers with a
+plain value in their per-parameter state. Any difference walks the value and makes its piece
+anew: what is saved is the same either way (``tests/test_ckpt_layout_cache.py``).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..format.state import _PLAIN, FlatState, Piece, flatten
+
+_TENSOR = (torch.Tensor, nn.Parameter)
+_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
+_GENERATION = itertools.count()  # each proof's own number: a value proven twice by one proof has not changed between
+
+
+def _geometry(tensors: list[torch.Tensor]) -> tuple:
+    """What would change a tensor's key or bytes' place without changing the object: its storage and view."""
+    return (list(map(_ptr, tensors)), list(map(_stride, tensors)), [t.shape for t in tensors],
+            [t.dtype for t in tensors])
+
+
+def _module_sig(module: nn.Module, sig: list, tensors: list[torch.Tensor]) -> None:
+    """What ``module.state_dict()`` depends on (but its tensors' storage), as ``==``-comparable values."""
+    sig += (id(module), type(module), len(module._state_dict_hooks) + len(module._state_dict_pre_hooks),
+            len(module._non_persistent_buffers_set), *module._non_persistent_buffers_set)
+    for d in (module._parameters, module._buffers):
+        sig.append(len(d))
+        sig.extend(d)
+        for t in d.values():
+            sig.append(id(t))
+            if t is not None:
+                tensors.append(t)
+    children = module._modules
+    sig.append(len(children))
+    sig.extend(children)
+    for child in children.values():
+        if child is None:
+            sig.append(None)
+        else:
+            _module_sig(child, sig, tensors)
+
+
+def _module_ok(module: nn.Module, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``state_dict()`` of ``module`` is ``nn.Module``'s over plain real tensors (else: walked each save)."""
+    base = nn.Module
+    for m in module.modules():
+        kind = type(m)
+        if (kind.state_dict is not base.state_dict or kind._save_to_state_dict is not base._save_to_state_dict
+                or kind.get_extra_state is not base.get_extra_state
+                or any(n in vars(m) for n in ("state_dict", "_save_to_state_dict", "get_extra_state"))):
+            return False
+    return all(type(t) in _TENSOR and not t.is_complex() for t in tensors)
+
+
+def _optimizer_sig(opt: torch.optim.Optimizer, sig: list, tensors: list[torch.Tensor]) -> None:
+    """What ``opt.state_dict()`` depends on but its groups' values and its tensors' storage."""
+    sig += (id(opt), type(opt), len(opt._optimizer_state_dict_pre_hooks), len(opt._optimizer_state_dict_post_hooks),
+            len(opt.param_groups))
+    for group in opt.param_groups:
+        params = group["params"]
+        sig += (id(group), len(group), *group, len(params))
+        sig.extend(map(id, params))
+        tensors.extend(params)
+    state = opt.state
+    sig += (id(state), len(state))
+    for p, s in state.items():
+        values = s.values()
+        sig += (id(p), id(s), len(s), *s)
+        sig.extend(map(id, values))
+        tensors.extend(values)
+
+
+def _plain(value: Any) -> Any:
+    """``flatten``'s encoding of a plain value, a tuple or a list of them; ``_Walk`` for anything else."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if (kind is tuple or kind is list) and all(type(v) in _PLAIN for v in value):
+        return {"__tuple__": list(value)} if kind is tuple else list(value)
+    raise _Walk
+
+
+class _Walk(Exception):
+    """A group value ``_plain`` cannot encode: the optimizer is walked."""
+
+
+class _Held:
+    """One top-level value's piece and the proof it holds; without a piece, a value refused while its
+    structure holds (a module or optimizer of a kind this cache cannot prove: walked at every save)."""
+
+    def __init__(self, value: Any, piece: Piece | None, sig: list | None, tensors: list[torch.Tensor]) -> None:
+        self.value, self.piece, self.sig, self.tensors = value, piece, sig, tensors  # tensors: held, ids stay theirs
+        self.geometry = _geometry(tensors)
+        self.generation = next(_GENERATION)
+
+    def holds(self) -> bool:
+        """Whether the value's structure and tensors' storage are those this was made for (no ``sig``: always)."""
+        if self.sig is None:
+            return True
+        sig: list = []
+        tensors: list[torch.Tensor] = []
+        (_module_sig if isinstance(self.value, nn.Module) else _optimizer_sig)(self.value, sig, tensors)
+        return sig == self.sig and _geometry(tensors) == self.geometry
+
+    def proven(self) -> Piece | None:
+        """The piece with this save's plain values, if it holds."""
+        if self.piece is None or not self.holds():
+            return None
+        if isinstance(self.value, nn.Module):
+            return self.piece
+        try:
+            groups = [{**{k: _plain(v) for k, v in g.items() if k != "params"}, "params": cached["params"]}
+                      for g, cached in zip(self.value.param_groups, self.piece.tree["param_groups"])]
+        except _Walk:
+            return None
+        p = self.piece
+        return Piece(p.start, {"state": p.tree["state"], "param_groups": groups}, p.tensors, p.keys, p.seen, p.by_id,
+                     p.layouts, p.closed)
+
+
+def _eligible(value: Any, piece: Piece) -> _Held:
+    """The proof for a module or optimizer just walked into ``piece``; without the piece where this cache
+    cannot prove it unchanged."""
+    sig: list = []
+    tensors: list[torch.Tensor] = []
+    if isinstance(value, nn.Module):
+        _module_sig(value, sig, tensors)
+        ok = piece.closed and not piece.layouts and _module_ok(value, tensors)
+        return _Held(value, piece if ok else None, sig, tensors)
+    base = torch.optim.Optimizer
+    params = {id(p) for g in getattr(value, "param_groups", ()) for p in g["params"]}
+    if (type(value).state_dict is not base.state_dict or "state_dict" in vars(value)
+            or not all(id(p) in params and all(type(v) is torch.Tensor for v in s.values())
+                       for p, s in value.state.items())):
+        # not Optimizer's state_dict (a wrapper), or plain values in its state (LBFGS' counts): walked while it is this
+        return _Held(value, None, None, [])
+    _optimizer_sig(value, sig, tensors)
+    held = _Held(value, piece, sig, tensors)
+    keys_ok = all(type(k) is str and not (k.startswith("__") and k.endswith("__")) for g in value.param_groups
+                  for k in g)
+    if not (piece.closed and not piece.layouts and keys_ok
+            and all(type(t) in _TENSOR and not t.is_complex() for t in tensors)):
+        held.piece = None
+    elif (again := held.proven()) is None or again.tree != piece.tree:  # the groups as flatten encodes them
+        held.piece = None
+    return held
+
+
+class FlatCache:
+    """``flatten``, taking each top-level module's and optimizer's piece of the last save while it is
+    proven unchanged. ``built`` and ``reused`` count the pieces made and taken (for tests)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
+        self._last: FlatState | None = None
+        # the modules and optimizers whose pieces this save took: id -> their proof's generation
+        self.proven: dict[int, int] = {}
+        self._defer: tuple[FlatState | None, tuple, list[bool]] = (None, (), [])
+        self.built = self.reused = 0
+
+    def flatten(self, state: Mapping[str, Any]) -> FlatState:
+        held, taken, walked = self._held, [], {}
+
+        def reuse(key: str, value: Any) -> Piece | bool:
+            h = held.get(key)
+            if h is not None and h.value is value:
+                if h.piece is None:  # refused: walked, and recorded again only once it changed
+                    if h.holds():
+                        taken.append(key)
+                        return False
+                elif (piece := h.proven()) is not None:
+                    taken.append(key)
+                    return piece
+            return isinstance(value, (nn.Module, torch.optim.Optimizer))
+
+        flat = flatten(state, reuse, walked)
+        kept = {k: held[k] for k in taken}
+        self.proven = {id(h.value): h.generation for h in kept.values() if h.piece is not None}
+        self.reused += len(self.proven)
+        for key, piece in walked.items():
+            kept[key] = _eligible(state[key], piece)
+            self.built += 1
+        last, self._held, self._last = self._last, kept, flat
+        if (last is not None and not walked and len(flat.tensors) == len(last.tensors)
+                and all(a is b for a, b in zip(flat.tensors, last.tensors)) and flat.layouts == last.layouts):
+            # the same tensors under the same paths: share the last one's lists (their keys are the same)
+            flat.tensors, flat.keys, flat.by_id, flat.same_as = last.tensors, last.keys, last.by_id, last
+            last.same_as = None
+        return flat
+
+    def deferrable(self, flat: FlatState, optimizers: list[torch.optim.Optimizer],
+                   compute: Callable[[], list[bool]]) -> list[bool]:
+        """``compute()`` (which of ``flat``'s tensors only an optimizer step writes: ``overlap.deferrable``), or
+        the last save's answer where ``flat`` holds its very tensors and each optimizer is the same, proven
+        unchanged by the same proof (its parameters and state: the same objects, storage and views)."""
+        key = tuple((id(o), self.proven.get(id(o))) for o in optimizers)
+        last, last_key, later = self._defer
+        if flat.same_as is None or flat.same_as is not last or key != last_key or any(g is None for _, g in key):
+            later = compute()
+        self._defer = (flat, key, later)
+        return later
