@@ -17,6 +17,7 @@ from torch import nn
 
 from ckpt import CheckpointManager
 from ckpt.format.state import flatten
+from ckpt.save.flat_cache import FlatCache
 from ckpt.save.layout_cache import LayoutCache
 from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.memory.copier import plan_layout
@@ -256,3 +257,98 @@ def test_the_same_ids_with_an_object_gone_are_not_taken_for_the_same_parameters(
     cache._alive.append(lambda: None)  # the same ids as now, one of the objects they named gone
     cache.of(state, lambda: facts(state))
     assert (cache.built, cache.reused) == (2, 0)
+
+
+def same_flat(got: Any, want: Any) -> None:
+    """The same tree, paths, keys and layouts, and tensors that view the same memory now (not stale views)."""
+    from ckpt.format.state import tensor_key
+
+    assert got.tree == want.tree
+    assert [p for p, _ in got.tensors] == [p for p, _ in want.tensors]
+    assert got.keys == want.keys == [tensor_key(t) for _, t in got.tensors] and got.layouts == want.layouts
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got.tensors, want.tensors))
+    assert sorted(map(repr, got.by_id.values())) == sorted(map(repr, want.by_id.values()))
+
+
+def first_param(s: dict[str, Any]) -> nn.Parameter:
+    return s["model"][0].weight
+
+
+def first_state(s: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's state of its first parameter (the model's may have been replaced)."""
+    return s["opt"].state[s["opt"].param_groups[0]["params"][0]]
+
+
+HOOKED = torch.ones(1)  # what a state-dict hook adds (the same tensor at each call)
+FLAT_CHANGES: dict[str, tuple[Callable[[dict[str, Any]], Any], bool]] = {  # (change, whether a piece is made anew)
+    "lr changed by a scheduler": (lambda s: [s["sched"].step() for _ in range(2)], False),
+    "a buffer written in place": (lambda s: s["model"][1].running_mean.add_(1), False),
+    "the model's load_state_dict (a copy in place)": (lambda s: s["model"].load_state_dict(s["model"].state_dict()),
+                                                      False),
+    "Adam's state created at its first step": (train_step, True),
+    "a parameter replaced": (lambda s: setattr(s["model"][0], "weight", nn.Parameter(first_param(s).detach() + 1)),
+                             True),
+    ".data reassigned": (lambda s: setattr(first_param(s), "data", torch.randn(64, 8)), True),
+    ".data made another view of its storage": (  # the same pointer and shape, other strides
+        lambda s: setattr(first_param(s), "data", first_param(s).data.as_strided((64, 8), (1, 64))), True),
+    "an optimizer state tensor's .data reassigned": (
+        lambda s: setattr(first_state(s)["exp_avg"], "data", torch.zeros(64, 8)), True),
+    "Adam's step replaced": (lambda s: first_state(s).update(step=torch.tensor(9.0)), True),
+    "the optimizer's load_state_dict": (lambda s: s["opt"].load_state_dict(s["opt"].state_dict()), True),
+    "a buffer registered": (lambda s: s["model"][1].register_buffer("extra", torch.ones(2)), True),
+    "a non-persistent buffer registered": (lambda s: s["model"][1].register_buffer("tmp", torch.ones(2),
+                                                                                   persistent=False), True),
+    "a module added": (lambda s: s["model"].append(nn.Linear(4, 4)), True),
+    "a state-dict hook added": (lambda s: s["model"].register_state_dict_post_hook(
+        lambda m, sd, prefix, meta: sd.__setitem__(prefix + "hooked", HOOKED)), True),
+    "a parameter group added": (lambda s: s["opt"].add_param_group({"params": [nn.Parameter(torch.ones(2))]}), True),
+    "a group's lr made a tensor": (lambda s: s["opt"].param_groups[0].update(lr=torch.tensor(0.01)), True),
+}
+
+
+@pytest.mark.parametrize("change", FLAT_CHANGES)
+def test_a_proven_piece_flattens_as_the_full_walk_and_each_change_walks_anew(change: str) -> None:
+    """``FlatCache`` (``ckpt/save/flat_cache.py``) gives what ``flatten`` gives, before, at and after each change."""
+    state = build()
+    do, anew = FLAT_CHANGES[change]
+    if change != "Adam's state created at its first step":
+        train_step(state)
+    cache = FlatCache()
+    for _ in range(2):
+        same_flat(cache.flatten(state), flatten(state))
+    assert (cache.built, cache.reused) == (2, 2)  # the model's piece and the optimizer's, then both taken
+    do(state)
+    same_flat(cache.flatten(state), flatten(state))
+    assert cache.built > 2 if anew else (cache.built, cache.reused) == (2, 4)
+    train_step(state)
+    for _ in range(2):
+        same_flat(cache.flatten(state), flatten(state))
+
+
+class Walked(FlatCache):
+    """A ``FlatCache`` that keeps nothing: every save walks the whole state (the path before it)."""
+
+    def flatten(self, state: Any) -> Any:
+        self._held = {}
+        return super().flatten(state)
+
+
+def test_saves_through_every_change_are_byte_for_byte_those_of_the_full_walk(tmp_path: Path, shm_dir: str) -> None:
+    """Saving every step (overlapped) while the state changes each way: the shard manifest and data
+    file of every step are those of a manager that walks the whole state at every save."""
+    state = build()
+    order = list(FLAT_CHANGES)
+    with CheckpointManager(tmp_path / "cached", memory_dir=shm_dir, keep_last=40, overlap=True, state=state) as a, \
+            CheckpointManager(tmp_path / "walked", memory_dir=shm_dir, run="walked", keep_last=40, overlap=True,
+                              state=state) as b:
+        b._saves.flat = Walked()
+        for step in range(1, 2 * len(order) + 1):
+            train_step(state)
+            if step % 2 == 0:
+                FLAT_CHANGES[order[step // 2 - 1]][0](state)
+            for mgr in (a, b):
+                mgr.save(step, state)
+                mgr.wait()
+        assert a._saves.flat.reused > len(order)
+        for step in range(1, 2 * len(order) + 1):
+            assert shard_files(a, step) == shard_files(b, step), f"step {step}"
