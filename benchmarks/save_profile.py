@@ -44,6 +44,7 @@ PARTS = [("ckpt.save.save_path", n) for n in ("flatten", "deferrable", "step_wri
                                                 "optimizers_in", "modules_in")] + [
     ("ckpt.save.save_path:SavePath", n) for n in ("stage", "_reserve", "submit", "skip_superseded")] + [
     ("ckpt.save.layout_cache:LayoutCache", "plan"), ("ckpt.save.layout_cache:ParamsCache", "of"),
+    ("ckpt.save.flat_cache:FlatCache", "flatten"), ("ckpt.save.flat_cache:FlatCache", "deferrable"),
     ("ckpt.tiers.memory.slots:SlotPool", "reserve"),
     ("ckpt.tiers.memory.slots:SlotPool", "start_snapshot"), ("ckpt.tiers.memory.slots:SlotPool", "destinations"),
     ("ckpt.tiers.memory.slots:ShmSlot", "unseal"), ("ckpt.tiers.memory.copier:TensorCopier", "start"),
@@ -56,7 +57,10 @@ def timed_parts(spent: dict[str, list[float]], on: list[bool]) -> Iterator[None]
     undo = []
     for where, name in PARTS:
         module, _, cls = where.partition(":")
-        owner = importlib.import_module(module)
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:  # a tree without this module (the script run against an older checkout)
+            continue
         owner = getattr(owner, cls, None) if cls else owner
         fn = getattr(owner, name, None)
         if fn is None:  # a tree without this stage (the script run against an older checkout)
