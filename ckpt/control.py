@@ -78,11 +78,18 @@ class Control:
 
     def put(self, key: str, payload: bytes | str, *, round: int = 0) -> None:
         """Write ``payload`` under ``key``, signed, as written in round ``round``."""
+        self.store.set(key, self._sealed(key, payload, round))
+
+    def put_many(self, keys: list[str], payloads: list[bytes | str], *, round: int = 0) -> None:
+        """``put`` of each key in one ``multi_set`` (one round trip, not one a key)."""
+        self.store.multi_set(keys, [self._sealed(k, p, round) for k, p in zip(keys, payloads)])
+
+    def _sealed(self, key: str, payload: bytes | str, round: int) -> bytes:
         data = payload.encode() if isinstance(payload, str) else payload
         seq = max(self._sent.get(key, 0) + 1, time.time_ns())
         self._sent[key] = seq
         mac = self.mac(key, round, seq, data)
-        self.store.set(key, b"%s %d %d %s %s" % (_TAG, round, seq, mac.hex().encode(), data))
+        return b"%s %d %d %s %s" % (_TAG, round, seq, mac.hex().encode(), data)
 
     def signed(self, key: str) -> Signed | None:
         """The newest good value under ``key`` (None: none yet); a forged or replayed one is ignored."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -93,8 +94,10 @@ def store_connector(namespace: str, timeout_s: float) -> Callable[[], "dist.Stor
         if store is None:
             if host and port:
                 base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-            else:
+            else:  # a connection of this thread's own where the store can make one (the commit blocks in it)
                 base = dist.distributed_c10d._get_default_store()
+                with suppress(RuntimeError, NotImplementedError):
+                    base = base.clone()
             store = local.store = dist.PrefixStore(prefix, base)
         return store
 

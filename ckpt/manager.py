@@ -376,7 +376,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        self.committer.abandoned.set()
+        self.committer.abandon()
         self._release(abandoned=True)
 
     def _release(self, remove_memory: bool = False, abandoned: bool = False) -> None:

@@ -65,7 +65,7 @@ FORGED_VERDICT = {"state": "verified", "reason": "forged", "culprits": []}
 def test_both_ranks_commit_what_they_announced_whatever_was_forged_before(store, tmp_path: Path) -> None:
     tier = disk(tmp_path)
     forge(store, "shard/1", FORGED_SHARD)
-    forge(store, "commit/0", FORGED_VERDICT)
+    forge(store, "commit/1", FORGED_VERDICT)  # the key rank 1 waits on for its leader's verdict
     ranks = [committer(store, r, tier, KEY) for r in (0, 1)]
     health: dict[int, object] = {}
 
@@ -94,7 +94,7 @@ def test_a_forged_announcement_is_ignored_and_counted(store, tmp_path: Path) -> 
 
 def test_a_forged_verdict_is_ignored_and_counted(store, tmp_path: Path) -> None:
     tier = disk(tmp_path)
-    forge(store, "commit/0", FORGED_VERDICT)
+    forge(store, "commit/1", FORGED_VERDICT)  # the key rank 1 waits on for its leader's verdict
     follower = committer(store, 1, tier, KEY, timeout_s=3)
     with pytest.raises(CheckpointError, match="timed out after 3 s waiting for rank 0 to commit"):
         follower.commit(tier, STEP, ShardRef(1, 101, 1001))
@@ -106,6 +106,6 @@ def test_without_a_secret_the_values_are_plain_as_before(store, tmp_path: Path) 
     secret closes)."""
     tier = disk(tmp_path)
     forge(store, "shard/1", FORGED_SHARD, key=None)
-    leader = committer(store, 0, tier, None)
+    leader = committer(store, 0, tier, None, timeout_s=3)  # rank 1 never counts itself: the leader's last look
     leader.commit(tier, STEP, ShardRef(0, 100, 1000))
     assert tier.read_manifest(STEP).shards[1] == ShardRef(1, 12345, 666) and leader.rejected == 0

@@ -319,7 +319,7 @@ def _start_beating(worker: int, timeout_s: float, watched: _Watched) -> None:
                 store.put(membership.beat_key(worker), b"", round=watched.round)
                 mgr = watched.mgr
                 if mgr is not None and membership.changed(store, watched.round):
-                    mgr.committer.abandoned.set()
+                    mgr.committer.abandon()
                     group.interrupt(watched.round)
             except Exception as e:  # a slow or restarting store: try again (a silent beat gets this rank killed)
                 log.debug("beat: %s", e)

@@ -7,38 +7,46 @@ NVMe, a shared filesystem, an object-store prefix. Ranks that share one are grou
 at start-up, and the lowest rank of each group, its *leader*, commits for the group:
 with local disks each node commits the shards it holds; on one machine, a shared
 filesystem or an object store there is one commit, as before. For one step in one
-tier::
+tier (``k`` = ``<tier>/<id>``)::
 
-    every rank r      store[<tier>/<id>/shard/<r>] = its ShardRef, its replica report (announce);
-                      add 1 to <tier>/<id>/announced
-    the first leader  wait until <id>/announced counts world_size (one key polled, not N), read
-                      every announcement (one multi_get): the job's verdict on every rank's
-                      report; store[<tier>/<id>/verdict] = it (with several volumes)
-    each leader       wait for the verdict (one key); read its volume's announcements
-                      tier.commit(id, Manifest(the refs of its volume's ranks, health=verdict))
-                      retention on its volume
-                      store[<tier>/<id>/commit/<leader>] = the verdict
-    every rank        wait for its leader's commit key, delete its own announcement (every
-                      reader has read it), count itself done; the last one deletes the
-                      counters, the verdict and the leaders' commit keys
+    every rank r      store[k/shard/<r>] = its ShardRef, its replica report (announce); add 1 to
+                      k/announced; the rank whose add counts world_size sets k/all
+    the first leader  wait for k/all, read every announcement (one multi_get): the job's verdict
+                      on every rank's report; store[k/verdict/<l>] = it for every other leader l
+                      (one multi_set)
+    each leader       wait for k/verdict/<itself>; read its volume's announcements
+                      tier.commit(id, Manifest(its volume's refs, health=verdict + its ranks' canary
+                      references)); retention on its volume
+                      store[k/commit/<r>] = the verdict for each other rank r of its volume (one multi_set)
+    every rank        wait for k/commit/<r>, delete it and its own announcement (every reader has
+                      read it), count itself done; the last one deletes k/announced, k/all and k/done
 
-So the store serves O(N) keys a step, not N per leader: one leader reads every announcement.
+Every wait is one key that only the waiting rank waits on, in one blocking ``wait`` of the store
+(server-side: one operation however long it takes, not a poll), so a rank costs O(1) store
+operations a step whatever N is (7 for most ranks, 5 more for a leader; torch's store deletes
+one key an operation, hence each rank deleting its own), and reads O(1) bytes: the verdict
+without the canary's references, which only a commit record keeps, each volume's its own ranks'
+(``canary.reference`` reads this rank's from the record it restores from). Only the first leader
+reads every announcement (O(N) bytes, once). ``abandon()`` ends a wait at once by setting the
+key it waits on (no one else waits on it).
 
 A rank whose tier had no room for its shard announces ``{"full": why}`` instead: every leader
-then commits nothing and puts the reasons (the verdict's) in its commit key, and every rank raises ``TierFull``
-(a tier's failure: the job goes on with its other tiers; ``save_path.py``).
+then commits nothing and puts the reasons (the verdict's) in its ranks' commit keys, and every
+rank raises ``TierFull`` (a tier's failure: the job goes on with its other tiers; ``save_path.py``).
 
 So "committed" in any volume means durable in that tier on every rank, and retention,
 which counts committed steps only, can never delete the last step that all ranks hold.
 Alone (one process) the rank is its own leader and nothing is announced.
 
-With a job secret (``ckpt.secret``) the announcements and verdicts are signed values
+With a job secret (``ckpt.secret``) the announcements, verdicts and wake-ups are signed values
 (``ckpt.control``, under a key of their own): one that fails its check (an outsider on the
 store forging a shard or a verdict) is ignored, counted in ``rejected`` and logged once, and the
-wait goes on for the real one. Without a secret they are plain, as before. The ``announced`` and
-``done`` counters (torch's ``add``, no MAC) only say when to read and when to tidy: the first
-leader also checks the announcements themselves now and then, so an outsider who moves a
-counter costs a wait or a read, never a wrong commit.
+wait goes on for the real one (looking at the keys again, 1 ms, 2 ms, ... up to 1 s apart: the
+key is there, so a blocking wait would return at once). Without a secret they are plain, as
+before. The ``announced`` and ``done`` counters (torch's ``add``, no MAC) only say when to look
+and when to tidy: an outsider who moves one costs a wait (the first leader looks at every
+announcement when its wait times out, and commits if all are there and genuine) or a read,
+never a wrong commit.
 """
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ from ..errors import NO_ROOM, Abandoned, CheckpointError, TierFull
 from ..format.health import classify, newest_verified
 from ..format.manifest import Manifest, ShardRef
 from ..tiers.base import CheckpointId, DurableTier
-from .soundness import verdict
+from .soundness import canary_refs, verdict
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +105,7 @@ class Committer:
         self._leaders: dict[str, list[int]] = {}  # tier name -> every volume's leader, the first one's verdict
         self._pins: dict[str, set[CheckpointId]] = defaultdict(set)
         self._lock = threading.Lock()
+        self._waits: set[str] = set()  # the keys this rank's blocking waits wait on (``abandon`` sets them)
         self.abandoned = threading.Event()  # set: waits for other ranks end (the job goes on without them)
         # told (tier name, step) once a step is committed: the memory slots' owner record notes it
         self.on_commit: Callable[[str, CheckpointId], None] = lambda tier, ckpt_id: None
@@ -169,49 +178,58 @@ class Committer:
         shard = {"full": str(ref)} if isinstance(ref, TierFull) else [ref.rank, ref.manifest_crc32c, ref.data_bytes,
                                                                         report]
         try:
-            self._put(store, signed, f"{key}/shard/{self.rank}", json.dumps(shard))
-            store.add(f"{key}/announced", 1)  # one counter for the first leader to poll, not N keys
+            self._put(store, signed, [f"{key}/shard/{self.rank}"], json.dumps(shard))
+            if store.add(f"{key}/announced", 1) == self.world_size:  # the last to announce wakes the first leader
+                self._put(store, signed, [f"{key}/all"], "all")
             if self.rank == leaders[0]:
-                values = self._wait(store, signed, [f"{key}/shard/{r}" for r in range(self.world_size)],
-                                    f"every rank's shard of {step}", counter=f"{key}/announced")
-                announced = dict(enumerate(json.loads(v) for v in values))
-                full = [a["full"] for _, a in sorted(announced.items()) if isinstance(a, dict)]
+                announced = [json.loads(v) for v in self._wait(
+                    store, signed, [f"{key}/shard/{r}" for r in range(self.world_size)],
+                    f"every rank's shard of {step}", trigger=f"{key}/all")]
+                full = [a["full"] for a in announced if isinstance(a, dict)]
                 health = {"full": "; ".join(full)} if full else \
-                    verdict({r: a[3] if len(a) > 3 else None for r, a in announced.items()})
-                if len(leaders) > 1:
-                    self._put(store, signed, f"{key}/verdict", json.dumps(health))
+                    verdict({r: a[3] if len(a) > 3 else None for r, a in enumerate(announced)})
+                health.pop("canary", None)  # each commit record keeps its own ranks' (_commit_volume)
+                self._put(store, signed, [f"{key}/verdict/{r}" for r in leaders[1:]], json.dumps(health))
+                mine = [announced[r] for r in ranks]
             elif self.rank == leader:
-                health = json.loads(self._wait(store, signed, [f"{key}/verdict"],
-                                               f"rank {leaders[0]}'s verdict on {step}")[0])
-                values = self._wait(store, signed, [f"{key}/shard/{r}" for r in ranks], f"the shards of {step}")
-                announced = {r: json.loads(v) for r, v in zip(ranks, values)}
+                wake = f"{key}/verdict/{leader}"
+                health = json.loads(self._wait(store, signed, [wake], f"rank {leaders[0]}'s verdict on {step}",
+                                               trigger=wake)[0])
+                store.delete_key(wake)
+                mine = [json.loads(v) for v in self._wait(store, signed, [f"{key}/shard/{r}" for r in ranks],
+                                                          f"the shards of {step}")]
             if self.rank == leader:
-                health = self._commit_volume(tier, ckpt_id, health, [announced[r] for r in ranks])
-                self._put(store, signed, f"{key}/commit/{leader}", json.dumps(health))
+                health = self._commit_volume(tier, ckpt_id, health, ranks, mine)
+                self._put(store, signed, [f"{key}/commit/{r}" for r in ranks[1:]], json.dumps(health))
             else:
-                health = json.loads(self._wait(store, signed, [f"{key}/commit/{leader}"],
-                                               f"rank {leader} to commit {step}")[0])
+                wake = f"{key}/commit/{self.rank}"
+                health = json.loads(self._wait(store, signed, [wake], f"rank {leader} to commit {step}",
+                                               trigger=wake)[0])
+                store.delete_key(wake)
         finally:
             if signed is not None:
                 with self._lock:
                     self.rejected += signed.rejected
         store.delete_key(f"{key}/shard/{self.rank}")  # read by the verdict and by its leader's commit, both done
         if store.add(f"{key}/done", 1) == self.world_size:  # everyone has seen its commit: tidy the store
-            for k in [f"{key}/announced", f"{key}/done", *([f"{key}/verdict"] if len(leaders) > 1 else []),
-                      *(f"{key}/commit/{r}" for r in leaders)]:
+            for k in (f"{key}/announced", f"{key}/all", f"{key}/done"):
                 store.delete_key(k)
         if "full" in health:
             raise TierFull(f"step {ckpt_id.step} not saved in {tier.name}: {health['full']}")
         return health
 
-    def _commit_volume(self, tier: DurableTier, ckpt_id: CheckpointId, health: dict, announced: list) -> dict:
-        """The leader's commit of its volume's shards (``announced``, its ranks' in order) under
-        the job's verdict; what its commit key then says (``{"full": why}``: nothing committed)."""
+    def _commit_volume(self, tier: DurableTier, ckpt_id: CheckpointId, health: dict, ranks: list[int],
+                       announced: list) -> dict:
+        """The leader's commit of its volume's shards (``announced``, those of ``ranks``) under the
+        job's verdict, with these ranks' canary references; what its ranks' commit keys then say
+        (the verdict; ``{"full": why}``: nothing committed)."""
         if "full" in health:
             return health
+        refs = canary_refs({r: a[3] if len(a) > 3 else None for r, a in zip(ranks, announced)})
         try:
             tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size,
-                                          [ShardRef(*a[:3]) for a in announced], health=health))
+                                          [ShardRef(*a[:3]) for a in announced],
+                                          health={**health, "canary": refs} if refs else health))
             self.apply_retention(tier)
         except OSError as e:  # no room for the commit itself: every rank of the volume hears it, none waits
             if e.errno not in NO_ROOM:
@@ -220,44 +238,78 @@ class Committer:
         return health
 
     @staticmethod
-    def _put(store: object, signed: Control | None, key: str, value: str) -> None:
-        if signed is None:
-            store.set(key, value)
-        else:
-            signed.put(key, value)
+    def _put(store: object, signed: Control | None, keys: list[str], value: str) -> None:
+        """``value`` under each of ``keys``: one operation (a ``multi_set`` for several)."""
+        if len(keys) == 1:
+            store.set(keys[0], value) if signed is None else signed.put(keys[0], value)
+        elif keys:
+            store.multi_set(keys, [value] * len(keys)) if signed is None else signed.put_many(keys, [value] * len(keys))
+
+    def abandon(self) -> None:
+        """Let go (the job goes on without some rank): every wait here ends at once, raising
+        ``Abandoned``; a blocking one because its key is set (only this rank waits on it)."""
+        self.abandoned.set()
+        with self._lock:
+            waits = sorted(self._waits)
+        if waits and self._store is not None:
+            try:
+                self._store().multi_set(waits, [b"abandoned"] * len(waits))
+            except Exception as e:  # noqa: BLE001 - the store is gone: so is the wait (it fails on its own)
+                log.debug("waking the commit's waits: %s", e)
 
     def _wait(self, store: object, signed: Control | None, keys: list[str], what: str,
-              counter: str | None = None) -> list[bytes]:
-        """The values of ``keys`` once all are there (and, signed, pass their check). Polls (a few
-        µs a check) rather than block in the store, so ``abandon()`` ends the wait at once when a
-        peer is gone and the job continues without it (``ckpt.inprocess``). ``counter``: a key
-        each writer of ``keys`` adds 1 to, polled instead of them; ``keys`` are checked once it
-        counts them all, and whatever it says (it carries no MAC) at once, after 1 s, 3 s, 7 s...
-        (every 30 s at most: O(N log T) keys a wait of T s, not N a second)."""
+              trigger: str | None = None) -> list[bytes]:
+        """The values of ``keys`` once all are there (and, signed, pass their check).
+        ``trigger``: a key only this rank waits on, set once ``keys`` are all there (or by
+        ``abandon()``): waited for first in one blocking ``wait`` of the store. Then, and when a
+        value failed its check (the real one is yet to come), the keys are looked at 1 ms, 2 ms,
+        ... up to 1 s apart until the timeout."""
         deadline = time.monotonic() + self._timeout.total_seconds()
-        pause, look_at, every, counted = 0.001, 0.0, 1.0, counter is not None
+        pause, looked = 0.001, False
         try:
             while True:
-                now = time.monotonic()
-                full = counted and store.add(counter, 0) >= len(keys)
-                if counter is None or full or now >= look_at:
-                    look_at, every = now + every, min(2 * every, 30.0)
-                    if store.check(keys):
-                        raw = store.multi_get(keys)
-                        values = raw if signed is None else signed.opened(keys, raw)
-                        if None not in values:
-                            return values
-                    counted = counted and not full  # it counted what is not there: it is not asked again
                 if self.abandoned.is_set():
                     raise Abandoned(f"abandoned waiting for {what}: the job's membership changed")
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     forged = f" ({signed.rejected} values failed their check: does every rank hold the same job " \
                              "secret?)" if signed is not None and signed.rejected else ""
                     raise CheckpointError(f"timed out after {self._timeout.total_seconds():.0f} s waiting for "
                                           f"{what}{forged}")
-                time.sleep(pause)
-                pause = min(2 * pause, 0.02)
+                if trigger is not None:  # once: a forged value there would end any later wait at once
+                    woke = self._blocked(store, trigger, deadline)
+                    if self.abandoned.is_set():
+                        continue
+                    there, trigger = (woke and keys == [trigger]) or store.check(keys), None  # timed out: a last look
+                else:
+                    if looked:
+                        time.sleep(pause)
+                        pause = min(2 * pause, 1.0)
+                    there = store.check(keys)
+                looked = True
+                if there:
+                    raw = store.multi_get(keys)
+                    values = raw if signed is None else signed.opened(keys, raw)
+                    if None not in values:
+                        return values
         except CheckpointError:
             raise
         except Exception as e:  # the store itself failed (DistStoreError / RuntimeError)
             raise CheckpointError(f"the store failed waiting for {what}: {e}") from e
+
+    def _blocked(self, store: object, key: str, deadline: float) -> bool:
+        """Whether ``key`` was set by ``deadline`` (one blocking ``wait``)."""
+        with self._lock:
+            self._waits.add(key)
+        try:
+            if self.abandoned.is_set():  # abandon() looked at the waits before this one was among them
+                return False
+            store.wait([key], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except Exception:
+            if time.monotonic() < deadline - 0.1:  # not its timeout: the store failed
+                raise
+            return False
+        finally:
+            with self._lock:
+                self._waits.discard(key)
+        return True

@@ -169,10 +169,16 @@ def verdict(reports: Mapping[int, dict | None]) -> dict:
     ``suspect``, naming the minority (three or more replicas) or both (two)."""
     got = {r: rep for r, rep in reports.items() if rep}
     health = _judge(got)
-    refs = {str(r): rep["canary"] for r, rep in got.items() if isinstance(rep.get("canary"), dict)}
-    if refs:  # the canary's reference for the save before (``canary.py``)
-        health["canary"] = {"after": next(iter(refs.values()))["after"], "by_rank": refs}
+    if refs := canary_refs(got):
+        health["canary"] = refs
     return health
+
+
+def canary_refs(reports: Mapping[int, dict | None]) -> dict | None:
+    """The canary's references for the save before (``canary.py``) in these ranks' reports, by
+    rank; None when none has one. A commit record holds its own ranks' (``commit.py``)."""
+    refs = {str(r): rep["canary"] for r, rep in reports.items() if rep and isinstance(rep.get("canary"), dict)}
+    return {"after": next(iter(refs.values()))["after"], "by_rank": refs} if refs else None
 
 
 def _judge(got: Mapping[int, dict]) -> dict:
