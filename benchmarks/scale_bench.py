@@ -16,7 +16,8 @@ the workers' and the commit protocol's own store traffic:
 - `membership_round`: a member exits: its node reports it, the job launcher publishes the next
   round, every node launcher follows it;
 - `commit`: every rank's ``Committer.commit`` of one step (one volume per node of 8, a tier that
-  keeps nothing: the protocol's own cost), clean-up included; one thread per rank;
+  keeps nothing: the protocol's own cost), clean-up included, each rank with a store connection
+  of its own, 2,048 ranks a client process (``scale_commit.py``);
 - `ckpt_ls_*`, `verify_manifests_*`: ``ckpt ls`` and ``ckpt verify --manifests-only`` of an
   N-shard checkpoint (a 70B model's manifests) on disk and in the S3 test server
   (``scale_listing.py``); `predictor_score`: the predictor scoring N/8 nodes x 8 GPUs
@@ -48,16 +49,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository first
-from benchmarks import scale_clients, scale_listing, scale_plan, scale_predictor  # noqa: E402
+from benchmarks import scale_clients, scale_commit, scale_listing, scale_plan, scale_predictor  # noqa: E402
 from benchmarks.harness import run_meta, write_json  # noqa: E402
-from benchmarks.scale_standins import CLOCK, PER_NODE, SECRET, Counting, ctl, job_of, worker_step  # noqa: E402
+from benchmarks.scale_standins import CLOCK, PER_NODE, Counting, ctl, job_of, worker_step  # noqa: E402
 from benchmarks.scale_standins import pool as store_pool  # noqa: E402
 
-STORE_COMPONENTS = ("steady_step", "launch", "membership_round", "commit")
+STORE_COMPONENTS = ("steady_step", "launch", "membership_round")
 # components without the job's store, in their own modules: N -> the row (peak RSS added here)
 OTHER = {**scale_listing.rows(), **scale_plan.rows(), "predictor_score": scale_predictor.run_one,
-         "steady_step_clients": scale_clients.run_one}
-COMPONENTS = STORE_COMPONENTS + tuple(OTHER)
+         "steady_step_clients": scale_clients.run_one, "commit": scale_commit.run_one}
+COMPONENTS = STORE_COMPONENTS + ("commit",) + tuple(c for c in OTHER if c != "commit")
 SIZES = (64, 256, 1024, 4096, 16384)
 # the default run's largest N where a size costs minutes here (the default run fits in 15 min;
 # `--max-for` raises them: docs/scale.md has the 16,384-rank command)
@@ -111,8 +112,6 @@ def run_one(component: str, n: int, clients: int) -> dict:
             job.tick()  # the job launcher publishes the next round
         for nl in nodes[1:]:
             nl.poll()  # every node follows it
-    elif component == "commit":
-        _commit(n, pool)
     seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     if job is not None:
         job.lifelines.close()
@@ -121,50 +120,6 @@ def run_one(component: str, n: int, clients: int) -> dict:
             "store_ops": Counting.ops, "store_keys": Counting.keys,
             "ops_per_rank": Counting.ops / n, "server_s_per_op": seconds / max(1, Counting.ops),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "clients": len(pool)}
-
-
-class _Tier:
-    """A durable tier that keeps nothing: the commit protocol's own cost, not a disk's."""
-
-    name, volume = "bench", "local"
-
-    def commit(self, ckpt_id, manifest) -> None:
-        pass
-
-    def prune(self, keep, pinned):
-        return []
-
-    def list(self):
-        return []
-
-
-def _commit(n: int, pool) -> None:
-    from ckpt import secret
-    from ckpt.format.manifest import ShardRef
-    from ckpt.save.commit import Committer
-    from ckpt.tiers.base import CheckpointId
-    tier, cid = _Tier(), CheckpointId(1, 0)
-    volumes = [f"node{r // PER_NODE}" for r in range(n)]
-    errors: list[BaseException] = []
-    key = secret.derive(SECRET, "checkpoint commit")  # signed, as under the launcher
-
-    def rank(r: int) -> None:
-        c = Committer(r, n, store=lambda: pool[r % len(pool)], keep_last={}, default_keep=1, timeout_s=600,
-                      key=key)
-        c.register(tier, volumes)
-        try:
-            c.commit(tier, cid, ShardRef(r, 0, 0))
-        except BaseException as e:  # noqa: BLE001 - reported after the join
-            errors.append(e)
-
-    threading.stack_size(256 << 10)
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def exponent(rows: list[dict], component: str, field: str, low: int = 1024) -> float | None:
@@ -201,7 +156,7 @@ def main() -> None:
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT")
     ap.add_argument("--max-ranks", type=int, default=4096, help="largest N (default %(default)s; 16384: the full run)")
     ap.add_argument("--components", default=",".join(COMPONENTS))
-    ap.add_argument("--commit-max", type=int, default=None, help="largest N for `commit` (one thread per rank)")
+    ap.add_argument("--commit-max", type=int, default=None, help="largest N for `commit` (a connection per rank)")
     ap.add_argument("--max-for", default="", metavar="C=N,...",
                     help=f"largest N for these components (besides {DEFAULT_MAX_FOR})")
     ap.add_argument("--clients", type=int, default=64, help="real store clients the stand-in ranks share")

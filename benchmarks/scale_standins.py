@@ -57,6 +57,10 @@ class Counting:
         self._n(len(keys))
         return self._s.check(keys)
 
+    def wait(self, keys, timeout=None):
+        self._n(len(keys))  # one operation, blocking in the server however long it takes
+        return self._s.wait(keys) if timeout is None else self._s.wait(keys, timeout)
+
     def delete_key(self, k):
         self._n(1)
         return self._s.delete_key(k)

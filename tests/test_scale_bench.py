@@ -60,3 +60,11 @@ def test_steady_step_with_a_connection_per_rank_counts_what_the_shared_clients_c
     shared, = _one("steady_step", "16")
     assert real["clients"] == 16 + 1 + 1  # every worker, node 1's launcher, the job launcher's store
     assert (real["store_ops"], real["store_keys"]) == (shared["store_ops"], shared["store_keys"])
+
+
+def test_commit_costs_each_rank_the_same_store_operations_whatever_n_and_leaves_no_key() -> None:
+    """Every rank with a connection of its own (``scale_commit.py``): a count, not a time."""
+    small, large = _one("commit", "16,64")
+    assert small["clients"] == 16 and large["keys_left"] == small["keys_left"] == 0
+    # most ranks 7 operations, each leader (one a node of 8) 5 more, a few once a step
+    assert 7 <= large["ops_per_rank"] <= small["ops_per_rank"] <= 8, (small, large)
