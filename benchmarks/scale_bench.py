@@ -42,6 +42,7 @@ import json
 import math
 import os
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -175,10 +176,11 @@ def main() -> None:
     for c in args.components.split(","):  # one process per component (torch's import is slow on a busy machine)
         sizes = [s for s in SIZES if s <= min(largest.get(c, args.max_ranks), args.max_ranks)]
         proc = subprocess.Popen([sys.executable, __file__, "--one", c, ",".join(map(str, sizes)), "--clients",
-                                 str(args.clients)], stdout=subprocess.PIPE, text=True,
+                                 str(args.clients)], stdout=subprocess.PIPE, text=True, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
         deadline = time.monotonic() + args.timeout_s
-        timer = threading.Timer(args.timeout_s, proc.kill)
+        # the whole group: a component's own children (moto's server, client processes) go with it
+        timer = threading.Timer(args.timeout_s, os.killpg, (proc.pid, signal.SIGKILL))
         timer.start()
         for line in proc.stdout:
             row = json.loads(line)
