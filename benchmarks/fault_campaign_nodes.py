@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from benchmarks.fault_campaign_jobs import DAMAGE_SEEN, FAULT_AT, MODEL, STEPS, Job
 from benchmarks.fault_campaign_rows import Campaign, recovered, sdc_row
@@ -41,15 +42,27 @@ def _hook_fired(path: Path) -> bool:
     return any(e.get("event") == "fault" and "peer_fault" in e for e in _events(path))
 
 
+def _hook_fired_and_stepped(path: Path) -> bool:
+    """``_hook_fired``, and a rank has finished the step after the damaged one: every rank's own
+    snapshot of the damaged step is sealed by then (at the next step's forward, before its
+    all-reduce), so the restore's newest common step is the damaged one. Killed sooner, it
+    could be the step before, and the damaged replica would never be read."""
+    events = _events(path)
+    hook = next((e for e in events if e.get("event") == "fault" and "peer_fault" in e), None)
+    return hook is not None and any(e.get("event") == "step" and e.get("step", 0) >= hook["step"] + 1
+                                    for e in events)
+
+
 def lose(c: Campaign, fault: str, silent: bool = False, child: tuple[str, ...] = (),
-         hooked: bool = False, hang_s: float = NODE_HANG_S) -> tuple[dict, Job]:
-    """Node 1 lost (killed, or ``silent``: stopped) at ``FAULT_AT`` (and, ``hooked``, once the
-    peer fault hook has acted); the row as node 0 saw the recovery, and node 0's job."""
+         hooked: Callable[[Path], bool] | None = None, hang_s: float = NODE_HANG_S) -> tuple[dict, Job]:
+    """Node 1 lost (killed, or ``silent``: stopped) at ``FAULT_AT`` (and, ``hooked``, once it
+    says so of the job's events: the peer fault hook has acted); the row as node 0 saw the
+    recovery, and node 0's job."""
     shm, work = c.shm / fault, c.workdir / fault
     shm.mkdir()
     lost = lose_node_1(work, shm, NODE, [*MODEL, "--steps", str(STEPS), "--peers", "1", *child], at_step=FAULT_AT,
                        hang_s=hang_s, silent=silent,
-                       also=(lambda: _hook_fired(work / "events.jsonl")) if hooked else None)
+                       also=(lambda: hooked(work / "events.jsonl")) if hooked else None)
     job = Job(lost.events, lost.log, 0)
     out = recovered(fault, job, c.clean(), r"node ?1|\b1\b")
     # a busy machine can miss node 1's beats before the fault: such a recovery is not this row's
@@ -67,7 +80,8 @@ def peer_replica_wrong(c: Campaign, fault: str) -> dict:
     """Node 0's replica of rank 1 sealed wrong, then node 1 lost: ``detected`` is the restore
     refusing that replica (a damaged-shard or skipped-step line naming its step)."""
     out, job = lose(c, fault, child=("--kill-at", str(FAULT_AT), "--peer-fault", "wrong_at_save",
-                                     "--peer-fault-node", "node0", "--own-copies"), hooked=True, hang_s=KILLED_HANG_S)
+                                     "--peer-fault-node", "node0", "--own-copies"), hooked=_hook_fired_and_stepped,
+                    hang_s=KILLED_HANG_S)
     bad = out["hook"]["step"] if "hook" in out else None
     refused = [x for x in job.log.splitlines() if DAMAGE_SEEN.search(x) and f"step {bad}" in x]
     return {**out, "detected": bool(refused), "detect_steps": 0 if refused else None, "named": None,
@@ -78,7 +92,7 @@ def peer_holder_killed(c: Campaign, fault: str) -> dict:
     """Node 1 killed while it receives node 0's replica: the row as lost_node's, with what node
     0's sender said of the send it lost."""
     out, job = lose(c, fault, child=("--kill-at", str(FAULT_AT), "--peer-fault", "stall_receive",
-                                     "--peer-fault-node", "node1"), hooked=True)
+                                     "--peer-fault-node", "node1"), hooked=_hook_fired)
     said = [x for x in job.log.splitlines() if "abandoned" in x or "cut off" in x]
     return {**out, "sender_lines": said[:3]}
 
