@@ -64,7 +64,7 @@ from ..errors import NO_ROOM, Abandoned, CheckpointError, TierFull
 from ..format.health import classify, newest_verified
 from ..format.manifest import Manifest, ShardRef
 from ..tiers.base import CheckpointId, DurableTier
-from .soundness import canary_refs, verdict
+from .soundness import verdict, with_canary
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Committer:
         if self.world_size == 1:
             if isinstance(ref, TierFull):
                 raise ref
-            health = verdict({0: report})
+            health = with_canary(verdict({0: report}), {0: report})
             try:
                 tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, 1, [ref], health=health))
                 self.apply_retention(tier)
@@ -188,7 +188,6 @@ class Committer:
                 full = [a["full"] for a in announced if isinstance(a, dict)]
                 health = {"full": "; ".join(full)} if full else \
                     verdict({r: a[3] if len(a) > 3 else None for r, a in enumerate(announced)})
-                health.pop("canary", None)  # each commit record keeps its own ranks' (_commit_volume)
                 self._put(store, signed, [f"{key}/verdict/{r}" for r in leaders[1:]], json.dumps(health))
                 mine = [announced[r] for r in ranks]
             elif self.rank == leader:
@@ -225,11 +224,10 @@ class Committer:
         (the verdict; ``{"full": why}``: nothing committed)."""
         if "full" in health:
             return health
-        refs = canary_refs({r: a[3] if len(a) > 3 else None for r, a in zip(ranks, announced)})
+        recorded = with_canary(health, {r: a[3] if len(a) > 3 else None for r, a in zip(ranks, announced)})
         try:
             tier.commit(ckpt_id, Manifest(ckpt_id.step, ckpt_id.generation, self.world_size,
-                                          [ShardRef(*a[:3]) for a in announced],
-                                          health={**health, "canary": refs} if refs else health))
+                                          [ShardRef(*a[:3]) for a in announced], health=recorded))
             self.apply_retention(tier)
         except OSError as e:  # no room for the commit itself: every rank of the volume hears it, none waits
             if e.errno not in NO_ROOM:

@@ -166,19 +166,16 @@ class Inspection:
 def verdict(reports: Mapping[int, dict | None]) -> dict:
     """Every rank's report (rank -> report) as one health record (``format/health.py``): NaN/Inf
     anywhere makes it ``unhealthy``; replicas of a group whose digests differ make it
-    ``suspect``, naming the minority (three or more replicas) or both (two)."""
-    got = {r: rep for r, rep in reports.items() if rep}
-    health = _judge(got)
-    if refs := canary_refs(got):
-        health["canary"] = refs
-    return health
+    ``suspect``, naming the minority (three or more replicas) or both (two). It carries no
+    canary references: each commit record adds its own ranks' (``with_canary``)."""
+    return _judge({r: rep for r, rep in reports.items() if rep})
 
 
-def canary_refs(reports: Mapping[int, dict | None]) -> dict | None:
-    """The canary's references for the save before (``canary.py``) in these ranks' reports, by
-    rank; None when none has one. A commit record holds its own ranks' (``commit.py``)."""
+def with_canary(health: dict, reports: Mapping[int, dict | None]) -> dict:
+    """``health`` with the canary's references for the save before (``canary.py``) in these
+    ranks' reports, by rank, as a commit record keeps them; ``health`` itself when none has one."""
     refs = {str(r): rep["canary"] for r, rep in reports.items() if rep and isinstance(rep.get("canary"), dict)}
-    return {"after": next(iter(refs.values()))["after"], "by_rank": refs} if refs else None
+    return {**health, "canary": {"after": next(iter(refs.values()))["after"], "by_rank": refs}} if refs else health
 
 
 def _judge(got: Mapping[int, dict]) -> dict:
