@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -71,6 +71,12 @@ class Piece:
 
 # ``flatten``'s ``reuse(key, value)``: a Piece to splice in, True to walk the value and record its Piece, False to walk
 Reuse = Callable[[str, Any], "Piece | bool"]
+
+
+def plain_keys(keys: Iterable[Any]) -> bool:
+    """Whether a mapping with these keys is encoded as a plain JSON object: strings, none shaped
+    like an encoding tag (``__tensor__``); otherwise its items are kept as pairs (``__dict__``)."""
+    return all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in keys)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +195,7 @@ def flatten(state: Mapping[str, Any], reuse: Reuse | None = None, pieces: dict[s
         return [enc(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
 
     def mapping(obj: Mapping, path: str, depth: int) -> dict:
-        if not all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in obj):
+        if not plain_keys(obj):
             return {"__dict__": [[enc(k, f"{path}.<key>", depth + 3), enc(v, f"{path}.{k}", depth + 3)]
                                  for k, v in obj.items()]}
         if depth + 1 + _DEEPEST_TAG <= MAX_JSON_DEPTH:
@@ -221,8 +227,7 @@ def flatten(state: Mapping[str, Any], reuse: Reuse | None = None, pieces: dict[s
         return out
 
     top_level = dict(state)  # the tree is a member of the shard manifest's top object
-    if reuse is not None and 2 + _DEEPEST_TAG <= MAX_JSON_DEPTH and all(
-            isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in top_level):
+    if reuse is not None and 2 + _DEEPEST_TAG <= MAX_JSON_DEPTH and plain_keys(top_level):
         tree = top(top_level)
     else:
         tree = enc(top_level, "", 1)

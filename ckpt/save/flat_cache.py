@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from ..format.state import _PLAIN, FlatState, Piece, flatten
+from ..format.state import _PLAIN, FlatState, Piece, flatten, plain_keys
 
 _TENSOR = (torch.Tensor, nn.Parameter)
 _ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
@@ -163,8 +163,7 @@ def _eligible(value: Any, piece: Piece) -> _Held:
         return _Held(value, None, None, [])
     _optimizer_sig(value, sig, tensors)
     held = _Held(value, piece, sig, tensors)
-    keys_ok = all(type(k) is str and not (k.startswith("__") and k.endswith("__")) for g in value.param_groups
-                  for k in g)
+    keys_ok = all(plain_keys(g) for g in value.param_groups)
     if not (piece.closed and not piece.layouts and keys_ok
             and all(type(t) in _TENSOR and not t.is_complex() for t in tensors)):
         held.piece = None
