@@ -37,9 +37,14 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def _hook_event(events: list[dict]) -> dict | None:
+    """The peer fault hook's ``fault`` event (the hook has done its fault), if any."""
+    return next((e for e in events if e.get("event") == "fault" and "peer_fault" in e), None)
+
+
 def _hook_fired(path: Path) -> bool:
-    """The peer fault hook has done its fault (its ``fault`` event)."""
-    return any(e.get("event") == "fault" and "peer_fault" in e for e in _events(path))
+    """The peer fault hook has done its fault."""
+    return _hook_event(_events(path)) is not None
 
 
 def _hook_fired_and_stepped(path: Path) -> bool:
@@ -48,7 +53,7 @@ def _hook_fired_and_stepped(path: Path) -> bool:
     all-reduce), so the restore's newest common step is the damaged one. Killed sooner, it
     could be the step before, and the damaged replica would never be read."""
     events = _events(path)
-    hook = next((e for e in events if e.get("event") == "fault" and "peer_fault" in e), None)
+    hook = _hook_event(events)
     return hook is not None and any(e.get("event") == "step" and e.get("step", 0) >= hook["step"] + 1
                                     for e in events)
 
@@ -67,7 +72,7 @@ def lose(c: Campaign, fault: str, silent: bool = False, child: tuple[str, ...] =
     out = recovered(fault, job, c.clean(), r"node ?1|\b1\b")
     # a busy machine can miss node 1's beats before the fault: such a recovery is not this row's
     early = [r for r in job.of("recovery") if r["phases"].get("fault_time", lost.fault_t) < lost.fault_t - 0.5]
-    hook = next((e for e in job.of("fault") if "peer_fault" in e), None)
+    hook = _hook_event(job.of("fault"))
     return {**out, "node1_workers_gone": lost.node1_workers_gone, "lost_before_fault": bool(early),
             **({"hook": {k: hook[k] for k in ("step", "peer_fault", "replica_of")}} if hook else {})}, job
 
