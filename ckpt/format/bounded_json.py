@@ -5,12 +5,12 @@ caller can look at it: a 100,000-deep document dies with RecursionError, a
 million-element one allocates without limit. Size, depth and item count are
 therefore measured on the raw bytes first, and
 anything over a limit is refused with ManifestError before parsing starts
-(regular expressions for small texts, numpy for large ones).
+(bytes methods for small texts, numpy for large ones).
 """
 from __future__ import annotations
 
+import itertools
 import json
-import re
 from typing import Any
 
 from ..errors import ManifestError
@@ -46,9 +46,9 @@ def check_extent(data: bytes, what: str, max_depth: int, max_bytes: int, max_ite
 
 
 _SCAN_BYTES = 8 << 20
-_SMALL = 1 << 20  # below this, regular expressions beat importing numpy (the CLI starts faster)
-_STRING = re.compile(rb'"[^"]*"')
-_BRACKETS = re.compile(rb"[\[\]{}]")
+_SMALL = 1 << 20  # below this, bytes methods beat importing numpy (the CLI starts faster)
+_SAME_BRACKET = bytes.maketrans(b"{}", b"[]")  # depth and items do not tell the kinds apart
+_NOT_BRACKET = bytes(set(range(256)) - set(b"[]{}"))
 
 
 def _json_extent(data: bytes, max_depth: int, max_items: int) -> tuple[int, int]:
@@ -62,21 +62,28 @@ def _json_extent(data: bytes, max_depth: int, max_items: int) -> tuple[int, int]
     if b"\\" in data:
         data = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
     if len(data) < _SMALL:
-        return _extent_small(data)
+        return _extent_small(data, max_depth)
     return _extent_large(data, max_depth, max_items)
 
 
-def _extent_small(data: bytes) -> tuple[int, int]:
-    bare = _STRING.sub(b"", data)  # an unterminated string leaves its quote: json.loads refuses it anyway
-    deepest = depth = opened = 0
-    for bracket in _BRACKETS.findall(bare):
-        if bracket in (b"[", b"{"):
-            depth += 1
-            opened += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest, opened + bare.count(b",")
+def _extent_small(data: bytes, max_depth: int) -> tuple[int, int]:
+    """The same with bytes methods: strings dropped (every other piece between quotes; an
+    unterminated one's tail too, whose brackets ``json.loads`` would read as text), then
+    every innermost pair of brackets removed once a pass, as many passes as the nesting is
+    deep. What does not empty within ``max_depth`` passes (too deep, or unbalanced, which
+    ``json.loads`` refuses anyway) is walked a bracket at a time for its exact depth."""
+    bare = b"".join(data.split(b'"')[::2])
+    brackets = bare.translate(_SAME_BRACKET, _NOT_BRACKET)
+    items = brackets.count(b"[") + bare.count(b",")
+    rest, depth = brackets, 0
+    while rest and depth <= max_depth:
+        inner = rest.replace(b"[]", b"")
+        if len(inner) == len(rest):
+            break
+        rest, depth = inner, depth + 1
+    if rest:
+        depth = max(itertools.accumulate(1 if b == ord("[") else -1 for b in brackets))
+    return depth, items
 
 
 def _extent_large(data: bytes, max_depth: int, max_items: int) -> tuple[int, int]:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError, ManifestError
 from .bounded_json import check_extent, loads_bounded
 from .checksum import ALGORITHM, MIN_CHUNK_BYTES, crc32c_of
+from .entry_columns import read_entries
 from .health import check_health
 from .layout import Layout
 
@@ -300,9 +301,11 @@ class ShardManifest:
             raise ManifestError(f"{what}: 'tensors' is not a list")
         if len(raw) > MAX_TENSORS_PER_SHARD:
             raise ManifestError(f"{what}: {len(raw)} tensors is over the limit of {MAX_TENSORS_PER_SHARD} per shard")
-        tensors = [TensorEntry.from_json(t, data_bytes, chunk) for t in raw]
-        if sorted(t.id for t in tensors) != list(range(len(tensors))):
-            raise ManifestError(f"{what}: tensor ids are not 0..{len(tensors) - 1}")
+        tensors = read_entries(raw, data_bytes, chunk, ITEMSIZE, TensorEntry)  # every entry's checks at once
+        if tensors is None:  # one entry at a time, naming the one at fault
+            tensors = [TensorEntry.from_json(t, data_bytes, chunk) for t in raw]
+            if sorted(t.id for t in tensors) != list(range(len(tensors))):
+                raise ManifestError(f"{what}: tensor ids are not 0..{len(tensors) - 1}")
         replicated, names = doc.get("replicated", []), doc.get("param_names", {})
         if not isinstance(replicated, list) or not all(isinstance(k, str) for k in replicated):
             raise ManifestError(f"{what}: 'replicated' is not a list of keys")
