@@ -29,6 +29,7 @@ from .tiers.base import CheckpointId, complete_shards
 from .tiers.fsutil import made_for
 from .tiers.local import LocalDiskTier
 from .tiers.locations import durable_tier_for, is_url, tiers_for
+from .tiers.manifest_jobs import default_jobs, verify_manifests
 from .tiers.memory import DEFAULT_SHM_DIR, namespaces_of_root, sweep_orphans
 
 _root = click.argument("root")
@@ -137,11 +138,13 @@ def _ls_memory(memory_dir: str, as_json: bool) -> None:
 @click.option("--step", type=int, default=None, help="Only this step.")
 @click.option("--manifests-only", is_flag=True,
               help="Read no data: check each shard manifest against the commit record and each data file's size.")
+@click.option("--jobs", type=click.IntRange(1), default=None,
+              help="Processes checking manifests with --manifests-only (default: this host's cores).")
 @_run
 @_memdir
 @_json
-def verify_cmd(root: str, step: int | None, manifests_only: bool, run: str | None, memory_dir: str,
-               as_json: bool) -> None:
+def verify_cmd(root: str, step: int | None, manifests_only: bool, jobs: int | None, run: str | None,
+               memory_dir: str, as_json: bool) -> None:
     """Check every checksum of every copy; exit 1 naming the damaged files. With --manifests-only,
     a quick look that reads no data (status "manifests ok"): not recorded as verified for ls."""
     _must_exist(root)
@@ -156,8 +159,8 @@ def verify_cmd(root: str, step: int | None, manifests_only: bool, run: str | Non
                 row.update(status="damaged", file=tier.location, reason=info.error)
             else:
                 try:
-                    if manifests_only:
-                        tier.verify_manifests(info.id)
+                    if manifests_only:  # the durable tier's on many cores; memory slots are few
+                        verify_manifests(tier, root, info.id, jobs=(jobs or default_jobs()) if tier is tiers[-1] else 1)
                         row["status"] = "manifests ok"
                     else:
                         with _progress(info.bytes, f"verify {info.id.step} ({tier.name})", as_json) as bar:

@@ -118,12 +118,14 @@ class TierReader(ABC):
                 reader.close()
         return True
 
-    def verify_manifests(self, ckpt_id: CheckpointId, *, threads: int = 8) -> None:
+    def verify_manifests(self, ckpt_id: CheckpointId, *, threads: int = 8,
+                         shards: list[ShardRef] | None = None) -> None:
         """Open every shard held here (its manifest checked against the commit's CRC, its data
         file's size against the manifest) without reading data: what ``ckpt verify
-        --manifests-only`` looks at; raises if damaged."""
-        manifest = self.read_manifest(ckpt_id)
-        run_parallel(lambda ref: self.open_shard(ckpt_id, ref).close(), manifest.shards, threads)
+        --manifests-only`` looks at; raises if damaged. ``shards``: these of the commit record's
+        (read once by the caller), not all (``manifest_jobs.py``)."""
+        shards = self.read_manifest(ckpt_id).shards if shards is None else shards
+        run_parallel(lambda ref: self.open_shard(ckpt_id, ref).close(), shards, threads)
 
     def close(self) -> None:
         """Release threads and connections the tier holds."""
