@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import math
 import operator
-from itertools import chain
-from typing import Any, Callable
+from itertools import chain, repeat
+from typing import Any, Callable, Sequence
 
 from .layout import _MESH_DIM, _PLACEMENT, MAX_RUNS, Layout
 
-_LAYOUT_KEYS = frozenset(("global_shape", "mesh_shape", "mesh_dims", "placements", "coordinate", "runs"))
+_ENTRY = operator.itemgetter("id", "dtype", "shape", "offset", "nbytes", "path")  # what every entry has
+_LAYOUT = operator.itemgetter("global_shape", "runs", "mesh_shape", "mesh_dims", "placements", "coordinate")
 _INT = {int}
 
 
-def _column(rows: list[dict], key: str) -> list:
-    return [d.get(key) for d in rows]
-
-
-def _ints(values: list, lo: int = 0) -> bool:
+def _ints(values: Sequence, lo: int = 0) -> bool:
     """Every value a plain integer (no bool) >= ``lo``."""
     return not values or (set(map(type, values)) == _INT and min(values) >= lo)
 
 
-def _lists(values: list) -> bool:
+def _lists(values: Sequence) -> bool:
     return not values or set(map(type, values)) == {list}
 
 
@@ -38,8 +35,10 @@ def entries_ok(raw: list, data_bytes: int, chunk_bytes: int, itemsize: dict[str,
     are 0..n-1; False means: check them one at a time."""
     if not raw or set(map(type, raw)) != {dict}:
         return False
-    ids, dtypes, shapes = _column(raw, "id"), _column(raw, "dtype"), _column(raw, "shape")
-    offsets, nbytes, paths = _column(raw, "offset"), _column(raw, "nbytes"), _column(raw, "path")
+    try:
+        ids, dtypes, shapes, offsets, nbytes, paths = zip(*map(_ENTRY, raw))
+    except KeyError:
+        return False
     if not (_ints(ids) and sorted(ids) == list(range(len(raw))) and _ints(offsets) and _ints(nbytes)
             and set(map(type, dtypes)) == {str} and set(dtypes) <= itemsize.keys()
             and set(map(type, paths)) == {str} and _lists(shapes) and _ints(list(chain.from_iterable(shapes)))):
@@ -47,33 +46,32 @@ def entries_ok(raw: list, data_bytes: int, chunk_bytes: int, itemsize: dict[str,
     sizes = map(operator.mul, map(math.prod, shapes), map(itemsize.__getitem__, dtypes))
     if not all(map(operator.eq, nbytes, sizes)) or max(map(operator.add, offsets, nbytes)) > data_bytes:
         return False
-    sums = _column(raw, "checksums")
-    listed = [(s, n) for s, n in zip(sums, nbytes) if s is not None]
-    if not _lists([s for s, _ in listed]) or not all(len(s) == max(1, math.ceil(n / chunk_bytes)) for s, n in listed):
+    sums = [d.get("checksums") for d in raw]
+    summed = [n for s, n in zip(sums, nbytes) if s is not None]
+    sums = [s for s in sums if s is not None]
+    want = map(max, repeat(1), map(math.ceil, map(operator.truediv, summed, repeat(chunk_bytes))))
+    if not _lists(sums) or list(map(len, sums)) != list(want):
         return False
-    if not set(map(type, chain.from_iterable(s for s, _ in listed))) <= {int, bool}:
+    if not set(map(type, chain.from_iterable(sums))) <= {int, bool}:
         return False
-    layouts = [(d, s) for d, s in zip(_column(raw, "layout"), shapes) if d is not None]
-    return _layouts_ok(layouts)
+    layouts = [(d, s) for d, s in zip([d.get("layout") for d in raw], shapes) if d is not None]
+    return not layouts or _layouts_ok(*zip(*layouts))
 
 
-def _layouts_ok(layouts: list[tuple[Any, list]]) -> bool:
-    """Every (layout, local shape) passes ``Layout.from_json``."""
-    if not layouts:
-        return True
-    docs = [d for d, _ in layouts]
-    if set(map(type, docs)) != {dict} or not all(_LAYOUT_KEYS <= d.keys() for d in docs):
+def _layouts_ok(docs: Sequence[Any], shapes: Sequence[list]) -> bool:
+    """Every layout passes ``Layout.from_json`` for its tensor's local shape."""
+    if set(map(type, docs)) != {dict}:
         return False
-    parts = [[d[k] for d in docs] for k in ("mesh_shape", "mesh_dims", "placements", "coordinate")]
+    try:
+        sizes, runs, *parts = zip(*map(_LAYOUT, docs))
+    except KeyError:
+        return False
     starts = [d.get("mesh_start") for d in docs]
     if (not all(map(_lists, parts)) or not set(map(type, chain.from_iterable(chain(*parts)))) <= {int, str}
             or not set(map(type, starts)) <= {int, type(None)}):
         return False
-    meshes = set(zip(*(map(tuple, p) for p in parts), starts))  # each distinct mesh checked once
-    if not all(map(_mesh_ok, meshes)):
+    if not all(map(_mesh_ok, set(zip(*(map(tuple, p) for p in parts), starts)))):  # each distinct mesh once
         return False
-    shapes = [s for _, s in layouts]
-    sizes, runs = [d["global_shape"] for d in docs], [d["runs"] for d in docs]
     if not (_lists(sizes) and _lists(runs) and list(map(len, sizes)) == list(map(len, shapes)) == list(map(len, runs))):
         return False
     sizes, locals_, runs = (list(chain.from_iterable(c)) for c in (sizes, shapes, runs))  # one row a dimension
@@ -90,8 +88,8 @@ def _layouts_ok(layouts: list[tuple[Any, list]]) -> bool:
     bound = [size for size, r in zip(sizes, runs) for _ in r]  # each run's dimension size
     if not all(map(operator.le, map(operator.add, firsts, lens), bound)):
         return False
-    if set(map(len, runs)) == {1}:  # one run a dimension (Shard, Replicate): its length is the local size
-        return lens == locals_
+    if set(map(len, runs)) <= {0, 1}:  # Shard, Replicate: a dimension's one run (or none) is its local size
+        return [r[0][1] if r else 0 for r in runs] == locals_
     return [sum(n for _, n in r) for r in runs] == locals_
 
 
