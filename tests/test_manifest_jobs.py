@@ -1,5 +1,6 @@
 """``ckpt verify --manifests-only --jobs N`` (``ckpt/tiers/manifest_jobs.py``): worker processes
-check the shard manifests and refuse what one process refuses, naming the damaged file."""
+check the shard manifests and refuse what one process refuses, naming the damaged file, on disk
+and in the S3 test server (where the data objects' sizes come from one listing)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scale_listing import write_checkpoint
+from benchmarks.scale_listing import _s3, put_checkpoint, write_checkpoint
+from ckpt.tiers.base import CheckpointId
 from ckpt.tiers.local import LocalDiskTier
 from ckpt.tiers.manifest_jobs import MIN_SHARDS_PER_JOB
+from ckpt.tiers.object_store import ObjectStoreTier
 from tests.ckpt_helpers import ckpt_dir
 from tests.test_ckpt_cli import ckpt
 
@@ -25,8 +28,8 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _verify(root: Path, *args: str) -> tuple[int, dict]:
-    r = ckpt("verify", root, "--manifests-only", "--memory-dir", root / "no-slots", "--json", *args)
+def _verify(root: Path | str, *args: str) -> tuple[int, dict]:
+    r = ckpt("verify", root, "--manifests-only", "--memory-dir", "/nonexistent-no-slots", "--json", *args)
     return r.returncode, json.loads(r.stdout)
 
 
@@ -53,3 +56,31 @@ def test_workers_name_the_damaged_file(sharded: Path, tmp_path: Path, damage: st
         code, out = _verify(root, "--jobs", jobs)
         (row,) = out["checkpoints"]
         assert code == 1 and row["status"] == "damaged" and row["file"] == str(target), (jobs, out)
+
+
+@pytest.mark.parametrize("damage", ["sound", "flipped manifest", "extended data", "missing data"])
+def test_in_s3_every_shard_is_checked_and_damage_named(s3_server, damage: str) -> None:
+    with _s3(s3_server) as (url, options):
+        tier = ObjectStoreTier(url, options)
+        try:
+            put_checkpoint(tier, WORLD)
+            rank = WORLD - 5
+            name = f"rank-{rank:05d}.json" if damage == "flipped manifest" else f"rank-{rank:05d}.bin"
+            key = tier._key(CheckpointId(0, 1), name)
+            if damage == "flipped manifest":
+                raw = bytearray(tier.fs.cat_file(key))
+                raw[1000] ^= 1
+                tier.fs.pipe_file(key, bytes(raw))
+            elif damage == "extended data":
+                tier.fs.pipe_file(key, b"x")
+            elif damage == "missing data":
+                tier.fs.rm_file(key)
+            for jobs in ("1", "2"):
+                code, out = _verify(url, "--jobs", jobs)
+                (row,) = out["checkpoints"]
+                if damage == "sound":
+                    assert code == 0 and row["status"] == "manifests ok", (jobs, out)
+                else:
+                    assert code == 1 and row["status"] == "damaged" and row["file"].endswith(name), (jobs, out)
+        finally:
+            tier.close()
