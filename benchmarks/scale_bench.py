@@ -63,8 +63,7 @@ COMPONENTS = STORE_COMPONENTS + ("commit",) + tuple(c for c in OTHER if c != "co
 SIZES = (64, 256, 1024, 4096, 16384)
 # the default run's largest N where a size costs minutes here (the default run fits in 15 min;
 # `--max-for` raises them: docs/scale.md has the 16,384-rank command)
-DEFAULT_MAX_FOR = {"commit": 1024, "steady_step_clients": 1024, "ckpt_ls_s3": 1024, "verify_manifests_disk": 1024,
-                   "verify_manifests_s3": 256}
+DEFAULT_MAX_FOR = {"commit": 1024, "steady_step_clients": 1024, "verify_manifests_s3": 256}
 
 
 def _steady_step(n: int, pool, job, nodes, workers, step: int = 1) -> None:
@@ -203,8 +202,10 @@ def main() -> None:
                                                              for k, v in f.items()))
     if args.plot:
         plot(rows, args.plot)
+    largest_n = {c: max(r["ranks"] for r in rows if r["component"] == c) for c in fits}
     write_json(args.json, meta, rows, exponents=fits, exponents_from_256=fits_256, skipped=skipped,
-               largest_n={c: max(r["ranks"] for r in rows if r["component"] == c) for c in fits})
+               largest_n=largest_n, short_of_16384={c: why for c, why in scale_listing.SHORT_OF_16384.items()
+                                                    if largest_n.get(c, SIZES[-1]) < SIZES[-1]})
 
 
 if __name__ == "__main__":
