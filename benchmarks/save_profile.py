@@ -41,13 +41,14 @@ from ckpt import CheckpointManager  # noqa: E402
 
 # the stages of a save timed apart, as (module, attribute): functions a save calls through these names
 PARTS = [("ckpt.save.save_path", n) for n in ("flatten", "deferrable", "step_written", "param_names", "scope_of",
-                                                "optimizers_in", "modules_in")] + [
+                                                "optimizers_in", "modules_in", "found_in")] + [
     ("ckpt.save.save_path:SavePath", n) for n in ("stage", "_reserve", "submit", "skip_superseded")] + [
     ("ckpt.save.layout_cache:LayoutCache", "plan"), ("ckpt.save.layout_cache:ParamsCache", "of"),
     ("ckpt.save.flat_cache:FlatCache", "flatten"), ("ckpt.save.flat_cache:FlatCache", "deferrable"),
     ("ckpt.tiers.memory.slots:SlotPool", "reserve"),
     ("ckpt.tiers.memory.slots:SlotPool", "start_snapshot"), ("ckpt.tiers.memory.slots:SlotPool", "destinations"),
     ("ckpt.tiers.memory.slots:ShmSlot", "unseal"), ("ckpt.tiers.memory.copier:TensorCopier", "start"),
+    ("ckpt.tiers.memory.copier:TensorCopier", "run"),
     ("ckpt.tiers.memory.slots:ShmSlot", "seal")]  # not in save(): the seal at the next forward
 
 

@@ -78,7 +78,7 @@ def test_the_seal_bytes_are_made_on_the_copy_thread_or_else_by_the_sealer(copier
     dst, src = pairs_of()
     go = threading.Event()
     copy = copier.start(list(zip(dst, src)), first=lambda: go.wait(10))  # the copy thread held at the unseal
-    staged = StagedSnapshot(CheckpointId(0, 7), None, manifest, copy, [], encoded=copier.then(manifest.to_bytes))
+    staged = StagedSnapshot(CheckpointId(0, 7), None, manifest, copy, [], [], encoded=copier.then(manifest.to_bytes))
     assert staged.sealed_bytes() == manifest.to_bytes() and staged.encoded.cancelled()  # made here
     go.set()
     copy.wait()

@@ -299,6 +299,8 @@ FLAT_CHANGES: dict[str, tuple[Callable[[dict[str, Any]], Any], bool]] = {  # (ch
     "a non-persistent buffer registered": (lambda s: s["model"][1].register_buffer("tmp", torch.ones(2),
                                                                                    persistent=False), True),
     "a module added": (lambda s: s["model"].append(nn.Linear(4, 4)), True),
+    "a module replaced by one of its type": (lambda s: s["model"].__setitem__(0, nn.Linear(8, 64)), True),
+    "a child module registered as None": (lambda s: s["model"][1].register_module("gone", None), True),
     "a state-dict hook added": (lambda s: s["model"].register_state_dict_post_hook(
         lambda m, sd, prefix, meta: sd.__setitem__(prefix + "hooked", HOOKED)), True),
     "a parameter group added": (lambda s: s["opt"].add_param_group({"params": [nn.Parameter(torch.ones(2))]}), True),
@@ -323,6 +325,47 @@ def test_a_proven_piece_flattens_as_the_full_walk_and_each_change_walks_anew(cha
     train_step(state)
     for _ in range(2):
         same_flat(cache.flatten(state), flatten(state))
+
+
+def test_state_dict_hooks_present_from_the_first_save_run_at_every_save() -> None:
+    """A module's or optimizer's state-dict hook may add what changes from one call to the next: a value with one
+    is walked at every save (its hook called), never taken from the last save."""
+    state = build()
+    train_step(state)
+    now = [torch.zeros(1)]
+    state["model"].register_state_dict_post_hook(lambda m, sd, prefix, meta: sd.__setitem__(prefix + "now", now[0]))
+    state["opt"].register_state_dict_post_hook(lambda opt, sd: {**sd, "now": now[0]})
+    cache = FlatCache()
+    for i in range(3):
+        now[0] = torch.full((1,), float(i))
+        same_flat(cache.flatten(state), flatten(state))
+    assert cache.reused == 0
+
+
+def test_saving_every_step_keeps_each_slots_copy_pairs_while_nothing_changes(tmp_path: Path, shm_dir: str) -> None:
+    """The staged copy's pairs (``SlotPool.start_snapshot``) are a slot's last ones while the layout, the tensors and
+    which of them wait are the same lists (a state of modules, optimizers and plain values), and made anew after a
+    change; every step restores bitwise."""
+    def part(s: dict[str, Any]) -> dict[str, Any]:  # no top-level tensor: one made anew each step makes new lists
+        return {k: s[k] for k in ("model", "opt", "sched", "data")}
+
+    state = build()
+    train_step(state)
+    with CheckpointManager(tmp_path, memory_dir=shm_dir, keep_last=10, overlap=True, state=part(state)) as mgr:
+        last: dict[int, Any] = {}  # a slot's plan at its last save
+        kept = {}  # each step: whether its slot took that plan again
+        for step in range(1, 13):
+            if step == 5:
+                FLAT_CHANGES[".data reassigned"][0](state)
+            train_step(state)
+            mgr.save(step, part(state))
+            mgr.wait()
+            slot = next(s for s in mgr.memory.pool.slots if s.holds and s.holds[1] == step)
+            kept[step], last[id(slot)] = slot.copy_plan[1] is last.get(id(slot)), slot.copy_plan[1]
+            fresh = part(build(seed=1))
+            mgr.restore(fresh, step=step)
+            assert_same(snapshot_of(fresh), snapshot_of(part(state)))
+        assert not kept[5] and kept[12]  # (the lists are the same again from step 6: a slot takes its plan again)
 
 
 class Walked(FlatCache):

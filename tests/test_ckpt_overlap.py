@@ -18,7 +18,7 @@ from torch import nn
 import ckpt
 from ckpt import CheckpointManager
 from ckpt.errors import SnapshotChanged
-from ckpt.save.overlap import StepHooks, optimizers_in
+from ckpt.save.overlap import StepHooks, found_in, optimizers_in
 from tests.ckpt_helpers import assert_same
 from tests.procs import wait_for
 
@@ -204,6 +204,25 @@ def test_the_pre_hook_fires_through_accelerate_and_lightning_wrappers(root: Path
     raw = torch.optim.SGD(model.parameters())
     # Lightning's strategy calls the inner optimizer's step(): its hook is the one that fires
     assert optimizers_in({"optimizers": [lightning.LightningOptimizer(raw)]}) == [raw]
+
+
+def test_one_walk_finds_the_optimizers_and_modules_of_a_state() -> None:
+    """``found_in``: the optimizers (through wrappers, a module's own ``optimizer`` too) and the modules, each once,
+    in the order met, in containers to the third level and not below."""
+
+    class Wrapper:
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+    model, deep = nn.Linear(2, 2), nn.Linear(2, 2)
+    holder = nn.Linear(2, 2)
+    raw, own, buried = (torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1) for _ in range(3))
+    holder.optimizer = own  # a module holding an optimizer: both found
+    state = {"m": model, "h": holder, "opts": [Wrapper(raw), {"again": (model, raw)}], "deep": [[[deep, buried]]]}
+    assert found_in(state) == ([own, raw], [model, holder])
+    assert optimizers_in(state) == [own, raw]
+    state["deep"] = [[deep, buried]]
+    assert found_in(state) == ([own, raw, buried], [model, holder, deep])
 
 
 def test_superseded_snapshots_are_skipped_and_their_handles_follow_the_newer_step(

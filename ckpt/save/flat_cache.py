@@ -27,7 +27,9 @@ anew: what is saved is the same either way (``tests/test_ckpt_layout_cache.py``)
 """
 from __future__ import annotations
 
+import collections
 import itertools
+import operator
 from typing import Any, Callable, Mapping
 
 import torch
@@ -38,6 +40,10 @@ from ..format.state import _PLAIN, FlatState, Piece, flatten, plain_keys
 _TENSOR = (torch.Tensor, nn.Parameter)
 _ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
 _GENERATION = itertools.count()  # each proof's own number: a value proven twice by one proof has not changed between
+# what a module's state_dict() reads of it, read by one C-level call a module: its dicts, then its sets of names
+_MODULE_DICTS = operator.attrgetter("_parameters", "_buffers", "_modules")
+_MODULE_REST = operator.attrgetter("_non_persistent_buffers_set", "_state_dict_hooks", "_state_dict_pre_hooks")
+_chain = itertools.chain.from_iterable
 
 
 def _geometry(tensors: list[torch.Tensor]) -> tuple:
@@ -46,55 +52,59 @@ def _geometry(tensors: list[torch.Tensor]) -> tuple:
             [t.dtype for t in tensors])
 
 
-def _module_sig(module: nn.Module, sig: list, tensors: list[torch.Tensor]) -> None:
-    """What ``module.state_dict()`` depends on (but its tensors' storage), as ``==``-comparable values."""
-    sig += (id(module), type(module), len(module._state_dict_hooks) + len(module._state_dict_pre_hooks),
-            len(module._non_persistent_buffers_set), *module._non_persistent_buffers_set)
-    for d in (module._parameters, module._buffers):
-        sig.append(len(d))
-        sig.extend(d)
-        for t in d.values():
-            sig.append(id(t))
-            if t is not None:
-                tensors.append(t)
-    children = module._modules
-    sig.append(len(children))
-    sig.extend(children)
-    for child in children.values():
-        if child is None:
-            sig.append(None)
-        else:
-            _module_sig(child, sig, tensors)
+def _modules_of(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its submodules in ``state_dict``'s order (one reached twice is listed twice, as it walks it)."""
+    out = [module]
+    for child in module._modules.values():
+        if child is not None:
+            out += _modules_of(child)
+    return out
 
 
-def _module_ok(module: nn.Module, tensors: list[torch.Tensor]) -> bool:
-    """Whether ``state_dict()`` of ``module`` is ``nn.Module``'s over plain real tensors (else: walked each save)."""
+def _module_sig(modules: list[nn.Module]) -> list:
+    """What ``state_dict()`` of ``modules[0]`` depends on (but its tensors' storage), as ``==``-comparable values,
+    where ``modules`` is ``_modules_of`` it as last proven: each one's type, its parameters', buffers' and
+    children's names and objects, its non-persistent names and hooks. Equal to a proof made while ``modules`` are
+    held (their ids stay theirs), it shows ``modules`` is still ``_modules_of`` the same module (each child is
+    the held one) and its state_dict the same tree of the same tensors. Read by C-level calls, not a loop a module."""
+    dicts = list(_chain(map(_MODULE_DICTS, modules)))
+    rest = list(_chain(map(_MODULE_REST, modules)))
+    return [*map(type, modules), *map(len, dicts), *map(len, rest), *_chain(dicts), *_chain(rest),
+            *map(id, _chain(map(dict.values, dicts)))]
+
+
+def _module_tensors(modules: list[nn.Module]) -> list[torch.Tensor]:
+    return [t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+
+
+def _module_ok(modules: list[nn.Module], tensors: list[torch.Tensor]) -> bool:
+    """Whether ``state_dict()`` of ``modules[0]`` is ``nn.Module``'s over plain real tensors, with no hook to
+    change what it gives from one call to the next (else: walked each save)."""
     base = nn.Module
-    for m in module.modules():
+    for m in modules:
         kind = type(m)
         if (kind.state_dict is not base.state_dict or kind._save_to_state_dict is not base._save_to_state_dict
-                or kind.get_extra_state is not base.get_extra_state
-                or any(n in vars(m) for n in ("state_dict", "_save_to_state_dict", "get_extra_state"))):
+                or kind.get_extra_state is not base.get_extra_state or m._state_dict_hooks or m._state_dict_pre_hooks
+                or any(n in vars(m) for n in ("state_dict", "_save_to_state_dict", "get_extra_state"))
+                or not all(type(d) in (dict, collections.OrderedDict) for d in _MODULE_DICTS(m))):  # no own values()
             return False
     return all(type(t) in _TENSOR and not t.is_complex() for t in tensors)
 
 
-def _optimizer_sig(opt: torch.optim.Optimizer, sig: list, tensors: list[torch.Tensor]) -> None:
-    """What ``opt.state_dict()`` depends on but its groups' values and its tensors' storage."""
-    sig += (id(opt), type(opt), len(opt._optimizer_state_dict_pre_hooks), len(opt._optimizer_state_dict_post_hooks),
-            len(opt.param_groups))
-    for group in opt.param_groups:
-        params = group["params"]
-        sig += (id(group), len(group), *group, len(params))
-        sig.extend(map(id, params))
-        tensors.extend(params)
-    state = opt.state
-    sig += (id(state), len(state))
-    for p, s in state.items():
-        values = s.values()
-        sig += (id(p), id(s), len(s), *s)
-        sig.extend(map(id, values))
-        tensors.extend(values)
+def _optimizer_sig(opt: torch.optim.Optimizer) -> list:
+    """What ``opt.state_dict()`` depends on but its groups' values and its tensors' storage: its groups (objects,
+    keys, parameters) and state (the parameters it is kept for, their dicts, keys and tensors), by C-level calls."""
+    groups, state = opt.param_groups, opt.state
+    params = [g["params"] for g in groups]
+    per = list(state.values())
+    return [id(opt), type(opt), id(state), len(opt._optimizer_state_dict_pre_hooks),
+            len(opt._optimizer_state_dict_post_hooks), len(groups), *map(id, groups), *map(len, groups),
+            *_chain(groups), *map(len, params), *map(id, _chain(params)), len(state), *map(id, state),
+            *map(id, per), *map(len, per), *_chain(per), *map(id, _chain(map(dict.values, per)))]
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [*_chain(g["params"] for g in opt.param_groups), *_chain(s.values() for s in opt.state.values())]
 
 
 def _plain(value: Any) -> Any:
@@ -115,25 +125,30 @@ class _Held:
     """One top-level value's piece and the proof it holds; without a piece, a value refused while its
     structure holds (a module or optimizer of a kind this cache cannot prove: walked at every save)."""
 
-    def __init__(self, value: Any, piece: Piece | None, sig: list | None, tensors: list[torch.Tensor]) -> None:
-        self.value, self.piece, self.sig, self.tensors = value, piece, sig, tensors  # tensors: held, ids stay theirs
+    def __init__(self, value: Any, piece: Piece | None, sig: list | None, tensors: list[torch.Tensor],
+                 modules: list[nn.Module] | None = None) -> None:
+        # held, so that their ids stay theirs: the tensors, and a module's submodules as last proven
+        self.value, self.piece, self.sig, self.tensors, self.modules = value, piece, sig, tensors, modules
         self.geometry = _geometry(tensors)
         self.generation = next(_GENERATION)
 
     def holds(self) -> bool:
-        """Whether the value's structure and tensors' storage are those this was made for (no ``sig``: always)."""
+        """Whether the value's structure and tensors' storage are those this was made for (no ``sig``: always).
+        The same structure holds the very tensors this holds (their ids are in it), so their geometry is read
+        from them."""
         if self.sig is None:
             return True
-        sig: list = []
-        tensors: list[torch.Tensor] = []
-        (_module_sig if isinstance(self.value, nn.Module) else _optimizer_sig)(self.value, sig, tensors)
-        return sig == self.sig and _geometry(tensors) == self.geometry
+        try:
+            sig = _module_sig(self.modules) if self.modules is not None else _optimizer_sig(self.value)
+        except (TypeError, KeyError, AttributeError):  # a dict become something else: walked (and raised there)
+            return False
+        return sig == self.sig and _geometry(self.tensors) == self.geometry
 
     def proven(self) -> Piece | None:
         """The piece with this save's plain values, if it holds."""
         if self.piece is None or not self.holds():
             return None
-        if isinstance(self.value, nn.Module):
+        if self.modules is not None:
             return self.piece
         try:
             groups = [{**{k: _plain(v) for k, v in g.items() if k != "params"}, "params": cached["params"]}
@@ -148,23 +163,26 @@ class _Held:
 def _eligible(value: Any, piece: Piece) -> _Held:
     """The proof for a module or optimizer just walked into ``piece``; without the piece where this cache
     cannot prove it unchanged."""
-    sig: list = []
-    tensors: list[torch.Tensor] = []
     if isinstance(value, nn.Module):
-        _module_sig(value, sig, tensors)
-        ok = piece.closed and not piece.layouts and _module_ok(value, tensors)
-        return _Held(value, piece if ok else None, sig, tensors)
+        modules = _modules_of(value)
+        if not all(isinstance(d, dict) for m in modules for d in _MODULE_DICTS(m)):
+            return _Held(value, None, None, [])  # walked while it is this module
+        tensors = _module_tensors(modules)
+        ok = piece.closed and not piece.layouts and _module_ok(modules, tensors)
+        return _Held(value, piece if ok else None, _module_sig(modules), tensors, modules)
     base = torch.optim.Optimizer
     params = {id(p) for g in getattr(value, "param_groups", ()) for p in g["params"]}
     if (type(value).state_dict is not base.state_dict or "state_dict" in vars(value)
-            or not all(id(p) in params and all(type(v) is torch.Tensor for v in s.values())
+            or not all(type(g) is dict for g in value.param_groups)
+            or not all(id(p) in params and type(s) is dict and all(type(v) is torch.Tensor for v in s.values())
                        for p, s in value.state.items())):
         # not Optimizer's state_dict (a wrapper), or plain values in its state (LBFGS' counts): walked while it is this
         return _Held(value, None, None, [])
-    _optimizer_sig(value, sig, tensors)
-    held = _Held(value, piece, sig, tensors)
+    tensors = _optimizer_tensors(value)
+    held = _Held(value, piece, _optimizer_sig(value), tensors)
     keys_ok = all(plain_keys(g) for g in value.param_groups)
-    if not (piece.closed and not piece.layouts and keys_ok
+    if not (piece.closed and not piece.layouts and keys_ok and not value._optimizer_state_dict_pre_hooks
+            and not value._optimizer_state_dict_post_hooks
             and all(type(t) in _TENSOR and not t.is_complex() for t in tensors)):
         held.piece = None
     elif (again := held.proven()) is None or again.tree != piece.tree:  # the groups as flatten encodes them
@@ -208,7 +226,7 @@ class FlatCache:
             self.built += 1
         last, self._held, self._last = self._last, kept, flat
         if (last is not None and not walked and len(flat.tensors) == len(last.tensors)
-                and all(a is b for a, b in zip(flat.tensors, last.tensors)) and flat.layouts == last.layouts):
+                and all(map(operator.is_, flat.tensors, last.tensors)) and flat.layouts == last.layouts):
             # the same tensors under the same paths: share the last one's lists (their keys are the same)
             flat.tensors, flat.keys, flat.by_id, flat.same_as = last.tensors, last.keys, last.by_id, last
             last.same_as = None

@@ -45,35 +45,44 @@ _WRAPPED = ("optimizer", "_optimizer")  # Accelerate's AcceleratedOptimizer, Lig
 
 def optimizers_in(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     """The optimizers of a state (top level, in lists, tuples and dicts), unwrapped."""
-    return _found(state, torch.optim.Optimizer, _WRAPPED)
+    return found_in(state)[0]
 
 
-def modules_in(state: Mapping[str, Any]) -> list[torch.nn.Module]:
-    """The modules of a state (top level, in lists, tuples and dicts)."""
-    return _found(state, torch.nn.Module, ())
+def found_in(state: Mapping[str, Any]) -> tuple[list[torch.optim.Optimizer], list[torch.nn.Module]]:
+    """The optimizers (unwrapped) and the modules of a state (top level, in lists, tuples and dicts), in one
+    walk: a save needs both, and each walk's first touch of the state after a step was most of its cost."""
+    optimizers: list = []
+    modules: list = []
 
-
-def _found(state: Mapping[str, Any], kind: type, wrapped: tuple[str, ...]) -> list:
-    found: list = []
-
-    def visit(obj: Any, depth: int) -> None:
-        for _ in range(3):  # a wrapper of a wrapper at most (some subclass Optimizer without its hooks)
-            inner = next((getattr(obj, a) for a in wrapped if isinstance(getattr(obj, a, None), kind)), None)
-            if inner is None:
-                break
-            obj = inner
-        if isinstance(obj, kind):
-            if all(o is not obj for o in found):
-                found.append(obj)
-        elif depth < 3 and isinstance(obj, Mapping):
+    def visit(obj: Any, depth: int, optimizer: bool, module: bool) -> None:
+        """``optimizer``, ``module``: still looking for that kind here (not found on the way down)."""
+        if optimizer:
+            opt = obj
+            for _ in range(3):  # a wrapper of a wrapper at most (some subclass Optimizer without its hooks)
+                inner = next((getattr(opt, a) for a in _WRAPPED
+                              if isinstance(getattr(opt, a, None), torch.optim.Optimizer)), None)
+                if inner is None:
+                    break
+                opt = inner
+            if isinstance(opt, torch.optim.Optimizer):
+                optimizer = False
+                if all(o is not opt for o in optimizers):
+                    optimizers.append(opt)
+        if module and isinstance(obj, torch.nn.Module):
+            module = False
+            if all(m is not obj for m in modules):
+                modules.append(obj)
+        if not (optimizer or module) or depth >= 3:
+            return
+        if isinstance(obj, Mapping):
             for v in obj.values():
-                visit(v, depth + 1)
-        elif depth < 3 and isinstance(obj, (list, tuple)):
+                visit(v, depth + 1, optimizer, module)
+        elif isinstance(obj, (list, tuple)):
             for v in obj:
-                visit(v, depth + 1)
+                visit(v, depth + 1, optimizer, module)
 
-    visit(state, 0)
-    return found
+    visit(state, 0, True, True)
+    return optimizers, modules
 
 
 def step_written(optimizers: Iterable[torch.optim.Optimizer], known: Mapping[int, tuple] | None = None) -> set[tuple]:
@@ -117,7 +126,8 @@ class StagedSnapshot:
     slot: ShmSlot
     manifest: ShardManifest
     copy: PendingCopy
-    watched: list[tuple[str, torch.Tensor, int]]  # (path, tensor, version at save)
+    watched: list[tuple[str, torch.Tensor]]  # (path, tensor) of each deferred copy (a save's list: kept, not changed)
+    versions: list[int]  # each watched tensor's version at save
     drain: tuple[SaveHandle, bool, bool] | None = None  # (handle, upload, urgent): queued once sealed
     verify: bool = False  # compare the staged bytes with the live tensors at the seal
     encoded: Future[bytes] | None = None  # the manifest's bytes, made on the copy thread (``sealed_bytes``)
@@ -136,7 +146,7 @@ class StagedSnapshot:
     def finish(self) -> None:
         """Wait for the copy; raise ``SnapshotChanged`` naming the tensors written meanwhile."""
         self.copy.wait()
-        changed = [path for path, t, version in self.watched if t._version != version]
+        changed = [path for (path, t), version in zip(self.watched, self.versions) if t._version != version]
         if not changed and self.verify:
             changed = self._torn()
         if changed:
@@ -152,7 +162,7 @@ class StagedSnapshot:
         counter did not see: through numpy, ``from_numpy``, ``.data``, DLPack)."""
         entries = {e.path: e for e in self.manifest.tensors}
         torn = []
-        for path, t, _ in self.watched:
+        for path, t in self.watched:
             e = entries[path]
             staged = self.slot.buffer[e.offset : e.offset + e.nbytes]
             live = local_tensor(t).detach().cpu().contiguous().reshape(-1).view(torch.uint8)

@@ -19,7 +19,7 @@ from .canary import Canary
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
 from .flat_cache import FlatCache
 from .layout_cache import LayoutCache, ParamsCache
-from .overlap import StagedSnapshot, StepHooks, deferrable, modules_in, optimizers_in, step_written
+from .overlap import StagedSnapshot, StepHooks, deferrable, found_in, step_written
 from .soundness import NOTHING, Inspection, Scope, scope_of, where
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
@@ -74,6 +74,9 @@ class SavePath:
     layouts: LayoutCache = dataclasses.field(default_factory=LayoutCache)  # the last save's, while it holds
     params: ParamsCache = dataclasses.field(default_factory=ParamsCache)  # (param_names, Scope), while they hold
     flat: FlatCache = dataclasses.field(default_factory=FlatCache)  # modules' and optimizers' flat shares, proven
+    # the last staged save's (flat.tensors, deferred, their tensors, the deferred (path, tensor)s): kept while a save
+    # hands the very same two lists (``FlatCache``), so the copy's pairs are kept too (``SlotPool.start_snapshot``)
+    _sources: tuple = (None, None, [], [])
 
     def __post_init__(self) -> None:
         # each committed step is recorded beside the slots, for whoever sweeps them (tiers/memory/owners.py)
@@ -98,18 +101,22 @@ class SavePath:
         """Like ``snapshot`` (``overlap``), but what only ``optimizer.step()`` writes (the
         parameters and state of the optimizers in ``state``, each given a step pre-hook
         calling ``wait_staged``) is still being copied, and the slot is not sealed."""
-        optimizers = optimizers_in(state)
-        self._hooks.watch(optimizers, modules_in(state))
+        optimizers, modules = found_in(state)
+        self._hooks.watch(optimizers, modules)
         flat, slot, manifest = self._reserve(ckpt_id, part, state)
         later = self.flat.deferrable(flat, optimizers, lambda: deferrable(flat, step_written(optimizers, flat.by_id)))
-        watched = [(path, t, t._version) for (path, t), defer in zip(flat.tensors, later) if defer]
+        kept = self._sources
+        if kept[0] is not flat.tensors or kept[1] is not later:  # else: the same lists (neither is changed in place)
+            kept = self._sources = (flat.tensors, later, [t for _, t in flat.tensors],
+                                    [pt for pt, defer in zip(flat.tensors, later) if defer])
+        _, _, sources, watched = kept
         try:
-            copying = self.memory.start_snapshot(slot, [t for _, t in flat.tensors], manifest, later)
+            copying = self.memory.start_snapshot(slot, sources, manifest, later)
         except BaseException:
             slot.idle.set()
             raise
-        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, verify=self.verify,
-                                      encoded=self.memory.encode(manifest))
+        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, [t._version for _, t in watched],
+                                      verify=self.verify, encoded=self.memory.encode(manifest))
         return slot, manifest
 
     def wait_staged(self) -> None:

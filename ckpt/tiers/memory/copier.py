@@ -3,6 +3,7 @@ device-to-shared-memory copy the trainer waits for (``TensorCopier.copy``), and 
 one it does not (``TensorCopier.start``: overlapped with the next step's compute)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
@@ -27,6 +28,24 @@ def plan_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[Tenso
 
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination in the slot, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """A copy's pairs split by where they run (``TensorCopier.run``); never changed once made, so a
+    slot keeps it while its layout, its tensors and which of them are deferred stay the same
+    (``SlotPool.start_snapshot``): splitting 72 pairs read each source's device three times a save."""
+
+    now: bool  # anything to copy before returning
+    cpu_now: Pairs
+    cuda_now: Pairs
+    cpu_later: Pairs
+    cuda_later: Pairs
+
+    @classmethod
+    def of(cls, later: Pairs, now: Pairs = ()) -> CopyPlan:
+        return cls(bool(now), [(d, s) for d, s in now if not s.is_cuda], [(d, s) for d, s in now if s.is_cuda],
+                   [(d, s) for d, s in later if not s.is_cuda], [(d, s) for d, s in later if s.is_cuda])
 
 
 PIECE_BYTES = 8 << 20  # what the waiter can take over from the worker
@@ -126,19 +145,19 @@ class TensorCopier:
         CUDA the current stream waits for it on the device), and start copying ``later``.
         ``first`` (unsealing the slot) runs before any byte is copied: on the copy thread
         when every byte is copied there, else before anything is."""
-        cpu_later = [(d, s) for d, s in later if not s.is_cuda]
-        if first is not None and (now or not cpu_later or len(cpu_later) < len(later)):
+        return self.run(CopyPlan.of(later, now), first)
+
+    def run(self, plan: CopyPlan, first: Callable[[], None] | None = None) -> PendingCopy:
+        """``start`` with its pairs already split by device (a plan kept while the slot, layout and tensors are)."""
+        if first is not None and (plan.now or not plan.cpu_later or plan.cuda_later):
             first()
             first = None
-        for d, s in now:
-            if not s.is_cuda:
-                d.copy_(s)
-        cuda_now = [(d, s) for d, s in now if s.is_cuda]
-        cuda_later = [(d, s) for d, s in later if s.is_cuda]
-        event = self._start_cuda(cuda_now, cuda_later) if cuda_now or cuda_later else None
-        if not cpu_later:
+        for d, s in plan.cpu_now:
+            d.copy_(s)
+        event = self._start_cuda(plan.cuda_now, plan.cuda_later) if plan.cuda_now or plan.cuda_later else None
+        if not plan.cpu_later:
             return PendingCopy(None, None, event)
-        pieces = _Pieces(cpu_later, first)
+        pieces = _Pieces(list(plan.cpu_later), first)  # its own list: it cuts pieces in place
         return PendingCopy(pieces, self._thread().submit(pieces.work), event)
 
     def then(self, fn: Callable[[], T]) -> "Future[T]":

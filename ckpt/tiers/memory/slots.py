@@ -35,7 +35,7 @@ from ...errors import CheckpointError
 from ...format.manifest import ManifestError, ShardManifest, TensorEntry
 from ..base import CheckpointId
 from ..fsutil import atomic_write
-from .copier import PendingCopy, TensorCopier
+from .copier import CopyPlan, PendingCopy, TensorCopier
 from .namespace import (
     MAX_SEAL_BYTES,
     OWNER_FILE,
@@ -91,6 +91,8 @@ class ShmSlot:
         self.idle = threading.Event()  # set when no drain is reading this slot
         self.idle.set()
         self._views: tuple[list, torch.Tensor, list] | None = None  # (entries, buffer, their views): ``views``
+        # (entries, tensors, deferred, buffer) -> the staged copy's plan (``SlotPool.start_snapshot``)
+        self.copy_plan: tuple[tuple, CopyPlan] | None = None
         sealed = self.sealed() if self.meta_path.exists() else None
         self.holds: tuple[int, int] | None = (sealed.generation, sealed.step) if sealed else None  # (gen, step)
 
@@ -180,7 +182,7 @@ class ShmSlot:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self._pinned = False
         self.buffer = None
-        self._views = None
+        self._views = self.copy_plan = None  # views of the mapping: it closes only once none is left
         if self._mmap is not None:
             self._mmap.close()
             self._mmap = None
@@ -322,11 +324,19 @@ class SlotPool:
     def start_snapshot(self, slot: ShmSlot, tensors: Sequence[torch.Tensor], manifest: ShardManifest,
                        copier: "TensorCopier", later: Sequence[bool]) -> "PendingCopy":
         """Copy the tensors not marked ``later`` now and start copying the others; the
-        caller seals the slot once the returned copy is waited for."""
+        caller seals the slot once the returned copy is waited for. The pairs are the slot's
+        last ones while ``manifest.tensors``, ``tensors`` and ``later`` are the very same lists
+        (``save/layout_cache.py``, ``save/flat_cache.py``: neither changes a list it handed out)
+        and the mapping is the same one (its size, pinning and views: unchanged)."""
+        key = (manifest.tensors, tensors, later, slot.buffer)
+        kept = slot.copy_plan
+        if kept is not None and all(a is b for a, b in zip(kept[0], key)):
+            return copier.run(kept[1], first=slot.unseal)
         pairs = self.destinations(slot, tensors, manifest, unseal=False)
         defer = [d for e, d in zip(manifest.tensors, later) if e.nbytes]
-        return copier.start([p for p, d in zip(pairs, defer) if d], [p for p, d in zip(pairs, defer) if not d],
-                            first=slot.unseal)  # on the copy thread when it copies every byte
+        plan = CopyPlan.of([p for p, d in zip(pairs, defer) if d], [p for p, d in zip(pairs, defer) if not d])
+        slot.copy_plan = ((manifest.tensors, tensors, later, slot.buffer), plan)
+        return copier.run(plan, first=slot.unseal)  # on the copy thread when it copies every byte
 
     def destinations(self, slot: ShmSlot, tensors: Sequence[torch.Tensor], manifest: ShardManifest, *,
                      unseal: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
