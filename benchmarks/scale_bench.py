@@ -17,7 +17,7 @@ the workers' and the commit protocol's own store traffic:
   round, every node launcher follows it;
 - `commit`: every rank's ``Committer.commit`` of one step (one volume per node of 8, a tier that
   keeps nothing: the protocol's own cost), clean-up included, each rank with a store connection
-  of its own, 512 ranks a client process (``scale_commit.py``);
+  of its own, 512 ranks a client process, the store in a process of its own (``scale_commit.py``);
 - `ckpt_ls_*`, `verify_manifests_*`: ``ckpt ls`` and ``ckpt verify --manifests-only`` of an
   N-shard checkpoint (a 70B model's manifests) on disk and in the S3 test server
   (``scale_listing.py``); `predictor_score`: the predictor scoring N/8 nodes x 8 GPUs
