@@ -47,9 +47,10 @@ import torch.distributed as dist
 
 from .. import secret
 from ..control import control_key
-from . import membership, progress
+from . import membership, preload, progress
 from .lifeline import Lifelines
 from .node import POLL_S, NodeLauncher, run_node
+from .preload import Starter
 from .protocol import BEAT_S, EXIT_FALLBACK, EXIT_STOP
 
 log = logging.getLogger("ckpt.inprocess.launch")
@@ -59,7 +60,8 @@ MAX_REWINDS = 3  # unsound snapshots a launch goes back from in process before i
 class Job:
     """One launch of the workers on every node (a relaunch is a new Job, on keys of its own)."""
 
-    def __init__(self, args: argparse.Namespace, attempt: int, base: "dist.TCPStore", lost: set[int]) -> None:
+    def __init__(self, args: argparse.Namespace, attempt: int, base: "dist.TCPStore", lost: set[int],
+                 start: Starter | None = None) -> None:
         self.store = membership.of_attempt(base, attempt, control_key())
         n, per_node = args.nproc, args.nproc + args.spares
         # worker ids K * (nproc + spares) + i on node K: members first, then spares; nodes lost
@@ -87,7 +89,7 @@ class Job:
         log.info("attempt %d: workers %s, spares %s on %d node(s)", attempt, self.members, self.spares,
                  len(set(self.hosts.values())))
         self.local = NodeLauncher(self.store, 0, master=(args.master_addr, base.port), command=args.command,
-                                  attempt=attempt, hang_s=args.hang_s, progress_s=args.progress_s)
+                                  attempt=attempt, hang_s=args.hang_s, progress_s=args.progress_s, start=start)
 
     def watch(self) -> tuple[bool, str]:
         """Until the members have finished (True) or the job must be relaunched (False, why)."""
@@ -306,6 +308,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in _REFUSED:
         ap.add_argument(*_both(name), dest=f"refused_{name[2:]}", nargs="?", const=True, default=None,
                         help=argparse.SUPPRESS)
+    preload.add_options(ap)
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = ap.parse_args(argv)
     for name, why in _REFUSED.items():
@@ -347,9 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     _job_secret(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     raise_fd_limit()
+    with preload.starter(args) as start:  # it imports while this launcher sets up: the first workers are its forks
+        return _launch(args, start)
+
+
+def _launch(args: argparse.Namespace, start: Starter) -> int:
+    """The job launcher (node rank 0) or a node launcher: 0 when the job ended well."""
     if args.node_rank:
         return run_node(args.node_rank, (args.master_addr, args.master_port), args.command, args.hang_s,
-                        args.progress_s)
+                        args.progress_s, start)
     # one store server for every attempt: the other nodes' launchers find each relaunch on it. torch
     # binds its own listener to every interface: it is given one bound to --master-addr alone
     listener = socket.create_server((args.master_addr, args.master_port), backlog=1024)
@@ -357,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                          timeout=timedelta(seconds=60), master_listen_fd=listener.detach())
     lost: set[int] = set()
     for attempt in range(args.relaunches + 1):
-        job = Job(args, attempt, base, lost)
+        job = Job(args, attempt, base, lost, start)
         ok, why, again = False, "the launcher failed", False
         try:
             ok, why = job.watch()

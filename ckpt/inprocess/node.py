@@ -17,7 +17,6 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from ..control import Control, control_key
 from ..recovery.hang_policy import HangDetection
 from . import lifeline, membership, progress
+from .preload import WORKER_DEFAULTS, Forked, Starter
 from .protocol import BEAT_S, LAUNCHER_ENV, WORKER_ENV
 
 log = logging.getLogger("ckpt.inprocess.node")
@@ -50,18 +50,17 @@ class NodeLauncher:
     """The workers of node ``node``; ``poll()`` once per launcher tick."""
 
     def __init__(self, store: Control, node: int, *, master: tuple[str, int], command: list[str],
-                 attempt: int, hang_s: float, progress_s: float | None) -> None:
+                 attempt: int, hang_s: float, progress_s: float | None, start: Starter | None = None) -> None:
         self.store, self.node, self.command, self.hang_s = store, node, command, hang_s
+        self.start = start or Starter([], {})  # forks workers from a preloaded template, or Popen
         first = membership.wait_round(store, 0, 300.0, node)
         if first is None:
             raise RuntimeError(f"node {node}: the job launcher published no first round")
         self.current = first
-        # as torchrun: one OpenMP thread per worker unless the user says otherwise (several workers
-        # share the node's cores; the same thread count also makes a run bitwise equal under either)
-        self.env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+        self.env = {**WORKER_DEFAULTS, **os.environ, "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
                     "WORLD_SIZE": str(first.world), membership.ATTEMPT_ENV: str(attempt),
                     LAUNCHER_ENV: str(os.getpid())}
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen | Forked] = {}
         self.reported: set[int] = set()  # workers whose exit is in the store
         self.finished: set[int] = set()
         self.causes: dict[int, str] = {}  # workers this node launcher killed, and why
@@ -84,7 +83,7 @@ class NodeLauncher:
         ranks = dict(self.current.members)
         for w in (w for w in [*ranks, *self.current.spares] if w not in self.procs):
             rank = ranks.get(w)
-            self.procs[w] = subprocess.Popen([sys.executable, *self.command], env={
+            self.procs[w] = self.start(self.command, {
                 **self.env, WORKER_ENV: str(w), "RANK": str(-1 if rank is None else rank),
                 "LOCAL_RANK": str(len(self.procs))})
         self.here = list(ranks)
@@ -187,7 +186,7 @@ class NodeLauncher:
 
 
 def run_node(node: int, master: tuple[str, int], command: list[str], hang_s: float,
-             progress_s: float | None) -> int:
+             progress_s: float | None, start: Starter | None = None) -> int:
     """A node launcher on a node other than the job launcher's, until the job is over: 0 when
     it ended well. When the job launcher launches the job again, this node takes part in the
     new attempt (its keys on the same store). A job launcher gone (its store unreachable) ends
@@ -199,7 +198,7 @@ def run_node(node: int, master: tuple[str, int], command: list[str], hang_s: flo
         try:
             line = lifeline.hold(store, master[0], node)  # open while this process lives: its end is news
             launcher = NodeLauncher(store, node, master=master, command=command, attempt=attempt, hang_s=hang_s,
-                                    progress_s=progress_s)
+                                    progress_s=progress_s, start=start)
         except RuntimeError as e:
             log.error("node %d: attempt %d never started (%s)", node, attempt, e)
             return 1
