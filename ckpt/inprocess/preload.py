@@ -222,7 +222,8 @@ def _become(request: dict, launcher: int) -> None:
         raise
     except BaseException as e:  # as the interpreter prints it, without this module's frames
         tb = e.__traceback__.tb_next if e.__traceback__ else None
-        sys.excepthook(type(e), e, tb.tb_next if tb and argv[0] != "-m" else tb)
+        tb = tb.tb_next if tb and argv[0] != "-m" else tb
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
         raise SystemExit(1) from None
     raise SystemExit(0)
 
