@@ -25,7 +25,8 @@ for fd in os.listdir("/proc/self/fd"):
         pass  # listdir's own descriptor, closed by now
 torch = sys.modules.get("torch")
 signals = {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals() if isinstance(s, signal.Signals)}
-json.dump({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__,
+names = sorted(globals())
+json.dump({"argv": sys.argv, "globals": names, "path0": sys.path[0], "name": __name__, "file": __file__,
            "main_is_me": sys.modules["__main__"].__dict__ is globals(), "ppid": os.getppid(),
            "env": {k: os.environ.get(k) for k in ("RANK", "OMP_NUM_THREADS", "MASTER_PORT")},
            "fds": fds, "signals": signals, "random": random.random(),
@@ -89,7 +90,7 @@ def test_forked_worker_is_python_command(tmp_path: Path) -> None:
         "popen": (False, 0), "plain": (True, 0), "exit7": (True, 7), "raise": (True, 1), "killed": (True, -9),
         "module": (True, 0)}
     twin, forked = _report(tmp_path, "popen"), _report(tmp_path, "plain")
-    for key in ("path0", "name", "file", "main_is_me", "ppid", "env", "fds", "signals"):
+    for key in ("globals", "path0", "name", "file", "main_is_me", "ppid", "env", "fds", "signals"):
         assert forked[key] == twin[key], key
     assert forked["argv"] == [script, str(tmp_path / "plain.json"), "ok"] and twin["argv"][0] == script
     assert forked["ppid"] == out["pid"]  # the launcher's child: it waits for it, kills it, reads its code
@@ -99,6 +100,7 @@ def test_forked_worker_is_python_command(tmp_path: Path) -> None:
     module = _report(tmp_path, "module")
     assert module["argv"][0] == str(tmp_path / "probemod.py") and module["path0"] == str(tmp_path)
     assert module["name"] == "__main__" and module["main_is_me"]
+    assert not {"Starter", "_serve", "_become"} & set(module["globals"])  # a fresh __main__, not the template's
     for name in ("popen", "plain", "exit7", "raise", "module"):  # atexit handlers ran, in __main__
         assert (tmp_path / f"{name}.json.atexit").read_text() == "__main__", name
     assert not (tmp_path / "killed.json.atexit").exists()

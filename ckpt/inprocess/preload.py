@@ -211,13 +211,15 @@ def _become(request: dict, launcher: int) -> None:
     os.environ.update(request["env"])
     _fresh_state()
     argv = request["argv"]
+    main = sys.modules["__main__"] = types.ModuleType("__main__")  # a fresh one, not the template's
+    main.__dict__.update(__builtins__=__builtins__, __cached__=None, __annotations__={})
     try:
         if argv[0] == "-m":
             sys.argv, sys.path[0] = ["-m", *argv[2:]], os.getcwd()
-            runpy._run_module_as_main(argv[1])  # what `python -m` runs
+            runpy._run_module_as_main(argv[1])  # what `python -m` runs, in sys.modules["__main__"]
         else:
             sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.realpath(argv[0]))
-            _run_script(argv[0])
+            _run_script(main, argv[0])
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # as the interpreter prints it, without this module's frames
@@ -240,13 +242,10 @@ def _fresh_state() -> None:
         np_random.seed()
 
 
-def _run_script(path: str) -> None:
-    """Run ``path`` as the ``__main__`` module, as ``python path`` does (it stays ``__main__`` for
-    the atexit handlers and threads that outlive it)."""
-    main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=__builtins__,
-                         __loader__=SourceFileLoader("__main__", path))
-    sys.modules["__main__"] = main
+def _run_script(main: types.ModuleType, path: str) -> None:
+    """Run ``path`` in ``main``, as ``python path`` does (it stays ``__main__`` for the atexit
+    handlers and threads that outlive it)."""
+    main.__dict__.update(__file__=path, __loader__=SourceFileLoader("__main__", path))
     with io.open_code(path) as f:
         code = compile(f.read(), path, "exec", dont_inherit=True)
     exec(code, main.__dict__)
