@@ -42,7 +42,9 @@ if mode == "sleep":
 
 DRIVER = """
 import json, os, socket, subprocess, sys, time
+from ckpt.inprocess import preload
 from ckpt.inprocess.preload import Forked, Starter
+preload.READY_S = 600.0  # the first case waits for the template's imports, however busy the machine
 store = socket.create_server(("127.0.0.1", 0))  # stands for the launcher's store socket: never inherited
 cases, modules = json.loads(sys.argv[1]), sys.argv[2].split(",")
 start = Starter(modules, {**os.environ, "OMP_NUM_THREADS": "1"})

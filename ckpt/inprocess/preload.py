@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import runpy
+import select
 import signal
 import socket
 import subprocess
@@ -45,7 +46,9 @@ from importlib.machinery import SourceFileLoader
 
 log = logging.getLogger("ckpt.inprocess.preload")
 NO_PRELOAD_ENV = "CKPT_INPROCESS_NO_PRELOAD"
-READY_S = 300.0  # the template's imports, on a busy machine
+# how long after the launcher's start its first workers may wait for the template's imports
+# (then they are Popen'd: another node's launcher waits 60 s for this one's first tick)
+READY_S = 30.0
 _PR_SET_CHILD_SUBREAPER = 36
 # as torchrun: one OpenMP thread per worker unless the user says otherwise (several workers share the
 # node's cores; the same thread count also makes a run bitwise equal under either)
@@ -112,7 +115,7 @@ class Starter:
     def __init__(self, modules: list[str], env: dict[str, str]) -> None:
         self.sock: socket.socket | None = None
         self.template: subprocess.Popen | None = None
-        self.ready = False
+        self.ready, self.ready_by = False, time.monotonic() + READY_S
         if not modules or os.environ.get(NO_PRELOAD_ENV, "") not in ("", "0"):
             return
         try:  # orphans of this process become its children: a worker forked twice is the launcher's
@@ -137,10 +140,14 @@ class Starter:
     def _fork(self, command: list[str], env: dict[str, str]) -> int | None:
         assert self.sock is not None
         try:
-            self.sock.settimeout(READY_S)
-            if not self.ready and self.reader.readline() != b"ready\n":
-                return self._fail("its imports failed")
-            self.ready = True
+            if not self.ready:
+                if not select.select([self.sock], [], [], max(0.0, self.ready_by - time.monotonic()))[0]:
+                    log.info("the preload template is still importing: this worker starts with Popen")
+                    return None
+                if self.reader.readline() != b"ready\n":
+                    return self._fail("its imports failed")
+                self.ready = True
+                self.sock.settimeout(60.0)
             self.sock.sendall(json.dumps({"argv": command, "env": env, "cwd": os.getcwd()}).encode() + b"\n")
             answer = self.reader.readline()
             return int(json.loads(answer)["pid"]) if answer else self._fail("it ended")
@@ -160,6 +167,7 @@ class Starter:
     def close(self) -> None:
         """End the template (it also ends when this process does: its socket closes)."""
         if self.sock is not None:
+            self.reader.close()  # the socket closes with its last file
             self.sock.close()
             self.sock = None
         if self.template is not None:
