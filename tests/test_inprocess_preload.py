@@ -122,9 +122,13 @@ def test_template_failure_and_opt_out_fall_back_to_popen(tmp_path: Path) -> None
     assert "the preload template failed (its imports failed): workers start with Popen" in stderr
 
     out, stderr = _drive(tmp_path, case, "json")
+    assert "Traceback" not in stderr, stderr[-3000:]
     assert [(out[n]["forked"], out[n]["code"]) for n in ("first", "template-killed", "after")] == [
         (True, 0), (False, 0), (False, 0)]
     assert stderr.count("the preload template failed") == 1, stderr[-3000:]
 
     out, _ = _drive(tmp_path, case[:1], "json", {"CKPT_INPROCESS_NO_PRELOAD": "1"})
     assert out["first"] == {"forked": False, "code": 0}
+
+    _, stderr = _drive(tmp_path, [], "json")  # a launcher gone before it read "ready": the template ends quietly
+    assert "Traceback" not in stderr, stderr[-3000:]

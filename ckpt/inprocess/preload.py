@@ -186,8 +186,15 @@ def _serve(fd: int, modules: list[str]) -> None:
     launcher = os.getppid()
     ctl = socket.socket(fileno=fd)
     lines = ctl.makefile("rb")
-    ctl.sendall(b"ready\n")
-    for line in lines:
+    if not _say(ctl, b"ready\n"):
+        return
+    while True:
+        try:
+            line = lines.readline()
+        except OSError:  # the launcher went (a reset: it never read "ready")
+            return
+        if not line:
+            return
         request = json.loads(line)
         r, w = os.pipe()
         middle = os.fork()
@@ -205,7 +212,17 @@ def _serve(fd: int, modules: list[str]) -> None:
         os.waitpid(middle, 0)
         with os.fdopen(r, "rb") as pipe:
             pid = int(pipe.read() or b"0")
-        ctl.sendall(json.dumps({"pid": pid} if pid else {}).encode() + b"\n")
+        if not _say(ctl, json.dumps({"pid": pid} if pid else {}).encode() + b"\n"):
+            return
+
+
+def _say(ctl: socket.socket, line: bytes) -> bool:
+    """Send ``line`` to the launcher; False once it is gone."""
+    try:
+        ctl.sendall(line)
+    except OSError:
+        return False
+    return True
 
 
 def _become(request: dict, launcher: int) -> None:
