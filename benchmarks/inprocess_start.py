@@ -38,8 +38,8 @@ dist.init_process_group("gloo", store=dist.PrefixStore(f"bench/{attempt}", store
 dist.barrier()
 joined = time.time()
 dist.destroy_process_group()
-print("BENCH " + json.dumps({"attempt": int(attempt), "first": first, "joined": joined, "gone": time.time()}),
-      flush=True)
+line = json.dumps({"attempt": int(attempt), "first": first, "joined": joined, "gone": time.time()})
+os.write(1, f"BENCH {line}\\n".encode())  # one write: the workers share the launcher's stdout
 sys.exit(75 if attempt == "0" else 0)
 """
 
