@@ -45,7 +45,7 @@ PARTS = [("ckpt.save.save_path", n) for n in ("flatten", "deferrable", "step_wri
     ("ckpt.save.save_path:SavePath", n) for n in ("stage", "_reserve", "submit", "skip_superseded")] + [
     ("ckpt.save.layout_cache:LayoutCache", "plan"), ("ckpt.save.layout_cache:ParamsCache", "of"),
     ("ckpt.save.flat_cache:FlatCache", "flatten"), ("ckpt.save.flat_cache:FlatCache", "deferrable"),
-    ("ckpt.tiers.memory.slots:SlotPool", "reserve"),
+    ("ckpt.save.overlap:FoundCache", "of"), ("ckpt.tiers.memory.slots:SlotPool", "reserve"),
     ("ckpt.tiers.memory.slots:SlotPool", "start_snapshot"), ("ckpt.tiers.memory.slots:SlotPool", "destinations"),
     ("ckpt.tiers.memory.slots:ShmSlot", "unseal"), ("ckpt.tiers.memory.copier:TensorCopier", "start"),
     ("ckpt.tiers.memory.copier:TensorCopier", "run"),

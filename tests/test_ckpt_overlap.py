@@ -18,7 +18,7 @@ from torch import nn
 import ckpt
 from ckpt import CheckpointManager
 from ckpt.errors import SnapshotChanged
-from ckpt.save.overlap import StepHooks, found_in, optimizers_in
+from ckpt.save.overlap import FoundCache, StepHooks, found_in, optimizers_in
 from tests.ckpt_helpers import assert_same
 from tests.procs import wait_for
 
@@ -223,6 +223,62 @@ def test_one_walk_finds_the_optimizers_and_modules_of_a_state() -> None:
     assert optimizers_in(state) == [own, raw]
     state["deep"] = [[deep, buried]]
     assert found_in(state) == ([own, raw, buried], [model, holder, deep])
+
+
+def test_found_cache_answers_as_found_in_through_every_change_and_keeps_it_only_while_nothing_changed() -> None:
+    """``FoundCache``: the last answer while the top-level values are the same objects wrapping the same
+    optimizers; a value replaced, an inner optimizer swapped (one or two wrappers deep), an optimizer given to a
+    module, a list changed in place, a wrapper whose attributes are computed: the walk's answer, each time."""
+
+    class Wrapper:
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+    class Computed:  # its optimizer is whatever ``pick`` names at each read: never kept
+        def __init__(self, *opts: torch.optim.Optimizer) -> None:
+            self.opts, self.pick = opts, 0
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "optimizer":
+                return self.opts[self.pick]
+            raise AttributeError(name)
+
+    def sgd() -> torch.optim.Optimizer:
+        return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+
+    model, raw, other, third, middle = nn.Linear(2, 2), sgd(), sgd(), sgd(), sgd()
+    middle.optimizer = third  # an optimizer wrapping another (``found_in`` unwraps through optimizers only)
+    outer = Wrapper(middle)
+    state: dict[str, Any] = {"m": model, "w": Wrapper(raw), "o": outer, "step": 3, "lr": 0.1, "name": "x"}
+    cache = FoundCache()
+    first = cache.of(state)
+    assert first == found_in(state) == ([raw, third], [model])
+    assert cache.of(dict(state)) is first  # the same objects (a new dict of them): kept
+
+    def same() -> tuple[list, list]:
+        got = cache.of(state)
+        assert got == found_in(state)
+        return got
+
+    state["w"].optimizer = other  # the inner optimizer swapped
+    assert same() == ([other, third], [model])
+    middle.optimizer = raw  # two wrappers deep
+    assert same() == ([other, raw], [model])
+    state["m"] = nn.Linear(2, 2)  # a value replaced by another object
+    assert same()[1] == [state["m"]]
+    state["m"].optimizer = third  # a module given an optimizer
+    assert same()[0] == [third, other, raw]
+    state["m"].__class__ = nn.ReLU  # the same object, another type
+    assert same()[1] == [state["m"]]
+    state["late"] = [model]  # a list: walked at every call
+    assert same()[1][-1] is model
+    state["late"].append(sgd())
+    assert same()[0][-1] is state["late"][-1]
+    computed = Computed(raw, other)
+    state = {"c": computed}
+    assert same() == ([raw], [])
+    computed.pick = 1
+    assert same() == ([other], [])
 
 
 def test_superseded_snapshots_are_skipped_and_their_handles_follow_the_newer_step(

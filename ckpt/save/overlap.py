@@ -22,6 +22,7 @@ deferred byte).
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -41,6 +42,13 @@ if TYPE_CHECKING:
     from .drain import SaveHandle
 
 _WRAPPED = ("optimizer", "_optimizer")  # Accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer
+_version, _tensor = operator.attrgetter("_version"), operator.itemgetter(1)
+
+
+def versions(watched: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """Each (path, tensor)'s version counter, read by C-level calls (a Python loop's first touch of each
+    tensor after a step cost a save more than the reads)."""
+    return list(map(_version, map(_tensor, watched)))
 
 
 def optimizers_in(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
@@ -59,8 +67,7 @@ def found_in(state: Mapping[str, Any]) -> tuple[list[torch.optim.Optimizer], lis
         if optimizer:
             opt = obj
             for _ in range(3):  # a wrapper of a wrapper at most (some subclass Optimizer without its hooks)
-                inner = next((getattr(opt, a) for a in _WRAPPED
-                              if isinstance(getattr(opt, a, None), torch.optim.Optimizer)), None)
+                inner = _inner(opt, _attr)
                 if inner is None:
                     break
                 opt = inner
@@ -83,6 +90,77 @@ def found_in(state: Mapping[str, Any]) -> tuple[list[torch.optim.Optimizer], lis
 
     visit(state, 0, True, True)
     return optimizers, modules
+
+
+def _inner(obj: Any, get: Callable[[Any, str], Any]) -> torch.optim.Optimizer | None:
+    """The optimizer ``obj`` wraps (its first attribute of ``_WRAPPED`` holding one, read by ``get``), or None."""
+    return next((v for a in _WRAPPED if isinstance(v := get(obj, a), torch.optim.Optimizer)), None)
+
+
+def _attr(obj: Any, name: str) -> Any:
+    return getattr(obj, name, None)
+
+
+def _own(obj: Any, name: str) -> Any:
+    return getattr(obj, "__dict__", _NONE).get(name)
+
+
+_NONE: dict = {}
+_INERT = (int, float, bool, str, bytes, type(None))
+
+
+def _plain_attrs(kind: type) -> bool:
+    """Whether ``getattr(x, a)`` of a ``kind`` for ``a`` in ``_WRAPPED`` is what ``x.__dict__`` holds: no class
+    attribute, slot or property of that name, and ``object``'s lookup (or ``nn.Module``'s ``__getattr__``,
+    which finds only parameters, buffers and submodules); a plain value's type (no attributes of its own)."""
+    return kind in _INERT or (kind.__getattribute__ is object.__getattribute__
+                              and getattr(kind, "__getattr__", None) in (None, torch.nn.Module.__getattr__)
+                              and not any(hasattr(kind, a) for a in _WRAPPED))
+
+
+def _chain(value: Any) -> tuple[list, list[type]] | None:
+    """``value``'s links as ``found_in`` unwraps it (itself, then each optimizer it wraps) and their types, where
+    every link's attributes are plain and it is no container (``found_in`` walks into those); else None."""
+    if isinstance(value, (Mapping, list, tuple)):
+        return None
+    links = [value]
+    while len(links) < 4 and (inner := _inner(links[-1], _attr)) is not None:
+        links.append(inner)
+    kinds = list(map(type, links))
+    return (links, kinds) if all(map(_plain_attrs, kinds)) else None
+
+
+def _chain_holds(chain: tuple[list, list[type]]) -> bool:
+    """Whether each link is still of its type and still wraps the next (the last: nothing, unless at the depth
+    ``found_in`` stops at), read from the links' own dicts."""
+    links, kinds = chain
+    if not all(map(operator.is_, map(type, links), kinds)):
+        return False
+    return all(_inner(x, _own) is (links[i + 1] if i + 1 < len(links) else None) for i, x in enumerate(links[:3]))
+
+
+class FoundCache:
+    """``found_in``, or the last call's answer where the state's top-level values are the very objects of that
+    call, each no container, of a type whose wrapped-optimizer attributes are plain, and wrapping the same
+    optimizers (an optimizer swapped inside a wrapper, a value replaced, a list or dict: walked anew). Saving every
+    step, the walk's first touch of each value after a step was most of its cost."""
+
+    def __init__(self) -> None:
+        self._values: list = []
+        self._chains: list | None = None
+        self._found: tuple[list, list] = ([], [])
+
+    def of(self, state: Mapping[str, Any]) -> tuple[list[torch.optim.Optimizer], list[torch.nn.Module]]:
+        """``found_in(state)`` (the lists are the cache's: not to be changed)."""
+        values = list(state.values())
+        last = self._values
+        if (self._chains is not None and len(values) == len(last) and all(map(operator.is_, values, last))
+                and all(map(_chain_holds, self._chains))):
+            return self._found
+        self._found = found_in(state)
+        chains = list(map(_chain, values))
+        self._values, self._chains = values, None if None in chains else chains
+        return self._found
 
 
 def step_written(optimizers: Iterable[torch.optim.Optimizer], known: Mapping[int, tuple] | None = None) -> set[tuple]:
@@ -146,7 +224,9 @@ class StagedSnapshot:
     def finish(self) -> None:
         """Wait for the copy; raise ``SnapshotChanged`` naming the tensors written meanwhile."""
         self.copy.wait()
-        changed = [path for (path, t), version in zip(self.watched, self.versions) if t._version != version]
+        changed = []
+        if versions(self.watched) != self.versions:
+            changed = [path for (path, t), version in zip(self.watched, self.versions) if t._version != version]
         if not changed and self.verify:
             changed = self._torn()
         if changed:

@@ -19,7 +19,7 @@ from .canary import Canary
 from .drain import Claim, Drainer, Lease, Pace, SaveHandle
 from .flat_cache import FlatCache
 from .layout_cache import LayoutCache, ParamsCache
-from .overlap import StagedSnapshot, StepHooks, deferrable, found_in, step_written
+from .overlap import FoundCache, StagedSnapshot, StepHooks, deferrable, step_written, versions
 from .soundness import NOTHING, Inspection, Scope, scope_of, where
 
 if TYPE_CHECKING:  # annotations only: the manager builds each of these
@@ -74,6 +74,7 @@ class SavePath:
     layouts: LayoutCache = dataclasses.field(default_factory=LayoutCache)  # the last save's, while it holds
     params: ParamsCache = dataclasses.field(default_factory=ParamsCache)  # (param_names, Scope), while they hold
     flat: FlatCache = dataclasses.field(default_factory=FlatCache)  # modules' and optimizers' flat shares, proven
+    found: FoundCache = dataclasses.field(default_factory=FoundCache)  # the state's optimizers and modules
     # the last staged save's (flat.tensors, deferred, their tensors, the deferred (path, tensor)s): kept while a save
     # hands the very same two lists (``FlatCache``), so the copy's pairs are kept too (``SlotPool.start_snapshot``)
     _sources: tuple = (None, None, [], [])
@@ -101,7 +102,7 @@ class SavePath:
         """Like ``snapshot`` (``overlap``), but what only ``optimizer.step()`` writes (the
         parameters and state of the optimizers in ``state``, each given a step pre-hook
         calling ``wait_staged``) is still being copied, and the slot is not sealed."""
-        optimizers, modules = found_in(state)
+        optimizers, modules = self.found.of(state)
         self._hooks.watch(optimizers, modules)
         flat, slot, manifest = self._reserve(ckpt_id, part, state)
         later = self.flat.deferrable(flat, optimizers, lambda: deferrable(flat, step_written(optimizers, flat.by_id)))
@@ -115,7 +116,7 @@ class SavePath:
         except BaseException:
             slot.idle.set()
             raise
-        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, [t._version for _, t in watched],
+        self._staged = StagedSnapshot(ckpt_id, slot, manifest, copying, watched, versions(watched),
                                       verify=self.verify, encoded=self.memory.encode(manifest))
         return slot, manifest
 
