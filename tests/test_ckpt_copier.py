@@ -86,3 +86,26 @@ def test_the_seal_bytes_are_made_on_the_copy_thread_or_else_by_the_sealer(copier
     made.result(10)
     staged.encoded = made
     assert staged.sealed_bytes() == manifest.to_bytes()  # made there
+
+
+def test_what_follows_a_copy_runs_in_its_job_after_its_bytes_even_when_the_copy_fails(copier: TensorCopier) -> None:
+    """``then`` while a copy runs: in the copy's own job (one thread submission), after every byte, on the copy
+    thread; a copy that raised still runs it; once the job ended, a job of its own."""
+    dst, src = pairs_of()
+    go = threading.Event()
+    copy = copier.start(list(zip(dst, src)), first=lambda: go.wait(10))
+    seen = copier.then(lambda: (threading.current_thread().name, all(torch.equal(d, s) for d, s in zip(dst, src))))
+    assert not seen.done()
+    go.set()
+    copy.wait()
+    name, copied = seen.result(10)
+    assert name.startswith("ckpt-stage") and copied
+
+    def refuse() -> None:
+        raise OSError("could not be removed")
+
+    failed = copier.start(list(zip(*pairs_of())), first=refuse)
+    after = copier.then(lambda: 7)
+    with pytest.raises(OSError):
+        failed.wait()
+    assert after.result(10) == 7 and copier.then(lambda: 8).result(10) == 8

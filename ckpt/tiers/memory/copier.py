@@ -104,6 +104,38 @@ class _Pieces:
             piece[0].copy_(piece[1])
 
 
+class _Job:
+    """The copy thread's job: a copy's pieces, then what ``TensorCopier.then`` handed over before they
+    ended (the seal's bytes: one thread submission a save, not two)."""
+
+    def __init__(self, pieces: _Pieces) -> None:
+        self.pieces, self.after, self.open, self.lock = pieces, [], True, threading.Lock()
+
+    def __call__(self) -> None:
+        try:
+            self.pieces.work()
+        finally:
+            with self.lock:
+                self.open = False
+            for future, fn in self.after:
+                if future.set_running_or_notify_cancel():  # as the pool runs a job (unless cancelled)
+                    try:
+                        result = fn()
+                    except BaseException as e:  # noqa: BLE001 - raised to whoever waits for it
+                        future.set_exception(e)
+                    else:
+                        future.set_result(result)
+
+    def add(self, fn: Callable[[], T]) -> "Future[T] | None":
+        """``fn``'s future, run once the pieces are copied; None once this job has ended."""
+        with self.lock:
+            if not self.open:
+                return None
+            future: Future[T] = Future()
+            self.after.append((future, fn))
+            return future
+
+
 class PendingCopy:
     """A copy running behind the trainer's back: ``wait()`` returns once every byte is in
     the slot (and raises what the copy raised)."""
@@ -135,6 +167,7 @@ class TensorCopier:
     def __init__(self) -> None:
         self._stream = None
         self._worker: ThreadPoolExecutor | None = None  # started on first use, kept (a thread start is not free)
+        self._last: _Job | None = None  # the last copy handed to the worker
 
     def copy(self, pairs: Pairs) -> None:
         """Copy now; returns when every byte is in the slot."""
@@ -158,12 +191,15 @@ class TensorCopier:
         if not plan.cpu_later:
             return PendingCopy(None, None, event)
         pieces = _Pieces(list(plan.cpu_later), first)  # its own list: it cuts pieces in place
-        return PendingCopy(pieces, self._thread().submit(pieces.work), event)
+        self._last = job = _Job(pieces)
+        return PendingCopy(pieces, self._thread().submit(job), event)
 
     def then(self, fn: Callable[[], T]) -> "Future[T]":
         """Run ``fn`` on the copy thread once what it was given before is done (the seal's
-        bytes: serialising a manifest is no work for the trainer's thread)."""
-        return self._thread().submit(fn)
+        bytes: serialising a manifest is no work for the trainer's thread): in the last copy's
+        job while it runs (it is the last thing handed over), else as a job of its own."""
+        job = self._last
+        return (job is not None and job.add(fn)) or self._thread().submit(fn)
 
     def _thread(self) -> ThreadPoolExecutor:
         """The copy thread (one: copies and what follows them run in the order given), made at first use."""
