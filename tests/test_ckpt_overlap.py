@@ -254,6 +254,8 @@ def test_found_cache_answers_as_found_in_through_every_change_and_keeps_it_only_
     first = cache.of(state)
     assert first == found_in(state) == ([raw, third], [model])
     assert cache.of(dict(state)) is first  # the same objects (a new dict of them): kept
+    assert cache.of({**state, "data": {"position": 0}}) == first  # a dict: walked, the others' parts kept
+    assert cache.of({"again": model, **state}) == ([raw, third], [model])  # found once, in the order met
 
     def same() -> tuple[list, list]:
         got = cache.of(state)
@@ -274,6 +276,8 @@ def test_found_cache_answers_as_found_in_through_every_change_and_keeps_it_only_
     assert same()[1][-1] is model
     state["late"].append(sgd())
     assert same()[0][-1] is state["late"][-1]
+    state["late"].append(raw)  # found before: not again
+    assert same()[0][-1] is state["late"][-2]
     computed = Computed(raw, other)
     state = {"c": computed}
     assert same() == ([raw], [])

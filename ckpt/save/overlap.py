@@ -139,27 +139,36 @@ def _chain_holds(chain: tuple[list, list[type]]) -> bool:
     return all(_inner(x, _own) is (links[i + 1] if i + 1 < len(links) else None) for i, x in enumerate(links[:3]))
 
 
+def _kept(value: Any, entry: tuple) -> bool:
+    """Whether a top-level value's last answer (``FoundCache``) still stands: the same object, its chain holding."""
+    return value is entry[0] and entry[1] is not None and _chain_holds(entry[1])
+
+
 class FoundCache:
-    """``found_in``, or the last call's answer where the state's top-level values are the very objects of that
-    call, each no container, of a type whose wrapped-optimizer attributes are plain, and wrapping the same
-    optimizers (an optimizer swapped inside a wrapper, a value replaced, a list or dict: walked anew). Saving every
-    step, the walk's first touch of each value after a step was most of its cost."""
+    """``found_in``, each top-level value's part of it kept while the value is the very object of the last call,
+    no container, of a type whose wrapped-optimizer attributes are plain, and wrapping the same optimizers (a value
+    replaced, an optimizer swapped inside a wrapper: walked anew; a list or dict: walked at every call). Saving
+    every step, the walk's first touch of each value after a step was most of its cost."""
 
     def __init__(self) -> None:
-        self._values: list = []
-        self._chains: list | None = None
+        self._last: list[tuple[Any, tuple | None, tuple[list, list]]] = []  # (value, its chain, its found_in)
         self._found: tuple[list, list] = ([], [])
 
     def of(self, state: Mapping[str, Any]) -> tuple[list[torch.optim.Optimizer], list[torch.nn.Module]]:
-        """``found_in(state)`` (the lists are the cache's: not to be changed)."""
-        values = list(state.values())
-        last = self._values
-        if (self._chains is not None and len(values) == len(last) and all(map(operator.is_, values, last))
-                and all(map(_chain_holds, self._chains))):
+        """``found_in(state)`` (the lists may be the cache's: not to be changed)."""
+        values, last = list(state.values()), self._last
+        if len(values) == len(last) and all(map(_kept, values, last)):
             return self._found
-        self._found = found_in(state)
-        chains = list(map(_chain, values))
-        self._values, self._chains = values, None if None in chains else chains
+        if len(values) != len(last):
+            last = [(None, None, None)] * len(values)
+        # each value as found_in walks it (the depth below a top-level value), merged in order, each found once
+        self._last = [e if _kept(v, e) else (v, _chain(v), found_in({"": v})) for v, e in zip(values, last)]
+        optimizers: list = []
+        modules: list = []
+        for _, _, (opts, mods) in self._last:
+            optimizers += [o for o in opts if all(x is not o for x in optimizers)]
+            modules += [m for m in mods if all(x is not m for x in modules)]
+        self._found = (optimizers, modules)
         return self._found
 
 
